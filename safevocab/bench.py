@@ -1,0 +1,236 @@
+"""Benchmark of ``fused_safe_logprobs`` against the matmul floor, a naive masked log-softmax and trl.
+
+Run ``python -m safevocab.bench`` (``--help`` for sizes). Every variant runs forward + backward on the
+same seeded inputs, each in a fresh subprocess so that its peak memory is its own:
+
+- ``floor``: the three bare LM-head GEMMs (``h W^T`` forward, ``G W`` and ``G^T h`` backward);
+- ``fused``: :func:`safevocab.fused_safe_logprobs` with the chosen rule;
+- ``naive``: materialised ``h W^T`` followed by :func:`safevocab.safe_log_softmax` under autograd;
+- ``trl``: trl's unmasked ``ChunkedLogProbFunction`` (only when trl is installed).
+
+It prints time (best of ``--repeats``, the usual guard against a busy machine; the JSON has the median too) and peak extra memory (over the inputs) of each, and the
+ratios ``fused / floor``, ``fused / naive``, ``fused / trl``. Timings are ratios from one run on one
+machine; tests never assert them.
+
+This module imports trl lazily, and only to time it: ``safevocab`` itself never depends on trl.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+
+import torch
+
+VARIANTS = ("floor", "fused", "naive", "trl")
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _inputs(args: argparse.Namespace, device: torch.device):
+    gen = torch.Generator(device="cpu").manual_seed(args.seed)
+    dtype = _DTYPES[args.dtype]
+    hidden = torch.randn(args.n, args.h, generator=gen).to(device=device, dtype=dtype)
+    # Scale so logits have an LM-like spread (std ~ 3): min-p then prunes a realistic tail.
+    weight = (torch.randn(args.v, args.h, generator=gen) * (3.0 / args.h**0.5)).to(device=device, dtype=dtype)
+    targets = _sample_targets(hidden, weight, args.rule, gen).to(device)
+    grad_out = torch.randn(args.n, generator=gen).to(device)
+    return hidden.requires_grad_(), weight.requires_grad_(), targets, grad_out
+
+
+@torch.no_grad()
+def _sample_targets(hidden: torch.Tensor, weight: torch.Tensor, rule: str, gen: torch.Generator) -> torch.Tensor:
+    """Targets drawn from the pruned policy, as RL rollouts sampled with the same rule are."""
+    from safevocab.rules import parse_rule
+
+    keep_rule = parse_rule(rule)
+    out = []
+    for h in hidden.split(256):
+        z = (h @ weight.t()).float()
+        z = z.masked_fill(~keep_rule.keep_mask(z), float("-inf"))
+        out.append(torch.multinomial(torch.softmax(z, -1).cpu(), 1, generator=gen).squeeze(-1))
+    return torch.cat(out)
+
+
+def _make_step(variant: str, args: argparse.Namespace, device: torch.device) -> Callable[[], None]:
+    from safevocab.logprobs import fused_safe_logprobs, safe_log_softmax
+
+    hidden, weight, targets, grad_out = _inputs(args, device)
+    if variant == "floor":
+        grad_logits = torch.randn(args.n, args.v, device=device).to(hidden.dtype)
+        h, w = hidden.detach(), weight.detach()
+
+        def step() -> None:
+            h @ w.t()
+            grad_logits @ w
+            grad_logits.t() @ h
+
+        return step
+    if variant == "fused":
+
+        def step() -> None:
+            out = fused_safe_logprobs(
+                hidden, weight, targets, args.rule, max_chunk_bytes=args.max_chunk_bytes
+            ).logprobs
+            out.backward(grad_out)
+
+        return step
+    if variant == "naive":
+
+        def step() -> None:
+            logits = hidden @ weight.t()
+            safe_log_softmax(logits, targets, args.rule).logprobs.backward(grad_out)
+
+        return step
+    if variant == "trl":
+        chunked = _trl_function()
+
+        def step() -> None:
+            logprobs = chunked.apply(hidden, weight, None, targets, 1.0, 32768, None, 1.0, ())[0]
+            logprobs.backward(grad_out)
+
+        return step
+    raise ValueError(f"variant={variant!r}: accepted one of {VARIANTS}")
+
+
+def _trl_function():
+    import importlib
+
+    return importlib.import_module("trl.kernels").ChunkedLogProbFunction
+
+
+def _trl_available() -> bool:
+    try:
+        _trl_function()
+    except Exception:  # trl missing or broken: the comparison is skipped, and the table says so
+        return False
+    return True
+
+
+def _rss_kib(field: str) -> int:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"{field} not found in /proc/self/status")
+
+
+def _measure(variant: str, args: argparse.Namespace) -> dict:
+    """Runs in the worker subprocess: peak extra memory of one step, then timed repeats."""
+    device = torch.device(args.device)
+    torch.manual_seed(args.seed)
+    step = _make_step(variant, args, device)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        step()
+        torch.cuda.synchronize()
+        peak_bytes = torch.cuda.max_memory_allocated() - base
+    else:
+        # The first step runs before anything else could raise the high-water mark, so VmHWM - VmRSS
+        # measured before it is the step's own peak (inputs excluded).
+        with open("/proc/self/clear_refs", "w") as f:  # reset VmHWM to the current RSS
+            f.write("5")
+        base = _rss_kib("VmRSS")
+        step()
+        peak_bytes = (_rss_kib("VmHWM") - base) * 1024
+    times = []
+    for _ in range(args.repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        step()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return {"variant": variant, "seconds": min(times), "median_seconds": statistics.median(times), "peak_bytes": peak_bytes}
+
+
+def _run_worker(variant: str, argv: list[str]) -> dict:
+    cmd = [sys.executable, "-m", "safevocab.bench", *argv, "--_worker", variant]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=os.environ.copy())
+    if proc.returncode != 0:
+        raise RuntimeError(f"benchmark worker {variant!r} failed:\n{proc.stderr[-4000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m safevocab.bench", description=__doc__.split("\n\n")[0])
+    p.add_argument("--n", type=int, default=4096, help="tokens (rows), default 4096")
+    p.add_argument("--h", type=int, default=512, help="hidden size, default 512")
+    p.add_argument("--v", type=int, default=32000, help="vocabulary size, default 32000")
+    p.add_argument("--dtype", choices=sorted(_DTYPES), default="float32")
+    p.add_argument("--rule", default="min_p=0.001", help="safe-vocabulary rule, default min_p=0.001")
+    p.add_argument("--repeats", type=int, default=3, help="timed repeats after the memory run (best is kept), default 3")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--max-chunk-bytes", dest="max_chunk_bytes", type=int, default=None,
+                   help="fused chunk budget in bytes (default: the library default)")
+    p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma list of {','.join(VARIANTS)}")
+    p.add_argument("--json", dest="json_path", default=None, help="also write the results to this JSON file")
+    p.add_argument("--_worker", default=None, help=argparse.SUPPRESS)
+    return p
+
+
+def _format_table(args: argparse.Namespace, results: dict[str, dict]) -> str:
+    lines = [
+        f"safevocab.bench  N={args.n} H={args.h} V={args.v} dtype={args.dtype} rule={args.rule} "
+        f"device={args.device} threads={torch.get_num_threads()} repeats={args.repeats}",
+        "",
+        "| variant | fwd+bwd time (s) | peak extra memory (MiB) |",
+        "|---|---:|---:|",
+    ]
+    for name in VARIANTS:
+        if name in results:
+            r = results[name]
+            lines.append(f"| {name} | {r['seconds']:.3f} | {r['peak_bytes'] / 2**20:.0f} |")
+    lines += ["", "| ratio | time | peak memory |", "|---|---:|---:|"]
+    fused = results.get("fused")
+    for other in ("floor", "naive", "trl"):
+        if fused and other in results:
+            r = results[other]
+            mem = fused["peak_bytes"] / r["peak_bytes"] if r["peak_bytes"] > 0 else float("nan")
+            lines.append(f"| fused / {other} | {fused['seconds'] / r['seconds']:.2f} | {mem:.3f} |")
+    if "trl" not in results and "trl" in args.variants.split(","):
+        lines.append("| fused / trl | (trl not installed) | |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = _parser().parse_args(argv)
+    if args.max_chunk_bytes is None:
+        from safevocab.logprobs import DEFAULT_MAX_CHUNK_BYTES
+
+        args.max_chunk_bytes = DEFAULT_MAX_CHUNK_BYTES
+    if args._worker:
+        print(json.dumps(_measure(args._worker, args)))
+        return 0
+    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    unknown = sorted(set(variants) - set(VARIANTS))
+    if unknown:
+        raise SystemExit(f"--variants: unknown {unknown}; accepted {','.join(VARIANTS)}")
+    if "trl" in variants and not _trl_available():
+        variants.remove("trl")
+    from safevocab.rules import parse_rule
+
+    parse_rule(args.rule)  # fail fast on a bad rule, before any worker starts
+    results: dict[str, dict] = {}
+    for i, variant in enumerate(variants, 1):
+        print(f"[{i}/{len(variants)}] {variant} ...", file=sys.stderr, flush=True)
+        results[variant] = _run_worker(variant, argv)
+    print(_format_table(args, results))
+    if args.json_path:
+        with open(args.json_path, "w") as f:
+            json.dump({"args": {k: v for k, v in vars(args).items() if k != "_worker"}, "results": results}, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

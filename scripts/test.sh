@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# Set up the environment (idempotent, see scripts/setup_env.sh), run the fast tests, build the docs.
+#
+#   bash scripts/test.sh [PYTEST_ARGS...]   # e.g. -x, -k rules, tests/test_rules.py, -m slow
+#
+# Runs `pytest -m "not slow"` (tests/, from pyproject's testpaths; later -m arguments override),
+# then `mkdocs build --strict` into a temporary directory, so a broken API reference (a missing
+# module, a bad docstring, a dangling cross-reference) fails the run. Both steps always run; the
+# exit status is pytest's when it failed, else mkdocs's. pytest's "no tests collected" (exit 5)
+# counts as success for the pytest step, with a note.
+#
+# Environment: SAFEVOCAB_SKIP_DOCS=1 skips the docs build.
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "${ROOT}"
+
+# shellcheck source=scripts/setup_env.sh
+source "${ROOT}/scripts/setup_env.sh"
+
+echo "[test] python -m pytest -m \"not slow\" $*" >&2
+pytest_rc=0
+python -m pytest -m "not slow" "$@" || pytest_rc=$?
+if [[ ${pytest_rc} -eq 5 ]]; then
+    echo "[test] note: pytest collected no tests (exit 5); counted as success" >&2
+    pytest_rc=0
+fi
+
+docs_rc=0
+if [[ "${SAFEVOCAB_SKIP_DOCS:-0}" != "1" ]]; then
+    site_dir="$(mktemp -d "${TMPDIR:-/tmp}/safevocab-site.XXXXXX")"
+    trap 'rm -rf "${site_dir}"' EXIT
+    echo "[test] mkdocs build --strict -d ${site_dir}" >&2
+    # NO_MKDOCS_2_WARNING silences Material's end-of-life banner (noise, not a docs problem).
+    NO_MKDOCS_2_WARNING=1 mkdocs build --strict --clean -d "${site_dir}" || docs_rc=$?
+fi
+
+if [[ ${pytest_rc} -ne 0 ]]; then
+    echo "[test] FAILED: pytest exit ${pytest_rc}$([[ ${docs_rc} -ne 0 ]] && echo ", mkdocs exit ${docs_rc}")" >&2
+    exit "${pytest_rc}"
+fi
+if [[ ${docs_rc} -ne 0 ]]; then
+    echo "[test] FAILED: mkdocs build --strict exit ${docs_rc}" >&2
+    exit "${docs_rc}"
+fi
+echo "[test] OK" >&2

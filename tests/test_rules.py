@@ -1,0 +1,168 @@
+"""Rules: semantics, parsing round-trip, errors, and agreement with transformers' own warpers."""
+
+import math
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from safevocab.rules import Intersection, MinP, MinProb, NoPruning, TopK, TopP, parse_rule
+
+transformers = pytest.importorskip("transformers", reason="warper agreement needs transformers")
+from transformers import LogitsProcessorList, MinPLogitsWarper, TopKLogitsWarper, TopPLogitsWarper  # noqa: E402
+
+elementary = st.one_of(
+    st.floats(1e-6, 1.0).map(MinP),
+    st.floats(1e-6, 0.999).map(MinProb),
+    st.integers(1, 300).map(TopK),
+    st.floats(1e-3, 1.0).map(TopP),
+)
+rules = st.lists(elementary, min_size=0, max_size=4, unique_by=type).map(lambda rs: Intersection.of(*rs))
+
+
+def random_logits(seed: int, shape=(64, 257), scale: float = 3.0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g) * scale
+
+
+# ---------------------------------------------------------------------------------------------- parsing
+
+
+@given(rules)
+def test_str_round_trips(rule):
+    assert parse_rule(str(rule)) == rule
+    assert str(parse_rule(str(rule))) == str(rule)
+
+
+def test_canonical_order_is_sampler_order():
+    rule = parse_rule("min_prob=0.001, min_p=0.05,top_p=0.9 , top_k=50")
+    assert str(rule) == "top_k=50,top_p=0.9,min_p=0.05,min_prob=0.001"
+    assert rule == TopK(50) & MinP(0.05) & TopP(0.9) & MinProb(0.001)
+
+
+@pytest.mark.parametrize("spec", ["none", "NONE", "", None, "  "])
+def test_none(spec):
+    assert parse_rule(spec) == NoPruning()
+    assert str(parse_rule(spec)) == "none"
+
+
+def test_rule_passes_through():
+    rule = MinP(0.1)
+    assert parse_rule(rule) is rule
+
+
+@pytest.mark.parametrize(
+    "spec, fragment",
+    [
+        ("min_p=0", "0 < min_p <= 1"),
+        ("min_p=1.5", "min_p=1.5"),
+        ("min_p=nan", "min_p=nan"),
+        ("min_prob=1", "0 < min_prob < 1"),
+        ("top_k=0", "top_k >= 1"),
+        ("top_k=2.5", "top_k"),
+        ("top_p=0", "0 < top_p <= 1"),
+        ("min_p=abc", "min_p='abc'"),
+        ("temperature=1", "unknown"),
+        ("min_p", "key=value"),
+        ("min_p=0.1,min_p=0.2", "given twice"),
+    ],
+)
+def test_bad_specs_raise_value_error_naming_the_problem(spec, fragment):
+    with pytest.raises(ValueError, match=None) as err:
+        parse_rule(spec)
+    assert fragment in str(err.value)
+
+
+@pytest.mark.parametrize("bad", [lambda: MinP(-0.1), lambda: TopK(0), lambda: TopK(True), lambda: TopP(1.01), lambda: MinProb(0.0)])
+def test_constructors_validate(bad):
+    with pytest.raises(ValueError):
+        bad()
+
+
+def test_parse_rejects_non_string():
+    with pytest.raises(TypeError):
+        parse_rule(0.1)
+
+
+def test_sampler_kwargs():
+    assert parse_rule("top_k=50,min_p=0.01").sampler_kwargs() == {"top_k": 50, "min_p": 0.01}
+    assert NoPruning().sampler_kwargs() == {}
+    with pytest.raises(ValueError, match="min_prob"):
+        parse_rule("min_prob=0.001").sampler_kwargs()
+
+
+# ---------------------------------------------------------------------------------------------- semantics
+
+
+@given(rules, st.integers(0, 2**16), st.floats(0.1, 8.0))
+def test_argmax_always_kept_and_set_never_empty(rule, seed, scale):
+    z = random_logits(seed, (16, 97), scale)
+    keep = rule.keep_mask(z)
+    assert keep.gather(-1, z.argmax(-1, keepdim=True)).all()
+    assert keep.sum(-1).min() >= 1
+
+
+@given(rules, st.integers(0, 2**16))
+def test_neg_inf_logits_never_kept(rule, seed):
+    z = random_logits(seed, (8, 50))
+    z[:, ::3] = -math.inf
+    keep = rule.keep_mask(z)
+    assert not keep[:, ::3].any()
+
+
+@given(st.floats(1e-4, 0.5), st.integers(0, 2**16))
+def test_min_prob_is_an_absolute_threshold(tau, seed):
+    z = random_logits(seed)
+    p = torch.softmax(z.double(), -1)
+    expected = (p >= tau) | (p == p.amax(-1, keepdim=True))
+    assert torch.equal(MinProb(tau).keep_mask(z), expected)
+
+
+def test_top_k_keeps_ties_and_all_when_k_exceeds_vocab():
+    z = torch.tensor([[3.0, 1.0, 1.0, 0.0]])
+    assert TopK(2).keep_mask(z).tolist() == [[True, True, True, False]]
+    assert TopK(10).keep_mask(z).all()
+
+
+def test_intersection_renormalises_between_steps():
+    # After top_k=2 the renormalised distribution is (0.58, 0.42): min_prob=0.4 keeps both, although
+    # the second token's probability under the full softmax (0.25) is < 0.4.
+    z = torch.log(torch.tensor([[0.35, 0.25, 0.2, 0.2]]))
+    assert MinProb(0.4).keep_mask(z).tolist() == [[True, False, False, False]]
+    assert (TopK(2) & MinProb(0.4)).keep_mask(z).tolist() == [[True, True, False, False]]
+
+
+# ---------------------------------------------------------------------------------------------- HF warpers
+
+
+def hf_keep(processors, z: torch.Tensor) -> torch.Tensor:
+    input_ids = torch.zeros(z.shape[0], 1, dtype=torch.long)
+    out = LogitsProcessorList(processors)(input_ids, z.clone())
+    return torch.isfinite(out)
+
+
+@given(st.floats(1e-5, 1.0), st.integers(0, 2**16), st.floats(0.5, 6.0))
+def test_min_p_matches_hf(rho, seed, scale):
+    z = random_logits(seed, scale=scale)
+    assert torch.equal(MinP(rho).keep_mask(z), hf_keep([MinPLogitsWarper(min_p=rho)], z))
+
+
+@given(st.integers(1, 300), st.integers(0, 2**16))
+def test_top_k_matches_hf(k, seed):
+    z = random_logits(seed)
+    assert torch.equal(TopK(k).keep_mask(z), hf_keep([TopKLogitsWarper(top_k=k)], z))
+
+
+@given(st.floats(0.01, 1.0), st.integers(0, 2**16), st.floats(0.5, 6.0))
+def test_top_p_matches_hf(q, seed, scale):
+    z = random_logits(seed, scale=scale)
+    assert torch.equal(TopP(q).keep_mask(z), hf_keep([TopPLogitsWarper(top_p=q)], z))
+
+
+@given(st.integers(1, 200), st.floats(0.05, 1.0), st.floats(1e-4, 0.5), st.integers(0, 2**16))
+def test_composition_matches_hf_processor_chain(k, q, rho, seed):
+    z = random_logits(seed)
+    ours = parse_rule(f"min_p={rho},top_p={q},top_k={k}").keep_mask(z)
+    theirs = hf_keep([TopKLogitsWarper(top_k=k), TopPLogitsWarper(top_p=q), MinPLogitsWarper(min_p=rho)], z)
+    assert torch.equal(ours, theirs)
