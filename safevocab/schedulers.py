@@ -51,6 +51,11 @@ class LengthDecayLR(LRScheduler):
         min_lr_ratio: the floor as a fraction of ``eta0``, in ``[0, 1]`` (default 0.1).
         start: ``"on_surge"`` (default: hold until :meth:`trigger`) or ``"step0"``.
         last_epoch: as in every torch scheduler (``-1`` for a fresh start).
+        detector: optional :class:`SurgeDetector` fed by :meth:`observe_length`. Its state travels in
+            this scheduler's ``state_dict`` (plain Python values, so ``torch.load(weights_only=True)``
+            reads it), which is how a resumed training run takes the same decision.
+        auto_period: with a detector, trigger with the detector's ``decay_period`` instead of
+            ``decay_period`` (the "auto" mode).
     """
 
     def __init__(
@@ -60,6 +65,8 @@ class LengthDecayLR(LRScheduler):
         min_lr_ratio: float = 0.1,
         start: str = "on_surge",
         last_epoch: int = -1,
+        detector: SurgeDetector | None = None,
+        auto_period: bool = False,
     ) -> None:
         self.decay_period = _check_period(decay_period)
         if not isinstance(min_lr_ratio, (int, float)) or isinstance(min_lr_ratio, bool) or not 0.0 <= min_lr_ratio <= 1.0:
@@ -68,6 +75,10 @@ class LengthDecayLR(LRScheduler):
             raise ValueError(f"start={start!r} is not accepted: accepted one of {_STARTS}")
         self.min_lr_ratio = float(min_lr_ratio)
         self.start = start
+        if auto_period and detector is None:
+            raise ValueError("auto_period=True needs a detector: pass detector=SurgeDetector(...)")
+        self.detector = detector
+        self.auto_period = bool(auto_period)
         #: Step count at which decay starts (``None`` while waiting for :meth:`trigger`).
         self.trigger_step: int | None = 0 if start == "step0" else None
         super().__init__(optimizer, last_epoch)
@@ -90,6 +101,33 @@ class LengthDecayLR(LRScheduler):
             self.decay_period = _check_period(decay_period)
         self.trigger_step = self.last_epoch
         return True
+
+    def observe_length(self, step: int, mean_length: float) -> bool:
+        """Feed the detector one mean response length; trigger the decay when it reports the surge.
+
+        Returns:
+            ``True`` at the step this call triggered the decay.
+        """
+        if self.detector is None:
+            raise ValueError("observe_length needs a detector: construct LengthDecayLR(..., detector=SurgeDetector())")
+        if not self.detector.update(step, mean_length):
+            return False
+        return self.trigger(self.detector.decay_period if self.auto_period else None)
+
+    def state_dict(self) -> dict[str, Any]:
+        state = super().state_dict()
+        if self.detector is not None:
+            state["detector"] = self.detector.state_dict()
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        state = dict(state_dict)
+        detector_state = state.pop("detector", None)
+        super().load_state_dict(state)
+        if detector_state is not None:
+            if self.detector is None:
+                self.detector = SurgeDetector()
+            self.detector.load_state_dict(detector_state)
 
     def _factor(self, step: int) -> float:
         if self.trigger_step is None or step < self.trigger_step:

@@ -196,3 +196,48 @@ def test_detector_drives_scheduler():
     assert det.surge_step == 41 and sched.decay_period == round(1.8 * 41)
     assert sched.trigger_step == det.detected_at
     assert opt.param_groups[0]["lr"] == pytest.approx(1e-3 * 0.5 ** ((240 - det.detected_at) // 74))
+
+
+def test_scheduler_with_detector_resumes_through_weights_only_checkpoint(tmp_path):
+    """The Trainer saves the scheduler with torch.save and loads it with weights_only=True."""
+    rng = random.Random(1)
+    lengths = [500 * (1 + 0.05 * rng.gauss(0, 1)) for _ in range(70)] + [1500.0] * 130
+
+    def fresh():
+        opt = make_optimizer((1e-3, 2e-4))
+        return opt, LengthDecayLR(opt, decay_period=7, detector=SurgeDetector(), auto_period=True)
+
+    def drive(opt, sched, steps, start):
+        lrs = []
+        for step in range(start, start + steps):
+            opt.step()
+            sched.step()
+            sched.observe_length(step, lengths[step - 1])
+            lrs.append([g["lr"] for g in opt.param_groups])
+        return lrs
+
+    opt, sched = fresh()
+    full = drive(opt, sched, 200, 1)
+    assert sched.detector.surge_step == 71 and sched.decay_period == round(1.8 * 71)
+
+    opt, sched = fresh()
+    head = drive(opt, sched, 60, 1)  # checkpoint before the surge: the detector's window matters
+    torch.save(sched.state_dict(), tmp_path / "scheduler.pt")
+    opt2, sched2 = fresh()
+    opt2.load_state_dict(opt.state_dict())
+    sched2.load_state_dict(torch.load(tmp_path / "scheduler.pt", weights_only=True))
+    assert head + drive(opt2, sched2, 140, 61) == full
+
+
+def test_fixed_period_with_detector_and_errors():
+    opt = make_optimizer()
+    sched = LengthDecayLR(opt, decay_period=5, detector=SurgeDetector(window=2, baseline_window=3, warmup=0))
+    for step, length in enumerate([10.0] * 5 + [40.0] * 3, 1):
+        opt.step()
+        sched.step()
+        sched.observe_length(step, length)
+    assert sched.decay_active and sched.decay_period == 5  # fixed period kept without auto_period
+    with pytest.raises(ValueError, match="detector"):
+        LengthDecayLR(make_optimizer(), decay_period=5).observe_length(1, 1.0)
+    with pytest.raises(ValueError, match="auto_period"):
+        LengthDecayLR(make_optimizer(), decay_period=5, auto_period=True)
