@@ -1,0 +1,110 @@
+"""Helpers for the TRL integration tests: a tiny causal LM and a character-level tokenizer built in code.
+
+Nothing is downloaded. The model is a 2-layer Llama (hidden 32, vocab ~60) whose LM head is scaled up so its
+next-token distributions are peaked enough for min-p / top-k / top-p to prune something; the tokenizer maps
+each character to one token. Both are saved to a temporary directory so that trainers can load them by path
+(trl builds the reference model from the policy's path when ``beta != 0``).
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+os.environ.setdefault("WANDB_DISABLED", "true")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import torch  # noqa: E402
+
+SPECIALS = ["<pad>", "<eos>", "<bos>", "<unk>"]
+CHARS = list("abcdefghijklmnopqrstuvwxyz0123456789 .,!?+-=:")
+PROMPTS = ["abc", "hello", "1+1=", "count:", "xyz", "the cat", "go!", "ok?"]
+
+
+def build_tokenizer():
+    """A character-level ``PreTrainedTokenizerFast`` (each character is a token)."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {tok: i for i, tok in enumerate(SPECIALS + CHARS)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        pad_token="<pad>",
+        eos_token="<eos>",
+        bos_token="<bos>",
+        unk_token="<unk>",
+        padding_side="left",
+    )
+
+
+def build_model(tokenizer, *, arch: str = "llama", head_scale: float = 6.0, seed: int = 0, **overrides):
+    """A tiny randomly initialised causal LM whose head is scaled by ``head_scale`` (peaked distributions)."""
+    import transformers
+
+    torch.manual_seed(seed)
+    common = dict(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        tie_word_embeddings=False,
+    )
+    common.update(overrides)
+    if arch == "llama":
+        config = transformers.LlamaConfig(**common)
+        model = transformers.LlamaForCausalLM(config)
+    elif arch == "gemma2":
+        common.setdefault("head_dim", 8)
+        common.setdefault("final_logit_softcapping", 5.0)
+        config = transformers.Gemma2Config(**common)
+        model = transformers.Gemma2ForCausalLM(config)
+    else:  # pragma: no cover - test helper misuse
+        raise ValueError(arch)
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(head_scale)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    return model
+
+
+def prompt_dataset(n_rows: int = 8):
+    from datasets import Dataset
+
+    return Dataset.from_dict({"prompt": [PROMPTS[i % len(PROMPTS)] for i in range(n_rows)]})
+
+
+def vowel_reward(completions, **kwargs):
+    """Fraction of vowels in each completion: cheap, deterministic, and varies across completions."""
+    return [sum(c in "aeiou" for c in text) / max(1, len(text)) for text in completions]
+
+
+def grpo_kwargs(output_dir, **overrides):
+    """Small, fast, deterministic GRPO settings for CPU tests."""
+    kwargs = dict(
+        output_dir=str(output_dir),
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=8,
+        max_steps=2,
+        learning_rate=1e-2,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        bf16=False,
+        gradient_checkpointing=False,
+        use_cpu=True,
+        seed=0,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+    )
+    kwargs.update(overrides)
+    return kwargs

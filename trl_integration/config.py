@@ -1,0 +1,265 @@
+"""``SafeVocabGRPOConfig``: trl's ``GRPOConfig`` plus the safe-vocabulary, rollout and mismatch settings."""
+
+from __future__ import annotations
+
+import json
+import warnings
+from dataclasses import dataclass, field
+
+from trl import GRPOConfig
+
+from safevocab import MinProb, SafeVocabRule, parse_rule
+from trl_integration.correction import IS_MODES
+from trl_integration.metrics import DEFAULT_BUCKETS
+from trl_integration.rollout import ROLLOUT_DTYPES, UNSUPPORTED_SAMPLING_KWARGS, sampler_rule
+
+__all__ = ["SafeVocabGRPOConfig", "OUT_OF_SET_MODES", "DEFAULT_RULE"]
+
+#: Default safe-vocabulary rule (see docs/trl.md, "Choosing the rule", for why).
+DEFAULT_RULE = "min_p=0.001"
+
+OUT_OF_SET_MODES = ("mask_token", "mask_sequence")
+
+# trl's neutral (no truncation) values of the sampler settings.
+_NEUTRAL = {"top_k": (None, 0, -1), "top_p": (None, 1.0), "min_p": (None, 0.0)}
+
+
+@dataclass
+class SafeVocabGRPOConfig(GRPOConfig):
+    r"""Configuration of :class:`~trl_integration.trainer.SafeVocabGRPOTrainer`.
+
+    Everything of trl's ``GRPOConfig`` applies. The fields below add Dynamic Vocabulary Pruning: the policy, old
+    policy and reference log-probabilities are ``log pi_S`` renormalised over a per-position safe set ``S``
+    picked by ``safe_vocab_rule`` on the same transformed logits the sampler uses (logit scale, softcap,
+    ``temperature``).
+
+    trl's ``vllm_importance_sampling_correction``, ``vllm_importance_sampling_mode`` and
+    ``vllm_importance_sampling_clip_min/max`` drive the importance-sampling correction on *both* rollout paths:
+    vLLM, and plain ``generate`` (whose rollout log-probabilities this trainer records, see
+    ``rollout_logprobs``).
+
+    Parameters:
+        safe_vocab_rule (`str`, defaults to `"min_p=0.001"`):
+            Safe-vocabulary rule, e.g. `"min_p=0.001"`, `"top_k=50,min_p=0.01"`, `"top_p=0.95"`,
+            `"min_prob=1e-4"` or `"none"`. Stored in canonical form; the parsed rule is `config.rule`.
+        safe_vocab_out_of_set (`str`, defaults to `"mask_token"`):
+            What to do with a sampled token outside the trainer's safe set: `"mask_token"` drops the token from
+            the loss, `"mask_sequence"` drops its whole sequence.
+        safe_vocab_in_sampler (`bool`, defaults to `True`):
+            Sample rollouts with the same rule: trl's `top_k`/`top_p`/`min_p` are set from the rule. Setting them
+            to other values raises. With `False` the sampler keeps its own settings.
+        rollout_dtype (`str`, defaults to `"auto"`):
+            Precision of the `generate` rollouts: `"auto"` (the model's dtype, as trl), `"float32"`, `"bfloat16"`
+            or `"float16"` (autocast; the trained weights are not modified).
+        rollout_logprobs (`bool`, defaults to `True`):
+            Record the sampled tokens' log-probabilities on the `generate` path (vLLM always returns them), for
+            the importance-sampling correction and the mismatch metrics.
+        log_mismatch_metrics (`bool`, defaults to `True`):
+            Log the `mismatch/*` metrics whenever rollout log-probabilities exist.
+        mismatch_buckets (`list[float]`, defaults to `[0.001, 0.01, 0.1, 0.5]`):
+            Edges of the probability buckets of the `mismatch/*/p=lo-hi` metrics.
+        safe_vocab_max_chunk_bytes (`int`, defaults to 64 MiB):
+            Scratch memory budget of one chunk of the fused safe log-softmax.
+    """
+
+    safe_vocab_rule: str = field(
+        default=DEFAULT_RULE,
+        metadata={
+            "help": "Safe-vocabulary rule picking the per-position set S the policy is renormalised over, e.g. "
+            "'min_p=0.001', 'top_k=50,min_p=0.01', 'top_p=0.95', 'min_prob=1e-4' or 'none'. Keys: top_k (int >= 1), "
+            "top_p (0 < q <= 1), min_p (0 < rho <= 1), min_prob (0 < tau < 1); comma-separated parts intersect."
+        },
+    )
+    safe_vocab_out_of_set: str = field(
+        default="mask_token",
+        metadata={
+            "help": "Handling of a sampled token outside the trainer's safe set: 'mask_token' (drop the token from "
+            "the loss) or 'mask_sequence' (drop its whole sequence).",
+            "choices": list(OUT_OF_SET_MODES),
+        },
+    )
+    safe_vocab_in_sampler: bool = field(
+        default=True,
+        metadata={
+            "help": "Sample rollouts with the same rule (top_k/top_p/min_p are set from safe_vocab_rule, on vLLM "
+            "and generate). Disable to let the sampler keep its own top_k/top_p/min_p."
+        },
+    )
+    rollout_dtype: str = field(
+        default="auto",
+        metadata={
+            "help": "Precision of the generate-path rollouts: 'auto' (the model's dtype), 'float32', 'bfloat16' or "
+            "'float16'. Lower precisions use autocast and leave the trained weights untouched.",
+            "choices": list(ROLLOUT_DTYPES),
+        },
+    )
+    rollout_logprobs: bool = field(
+        default=True,
+        metadata={
+            "help": "Record the sampled tokens' log-probabilities on the generate path (renormalised over the "
+            "sampler's set), so that the importance-sampling correction and mismatch metrics work without vLLM."
+        },
+    )
+    log_mismatch_metrics: bool = field(
+        default=True,
+        metadata={"help": "Log the mismatch/* metrics (training vs rollout log-probabilities) every generation."},
+    )
+    mismatch_buckets: list[float] = field(
+        default_factory=lambda: list(DEFAULT_BUCKETS),
+        metadata={
+            "help": "Edges of the probability buckets for the per-bucket mismatch metrics "
+            "(mismatch/abs_diff/p=lo-hi, ...): strictly increasing values in (0, 1)."
+        },
+    )
+    safe_vocab_max_chunk_bytes: int = field(
+        default=64 * 2**20,
+        metadata={"help": "Scratch memory budget (bytes) of one chunk of the fused safe log-softmax."},
+    )
+
+    def __post_init__(self):
+        # Validate our own fields before trl's (cheap, and the errors name what the user typed).
+        rule = parse_rule(self.safe_vocab_rule)
+        self.safe_vocab_rule = str(rule)
+        self._rule = rule
+        if self.safe_vocab_out_of_set not in OUT_OF_SET_MODES:
+            raise ValueError(
+                f"safe_vocab_out_of_set={self.safe_vocab_out_of_set!r} is not accepted: accepted one of "
+                f"{OUT_OF_SET_MODES}"
+            )
+        if self.rollout_dtype not in ROLLOUT_DTYPES:
+            raise ValueError(
+                f"rollout_dtype={self.rollout_dtype!r} is not accepted: accepted one of {tuple(ROLLOUT_DTYPES)}"
+            )
+        if isinstance(self.mismatch_buckets, (int, float)):
+            self.mismatch_buckets = [self.mismatch_buckets]
+        edges = [float(e) for e in (self.mismatch_buckets or [])]
+        if any(not (0.0 < e < 1.0) for e in edges) or any(a >= b for a, b in zip(edges[:-1], edges[1:])):
+            raise ValueError(
+                f"mismatch_buckets={self.mismatch_buckets!r} is out of range: accepted strictly increasing values "
+                "in (0, 1)"
+            )
+        self.mismatch_buckets = edges
+        if not isinstance(self.safe_vocab_max_chunk_bytes, int) or self.safe_vocab_max_chunk_bytes <= 0:
+            raise ValueError(
+                f"safe_vocab_max_chunk_bytes={self.safe_vocab_max_chunk_bytes!r} is out of range: accepted an "
+                "integer > 0"
+            )
+        if self.safe_vocab_in_sampler:
+            self._apply_rule_to_sampler(rule)
+
+        super().__post_init__()
+
+        if isinstance(self.generation_kwargs, str):
+            self.generation_kwargs = json.loads(self.generation_kwargs)
+        self._check_generation_kwargs(rule)
+        self._check_rollout_paths()
+
+    # ------------------------------------------------------------------------------------------------------
+    @property
+    def rule(self) -> SafeVocabRule:
+        """The parsed :attr:`safe_vocab_rule`."""
+        rule = getattr(self, "_rule", None)
+        if rule is None or str(rule) != self.safe_vocab_rule:
+            rule = parse_rule(self.safe_vocab_rule)
+            self._rule = rule
+        return rule
+
+    @property
+    def sampler_rule(self) -> SafeVocabRule:
+        """The rule the rollout sampler applies (from ``top_k``/``top_p``/``min_p`` and ``generation_kwargs``)."""
+        gk = self.generation_kwargs if isinstance(self.generation_kwargs, dict) else {}
+        return sampler_rule(gk.get("top_k", self.top_k), gk.get("top_p", self.top_p), gk.get("min_p", self.min_p))
+
+    @property
+    def generate_path_importance_sampling(self) -> bool:
+        """Whether the importance-sampling correction runs on the ``generate`` path (no vLLM)."""
+        return (
+            not self.use_vllm
+            and not self.use_transformers_continuous_batching
+            and self.vllm_importance_sampling_correction
+            and self.rollout_logprobs
+        )
+
+    # ------------------------------------------------------------------------------------------------------
+    def _apply_rule_to_sampler(self, rule: SafeVocabRule) -> None:
+        if any(isinstance(part, MinProb) for part in rule.parts):
+            raise ValueError(
+                f"safe_vocab_rule={str(rule)!r} contains min_prob, which no HF/vLLM sampler can apply, while "
+                "safe_vocab_in_sampler=True. Use min_p/top_k/top_p, or set safe_vocab_in_sampler=False (the "
+                "sampler then keeps its own settings and sampled tokens outside S are masked)."
+            )
+        wanted = rule.sampler_kwargs()
+        for key in ("top_k", "top_p", "min_p"):
+            current = getattr(self, key)
+            target = wanted.get(key)
+            if current not in _NEUTRAL[key] and current != target:
+                raise ValueError(
+                    f"{key}={current!r} disagrees with safe_vocab_rule={str(rule)!r} "
+                    f"({key}={target!r} there) while safe_vocab_in_sampler=True: the sampler and the trainer must "
+                    f"share one safe set. Put the threshold in safe_vocab_rule and leave {key} unset, or set "
+                    "safe_vocab_in_sampler=False."
+                )
+            if target is not None:
+                setattr(self, key, target)
+
+    def _check_generation_kwargs(self, rule: SafeVocabRule) -> None:
+        gk = self.generation_kwargs or {}
+        if self.safe_vocab_in_sampler:
+            for key in ("top_k", "top_p", "min_p", "temperature"):
+                if key in gk and gk[key] != getattr(self, key) and not (
+                    key != "temperature" and gk[key] in _NEUTRAL[key] and getattr(self, key) in _NEUTRAL[key]
+                ):
+                    raise ValueError(
+                        f"generation_kwargs[{key!r}]={gk[key]!r} overrides the sampler's {key}={getattr(self, key)!r} "
+                        f"set from safe_vocab_rule={str(rule)!r}: remove it from generation_kwargs"
+                    )
+        elif str(self.sampler_rule) != str(rule):
+            warnings.warn(
+                f"safe_vocab_in_sampler=False: rollouts are sampled with {str(self.sampler_rule)!r} but the trainer "
+                f"scores with {str(rule)!r}. Importance ratios then carry a log(kept-mass) offset and sampled tokens "
+                "outside the trainer's set are masked.",
+                UserWarning,
+                stacklevel=4,
+            )
+        if self.rollout_logprobs and not self.use_vllm:
+            for key, neutral in UNSUPPORTED_SAMPLING_KWARGS.items():
+                if key in gk and gk[key] != neutral and not (key == "guidance_scale" and gk[key] in (None, 1.0)):
+                    raise ValueError(
+                        f"generation_kwargs[{key!r}]={gk[key]!r} changes sampling in a way the rollout log-prob "
+                        f"recorder cannot reproduce: set it to {neutral!r} or set rollout_logprobs=False"
+                    )
+
+    def _check_rollout_paths(self) -> None:
+        correction = self.vllm_importance_sampling_correction
+        if self.use_vllm:
+            if self.rollout_dtype != "auto":
+                raise ValueError(
+                    f"rollout_dtype={self.rollout_dtype!r} applies to the generate path only; with use_vllm=True "
+                    "the vLLM engine's dtype decides. Leave rollout_dtype='auto'."
+                )
+        elif self.use_transformers_continuous_batching:
+            if self.rollout_logprobs or correction:
+                raise ValueError(
+                    "use_transformers_continuous_batching=True returns no rollout log-probabilities: set "
+                    "rollout_logprobs=False and vllm_importance_sampling_correction=False"
+                )
+        elif correction and not self.rollout_logprobs:
+            raise ValueError(
+                "vllm_importance_sampling_correction=True on the generate path (use_vllm=False) needs the rollout "
+                "log-probabilities: set rollout_logprobs=True, or vllm_importance_sampling_correction=False"
+            )
+        if correction and self.vllm_importance_sampling_mode not in IS_MODES:
+            raise ValueError(
+                f"vllm_importance_sampling_mode={self.vllm_importance_sampling_mode!r} is not accepted: accepted one "
+                f"of {IS_MODES}"
+            )
+        if (
+            correction
+            and (self.use_vllm or self.rollout_logprobs)
+            and self.loss_type == "vespo"
+            and self.vllm_importance_sampling_mode not in ("token_truncate", "token_mask")
+        ):
+            raise ValueError(
+                "loss_type='vespo' requires vllm_importance_sampling_mode 'token_truncate' or 'token_mask', got "
+                f"{self.vllm_importance_sampling_mode!r}"
+            )

@@ -1,0 +1,227 @@
+"""A safe-vocabulary fused LM head for transformers causal LMs, the counterpart of trl's ``add_fused_lm_head``.
+
+trl's ``GRPOTrainer`` scores completions with ``model(..., labels=labels, fused_lm_head=True)``: a patched forward
+that runs the backbone and projects only the scored positions through the LM head in tiles
+(``trl.trainer.utils.add_fused_lm_head``). :func:`add_safe_lm_head` patches the same entry point so that the
+log-probabilities come from :func:`safevocab.fused_safe_logprobs` under a rule instead: ``log pi_S(y)``,
+renormalised over the rule's safe set, with the logits transformed exactly as the sampler transforms them
+(``logit_scale``, softcap, temperature). Going through ``model(...)`` (not through the backbone directly) keeps
+DDP/FSDP forward hooks armed, as trl's head does.
+
+The patched forward also returns, per position, ``in_safe``, ``log_kept_mass`` and ``safe_size``; trl reads
+only ``log_probs``/``entropy``/``aux_loss``, so :class:`SafeHeadState` lets the trainer collect the rest
+without re-implementing trl's batching loop.
+"""
+
+from __future__ import annotations
+
+import functools
+import types
+from dataclasses import dataclass, field
+
+import torch
+from transformers.utils import ModelOutput
+
+from safevocab import SafeVocabRule, fused_safe_logprobs
+from safevocab.logprobs import DEFAULT_MAX_CHUNK_BYTES
+
+__all__ = ["SafeCausalLMOutput", "SafeHeadState", "add_safe_lm_head", "lm_head_transform"]
+
+
+@dataclass
+class SafeCausalLMOutput(ModelOutput):
+    """Output of a model patched by :func:`add_safe_lm_head` and called with ``fused_lm_head=True``.
+
+    Per-token fields have shape ``[batch, seq_len - 1]`` (``[batch, seq_len]`` with ``shift_labels``) and are
+    zero (``in_safe``: True, ``safe_size``: 0) where the label is ``-100``.
+
+    Attributes:
+        loss: mean negative safe log-likelihood over the scored tokens (or divided by ``num_items_in_batch``).
+        log_probs: fp32 ``log pi_S(y)`` (full log-softmax where ``y`` is outside ``S``).
+        entropy: fp32 entropy of ``pi_S``, or ``None`` when not requested.
+        in_safe: bool, whether the label is in the safe set.
+        log_kept_mass: fp32 ``log(1 - m)``, ``m`` the pruned mass.
+        safe_size: int64 ``|S|``.
+        label_mask: bool, whether the label was scored.
+        aux_loss: MoE load-balancing loss, when router logits were requested.
+    """
+
+    loss: torch.Tensor | None = None
+    log_probs: torch.Tensor | None = None
+    entropy: torch.Tensor | None = None
+    in_safe: torch.Tensor | None = None
+    log_kept_mass: torch.Tensor | None = None
+    safe_size: torch.Tensor | None = None
+    label_mask: torch.Tensor | None = None
+    aux_loss: torch.Tensor | None = None
+
+
+@dataclass
+class SafeHeadState:
+    """Shared, mutable switches of the patched heads (one instance per trainer, shared by policy and reference).
+
+    ``compute_entropy`` tells the head whether to compute the entropy of ``pi_S`` (trl only needs it for the
+    policy's loss pass). While ``records`` is a list, each safe forward appends its ``SafeCausalLMOutput``.
+    """
+
+    compute_entropy: bool = True
+    records: list | None = field(default=None)
+
+    def begin(self, compute_entropy: bool) -> None:
+        self.compute_entropy = compute_entropy
+        self.records = []
+
+    def end(self) -> list:
+        records, self.records = self.records or [], None
+        self.compute_entropy = True
+        return records
+
+
+def lm_head_transform(config) -> tuple[float | None, float]:
+    """``(softcap, logit_scale)`` the model's own forward applies to its logits, read as trl's head reads them.
+
+    Softcap: ``final_logit_softcapping`` (Gemma 2/3). Scale: ``logit_scale`` (Cohere), ``output_multiplier``,
+    ``lm_head_multiplier`` (Falcon-H1), ``1 / logits_scaling`` (Granite, MiniCPM3; HyperCLOVA X multiplies).
+    The sampler sees these already applied (they are part of the model's forward), so the trainer must apply
+    them before the temperature to score the same distribution.
+    """
+    text_config = config.get_text_config()
+    softcap = getattr(text_config, "final_logit_softcapping", None)
+    scale = getattr(text_config, "logit_scale", None)
+    if scale is None:
+        scale = getattr(text_config, "output_multiplier", None)
+    if scale is None:
+        scale = getattr(text_config, "lm_head_multiplier", None)
+    if scale is None and getattr(text_config, "logits_scaling", None) is not None:
+        scaling = text_config.logits_scaling
+        scale = scaling if getattr(text_config, "model_type", None) == "hyperclovax" else 1.0 / scaling
+    return (None if not softcap else float(softcap)), (1.0 if scale is None else float(scale))
+
+
+def add_safe_lm_head(
+    model: torch.nn.Module,
+    rule: SafeVocabRule,
+    temperature: float = 1.0,
+    cast_lm_head_to_fp32: bool = False,
+    state: SafeHeadState | None = None,
+    max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
+) -> SafeHeadState:
+    """Patch ``model`` so that ``model(..., labels=labels, fused_lm_head=True)`` returns safe log-probabilities.
+
+    Works on top of trl's ``add_fused_lm_head`` (or on an unpatched model): calls without ``fused_lm_head``
+    (generation, plain forwards) go to the previous forward unchanged.
+
+    Args:
+        model: a transformers causal LM (unwrapped; for PEFT, the base model).
+        rule: the safe-vocabulary rule (the sampler's rule).
+        temperature: the sampling temperature (> 0).
+        cast_lm_head_to_fp32: run the head projection in fp32, as trl's ``cast_lm_head_to_fp32``.
+        state: shared :class:`SafeHeadState`; a new one is created when ``None``.
+        max_chunk_bytes: scratch budget of one chunk in :func:`safevocab.fused_safe_logprobs`.
+
+    Returns:
+        The :class:`SafeHeadState` the patched forward reads.
+    """
+    from torch.distributed.tensor import DTensor
+    from trl.trainer.utils import maybe_gather_lm_head_ctx
+
+    state = state if state is not None else SafeHeadState()
+    previous_forward = model.forward
+    text_config = model.config.get_text_config()
+    softcap, logit_scale = lm_head_transform(model.config)
+
+    @functools.wraps(type(model).forward)
+    def _safe_forward(
+        self, *args, fused_lm_head=False, labels=None, shift_labels=None, num_items_in_batch=None, **kwargs
+    ):
+        if not fused_lm_head:
+            if labels is not None:
+                kwargs["labels"] = labels
+            if shift_labels is not None:
+                kwargs["shift_labels"] = shift_labels
+            if num_items_in_batch is not None:
+                kwargs["num_items_in_batch"] = num_items_in_batch
+            return previous_forward(*args, **kwargs)
+
+        # Looked up on every call: FSDP and PEFT replace the backbone and head after patching.
+        kwargs["use_cache"] = False
+        if getattr(text_config, "output_router_logits", False):
+            kwargs.setdefault("output_router_logits", True)
+        backbone_outputs = self.base_model(*args, **kwargs)
+        if shift_labels is None:
+            hidden_states = backbone_outputs.last_hidden_state[:, :-1]
+            labels = labels[:, 1:]
+        else:
+            hidden_states = backbone_outputs.last_hidden_state
+            labels = shift_labels
+        lm_head = self.get_output_embeddings()
+        weight, bias = lm_head.weight, lm_head.bias
+        if isinstance(weight, DTensor):  # FSDP2: gather the sharded head once
+            weight = weight.full_tensor()
+            if bias is not None:
+                bias = bias.full_tensor()
+        hidden_states = hidden_states.to(weight.device)
+        labels = labels.to(weight.device)
+        mask = labels != -100
+
+        # fused_safe_logprobs wants one dtype: the head's GEMM runs in the autocast dtype when autocast is on
+        # (as nn.Linear would), in fp32 with cast_lm_head_to_fp32, else in the weight's dtype.
+        device_type = hidden_states.device.type
+        if cast_lm_head_to_fp32:
+            dtype = torch.float32
+        elif torch.is_autocast_enabled(device_type):
+            dtype = torch.get_autocast_dtype(device_type)
+        else:
+            dtype = weight.dtype
+        with maybe_gather_lm_head_ctx(lm_head.weight, lm_head.bias), torch.autocast(device_type, enabled=False):
+            out = fused_safe_logprobs(
+                hidden_states[mask].to(dtype),
+                weight.to(dtype),
+                labels[mask],
+                rule,
+                bias=None if bias is None else bias.to(dtype),
+                temperature=temperature,
+                softcap=softcap,
+                logit_scale=logit_scale,
+                compute_entropy=state.compute_entropy,
+                max_chunk_bytes=max_chunk_bytes,
+            )
+
+        def scatter(x, fill):
+            if x is None:
+                return None
+            # masked_scatter keeps the output connected to the graph even when no label is scored
+            return torch.full(mask.shape, fill, dtype=x.dtype, device=x.device).masked_scatter(mask, x)
+
+        log_probs = scatter(out.logprobs, 0.0)
+        count = mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch
+        loss = -log_probs.sum() / count
+        aux_loss = None
+        if kwargs.get("output_router_logits"):
+            from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+            aux_loss = load_balancing_loss_func(
+                backbone_outputs.router_logits,
+                text_config.num_experts,
+                text_config.num_experts_per_tok,
+                kwargs.get("attention_mask"),
+            )
+            loss = loss + getattr(text_config, "router_aux_loss_coef", 0.0) * aux_loss
+        result = SafeCausalLMOutput(
+            loss=loss,
+            log_probs=log_probs,
+            entropy=scatter(out.entropy, 0.0),
+            in_safe=scatter(out.in_safe, True),
+            log_kept_mass=scatter(out.log_kept_mass.detach(), 0.0),
+            safe_size=scatter(out.safe_size, 0),
+            label_mask=mask,
+            aux_loss=aux_loss,
+        )
+        if state.records is not None:
+            state.records.append(result)
+        return result
+
+    model.forward = types.MethodType(_safe_forward, model)
+    model._safevocab_head = (rule, float(temperature), softcap, logit_scale)
+    return state
+

@@ -1,0 +1,238 @@
+"""Rollout log-probabilities and rollout precision on the transformers ``generate`` path (no vLLM).
+
+trl's plain ``generate`` path returns no log-probabilities, so neither the importance-sampling correction nor any
+training–inference mismatch diagnostic can run without vLLM. :class:`RolloutLogprobRecorder` is a
+``LogitsProcessor`` that records, during KV-cached decoding and in the rollout's own precision, the
+log-probability of every sampled token under the distribution the sampler actually drew from:
+
+- HF ``generate`` runs custom logits processors *before* its sampling warpers (temperature, top-k, top-p, min-p),
+  so the recorder sees the model's scores after any penalties but before truncation;
+- it keeps one step's scores, and when the next step reveals the sampled token it applies
+  :func:`safevocab.safe_log_softmax` with the sampler's own rule and temperature, i.e. ``log pi_S(y)``
+  renormalised over the sampler's kept set — the same quantity vLLM returns with
+  ``logprobs_mode="processed_logprobs"``.
+
+Memory is one ``[batch, vocab]`` fp32 buffer, not the ``[batch, steps, vocab]`` of ``output_scores=True``.
+
+:func:`rollout_precision` runs generation in a chosen dtype without touching the fp32 master weights
+(autocast down, lossless temporary upcast up), to study or reproduce precision-induced mismatch.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager, nullcontext
+
+import torch
+from transformers import LogitsProcessor, LogitsProcessorList
+
+from safevocab import MinP, NoPruning, SafeVocabRule, TopK, TopP, safe_log_softmax
+from safevocab.rules import Intersection
+
+__all__ = [
+    "ROLLOUT_DTYPES",
+    "UNSUPPORTED_SAMPLING_KWARGS",
+    "RolloutLogprobRecorder",
+    "sampler_rule",
+    "sampler_rule_from_generation_config",
+    "rollout_precision",
+    "recording_generate",
+]
+
+#: ``rollout_dtype`` values and the torch dtype each selects (``None``: the model's own dtype, trl's behaviour).
+ROLLOUT_DTYPES: dict[str, torch.dtype | None] = {
+    "auto": None,
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+
+#: Sampling settings that change the distribution after the recorder sees the scores and that it cannot
+#: reproduce, with the value that disables each.
+UNSUPPORTED_SAMPLING_KWARGS: dict[str, object] = {
+    "typical_p": 1.0,
+    "epsilon_cutoff": 0.0,
+    "eta_cutoff": 0.0,
+    "top_h": None,
+    "num_beams": 1,
+    "do_sample": True,
+    "guidance_scale": None,
+    "watermarking_config": None,
+}
+
+
+def sampler_rule(top_k: int | None = None, top_p: float | None = None, min_p: float | None = None) -> SafeVocabRule:
+    """The rule HF/vLLM sampling with these (trl-style) settings applies; neutral values prune nothing.
+
+    ``top_k`` of ``None``/``0``/``-1``, ``top_p`` of ``None``/``1.0`` and ``min_p`` of ``None``/``0.0`` are off.
+    """
+    parts: list[SafeVocabRule] = []
+    if top_k is not None and top_k > 0:
+        parts.append(TopK(int(top_k)))
+    if top_p is not None and top_p < 1.0:
+        parts.append(TopP(float(top_p)))
+    if min_p is not None and min_p > 0.0:
+        parts.append(MinP(float(min_p)))
+    return Intersection.of(*parts) if parts else NoPruning()
+
+
+def sampler_rule_from_generation_config(generation_config) -> tuple[SafeVocabRule, float]:
+    """``(rule, temperature)`` that a transformers ``GenerationConfig`` samples with.
+
+    Raises:
+        ValueError: when the config uses a sampling setting the recorder cannot reproduce (typical-p, epsilon/eta
+            cutoffs, beams, greedy decoding, ...).
+    """
+    for key, neutral in UNSUPPORTED_SAMPLING_KWARGS.items():
+        value = getattr(generation_config, key, neutral)
+        if key == "guidance_scale" and value in (None, 1.0):
+            continue
+        if value is not None and value != neutral and not (key == "do_sample" and value):
+            raise ValueError(
+                f"generation {key}={value!r} changes the sampling distribution in a way the rollout log-prob "
+                f"recorder cannot reproduce: set it to {neutral!r}, or set rollout_logprobs=False"
+            )
+    temperature = generation_config.temperature
+    temperature = 1.0 if temperature is None else float(temperature)
+    rule = sampler_rule(generation_config.top_k, generation_config.top_p, generation_config.min_p)
+    return rule, temperature
+
+
+class RolloutLogprobRecorder(LogitsProcessor):
+    """Record ``log pi_S(y_t)`` of each sampled token during ``generate`` (append it last to ``logits_processor``).
+
+    Args:
+        rule: the sampler's rule (``sampler_rule_from_generation_config``), applied on the recorded scores.
+        temperature: the sampler's temperature.
+
+    After ``generate`` returns, call :meth:`finalize` with the returned sequences; :attr:`logprobs` is then the
+    fp32 ``[batch, generated_steps]`` tensor (positions after a sequence finished hold the pad token's value and
+    are masked by the caller).
+    """
+
+    def __init__(self, rule: SafeVocabRule, temperature: float = 1.0):
+        self.rule = rule
+        self.temperature = float(temperature)
+        self.prompt_length: int | None = None
+        self.num_calls = 0
+        self.logprobs: torch.Tensor | None = None
+        self._pending: torch.Tensor | None = None
+        self._steps: list[torch.Tensor] = []
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        if self.prompt_length is None:
+            self.prompt_length = input_ids.shape[1]
+        elif self._pending is not None:
+            self._close_step(input_ids[:, -1])
+        # The warpers that follow return new tensors, but a user processor might not: keep a private copy.
+        self._pending = scores.detach().float().clone()
+        self.num_calls += 1
+        return scores
+
+    def _close_step(self, tokens: torch.Tensor) -> None:
+        out = safe_log_softmax(self._pending, tokens.to(self._pending.device), self.rule, temperature=self.temperature)
+        self._steps.append(out.logprobs)
+        self._pending = None
+
+    def finalize(self, sequences: torch.Tensor) -> torch.Tensor:
+        """Close the last step with the final sampled tokens; returns ``[batch, steps]`` fp32 log-probabilities."""
+        if self.prompt_length is None:
+            raise RuntimeError("the rollout log-prob recorder was never called: it is not attached to generate")
+        if self._pending is not None:
+            self._close_step(sequences[:, -1])
+        steps = sequences.shape[1] - self.prompt_length
+        if steps != len(self._steps):
+            raise RuntimeError(
+                f"rollout log-prob recorder saw {len(self._steps)} decoding steps but generate returned {steps} "
+                "new tokens per sequence"
+            )
+        batch = sequences.shape[0]
+        self.logprobs = (
+            torch.stack(self._steps, dim=1) if self._steps else torch.zeros(batch, 0, device=sequences.device)
+        )
+        self._steps = []
+        return self.logprobs
+
+    def per_sequence(self, completion_ids: list[list[int]]) -> list[list[float]]:
+        """The recorded log-probabilities cut to each completion's length (trl's list-of-lists format)."""
+        if self.logprobs is None:
+            raise RuntimeError("call finalize() after generate before reading the recorded log-probabilities")
+        if len(completion_ids) != self.logprobs.shape[0]:
+            raise RuntimeError(
+                f"{len(completion_ids)} completions but {self.logprobs.shape[0]} recorded rows"
+            )
+        rows = self.logprobs.cpu()
+        return [rows[i, : len(ids)].tolist() for i, ids in enumerate(completion_ids)]
+
+
+@contextmanager
+def rollout_precision(model: torch.nn.Module, dtype: torch.dtype | None):
+    """Run the enclosed generation in ``dtype`` without changing the trained (master) weights.
+
+    - ``None``: the model as it is (trl's behaviour: under ``bf16``/``fp16`` mixed precision, accelerate's autocast
+      wrapper of the forward applies to generation too).
+    - the parameters' own dtype: as is, with any enclosing autocast disabled.
+    - ``float32`` over lower-precision parameters: parameters are upcast for the duration and restored
+      afterwards (bf16/fp16 -> fp32 -> bf16/fp16 is exact).
+    - a lower precision over fp32 parameters: ``torch.autocast`` to ``dtype`` (weights cast per matmul, the
+      master weights untouched), which is how mixed-precision inference engines run.
+    """
+    if dtype is None:
+        yield
+        return
+    params = [p for p in model.parameters() if p.is_floating_point()]
+    if not params:
+        yield
+        return
+    device_type = params[0].device.type
+    dtypes = {p.dtype for p in params}
+    # Under mixed precision, accelerate wraps `model.forward` in its own autocast (keeping the unwrapped one in
+    # `_original_forward`); that inner autocast would override ours, so the rollout runs the unwrapped forward.
+    wrapped = vars(model).get("_original_forward") is not None and "forward" in vars(model)
+    saved_forward = model.forward if wrapped else None
+    originals = [(p, p.data) for p in params if p.dtype != torch.float32] if dtype == torch.float32 else []
+    try:
+        if wrapped:
+            model.forward = model._original_forward
+        if dtypes == {dtype} or dtype == torch.float32:
+            for p, data in originals:  # lossless upcast of lower-precision parameters
+                p.data = data.float()
+            with torch.autocast(device_type, enabled=False):
+                yield
+        else:
+            with torch.autocast(device_type, dtype=dtype):
+                yield
+    finally:
+        for p, data in originals:
+            p.data = data
+        if wrapped:
+            model.forward = saved_forward
+
+
+@contextmanager
+def recording_generate(model, recorder: RolloutLogprobRecorder | None, dtype: torch.dtype | None):
+    """Patch ``model.generate`` for the enclosed block: append ``recorder`` to its logits processors, run it
+    under :func:`rollout_precision` and finalize the recorder with the returned sequences."""
+    if recorder is None and dtype is None:
+        yield
+        return
+    original = model.generate
+    had_instance_attr = "generate" in vars(model)
+
+    def generate(*args, **kwargs):
+        if recorder is not None:
+            processors = kwargs.get("logits_processor") or LogitsProcessorList()
+            kwargs["logits_processor"] = LogitsProcessorList([*processors, recorder])
+        with rollout_precision(model, dtype) if dtype is not None else nullcontext():
+            out = original(*args, **kwargs)
+        if recorder is not None:
+            recorder.finalize(out if isinstance(out, torch.Tensor) else out.sequences)
+        return out
+
+    model.generate = generate
+    try:
+        yield
+    finally:
+        if had_instance_attr:
+            model.generate = original
+        else:
+            del model.generate

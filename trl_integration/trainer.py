@@ -1,0 +1,362 @@
+"""``SafeVocabGRPOTrainer``: trl's ``GRPOTrainer`` with Dynamic Vocabulary Pruning.
+
+What changes with respect to ``trl.GRPOTrainer`` (everything else — loss types, rewards, vLLM modes, tools,
+PEFT, logging — is trl's own code):
+
+1. **Log-probabilities.** The policy, old-policy and reference log-probabilities are ``log pi_S(y)``, renormalised
+   over the safe set ``S`` of ``args.safe_vocab_rule``, computed by :func:`safevocab.fused_safe_logprobs` from the
+   backbone's hidden states and the LM-head weight, under the sampler's temperature, softcap and logit scale
+   (:func:`trl_integration.lm_head.add_safe_lm_head` replaces trl's fused head behind the same
+   ``model(..., fused_lm_head=True)`` call, so ``_get_per_token_logps_and_entropies`` keeps trl's batching and
+   multimodal handling).
+2. **Out-of-set tokens.** After each generation, sampled tokens outside the trainer's ``S`` (possible when the
+   sampler's set differs numerically, or the sampler does not prune) are removed from the loss, token-wise or
+   sequence-wise (``safe_vocab_out_of_set``), through trl's ``tool_mask`` (the loss-only mask; the attention
+   mask is untouched), and ``num_items_in_batch`` is recomputed.
+3. **Rollout log-probabilities without vLLM.** On the ``generate`` path a logits processor records each sampled
+   token's log-probability during KV-cached decoding in the rollout's own precision (``rollout_dtype``), so
+   ``sampling_per_token_logps`` exists as on the vLLM path.
+4. **Importance sampling on both paths.** The ratio ``pi_S,train / pi_S,rollout`` is recomputed after the
+   out-of-set masking with trl's ``vllm_importance_sampling_*`` settings; on the ``generate`` path it is applied
+   by scaling the advantages per token (exactly what trl's multiplication of the per-token loss does for every
+   loss type linear in the advantage; VESPO reads the ratio itself, as in trl).
+5. **Metrics** under ``safevocab/`` and ``mismatch/`` (see docs/metrics.md).
+"""
+
+from __future__ import annotations
+
+import torch
+from accelerate.utils import is_peft_model
+from trl import GRPOTrainer
+from trl.models.utils import disable_gradient_checkpointing
+
+from safevocab import NoPruning
+from trl_integration.config import SafeVocabGRPOConfig
+from trl_integration.correction import importance_sampling_ratio
+from trl_integration.lm_head import SafeHeadState, add_safe_lm_head
+from trl_integration.metrics import (
+    bucket_mismatch_metrics,
+    importance_ratio_metrics,
+    mismatch_metrics,
+    reduction,
+    safe_set_metrics,
+)
+from trl_integration.rollout import (
+    ROLLOUT_DTYPES,
+    RolloutLogprobRecorder,
+    recording_generate,
+    sampler_rule_from_generation_config,
+)
+
+__all__ = ["SafeVocabGRPOTrainer", "SafeTokenStats"]
+
+# Keys of a generation batch that the forward pass needs besides ids and masks (multimodal inputs).
+_FORWARD_KEYS = (
+    "pixel_values",
+    "image_grid_thw",
+    "num_images",
+    "pixel_attention_mask",
+    "spatial_shapes",
+    "num_tiles",
+    "image_sizes",
+    "token_type_ids",
+    "mm_token_type_ids",
+    "image_position_ids",
+)
+
+
+class SafeTokenStats:
+    """Per-token safe-set statistics of one scoring pass, each ``[B, T]`` (completion positions)."""
+
+    __slots__ = ("in_safe", "log_kept_mass", "safe_size")
+
+    def __init__(self, in_safe: torch.Tensor, log_kept_mass: torch.Tensor, safe_size: torch.Tensor):
+        self.in_safe = in_safe
+        self.log_kept_mass = log_kept_mass
+        self.safe_size = safe_size
+
+
+class SafeVocabGRPOTrainer(GRPOTrainer):
+    """GRPO with safe-vocabulary (Dynamic Vocabulary Pruning) log-probabilities.
+
+    Takes the same arguments as ``trl.GRPOTrainer``; ``args`` must be a
+    :class:`~trl_integration.config.SafeVocabGRPOConfig`.
+
+    Example::
+
+        from trl_integration import SafeVocabGRPOConfig, SafeVocabGRPOTrainer
+
+        args = SafeVocabGRPOConfig(output_dir="out", safe_vocab_rule="min_p=0.001")
+        trainer = SafeVocabGRPOTrainer(model="path/to/model", reward_funcs=my_reward, args=args,
+                                       train_dataset=dataset)
+        trainer.train()
+    """
+
+    _tag_names = ["trl", "grpo", "safevocab"]
+
+    def __init__(self, model, reward_funcs=None, args: SafeVocabGRPOConfig | None = None, *pargs, **kwargs):
+        if args is None:
+            name = model if isinstance(model, str) else getattr(model.config, "_name_or_path", "model")
+            args = SafeVocabGRPOConfig(f"{str(name).rstrip('/').split('/')[-1]}-SafeVocabGRPO")
+        elif not isinstance(args, SafeVocabGRPOConfig):
+            raise TypeError(
+                f"args must be a SafeVocabGRPOConfig, got {type(args).__name__}: build it with "
+                "SafeVocabGRPOConfig(...), which accepts every GRPOConfig argument"
+            )
+        from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
+
+        if is_deepspeed_zero3_enabled():
+            raise NotImplementedError(
+                "SafeVocabGRPOTrainer does not support DeepSpeed ZeRO-3 yet: the fused safe log-softmax recomputes "
+                "the LM-head GEMM in its backward, where ZeRO-3 has re-partitioned the head weight. Use ZeRO-2, FSDP "
+                "or DDP."
+            )
+        self._captured_logps: dict | None = None
+        self._last_safe_stats: SafeTokenStats | None = None
+        #: Tensors of the latest generation batch (train/rollout log-probs, masks, ratios), for inspection.
+        self.last_generation: dict[str, torch.Tensor] | None = None
+        super().__init__(model, reward_funcs, args, *pargs, **kwargs)
+
+        self.safe_vocab_rule = args.rule
+        self._rollout_dtype = ROLLOUT_DTYPES[args.rollout_dtype]
+        self._safe_head = SafeHeadState()
+        head_kwargs = dict(
+            rule=self.safe_vocab_rule,
+            temperature=self.temperature,
+            cast_lm_head_to_fp32=args.cast_lm_head_to_fp32,
+            state=self._safe_head,
+            max_chunk_bytes=args.safe_vocab_max_chunk_bytes,
+        )
+        add_safe_lm_head(self.model.get_base_model() if is_peft_model(self.model) else self.model, **head_kwargs)
+        if self.ref_model is not None:
+            add_safe_lm_head(self.accelerator.unwrap_model(self.ref_model), **head_kwargs)
+        if self.use_vllm:
+            self._require_processed_logprobs()
+
+    # ------------------------------------------------------------------------------------------------------
+    # setup helpers
+
+    def _require_processed_logprobs(self) -> None:
+        """vLLM must return log-probabilities renormalised over the sampler's set (``processed_logprobs``)."""
+        if self.vllm_mode != "server" or not self.accelerator.is_main_process:
+            return  # colocate mode: trl asks the engine for processed_logprobs itself
+        info = self.vllm_generation.vllm_client.get_server_info()
+        logprobs_mode = info.get("model_config", {}).get("logprobs_mode")
+        if logprobs_mode != "processed_logprobs":
+            raise ValueError(
+                f"the vLLM server runs with --logprobs-mode {logprobs_mode}: the safe-vocabulary importance ratios "
+                "and mismatch metrics need the log-probabilities renormalised over the sampler's set. Restart it "
+                "with `--logprobs-mode processed_logprobs`."
+            )
+
+    @property
+    def _importance_sampling_active(self) -> bool:
+        if self.use_vllm:
+            return bool(self.vllm_importance_sampling_correction)
+        return bool(self.args.generate_path_importance_sampling)
+
+    # ------------------------------------------------------------------------------------------------------
+    # log-probabilities
+
+    def _get_per_token_logps_and_entropies(
+        self, model, input_ids, attention_mask, logits_to_keep, batch_size=None, compute_entropy=False, **kwargs
+    ):
+        """trl's method (its batching and multimodal slicing) over the safe head; also keeps the per-token
+        safe-set statistics of the call in ``self._last_safe_stats``."""
+        self._safe_head.begin(compute_entropy)
+        try:
+            logps, entropies, aux_loss = super()._get_per_token_logps_and_entropies(
+                model,
+                input_ids,
+                attention_mask,
+                logits_to_keep,
+                batch_size=batch_size,
+                compute_entropy=compute_entropy,
+                **kwargs,
+            )
+        finally:
+            records = self._safe_head.end()
+        if not records:
+            raise RuntimeError(
+                "the safe-vocabulary LM head was not called: the model's forward is not the one "
+                "SafeVocabGRPOTrainer patched (was the model re-wrapped or its forward replaced?)"
+            )
+        stats = SafeTokenStats(
+            in_safe=torch.cat([r.in_safe[:, -logits_to_keep:] for r in records]),
+            log_kept_mass=torch.cat([r.log_kept_mass[:, -logits_to_keep:] for r in records]),
+            safe_size=torch.cat([r.safe_size[:, -logits_to_keep:] for r in records]),
+        )
+        self._last_safe_stats = stats
+        if self._captured_logps is not None:
+            self._captured_logps[id(logps)] = (logps, stats)
+        return logps, entropies, aux_loss
+
+    def _score_generation_batch(self, batch: dict) -> tuple[torch.Tensor, SafeTokenStats]:
+        """Old-policy safe log-probabilities and statistics of a generation batch (no grad), as trl computes
+        ``old_per_token_logps``."""
+        input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
+        attention_mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
+        mode = "train" if self.model.training else "eval"
+        batch_size = self.args.per_device_train_batch_size if mode == "train" else self.args.per_device_eval_batch_size
+        extra = {k: batch[k] for k in _FORWARD_KEYS if k in batch}
+        with torch.no_grad(), disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs):
+            logps, _, _ = self._get_per_token_logps_and_entropies(
+                self.model, input_ids, attention_mask, batch["completion_ids"].size(1), batch_size=batch_size, **extra
+            )
+        return logps, self._last_safe_stats
+
+    # ------------------------------------------------------------------------------------------------------
+    # rollouts
+
+    def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+        if self.use_vllm or self.use_transformers_continuous_batching:
+            return super()._generate_single_turn(
+                prompt_ids, images, multimodal_fields, num_generations, has_tool_images=has_tool_images
+            )
+        recorder = None
+        if self.args.rollout_logprobs:
+            rule, temperature = sampler_rule_from_generation_config(self.generation_config)
+            recorder = RolloutLogprobRecorder(rule, temperature)
+        target = self.accelerator.unwrap_model(self.model_wrapped)
+        with recording_generate(target, recorder, self._rollout_dtype):
+            completion_ids, logprobs = super()._generate_single_turn(
+                prompt_ids, images, multimodal_fields, num_generations, has_tool_images=has_tool_images
+            )
+        if recorder is not None:
+            logprobs = recorder.per_sequence(completion_ids)
+        return completion_ids, logprobs
+
+    def _generate_and_score_completions(self, inputs):
+        self._captured_logps = {}
+        try:
+            output = super()._generate_and_score_completions(inputs)
+            captured = self._captured_logps
+        finally:
+            self._captured_logps = None
+        self._apply_safe_vocabulary(output, captured)
+        return output
+
+    def _apply_safe_vocabulary(self, output: dict, captured: dict) -> None:
+        """Out-of-set masking, importance ratio and metrics for one generation batch (modifies ``output``)."""
+        args = self.args
+        mode = "train" if self.model.training else "eval"
+        completion_mask = output["completion_mask"]
+        tool_mask = output.get("tool_mask")
+        base_mask = completion_mask if tool_mask is None else completion_mask * tool_mask
+        rollout_logps = output.get("sampling_per_token_logps")
+        use_is = self._importance_sampling_active and rollout_logps is not None
+        use_mismatch = args.log_mismatch_metrics and rollout_logps is not None
+        if isinstance(self.safe_vocab_rule, NoPruning) and not use_is and not use_mismatch:
+            return  # nothing to mask or measure: stay exactly trl (no extra forward pass)
+
+        old = output.get("old_per_token_logps")
+        entry = captured.get(id(old)) if old is not None else None
+        if entry is not None and entry[0] is old:
+            train_logps, stats = old, entry[1]
+        else:
+            train_logps, stats = self._score_generation_batch(output)
+
+        # 1. Tokens outside S leave the loss (through the loss-only tool_mask; attention is unchanged).
+        counted = base_mask.bool()
+        keep = stats.in_safe.bool() | ~counted
+        if args.safe_vocab_out_of_set == "mask_sequence":
+            keep = keep.all(dim=-1, keepdim=True).expand_as(keep)
+        new_tool_mask = (tool_mask if tool_mask is not None else torch.ones_like(completion_mask)) * keep.to(
+            completion_mask.dtype
+        )
+        output["tool_mask"] = new_tool_mask
+        loss_mask = completion_mask * new_tool_mask
+        output["num_items_in_batch"] = self.accelerator.gather(loss_mask.sum()).sum()
+
+        metrics = safe_set_metrics(stats.in_safe, stats.log_kept_mass, stats.safe_size, base_mask)
+        metrics["safevocab/masked_token_frac"] = _frac(counted & ~keep, counted)
+
+        # 2. Importance ratio over the final mask, on both rollout paths.
+        ratio = None
+        if use_is:
+            ratio = importance_sampling_ratio(
+                train_logps,
+                rollout_logps,
+                loss_mask,
+                mode=args.vllm_importance_sampling_mode,
+                clip_min=args.vllm_importance_sampling_clip_min,
+                clip_max=args.vllm_importance_sampling_clip_max,
+            )
+            output["importance_sampling_ratio"] = ratio.ratio
+            metrics.update(importance_ratio_metrics(ratio.log_raw, ratio.ratio, ratio.clipped, loss_mask))
+            if not self.use_vllm:  # trl logs these itself on the vLLM path
+                metrics.update(_trl_sampling_metrics(train_logps, rollout_logps, ratio, loss_mask))
+
+        # 3. Mismatch diagnostics.
+        if use_mismatch:
+            metrics.update(mismatch_metrics(train_logps, rollout_logps, loss_mask))
+            metrics.update(bucket_mismatch_metrics(train_logps, rollout_logps, loss_mask, args.mismatch_buckets))
+
+        self._log_reduced_metrics(mode, metrics)
+        self.last_generation = {
+            "train_logps": train_logps.detach(),
+            "rollout_logps": None if rollout_logps is None else rollout_logps.detach(),
+            "completion_mask": completion_mask,
+            "loss_mask": loss_mask,
+            "in_safe": stats.in_safe,
+            "log_kept_mass": stats.log_kept_mass,
+            "safe_size": stats.safe_size,
+            "importance_sampling_ratio": None if ratio is None else ratio.ratio,
+            "log_raw_ratio": None if ratio is None else ratio.log_raw,
+        }
+
+    def _log_reduced_metrics(self, mode: str, metrics: dict[str, torch.Tensor]) -> None:
+        """Gather local metric values across processes in one call and append their reductions to trl's
+        ``self._metrics``. NaN (undefined here) values are ignored; a metric undefined everywhere is skipped."""
+        if not metrics:
+            return
+        names = list(metrics)
+        device = self.accelerator.device
+        local = torch.stack([metrics[n].to(device=device, dtype=torch.float32) for n in names]).unsqueeze(0)
+        gathered = self.accelerator.gather(local).reshape(-1, len(names))
+        for j, name in enumerate(names):
+            col = gathered[:, j]
+            col = col[~torch.isnan(col)]
+            if col.numel() == 0:
+                continue
+            how = reduction(name)
+            value = col.max() if how == "max" else col.min() if how == "min" else col.mean()
+            self._metrics[mode][name].append(value.item())
+
+    # ------------------------------------------------------------------------------------------------------
+    # loss
+
+    def _compute_loss(self, model, inputs):
+        # trl applies the importance ratio only when use_vllm. On the generate path, fold it into the
+        # advantages instead: every loss type but VESPO is linear in the advantage per token, and the ratio
+        # is >= 0, so A * r gives exactly trl's `per_token_loss * r` (the KL and entropy terms stay unweighted,
+        # as in trl). VESPO reads inputs["importance_sampling_ratio"] itself.
+        if not self.use_vllm and self.loss_type != "vespo" and "importance_sampling_ratio" in inputs:
+            inputs = dict(inputs)
+            advantages = inputs["advantages"]
+            if advantages.dim() == 1:
+                advantages = advantages.unsqueeze(1)
+            inputs["advantages"] = advantages * inputs["importance_sampling_ratio"]
+        return super()._compute_loss(model, inputs)
+
+
+def _frac(selected: torch.Tensor, among: torch.Tensor) -> torch.Tensor:
+    n = among.sum()
+    if n == 0:
+        return torch.tensor(float("nan"))
+    return (selected.sum().double() / n).float()
+
+
+def _trl_sampling_metrics(train_logps, rollout_logps, ratio, mask) -> dict[str, torch.Tensor]:
+    """trl's ``sampling/*`` metrics (post-truncation), which trl logs only on the vLLM path."""
+    m = mask.bool() & ~torch.isnan(rollout_logps)
+    delta = (train_logps - rollout_logps).abs()[m]
+    flat = ratio.ratio.flatten() if ratio.sequence_level else ratio.ratio[mask.bool()]
+    nan = torch.tensor(float("nan"))
+    return {
+        "sampling/sampling_logp_difference/mean": delta.mean() if delta.numel() else nan,
+        "sampling/sampling_logp_difference/max": delta.max() if delta.numel() else nan,
+        "sampling/importance_sampling_ratio/min": flat.min() if flat.numel() else nan,
+        "sampling/importance_sampling_ratio/mean": flat.mean() if flat.numel() else nan,
+        "sampling/importance_sampling_ratio/max": flat.max() if flat.numel() else nan,
+    }
