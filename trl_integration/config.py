@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from trl import GRPOConfig
 
 from safevocab import MinProb, SafeVocabRule, parse_rule
+from safevocab.schedulers import SurgeDetector
 from trl_integration.correction import IS_MODES
 from trl_integration.metrics import DEFAULT_BUCKETS
 from trl_integration.rollout import ROLLOUT_DTYPES, UNSUPPORTED_SAMPLING_KWARGS, sampler_rule
@@ -116,8 +117,51 @@ class SafeVocabGRPOConfig(GRPOConfig):
         metadata={"help": "Scratch memory budget (bytes) of one chunk of the fused safe log-softmax."},
     )
 
+    length_decay: bool = field(
+        default=False,
+        metadata={
+            "help": "Length-decay LR schedule (safevocab.schedulers.LengthDecayLR): hold the initial LR until the mean "
+            "response length surges, then halve it every length_decay_period steps down to "
+            "length_decay_min_lr_ratio x the initial LR. Replaces lr_scheduler_type."
+        },
+    )
+    length_decay_period: str = field(
+        default="auto",
+        metadata={
+            "help": "Steps between halvings: an integer, or 'auto' = round(length_surge_factor x the step at which "
+            "the length surge started)."
+        },
+    )
+    length_decay_min_lr_ratio: float = field(
+        default=0.1, metadata={"help": "LR floor as a fraction of the initial LR, in [0, 1]."}
+    )
+    length_decay_start: str = field(
+        default="on_surge",
+        metadata={
+            "help": "'on_surge': hold the LR until the surge detector fires; 'step0': halve from the first step "
+            "(Algorithm 1; needs an integer length_decay_period).",
+            "choices": ["on_surge", "step0"],
+        },
+    )
+    length_surge_window: int = field(
+        default=10, metadata={"help": "Surge detector: recent steps whose median length is compared (>= 1)."}
+    )
+    length_surge_baseline_window: int = field(
+        default=30, metadata={"help": "Surge detector: steps before the recent ones forming the baseline (>= 1)."}
+    )
+    length_surge_ratio: float = field(
+        default=1.5, metadata={"help": "Surge detector: recent median / baseline median that counts as a surge (> 1)."}
+    )
+    length_surge_warmup: int = field(
+        default=20, metadata={"help": "Surge detector: no detection before this many generation steps."}
+    )
+    length_surge_factor: float = field(
+        default=1.8, metadata={"help": "Auto period = round(factor x surge step) (the paper's 1.8)."}
+    )
+
     def __post_init__(self):
         # Validate our own fields before trl's (cheap, and the errors name what the user typed).
+        self._check_length_decay()
         rule = parse_rule(self.safe_vocab_rule)
         self.safe_vocab_rule = str(rule)
         self._rule = rule
@@ -155,6 +199,54 @@ class SafeVocabGRPOConfig(GRPOConfig):
         self._check_rollout_paths()
 
     # ------------------------------------------------------------------------------------------------------
+    @property
+    def length_decay_auto_period(self) -> bool:
+        """Whether the decay period comes from the surge detector (``length_decay_period="auto"``)."""
+        return self.length_decay_period == "auto"
+
+    @property
+    def length_decay_period_steps(self) -> int | None:
+        """The integer ``length_decay_period``, or ``None`` in auto mode."""
+        return None if self.length_decay_auto_period else int(self.length_decay_period)
+
+    def _check_length_decay(self) -> None:
+        # Kept as a string ('auto' or digits) so the command line and YAML take both forms.
+        period = str(self.length_decay_period).strip().lower()
+        if period != "auto":
+            value = int(period) if period.lstrip("-").isdigit() else 0
+            if value < 1:
+                raise ValueError(
+                    f"length_decay_period={self.length_decay_period!r} is not accepted: accepted 'auto' or an "
+                    "integer >= 1"
+                )
+            period = str(value)
+        self.length_decay_period = period
+        if self.length_decay_start not in ("on_surge", "step0"):
+            raise ValueError(
+                f"length_decay_start={self.length_decay_start!r} is not accepted: accepted 'on_surge' or 'step0'"
+            )
+        if self.length_decay and self.length_decay_start == "step0" and self.length_decay_auto_period:
+            raise ValueError(
+                "length_decay_start='step0' needs an integer length_decay_period (no surge is detected to derive "
+                "'auto' from): e.g. --length_decay_period 200"
+            )
+        # Build the scheduler's pieces once here, so a bad value fails at construction, not at step 0.
+        self.make_surge_detector()
+        if not 0.0 <= self.length_decay_min_lr_ratio <= 1.0:
+            raise ValueError(
+                f"length_decay_min_lr_ratio={self.length_decay_min_lr_ratio!r} is out of range: accepted 0 <= ratio <= 1"
+            )
+
+    def make_surge_detector(self) -> SurgeDetector:
+        """A fresh :class:`~safevocab.schedulers.SurgeDetector` with the ``length_surge_*`` settings."""
+        return SurgeDetector(
+            window=self.length_surge_window,
+            baseline_window=self.length_surge_baseline_window,
+            ratio=self.length_surge_ratio,
+            warmup=self.length_surge_warmup,
+            factor=self.length_surge_factor,
+        )
+
     @property
     def rule(self) -> SafeVocabRule:
         """The parsed :attr:`safe_vocab_rule`."""

@@ -31,6 +31,8 @@ from trl import GRPOTrainer
 from trl.models.utils import disable_gradient_checkpointing
 
 from safevocab import NoPruning
+from safevocab.schedulers import LengthDecayLR
+from trl_integration.callbacks import LengthDecayCallback
 from trl_integration.config import SafeVocabGRPOConfig
 from trl_integration.correction import importance_sampling_ratio
 from trl_integration.lm_head import SafeHeadState, add_safe_lm_head
@@ -132,6 +134,10 @@ class SafeVocabGRPOTrainer(GRPOTrainer):
             add_safe_lm_head(self.accelerator.unwrap_model(self.ref_model), **head_kwargs)
         if self.use_vllm:
             self._require_processed_logprobs()
+        #: Global mean completion lengths of training generations not yet seen by the length-decay schedule.
+        self.pending_mean_lengths: list[float] = []
+        if args.length_decay:
+            self.add_callback(LengthDecayCallback(self))
 
     # ------------------------------------------------------------------------------------------------------
     # setup helpers
@@ -234,7 +240,31 @@ class SafeVocabGRPOTrainer(GRPOTrainer):
         finally:
             self._captured_logps = None
         self._apply_safe_vocabulary(output, captured)
+        if self.args.length_decay and self.model.training:
+            # trl has just logged the gathered (all-process) mean completion length of this generation.
+            lengths = self._metrics["train"].get("completions/mean_length")
+            if lengths:
+                self.pending_mean_lengths.append(float(lengths[-1]))
         return output
+
+    def create_scheduler(self, num_training_steps: int, optimizer: torch.optim.Optimizer | None = None):
+        """The Trainer's own scheduler creation, with :class:`~safevocab.schedulers.LengthDecayLR` when
+        ``args.length_decay`` (``lr_scheduler_type`` and warm-up are then not used)."""
+        if not self.args.length_decay or self.lr_scheduler is not None:
+            return super().create_scheduler(num_training_steps, optimizer)
+        args = self.args
+        auto = args.length_decay_auto_period
+        self.lr_scheduler = LengthDecayLR(
+            optimizer if optimizer is not None else self.optimizer,
+            # In auto mode the period is set from the detector when the surge is detected.
+            decay_period=args.length_decay_period_steps or 1,
+            min_lr_ratio=args.length_decay_min_lr_ratio,
+            start=args.length_decay_start,
+            detector=args.make_surge_detector() if args.length_decay_start == "on_surge" else None,
+            auto_period=auto,
+        )
+        self._created_lr_scheduler = True
+        return self.lr_scheduler
 
     def _apply_safe_vocabulary(self, output: dict, captured: dict) -> None:
         """Out-of-set masking, importance ratio and metrics for one generation batch (modifies ``output``)."""
