@@ -16,6 +16,9 @@ Backward has two paths, chosen per row:
   precision inputs: recompute the chunk's logits, rebuild ``S = {z >= t}`` from the saved
   threshold (no re-sort for top-p), form the logits gradient in place, and run the two gradient
   GEMMs with the weight gradient accumulated in fp32.
+
+``backend="triton"`` keeps this structure and replaces the per-chunk torch passes (forward statistics,
+dense logits gradient) with the Triton kernels of :mod:`safevocab.kernels`; the sparse backward stays here.
 """
 
 from __future__ import annotations
@@ -119,6 +122,7 @@ class FusedSafeLogProbs(torch.autograd.Function):
         transform: Transform,
         compute_entropy: bool,
         chunk_rows: int,
+        backend: str = "torch",  # "torch" or "triton" (resolved by fused_safe_logprobs)
     ):
         ctx.set_materialize_grads(False)
         n_rows, vocab, device = hidden.shape[0], weight.shape[0], hidden.device
@@ -134,10 +138,18 @@ class FusedSafeLogProbs(torch.autograd.Function):
         sparse_ok = hidden.dtype in (torch.float32, torch.float64)
         sparse_chunks: list[_SparseChunk] = []
 
-        if n_rows:
+        # ---- backend hook (issue 7): Triton kernels fold every chunk (safevocab/kernels) ----
+        if backend == "triton":
+            from safevocab.kernels.fused import triton_forward
+
+            stats = (target_logit, lse_safe, lse_full, threshold, entropy, in_safe, safe_size)
+            density = SPARSE_MAX_DENSITY if sparse_ok else None
+            sparse_chunks = triton_forward(hidden, weight, bias, targets, rule, transform, chunk_rows, stats, density)
+        # ---- end of backend hook; the torch loop below runs for backend == "torch" only ----
+        elif n_rows:
             logits_of = _ChunkLogits(hidden, weight, bias, transform, min(chunk_rows, n_rows))
             drop_buf = torch.empty(min(chunk_rows, n_rows), vocab, device=device, dtype=torch.bool)
-        for start in range(0, n_rows, chunk_rows):
+        for start in range(0, n_rows if backend == "torch" else 0, chunk_rows):
             rows = slice(start, min(start + chunk_rows, n_rows))
             n = rows.stop - start
             z = logits_of(hidden[rows])
@@ -174,6 +186,7 @@ class FusedSafeLogProbs(torch.autograd.Function):
         ctx.sparse_chunks = sparse_chunks
         ctx.transform = transform
         ctx.chunk_rows = chunk_rows
+        ctx.backend, ctx.rule = backend, rule
         ctx.mark_non_differentiable(in_safe, safe_size)
         return logprobs, log_kept, entropy, in_safe, safe_size
 
@@ -182,7 +195,7 @@ class FusedSafeLogProbs(torch.autograd.Function):
         hidden, weight, bias, targets, threshold, lse_safe, lse_full, in_safe, entropy = ctx.saved_tensors
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         if grad_logprobs is None and grad_log_kept is None and grad_entropy is None:
-            return (None,) * 8
+            return (None,) * 9
         n_rows, stat = hidden.shape[0], lse_safe.dtype
 
         # Per-row coefficients of the logits gradient
@@ -218,7 +231,13 @@ class FusedSafeLogProbs(torch.autograd.Function):
             _sparse_backward(chunk, hidden, weight, coef, dense_rows, ctx.transform, grads)
         dense_idx = dense_rows.nonzero().squeeze(-1)
         if dense_idx.numel():
-            _dense_backward(dense_idx, hidden, weight, bias, coef, ctx.transform, ctx.chunk_rows, grads)
+            if ctx.backend == "triton":  # backend hook (issue 7): the logits gradient from a Triton kernel
+                from safevocab.kernels.fused import triton_dense_backward
+
+                args = (dense_idx, hidden, weight, bias, coef, ctx.transform, ctx.chunk_rows, grads)
+                triton_dense_backward(*args, ctx.rule)
+            else:
+                _dense_backward(dense_idx, hidden, weight, bias, coef, ctx.transform, ctx.chunk_rows, grads)
 
         return (
             grad_hidden,
@@ -229,6 +248,7 @@ class FusedSafeLogProbs(torch.autograd.Function):
             None,
             None,
             None,
+            None,  # backend
         )
 
 

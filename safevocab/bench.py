@@ -6,10 +6,19 @@ same seeded inputs, each in a fresh subprocess so that its peak memory is its ow
 - ``floor``: the three bare LM-head GEMMs (``h W^T`` forward, ``G W`` and ``G^T h`` backward);
 - ``fused``: :func:`safevocab.fused_safe_logprobs` with the chosen rule;
 - ``naive``: materialised ``h W^T`` followed by :func:`safevocab.safe_log_softmax` under autograd;
-- ``trl``: trl's unmasked ``ChunkedLogProbFunction`` (only when trl is installed).
+- ``trl``: trl's unmasked ``ChunkedLogProbFunction`` (only when trl is installed; on CUDA it runs trl's
+  Triton fold kernels);
+- ``fused_torch`` (CUDA default): the fused path forced to ``backend="torch"``, so ``fused / fused_torch`` is
+  what the Triton kernels buy (``fused`` uses ``--backend``, default ``auto``: Triton on CUDA);
+- ``liger`` (CUDA default, when ``liger_kernel`` imports): Liger-Kernel's ``LigerFusedLinearGRPOLoss``
+  (temperature only, no pruning; ``beta=0``, on-policy) on the same rows viewed as ``[N / T, T]`` sequences.
+
+``--preset gpu`` sets ``--device cuda --n 16384 --h 4096 --v 151936 --dtype bfloat16``, a 1 GiB chunk
+budget and the variants ``floor,fused,fused_torch,trl,liger`` (explicit flags still win). Comparison
+variants that fail (missing package, out of memory) are reported in the table instead of stopping the run.
 
 It prints time (best of ``--repeats``, the usual guard against a busy machine; the JSON has the median too) and peak extra memory (over the inputs) of each, and the
-ratios ``fused / floor``, ``fused / naive``, ``fused / trl``. Timings are ratios from one run on one
+ratios of ``fused`` to each other variant that ran. Timings are ratios from one run on one
 machine; tests never assert them.
 
 This module imports trl lazily, and only to time it: ``safevocab`` itself never depends on trl.
@@ -28,7 +37,22 @@ from collections.abc import Callable
 
 import torch
 
-VARIANTS = ("floor", "fused", "naive", "trl")
+VARIANTS = ("floor", "fused", "fused_torch", "naive", "trl", "liger")
+#: Variants run when ``--variants`` is not given, per device type.
+DEFAULT_VARIANTS = {
+    "cpu": ("floor", "fused", "naive", "trl"),
+    "cuda": ("floor", "fused", "fused_torch", "naive", "trl", "liger"),
+}
+#: Comparison variants whose failure is reported in the table rather than raised.
+_OPTIONAL = ("naive", "trl", "liger")
+#: ``--preset`` values: defaults for the size flags (explicit flags override them).
+PRESETS = {
+    # naive left out: its materialised fp32 [N, V] logits and temporaries alone exceed 40 GB at this size
+    "gpu": {
+        "device": "cuda", "n": 16384, "h": 4096, "v": 151936, "dtype": "bfloat16", "max_chunk_bytes": 2**30,
+        "variants": "floor,fused,fused_torch,trl,liger",
+    },
+}
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -71,11 +95,12 @@ def _make_step(variant: str, args: argparse.Namespace, device: torch.device) -> 
             grad_logits.t() @ h
 
         return step
-    if variant == "fused":
+    if variant in ("fused", "fused_torch"):
+        backend = args.backend if variant == "fused" else "torch"
 
         def step() -> None:
             out = fused_safe_logprobs(
-                hidden, weight, targets, args.rule, max_chunk_bytes=args.max_chunk_bytes
+                hidden, weight, targets, args.rule, max_chunk_bytes=args.max_chunk_bytes, backend=backend
             ).logprobs
             out.backward(grad_out)
 
@@ -95,7 +120,34 @@ def _make_step(variant: str, args: argparse.Namespace, device: torch.device) -> 
             logprobs.backward(grad_out)
 
         return step
+    if variant == "liger":
+        return _liger_step(args, hidden, weight, targets)
     raise ValueError(f"variant={variant!r}: accepted one of {VARIANTS}")
+
+
+def _liger_step(args: argparse.Namespace, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor):
+    """Liger's fused linear GRPO loss on the same rows, as ``[B, T]`` sequences (``T = --liger-seq-len``).
+
+    ``beta=0`` (no reference model) and no old log-probabilities (on-policy ratio 1), so the head's work is
+    what is timed: Liger streams 2048-token x 4096-vocab tiles and computes the gradients inside its forward;
+    ``backward`` only scales them. ``compiled=False``: its loss math is elementwise on ``[B, T]``, negligible
+    next to the GEMMs, and skipping ``torch.compile`` keeps the comparison free of compile-time effects.
+    """
+    from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
+
+    seq = args.liger_seq_len if args.n % args.liger_seq_len == 0 else args.n
+    batch = args.n // seq
+    loss_fn = LigerFusedLinearGRPOLoss(beta=0.0, use_ref_model=False, compiled=False, loss_type="grpo")
+    gen = torch.Generator(device="cpu").manual_seed(args.seed + 1)
+    advantages = torch.randn(batch, generator=gen).to(hidden.device)
+    mask = torch.ones(batch, seq, device=hidden.device, dtype=torch.long)
+    h3, y2 = hidden.view(batch, seq, -1), targets.view(batch, seq)
+
+    def step() -> None:
+        loss, _metrics = loss_fn(h3, weight, y2, mask, advantages)
+        loss.backward()
+
+    return step
 
 
 def _trl_function():
@@ -108,6 +160,16 @@ def _trl_available() -> bool:
     try:
         _trl_function()
     except Exception:  # trl missing or broken: the comparison is skipped, and the table says so
+        return False
+    return True
+
+
+def _liger_available() -> bool:
+    try:
+        import importlib
+
+        importlib.import_module("liger_kernel.chunked_loss")
+    except Exception:  # liger_kernel missing or broken: the comparison is skipped, and the table says so
         return False
     return True
 
@@ -156,6 +218,10 @@ def _run_worker(variant: str, argv: list[str]) -> dict:
     cmd = [sys.executable, "-m", "safevocab.bench", *argv, "--_worker", variant]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=os.environ.copy())
     if proc.returncode != 0:
+        if variant in _OPTIONAL:  # a comparison that cannot run here (e.g. out of memory): say so in the table
+            last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+            print(f"benchmark worker {variant!r} failed:\n{proc.stderr[-4000:]}", file=sys.stderr)
+            return {"variant": variant, "error": last[:200]}
         raise RuntimeError(f"benchmark worker {variant!r} failed:\n{proc.stderr[-4000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -172,7 +238,16 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--max-chunk-bytes", dest="max_chunk_bytes", type=int, default=None,
                    help="fused chunk budget in bytes (default: the library default)")
-    p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma list of {','.join(VARIANTS)}")
+    p.add_argument("--variants", default=None,
+                   help=f"comma list of {','.join(VARIANTS)}; default {','.join(DEFAULT_VARIANTS['cpu'])} "
+                   f"on CPU, {','.join(DEFAULT_VARIANTS['cuda'])} on CUDA")
+    p.add_argument("--backend", choices=("auto", "torch", "triton"), default="auto",
+                   help="backend of the `fused` variant (default auto: Triton on CUDA, torch on CPU)")
+    p.add_argument("--preset", choices=sorted(PRESETS), default=None,
+                   help="gpu: --device cuda --n 16384 --h 4096 --v 151936 --dtype bfloat16 --max-chunk-bytes 2**30 "
+                   "--variants floor,fused,fused_torch,trl,liger (explicit flags override)")
+    p.add_argument("--liger-seq-len", dest="liger_seq_len", type=int, default=1024,
+                   help="sequence length T of the `liger` variant's [N / T, T] batch, default 1024")
     p.add_argument("--json", dest="json_path", default=None, help="also write the results to this JSON file")
     p.add_argument("--_worker", default=None, help=argparse.SUPPRESS)
     return p
@@ -181,7 +256,8 @@ def _parser() -> argparse.ArgumentParser:
 def _format_table(args: argparse.Namespace, results: dict[str, dict]) -> str:
     lines = [
         f"safevocab.bench  N={args.n} H={args.h} V={args.v} dtype={args.dtype} rule={args.rule} "
-        f"device={args.device} threads={torch.get_num_threads()} repeats={args.repeats}",
+        f"device={_device_name(args.device)} threads={torch.get_num_threads()} repeats={args.repeats} "
+        f"backend={args.backend} max_chunk_bytes={args.max_chunk_bytes}",
         "",
         "| variant | fwd+bwd time (s) | peak extra memory (MiB) |",
         "|---|---:|---:|",
@@ -189,22 +265,45 @@ def _format_table(args: argparse.Namespace, results: dict[str, dict]) -> str:
     for name in VARIANTS:
         if name in results:
             r = results[name]
-            lines.append(f"| {name} | {r['seconds']:.3f} | {r['peak_bytes'] / 2**20:.0f} |")
+            if "error" in r:
+                lines.append(f"| {name} | failed: {r['error']} | |")
+            else:
+                lines.append(f"| {name} | {r['seconds']:.3f} | {r['peak_bytes'] / 2**20:.0f} |")
     lines += ["", "| ratio | time | peak memory |", "|---|---:|---:|"]
     fused = results.get("fused")
-    for other in ("floor", "naive", "trl"):
-        if fused and other in results:
+    if fused and "error" in fused:
+        fused = None
+    for other in ("floor", "fused_torch", "naive", "trl", "liger"):
+        if fused and other in results and "error" not in results[other]:
             r = results[other]
             mem = fused["peak_bytes"] / r["peak_bytes"] if r["peak_bytes"] > 0 else float("nan")
             lines.append(f"| fused / {other} | {fused['seconds'] / r['seconds']:.2f} | {mem:.3f} |")
-    if "trl" not in results and "trl" in args.variants.split(","):
-        lines.append("| fused / trl | (trl not installed) | |")
+    for other, package in (("trl", "trl"), ("liger", "liger_kernel")):
+        if other not in results and other in args.variants.split(","):
+            lines.append(f"| fused / {other} | ({package} not installed) | |")
     return "\n".join(lines)
+
+
+def _device_name(device: str) -> str:
+    if device.startswith("cuda") and torch.cuda.is_available():
+        return f"{device} ({torch.cuda.get_device_name(torch.device(device))})"
+    return device
+
+
+def _parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = _parser()
+    preset = parser.parse_args(argv).preset
+    if preset is not None:
+        parser.set_defaults(**PRESETS[preset])  # explicit flags still override these
+    args = parser.parse_args(argv)
+    if args.variants is None:
+        args.variants = ",".join(DEFAULT_VARIANTS["cuda" if args.device.startswith("cuda") else "cpu"])
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = _parser().parse_args(argv)
+    args = _parse_args(argv)
     if args.max_chunk_bytes is None:
         from safevocab.logprobs import DEFAULT_MAX_CHUNK_BYTES
 
@@ -218,6 +317,8 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"--variants: unknown {unknown}; accepted {','.join(VARIANTS)}")
     if "trl" in variants and not _trl_available():
         variants.remove("trl")
+    if "liger" in variants and not _liger_available():
+        variants.remove("liger")
     from safevocab.rules import parse_rule
 
     parse_rule(args.rule)  # fail fast on a bad rule, before any worker starts

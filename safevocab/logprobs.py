@@ -225,8 +225,9 @@ def fused_safe_logprobs(
         compute_entropy: also return the entropy of ``pi_S``.
         max_chunk_bytes: memory budget for one chunk's scratch (default 64 MiB). Peak extra memory
             is about this plus an fp32 ``[V, H]`` weight-gradient accumulator.
-        backend: ``"auto"`` (the torch path today; Triton on CUDA once the kernels land), ``"torch"``,
-            or ``"triton"`` (not available yet: raises).
+        backend: ``"auto"`` (Triton kernels when the tensors are on CUDA and ``triton`` imports, else
+            torch), ``"torch"``, or ``"triton"`` (forces the kernels; CPU tensors only under Triton's
+            interpreter, ``TRITON_INTERPRET=1``). See :mod:`safevocab.kernels`.
 
     Returns:
         :class:`SafeLogProbs` of shape ``[...]`` (the targets' shape). ``logprobs``, ``log_kept_mass``
@@ -256,8 +257,10 @@ def fused_safe_logprobs(
         raise ValueError(f"max_chunk_bytes={max_chunk_bytes!r} is out of range: accepted an integer > 0")
     if backend not in _BACKENDS:
         raise ValueError(f"backend={backend!r} is not accepted: accepted one of {_BACKENDS}")
-    if backend == "triton":
-        raise ValueError("backend='triton' is not available in this version: use 'auto' or 'torch'")
+    # backend hook (issue 7): "auto"/"triton" -> "torch" or "triton"; raises on an unusable "triton"
+    from safevocab.kernels import resolve_backend, triton_chunk_rows
+
+    backend = resolve_backend(backend, hidden.device)
     rule = _as_rule(rule)
 
     out_shape = targets.shape
@@ -266,9 +269,10 @@ def fused_safe_logprobs(
     if bias is not None:
         bias = bias.to(hidden.dtype)
     transform = Transform(float(temperature), None if softcap is None else float(softcap), float(logit_scale))
-    chunk_rows = chunk_rows_for(hidden2d.shape[0], vocab, rule, hidden.element_size(), max_chunk_bytes)
+    rows_for = triton_chunk_rows if backend == "triton" else chunk_rows_for  # the kernels need less scratch
+    chunk_rows = rows_for(hidden2d.shape[0], vocab, rule, hidden.element_size(), max_chunk_bytes)
     logprobs, log_kept, entropy, in_safe, safe_size = FusedSafeLogProbs.apply(
-        hidden2d, weight, bias, flat_targets, rule, transform, compute_entropy, chunk_rows
+        hidden2d, weight, bias, flat_targets, rule, transform, compute_entropy, chunk_rows, backend
     )
     return SafeLogProbs(
         logprobs=logprobs.reshape(out_shape),

@@ -3,7 +3,8 @@
 #
 #   bash scripts/main.sh [ARGS...]     # ARGS are passed to the main job
 #
-# The main job is the core benchmark for now (it prints a table of timings and memory ratios).
+# The main job: `safevocab-grpo` with no arguments runs GRPO with Dynamic Vocabulary Pruning on the
+# bundled tiny model and arithmetic task (a few minutes on a CPU) and prints a summary.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -13,8 +14,8 @@ cd "${ROOT}"
 # shellcheck source=scripts/setup_env.sh
 source "${ROOT}/scripts/setup_env.sh"
 
-# The main job, one line: becomes `MAIN_JOB=(safevocab-grpo)` once the TRL command line exists.
-MAIN_JOB=(python -m safevocab.bench)
+# The main job, one line (the core benchmark is `python -m safevocab.bench`).
+MAIN_JOB=(safevocab-grpo)
 
 echo "[main] ${MAIN_JOB[*]} $*" >&2
 exec "${MAIN_JOB[@]}" "$@"

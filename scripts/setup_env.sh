@@ -16,7 +16,7 @@
 # Environment:
 #   PYTHON               interpreter used to create the venv (default: python3; needs >= 3.10)
 #   SAFEVOCAB_VENV       venv location (default: <repo>/.venv)
-#   SAFEVOCAB_EXTRAS     extras to install (default: trl,test,docs)
+#   SAFEVOCAB_EXTRAS     extras to install (default: trl,test,docs,triton)
 #   SAFEVOCAB_TORCH      torch requirement to install first, overriding the detection above
 #                        (e.g. "torch==2.13.0", or "skip" to never touch torch)
 #   SAFEVOCAB_FORCE_SETUP=1  reinstall even when the stamp matches
@@ -41,7 +41,7 @@ set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${SAFEVOCAB_VENV:-${ROOT}/.venv}"
-EXTRAS="${SAFEVOCAB_EXTRAS:-trl,test,docs}"
+EXTRAS="${SAFEVOCAB_EXTRAS:-trl,test,docs,triton}"
 PYTHON_BIN="${PYTHON:-python3}"
 CPU_TORCH="torch==2.13.0"
 

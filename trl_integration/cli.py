@@ -6,6 +6,7 @@ of :class:`SafeVocabScriptArguments` is a ``--flag``; ``--config file.yaml`` set
 
 Examples::
 
+    safevocab-grpo          # the main job: DVP on the bundled tiny model and the arithmetic task
     safevocab-grpo --model_name_or_path ./my-model --dataset_name synthetic \\
         --safe_vocab_rule min_p=0.05 --max_steps 2 --output_dir /tmp/run
     safevocab-grpo --config run.yaml --safe_vocab_rule "top_k=50,min_p=0.01"
@@ -23,6 +24,26 @@ from trl import ModelConfig, ScriptArguments, TrlParser
 
 from trl_integration.config import SafeVocabGRPOConfig
 from trl_integration.data import SYNTHETIC_DATASET_NAME, repeat_char_reward, synthetic_dataset
+
+#: ``--dataset_name arithmetic``: the bundled model's task (``trl_integration.tasks.arithmetic``).
+ARITHMETIC_DATASET_NAME = "arithmetic"
+
+#: Settings of the main job (no ``--model_name_or_path`` and no ``--config``): GRPO with DVP on the bundled
+#: tiny model and the arithmetic task (200 steps of 8 prompts x 8 completions). Every flag still overrides them.
+BUNDLED_JOB_DEFAULTS = dict(
+    dataset_name=ARITHMETIC_DATASET_NAME,
+    output_dir="runs/safevocab-grpo-tiny-arith",
+    max_steps=200,
+    per_device_train_batch_size=64,
+    num_generations=8,
+    max_completion_length=8,
+    learning_rate=1e-4,
+    beta=0.0,
+    logging_steps=5,
+    save_strategy="no",
+    report_to="none",
+    seed=0,
+)
 
 __all__ = ["SafeVocabScriptArguments", "make_parser", "main", "run", "load_train_dataset", "resolve_reward_funcs"]
 
@@ -53,6 +74,17 @@ class SafeVocabScriptArguments(ScriptArguments):
         default=64,
         metadata={"help": f"Number of prompts of the built-in dataset (--dataset_name {SYNTHETIC_DATASET_NAME})."},
     )
+    arithmetic_num_prompts: int = field(
+        default=4096,
+        metadata={"help": f"Training prompts of the arithmetic task (--dataset_name {ARITHMETIC_DATASET_NAME})."},
+    )
+    eval_num_prompts: int = field(
+        default=300,
+        metadata={
+            "help": "Held-out arithmetic problems scored (greedy) before and after training for the summary; "
+            "0 skips the evaluation."
+        },
+    )
 
 
 def make_parser(prog: str | None = "safevocab-grpo") -> TrlParser:
@@ -69,6 +101,11 @@ def make_parser(prog: str | None = "safevocab-grpo") -> TrlParser:
     return parser
 
 
+def bundled_job_requested(argv: list[str]) -> bool:
+    """No model and no config file given: run the main job on the bundled tiny model."""
+    return not any(a.split("=")[0] in ("--model_name_or_path", "--config") for a in argv)
+
+
 def load_train_dataset(script_args: SafeVocabScriptArguments):
     """``(train, eval-or-None)`` datasets for ``--dataset_name``.
 
@@ -82,6 +119,10 @@ def load_train_dataset(script_args: SafeVocabScriptArguments):
     name = script_args.dataset_name
     if name == SYNTHETIC_DATASET_NAME:
         return synthetic_dataset(script_args.synthetic_num_prompts), None
+    if name == ARITHMETIC_DATASET_NAME:
+        from trl_integration.tasks.arithmetic import make_dataset
+
+        return make_dataset(script_args.arithmetic_num_prompts, seed=0, split="train"), None
     builders = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
     if os.path.isdir(name) and any(
         os.path.exists(os.path.join(name, f)) for f in ("dataset_info.json", "state.json", "dataset_dict.json")
@@ -113,6 +154,8 @@ def resolve_reward_funcs(script_args: SafeVocabScriptArguments) -> list:
     if not names and script_args.reward_model_name_or_path is None:
         if script_args.dataset_name == SYNTHETIC_DATASET_NAME:
             names = ["repeat_char_reward"]
+        elif script_args.dataset_name == ARITHMETIC_DATASET_NAME:
+            names = ["arithmetic_reward"]
         else:
             raise ValueError(
                 "--reward_funcs is required (e.g. --reward_funcs accuracy_reward, or a dotted path "
@@ -124,6 +167,10 @@ def resolve_reward_funcs(script_args: SafeVocabScriptArguments) -> list:
     for name in names:
         if name == "repeat_char_reward":
             funcs.append(repeat_char_reward)
+        elif name == "arithmetic_reward":
+            from trl_integration.tasks.arithmetic import arithmetic_reward
+
+            funcs.append(arithmetic_reward)
         elif name in ("accuracy_reward", "reasoning_accuracy_reward", "think_format_reward"):
             funcs.append(getattr(importlib.import_module("trl.rewards"), name))
         elif "." in name:
@@ -156,7 +203,13 @@ def _fail(message: str) -> None:
 
 def run(argv: list[str] | None = None):
     """Parse ``argv`` (default: ``sys.argv[1:]``), train, save, and return the trainer."""
+    argv = list(sys.argv[1:] if argv is None else argv)
     parser = make_parser()
+    bundled = bundled_job_requested(argv)
+    if bundled:
+        from trl_integration.assets import tiny_model_path
+
+        parser.set_defaults(model_name_or_path=str(tiny_model_path()), **BUNDLED_JOB_DEFAULTS)
     script_args, training_args, model_args = parser.parse_args_and_config(args=argv)
     if not model_args.model_name_or_path:
         _fail(MISSING_MODEL_MESSAGE + _bundled_model_hint())
@@ -197,10 +250,27 @@ def run(argv: list[str] | None = None):
         quantization_config=get_quantization_config(model_args),
         peft_config=get_peft_config(model_args),
     )
+    evaluate = _arithmetic_evaluator(script_args, trainer)
+    before = evaluate() if evaluate else None
     trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+    after = evaluate() if evaluate else None
     trainer.save_model(training_args.output_dir)
-    trainer.accelerator.print(f"Model saved to {training_args.output_dir}")
+    if trainer.accelerator.is_main_process:
+        from trl_integration.summary import print_run_summary
+
+        print_run_summary(trainer, accuracy_before=before, accuracy_after=after)
     return trainer
+
+
+def _arithmetic_evaluator(script_args: SafeVocabScriptArguments, trainer):
+    """Greedy held-out accuracy on the arithmetic task (``None`` for other datasets or with 0 prompts)."""
+    if script_args.dataset_name != ARITHMETIC_DATASET_NAME or script_args.eval_num_prompts <= 0:
+        return None
+    from trl_integration.tasks.arithmetic import accuracy, make_dataset
+
+    test = make_dataset(script_args.eval_num_prompts, seed=1, split="test")
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    return lambda: accuracy(model, trainer.processing_class, test)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import warnings
 from dataclasses import dataclass, field
 
@@ -12,7 +13,7 @@ from safevocab import MinProb, SafeVocabRule, parse_rule
 from safevocab.schedulers import SurgeDetector
 from trl_integration.correction import IS_MODES
 from trl_integration.metrics import DEFAULT_BUCKETS
-from trl_integration.rollout import ROLLOUT_DTYPES, UNSUPPORTED_SAMPLING_KWARGS, sampler_rule
+from trl_integration.rollout import NOISE_KINDS, ROLLOUT_DTYPES, UNSUPPORTED_SAMPLING_KWARGS, sampler_rule
 
 __all__ = ["SafeVocabGRPOConfig", "OUT_OF_SET_MODES", "DEFAULT_RULE"]
 
@@ -61,6 +62,20 @@ class SafeVocabGRPOConfig(GRPOConfig):
             Edges of the probability buckets of the `mismatch/*/p=lo-hi` metrics.
         safe_vocab_max_chunk_bytes (`int`, defaults to 64 MiB):
             Scratch memory budget of one chunk of the fused safe log-softmax.
+        rollout_logit_noise (`float`, defaults to `0.0`):
+            Mismatch lab: a hard bound ε on a seeded perturbation δ (|δ_i| ≤ ε) added to the `generate`
+            rollout's transformed logits before the rule and the softmax; tokens are sampled from, and rollout
+            log-probabilities recorded under, the perturbed distribution. `0` disables it. Generate path only.
+        rollout_logit_noise_kind (`str`, defaults to `"uniform"`):
+            Distribution of δ: `"uniform"` (U[-ε, ε]) or `"clipped_gaussian"` (N(0, (ε/2)²) clipped to ±ε).
+        rollout_noise_seed (`int`, defaults to `0`):
+            Seed of the noise's private generator (plus the process index), independent of the sampling RNG.
+        zero_mismatch (`bool`, defaults to `False`):
+            Mismatch lab: replace the rollout log-probabilities by the training engine's own scoring of the
+            sampled tokens, so that rollout and training log-probabilities are bit-identical (importance ratio
+            exactly 1, every `mismatch/*` gap exactly 0). The gap measured before the replacement is logged
+            under `mismatch/removed/*`. The tokens are still sampled by `generate`, whose float-level
+            differences stay in the sampling itself (see docs/mismatch.md). Generate path only.
     """
 
     safe_vocab_rule: str = field(
@@ -115,6 +130,36 @@ class SafeVocabGRPOConfig(GRPOConfig):
     safe_vocab_max_chunk_bytes: int = field(
         default=64 * 2**20,
         metadata={"help": "Scratch memory budget (bytes) of one chunk of the fused safe log-softmax."},
+    )
+
+    # --- mismatch lab (docs/mismatch.md) ---------------------------------------------------------------
+    rollout_logit_noise: float = field(
+        default=0.0,
+        metadata={
+            "help": "Mismatch lab: hard bound eps (>= 0) of a seeded perturbation |delta_i| <= eps added to the "
+            "generate rollout's transformed logits before the rule and softmax (tokens are sampled from the "
+            "perturbed distribution). 0 disables it. Generate path only."
+        },
+    )
+    rollout_logit_noise_kind: str = field(
+        default="uniform",
+        metadata={
+            "help": "Distribution of the injected logit noise: 'uniform' (U[-eps, eps]) or 'clipped_gaussian' "
+            "(N(0, (eps/2)^2) clipped to +-eps).",
+            "choices": list(NOISE_KINDS),
+        },
+    )
+    rollout_noise_seed: int = field(
+        default=0,
+        metadata={"help": "Seed of the injected logit noise (its own generator; sampling RNG untouched)."},
+    )
+    zero_mismatch: bool = field(
+        default=False,
+        metadata={
+            "help": "Mismatch lab: use the training engine's own scoring of the sampled tokens as rollout "
+            "log-probabilities (bit-identical: importance ratio exactly 1). The gap measured before the "
+            "replacement is logged under mismatch/removed/*. Generate path only."
+        },
     )
 
     length_decay: bool = field(
@@ -197,6 +242,7 @@ class SafeVocabGRPOConfig(GRPOConfig):
             self.generation_kwargs = json.loads(self.generation_kwargs)
         self._check_generation_kwargs(rule)
         self._check_rollout_paths()
+        self._check_mismatch_lab()
 
     # ------------------------------------------------------------------------------------------------------
     @property
@@ -321,6 +367,48 @@ class SafeVocabGRPOConfig(GRPOConfig):
                         f"recorder cannot reproduce: set it to {neutral!r} or set rollout_logprobs=False"
                     )
 
+    def _check_mismatch_lab(self) -> None:
+        """Controlled-mismatch settings (``rollout_logit_noise*``, ``zero_mismatch``) and fp16 on CPU."""
+        noise = self.rollout_logit_noise
+        if isinstance(noise, bool) or not isinstance(noise, (int, float)) or not math.isfinite(noise) or noise < 0:
+            raise ValueError(f"rollout_logit_noise={noise!r} is out of range: accepted a finite float >= 0")
+        self.rollout_logit_noise = float(noise)
+        if self.rollout_logit_noise_kind not in NOISE_KINDS:
+            raise ValueError(
+                f"rollout_logit_noise_kind={self.rollout_logit_noise_kind!r} is not accepted: accepted one of "
+                f"{NOISE_KINDS}"
+            )
+        if not isinstance(self.rollout_noise_seed, int) or isinstance(self.rollout_noise_seed, bool):
+            raise ValueError(f"rollout_noise_seed={self.rollout_noise_seed!r} is not accepted: accepted an integer")
+        other_path = (
+            "use_vllm=True" if self.use_vllm else
+            "use_transformers_continuous_batching=True" if self.use_transformers_continuous_batching else None
+        )
+        if noise > 0 and other_path:
+            raise ValueError(
+                f"rollout_logit_noise={noise!r} perturbs the plain generate rollouts only, not {other_path}: set "
+                "rollout_logit_noise=0 or use the generate path"
+            )
+        if self.zero_mismatch:
+            if noise > 0:
+                raise ValueError(
+                    f"zero_mismatch=True with rollout_logit_noise={noise!r} is contradictory: zero_mismatch replaces "
+                    "the rollout log-probabilities by the training ones, which would hide the injected noise. Set "
+                    "one of them only."
+                )
+            if other_path:
+                raise ValueError(
+                    f"zero_mismatch=True is implemented on the plain generate path only, not with {other_path}"
+                )
+        if self.fp16 and not _has_fp16_amp_device(self):
+            warnings.warn(
+                "fp16=True on a machine without a CUDA/XPU/MPS accelerator (or with use_cpu=True): accelerate runs "
+                "neither fp16 autocast nor loss scaling on CPU, so training runs in the model's own dtype. Load "
+                "the model in float16 (model_init_kwargs={'dtype': 'float16'}) to exercise fp16 weights on CPU.",
+                UserWarning,
+                stacklevel=4,
+            )
+
     def _check_rollout_paths(self) -> None:
         correction = self.vllm_importance_sampling_correction
         if self.use_vllm:
@@ -355,3 +443,18 @@ class SafeVocabGRPOConfig(GRPOConfig):
                 "loss_type='vespo' requires vllm_importance_sampling_mode 'token_truncate' or 'token_mask', got "
                 f"{self.vllm_importance_sampling_mode!r}"
             )
+
+
+def _has_fp16_amp_device(args) -> bool:
+    """Whether accelerate can run fp16 mixed precision (autocast + GradScaler) here: any non-CPU device."""
+    import torch
+
+    if getattr(args, "use_cpu", False):
+        return False
+    xpu = getattr(torch, "xpu", None)
+    mps = getattr(torch.backends, "mps", None)
+    return bool(
+        torch.cuda.is_available()
+        or (xpu is not None and xpu.is_available())
+        or (mps is not None and mps.is_available())
+    )

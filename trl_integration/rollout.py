@@ -1,25 +1,33 @@
 """Rollout log-probabilities and rollout precision on the transformers ``generate`` path (no vLLM).
 
 trl's plain ``generate`` path returns no log-probabilities, so neither the importance-sampling correction nor any
-training–inference mismatch diagnostic can run without vLLM. :class:`RolloutLogprobRecorder` is a
+training–inference mismatch diagnostic can run without vLLM. `RolloutLogprobRecorder` is a
 ``LogitsProcessor`` that records, during KV-cached decoding and in the rollout's own precision, the
 log-probability of every sampled token under the distribution the sampler actually drew from:
 
 - HF ``generate`` runs custom logits processors *before* its sampling warpers (temperature, top-k, top-p, min-p),
   so the recorder sees the model's scores after any penalties but before truncation;
 - it keeps one step's scores, and when the next step reveals the sampled token it applies
-  :func:`safevocab.safe_log_softmax` with the sampler's own rule and temperature, i.e. ``log pi_S(y)``
+  `safevocab.safe_log_softmax` with the sampler's own rule and temperature, i.e. ``log pi_S(y)``
   renormalised over the sampler's kept set — the same quantity vLLM returns with
   ``logprobs_mode="processed_logprobs"``.
 
 Memory is one ``[batch, vocab]`` fp32 buffer, not the ``[batch, steps, vocab]`` of ``output_scores=True``.
 
-:func:`rollout_precision` runs generation in a chosen dtype without touching the fp32 master weights
-(autocast down, lossless temporary upcast up), to study or reproduce precision-induced mismatch.
+Controlled mismatch (the mismatch lab, docs/mismatch.md):
+
+- `rollout_precision` runs generation in a chosen dtype without touching the fp32 master weights
+  (autocast down, lossless temporary upcast up), to study or reproduce precision-induced mismatch;
+- `LogitNoiseProcessor` adds a seeded perturbation ``delta`` with a hard bound ``|delta_i| <= eps`` to
+  the sampler's transformed logits. Placed before the recorder, the tokens are *sampled* from the perturbed
+  distribution and the recorded rollout log-probabilities are those of the perturbed distribution, so the
+  mismatch against the training engine obeys ``|log pi - log mu| <= log(p + (1 - p) e^{2 eps})`` (plus the
+  engines' own float-level differences).
 """
 
 from __future__ import annotations
 
+import math
 from contextlib import contextmanager, nullcontext
 
 import torch
@@ -30,8 +38,11 @@ from safevocab.rules import Intersection
 
 __all__ = [
     "ROLLOUT_DTYPES",
+    "NOISE_KINDS",
     "UNSUPPORTED_SAMPLING_KWARGS",
     "RolloutLogprobRecorder",
+    "LogitNoiseProcessor",
+    "logit_noise",
     "sampler_rule",
     "sampler_rule_from_generation_config",
     "rollout_precision",
@@ -45,6 +56,9 @@ ROLLOUT_DTYPES: dict[str, torch.dtype | None] = {
     "bfloat16": torch.bfloat16,
     "float16": torch.float16,
 }
+
+#: Distributions of the injected logit noise (`LogitNoiseProcessor`).
+NOISE_KINDS = ("uniform", "clipped_gaussian")
 
 #: Sampling settings that change the distribution after the recorder sees the scores and that it cannot
 #: reproduce, with the value that disables each.
@@ -104,7 +118,7 @@ class RolloutLogprobRecorder(LogitsProcessor):
         rule: the sampler's rule (``sampler_rule_from_generation_config``), applied on the recorded scores.
         temperature: the sampler's temperature.
 
-    After ``generate`` returns, call :meth:`finalize` with the returned sequences; :attr:`logprobs` is then the
+    After ``generate`` returns, call `finalize` with the returned sequences; `logprobs` is then the
     fp32 ``[batch, generated_steps]`` tensor (positions after a sequence finished hold the pad token's value and
     are masked by the caller).
     """
@@ -164,6 +178,102 @@ class RolloutLogprobRecorder(LogitsProcessor):
         return [rows[i, : len(ids)].tolist() for i, ids in enumerate(completion_ids)]
 
 
+def logit_noise(
+    shape: tuple[int, ...] | torch.Size,
+    eps: float,
+    kind: str = "uniform",
+    generator: torch.Generator | None = None,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """A random logit perturbation ``delta`` of the given shape with ``|delta_i| <= eps`` for every entry.
+
+    - ``"uniform"``: ``delta_i ~ U[-eps, eps]`` independently;
+    - ``"clipped_gaussian"``: ``delta_i = clamp(N(0, (eps / 2)^2), -eps, eps)`` (about 4.6% of the entries sit
+      on the clip at ``±eps``).
+
+    Args:
+        shape: output shape, e.g. ``[batch, vocab]``.
+        eps: the hard bound, finite and ``>= 0``.
+        kind: one of `NOISE_KINDS`.
+        generator: a ``torch.Generator`` on ``device`` (for reproducible draws); ``None`` uses the global RNG.
+        device: where to draw (the generator's device when ``None``).
+        dtype: floating dtype of the result.
+
+    Returns:
+        The perturbation tensor.
+
+    Raises:
+        ValueError: on a negative or non-finite ``eps`` or an unknown ``kind``.
+    """
+    if not (isinstance(eps, (int, float)) and math.isfinite(eps) and eps >= 0):
+        raise ValueError(f"eps={eps!r} is out of range: accepted a finite float >= 0")
+    if kind not in NOISE_KINDS:
+        raise ValueError(f"kind={kind!r} is not accepted: accepted one of {NOISE_KINDS}")
+    if device is None and generator is not None:
+        device = generator.device
+    if kind == "uniform":
+        delta = (torch.rand(shape, generator=generator, device=device, dtype=dtype) * 2.0 - 1.0) * eps
+    else:
+        delta = torch.randn(shape, generator=generator, device=device, dtype=dtype) * (eps / 2.0)
+    # The clamp makes the bound hard for both kinds, at the largest value of `dtype` that is <= eps (eps itself
+    # may round up: float32(0.3) > 0.3).
+    bound = torch.tensor(eps, dtype=dtype, device=delta.device)
+    if float(bound) > eps:
+        bound = torch.nextafter(bound, torch.zeros_like(bound))
+    return torch.minimum(torch.maximum(delta, -bound), bound)
+
+
+class LogitNoiseProcessor(LogitsProcessor):
+    """Inject a bounded, seeded logit perturbation into ``generate`` (place it *before* the recorder).
+
+    At every decoding step it draws ``delta`` with ``|delta_i| <= eps`` (`logit_noise`) and returns
+    ``scores + temperature * delta``. HF applies its temperature warper afterwards, so the sampler's transformed
+    logits become ``z / T + delta``: the perturbation bound ``eps`` holds on exactly the logits the rule and
+    the softmax see (up to the fp32 rounding of the sum). The following processors — the
+    `RolloutLogprobRecorder`, then the top-k/top-p/min-p warpers — see the perturbed scores, so the
+    sampled tokens are drawn from the perturbed distribution and the recorded log-probabilities are its own.
+
+    Args:
+        eps: the hard bound on ``|delta_i|`` in nats of transformed logit, ``>= 0`` (0: identity).
+        kind: ``"uniform"`` or ``"clipped_gaussian"`` (`NOISE_KINDS`).
+        seed: seeds a private ``torch.Generator`` (created on the scores' device at the first call), so the
+            noise is reproducible and the global RNG that drives sampling is not consumed.
+        temperature: the sampler's temperature (the noise is scaled by it before the warper divides).
+
+    Attributes:
+        max_abs_delta: the largest ``|delta_i|`` drawn so far (``<= eps``).
+        num_calls: decoding steps perturbed so far.
+    """
+
+    def __init__(self, eps: float, kind: str = "uniform", seed: int = 0, temperature: float = 1.0):
+        logit_noise((0,), eps, kind)  # validates eps and kind
+        if not temperature > 0:
+            raise ValueError(f"temperature={temperature!r} is out of range: accepted > 0")
+        self.eps = float(eps)
+        self.kind = kind
+        self.seed = int(seed)
+        self.temperature = float(temperature)
+        self.max_abs_delta = 0.0
+        self.num_calls = 0
+        self._generator: torch.Generator | None = None
+
+    def _generator_for(self, device: torch.device) -> torch.Generator:
+        if self._generator is None or self._generator.device != device:
+            self._generator = torch.Generator(device=device)
+            self._generator.manual_seed(self.seed)
+        return self._generator
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        self.num_calls += 1
+        if self.eps == 0.0:
+            return scores
+        gen = self._generator_for(scores.device)
+        delta = logit_noise(scores.shape, self.eps, self.kind, generator=gen, device=scores.device)
+        self.max_abs_delta = max(self.max_abs_delta, float(delta.abs().max()) if delta.numel() else 0.0)
+        return scores + (self.temperature * delta).to(scores.dtype)
+
+
 @contextmanager
 def rollout_precision(model: torch.nn.Module, dtype: torch.dtype | None):
     """Run the enclosed generation in ``dtype`` without changing the trained (master) weights.
@@ -209,19 +319,27 @@ def rollout_precision(model: torch.nn.Module, dtype: torch.dtype | None):
 
 
 @contextmanager
-def recording_generate(model, recorder: RolloutLogprobRecorder | None, dtype: torch.dtype | None):
-    """Patch ``model.generate`` for the enclosed block: append ``recorder`` to its logits processors, run it
-    under :func:`rollout_precision` and finalize the recorder with the returned sequences."""
-    if recorder is None and dtype is None:
+def recording_generate(
+    model,
+    recorder: RolloutLogprobRecorder | None,
+    dtype: torch.dtype | None,
+    processors: list[LogitsProcessor] | tuple[LogitsProcessor, ...] = (),
+):
+    """Patch ``model.generate`` for the enclosed block: append ``processors`` (e.g. a
+    `LogitNoiseProcessor`) and then ``recorder`` to its logits processors, run it under
+    `rollout_precision` and finalize the recorder with the returned sequences."""
+    processors = list(processors)
+    if recorder is None and dtype is None and not processors:
         yield
         return
     original = model.generate
     had_instance_attr = "generate" in vars(model)
 
     def generate(*args, **kwargs):
-        if recorder is not None:
-            processors = kwargs.get("logits_processor") or LogitsProcessorList()
-            kwargs["logits_processor"] = LogitsProcessorList([*processors, recorder])
+        extra = [*processors, *([recorder] if recorder is not None else [])]
+        if extra:
+            given = kwargs.get("logits_processor") or LogitsProcessorList()
+            kwargs["logits_processor"] = LogitsProcessorList([*given, *extra])
         with rollout_precision(model, dtype) if dtype is not None else nullcontext():
             out = original(*args, **kwargs)
         if recorder is not None:

@@ -21,6 +21,9 @@ PEFT, logging — is trl's own code):
    by scaling the advantages per token (exactly what trl's multiplication of the per-token loss does for every
    loss type linear in the advantage; VESPO reads the ratio itself, as in trl).
 5. **Metrics** under ``safevocab/`` and ``mismatch/`` (see docs/metrics.md).
+6. **Mismatch lab** (docs/mismatch.md), ``generate`` path: ``rollout_logit_noise`` samples rollouts from
+   logits perturbed by a seeded ``|delta| <= eps``; ``zero_mismatch`` replaces the rollout log-probabilities
+   by the training engine's own scoring (bit-identical), logging the removed gap under ``mismatch/removed/*``.
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ from trl_integration.metrics import (
 )
 from trl_integration.rollout import (
     ROLLOUT_DTYPES,
+    LogitNoiseProcessor,
     RolloutLogprobRecorder,
     recording_generate,
     sampler_rule_from_generation_config,
@@ -138,6 +142,15 @@ class SafeVocabGRPOTrainer(GRPOTrainer):
         self.pending_mean_lengths: list[float] = []
         if args.length_decay:
             self.add_callback(LengthDecayCallback(self))
+        # Mismatch lab: one seeded noise processor for the whole run (its generator advances across rollouts).
+        self._logit_noise: LogitNoiseProcessor | None = None
+        if args.rollout_logit_noise > 0:
+            self._logit_noise = LogitNoiseProcessor(
+                args.rollout_logit_noise,
+                args.rollout_logit_noise_kind,
+                seed=args.rollout_noise_seed + self.accelerator.process_index,
+                temperature=self.temperature,
+            )
 
     # ------------------------------------------------------------------------------------------------------
     # setup helpers
@@ -223,8 +236,13 @@ class SafeVocabGRPOTrainer(GRPOTrainer):
         if self.args.rollout_logprobs:
             rule, temperature = sampler_rule_from_generation_config(self.generation_config)
             recorder = RolloutLogprobRecorder(rule, temperature)
+        processors = []
+        if self._logit_noise is not None:
+            temperature = self.generation_config.temperature
+            self._logit_noise.temperature = 1.0 if temperature is None else float(temperature)
+            processors.append(self._logit_noise)  # before the recorder: it records the perturbed distribution
         target = self.accelerator.unwrap_model(self.model_wrapped)
-        with recording_generate(target, recorder, self._rollout_dtype):
+        with recording_generate(target, recorder, self._rollout_dtype, processors):
             completion_ids, logprobs = super()._generate_single_turn(
                 prompt_ids, images, multimodal_fields, num_generations, has_tool_images=has_tool_images
             )
@@ -274,9 +292,10 @@ class SafeVocabGRPOTrainer(GRPOTrainer):
         tool_mask = output.get("tool_mask")
         base_mask = completion_mask if tool_mask is None else completion_mask * tool_mask
         rollout_logps = output.get("sampling_per_token_logps")
-        use_is = self._importance_sampling_active and rollout_logps is not None
-        use_mismatch = args.log_mismatch_metrics and rollout_logps is not None
-        if isinstance(self.safe_vocab_rule, NoPruning) and not use_is and not use_mismatch:
+        zero_mismatch = bool(getattr(args, "zero_mismatch", False))
+        use_is = self._importance_sampling_active and (rollout_logps is not None or zero_mismatch)
+        use_mismatch = args.log_mismatch_metrics and (rollout_logps is not None or zero_mismatch)
+        if isinstance(self.safe_vocab_rule, NoPruning) and not use_is and not use_mismatch and not zero_mismatch:
             return  # nothing to mask or measure: stay exactly trl (no extra forward pass)
 
         old = output.get("old_per_token_logps")
@@ -285,6 +304,14 @@ class SafeVocabGRPOTrainer(GRPOTrainer):
             train_logps, stats = old, entry[1]
         else:
             train_logps, stats = self._score_generation_batch(output)
+
+        # 0. Zero-mismatch lab setting: the rollout log-probabilities become the training engine's own scoring
+        # of the sampled tokens (bit-identical); the gap measured by the recorder is kept to log what was removed.
+        measured_rollout_logps = None
+        if zero_mismatch:
+            measured_rollout_logps = rollout_logps
+            rollout_logps = train_logps.detach().clone()
+            output["sampling_per_token_logps"] = rollout_logps
 
         # 1. Tokens outside S leave the loss (through the loss-only tool_mask; attention is unchanged).
         counted = base_mask.bool()
@@ -321,6 +348,8 @@ class SafeVocabGRPOTrainer(GRPOTrainer):
         if use_mismatch:
             metrics.update(mismatch_metrics(train_logps, rollout_logps, loss_mask))
             metrics.update(bucket_mismatch_metrics(train_logps, rollout_logps, loss_mask, args.mismatch_buckets))
+        if measured_rollout_logps is not None:
+            metrics.update(_removed_mismatch_metrics(train_logps, measured_rollout_logps, loss_mask))
 
         self._log_reduced_metrics(mode, metrics)
         self.last_generation = {
@@ -333,6 +362,8 @@ class SafeVocabGRPOTrainer(GRPOTrainer):
             "safe_size": stats.safe_size,
             "importance_sampling_ratio": None if ratio is None else ratio.ratio,
             "log_raw_ratio": None if ratio is None else ratio.log_raw,
+            # zero_mismatch: the recorder's rollout log-probabilities before the replacement (else None).
+            "measured_rollout_logps": None if measured_rollout_logps is None else measured_rollout_logps.detach(),
         }
 
     def _log_reduced_metrics(self, mode: str, metrics: dict[str, torch.Tensor]) -> None:
@@ -375,6 +406,17 @@ def _frac(selected: torch.Tensor, among: torch.Tensor) -> torch.Tensor:
     if n == 0:
         return torch.tensor(float("nan"))
     return (selected.sum().double() / n).float()
+
+
+#: Keys of :func:`mismatch_metrics` re-logged under ``mismatch/removed/`` in the zero-mismatch setting.
+_REMOVED_KEYS = ("abs_logp_diff_mean", "abs_logp_diff_max", "k3_kl", "log_ppl_abs_diff", "chi2_token")
+
+
+def _removed_mismatch_metrics(train_logps, measured_rollout_logps, mask) -> dict[str, torch.Tensor]:
+    """zero_mismatch: the gap between the training and the *measured* rollout log-probabilities that the
+    replacement removed, as ``mismatch/removed/<key>``."""
+    full = mismatch_metrics(train_logps, measured_rollout_logps, mask)
+    return {f"mismatch/removed/{k}": full[f"mismatch/{k}"] for k in _REMOVED_KEYS}
 
 
 def _trl_sampling_metrics(train_logps, rollout_logps, ratio, mask) -> dict[str, torch.Tensor]:

@@ -101,12 +101,28 @@ def test_help_lists_safe_vocab_flags(capsys):
         assert flag in text, flag
 
 
-def test_missing_model_says_what_to_pass(tmp_path, capsys):
+def test_config_without_model_says_what_to_pass(tmp_path, capsys):
+    path = tmp_path / "run.yaml"
+    path.write_text(f"output_dir: {tmp_path}\nuse_cpu: true\nbf16: false\n")
     with pytest.raises(SystemExit) as exit_info:
-        main(["--output_dir", str(tmp_path), *SMALL])
+        main(["--config", str(path), *SMALL])
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert "--model_name_or_path is required" in err and "save_pretrained" in err
+
+
+def test_no_arguments_selects_the_bundled_job():
+    from trl_integration.assets import tiny_model_path
+    from trl_integration.cli import BUNDLED_JOB_DEFAULTS, bundled_job_requested
+
+    assert bundled_job_requested([]) and bundled_job_requested(["--max_steps", "3"])
+    assert not bundled_job_requested(["--model_name_or_path", "x"]) and not bundled_job_requested(["--config=a.yaml"])
+    parser = make_parser()
+    parser.set_defaults(model_name_or_path=str(tiny_model_path()), **BUNDLED_JOB_DEFAULTS)
+    script, cfg, model = parser.parse_args_and_config(args=["--max_steps", "3"])
+    assert model.model_name_or_path == str(tiny_model_path())
+    assert script.dataset_name == "arithmetic" and cfg.max_steps == 3  # a flag still overrides the job's default
+    assert cfg.num_generations == BUNDLED_JOB_DEFAULTS["num_generations"]
 
 
 def test_two_steps_end_to_end_synthetic(tiny_model_dir, tmp_path):

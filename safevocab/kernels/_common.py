@@ -1,0 +1,42 @@
+"""Triton helpers shared by the fold kernels: the sampler's logit transform, in fp32 (fp64 for fp64).
+
+Imported only by the kernel modules, which import Triton at import time; see
+:mod:`safevocab.kernels` for how the package stays importable without Triton.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from safevocab.kernels import interpreter_on
+
+#: The smallest finite fp32 number: thresholds never go below it, so ``-inf`` logits are never kept
+#: (``safevocab.rules._FINITE_FLOOR``).
+FINITE_FLOOR = -3.4028234663852886e38
+#: Whether these helpers were defined under Triton's interpreter (``TRITON_INTERPRET=1`` at import).
+INTERPRETED = interpreter_on()
+
+
+@triton.jit
+def tanh(x):
+    """``tanh`` as ``2 / (1 + exp(-2x)) - 1``: exact limits at ``+-inf``, absolute error of a few ulps of 1."""
+    return 2.0 / (1.0 + tl.exp(-2.0 * x)) - 1.0
+
+
+@triton.jit
+def transform(z, scale, softcap, temperature, HAS_SCALE: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+              HAS_TEMPERATURE: tl.constexpr):
+    """``logit_scale``, then ``softcap * tanh(z / softcap)``, then ``/ temperature`` (the sampler's order).
+
+    Same operations, in the same order, as ``safevocab._chunked.Transform.apply_``; the identity steps
+    are compiled out. The scalars are cast to ``z``'s dtype (a caller may pass fp64 Python floats).
+    """
+    if HAS_SCALE:
+        z = z * tl.cast(scale, z.dtype)
+    if HAS_SOFTCAP:
+        c = tl.cast(softcap, z.dtype)
+        z = tanh(z / c) * c
+    if HAS_TEMPERATURE:
+        z = z / tl.cast(temperature, z.dtype)
+    return z

@@ -1,0 +1,201 @@
+"""Forward fold: one ``[rows, V]`` logits chunk -> per-row fp32 statistics of the safe softmax.
+
+One program per row. With ``m`` the row maximum and ``t`` the threshold (``S = {z >= t}``):
+
+- pass 1 (in-kernel thresholds only): ``m``; for ``MinProb`` a second pass for ``logsumexp`` over ``V``;
+- last pass: ``e = exp(z - m)`` summed over ``V`` and over ``S``, ``sum_S e (z - m)`` for the entropy,
+  ``|S|``; optionally the transformed logits written back over the chunk (fp32/fp64 inputs, for the
+  sparse backward's copy of ``S``).
+
+Outputs per row: ``threshold``, ``lse_safe = m + log sum_S e``, ``lse_full = m + log sum_V e``,
+``target_logit``, ``in_safe = z_y >= t``, ``safe_size = |S|`` and
+``entropy(pi_S) = log sum_S e - sum_S e (z - m) / sum_S e`` (the torch path's formula).
+
+With ``MODE_GIVEN`` the chunk already holds transformed logits and ``threshold``/``row_max`` come
+from the rule's torch code (``TopK``, ``TopP``, compositions): a single pass.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from safevocab.kernels import MODE_GIVEN, MODE_MIN_P, MODE_MIN_PROB, MODE_NONE, interpreter_on
+from safevocab.kernels._common import FINITE_FLOOR, transform
+
+#: Whether these kernels were defined under Triton's interpreter (``TRITON_INTERPRET=1`` at import).
+INTERPRETED = interpreter_on()
+#: Largest block of columns one program holds at a time (tests lower it to exercise the column loop).
+MAX_BLOCK = 4096
+
+_GIVEN: tl.constexpr = tl.constexpr(MODE_GIVEN)
+_NONE: tl.constexpr = tl.constexpr(MODE_NONE)
+_MIN_P: tl.constexpr = tl.constexpr(MODE_MIN_P)
+_MIN_PROB: tl.constexpr = tl.constexpr(MODE_MIN_PROB)
+_FLOOR: tl.constexpr = tl.constexpr(FINITE_FLOOR)
+
+
+@triton.jit
+def _forward_fold_kernel(
+    z_ptr,
+    z_stride,
+    targets_ptr,
+    threshold_ptr,  # read in MODE_GIVEN, written otherwise
+    row_max_ptr,  # read in MODE_GIVEN only
+    target_logit_ptr,
+    lse_safe_ptr,
+    lse_full_ptr,
+    entropy_ptr,
+    in_safe_ptr,
+    safe_size_ptr,
+    n_cols,
+    log_param,  # log rho (MinP) or log tau (MinProb)
+    scale,
+    softcap,
+    temperature,
+    MODE: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_TEMPERATURE: tl.constexpr,
+    HAS_ENTROPY: tl.constexpr,
+    STORE_Z: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    acc = lse_safe_ptr.dtype.element_ty  # fp32, or fp64 for fp64 inputs
+    row_ptr = z_ptr + row * z_stride
+    cols = tl.arange(0, BLOCK)
+    # The target logit, read before any STORE_Z write (same transform as the row, so the same value)
+    z_y = tl.load(row_ptr + tl.load(targets_ptr + row)).to(acc)
+    z_y = transform(z_y, scale, softcap, temperature, HAS_SCALE, HAS_SOFTCAP, HAS_TEMPERATURE)
+
+    if MODE == _GIVEN:
+        m = tl.load(row_max_ptr + row).to(acc)
+        t = tl.load(threshold_ptr + row).to(acc)
+    else:
+        m_vec = tl.full((BLOCK,), float("-inf"), acc)
+        for start in range(0, n_cols, BLOCK):
+            offs = start + cols
+            mask = offs < n_cols
+            z = tl.load(row_ptr + offs, mask=mask, other=0.0).to(acc)
+            z = transform(z, scale, softcap, temperature, HAS_SCALE, HAS_SOFTCAP, HAS_TEMPERATURE)
+            m_vec = tl.maximum(m_vec, tl.where(mask, z, float("-inf")))
+        m = tl.max(m_vec, axis=0)
+        if MODE == _NONE:
+            t = tl.cast(_FLOOR, acc)
+        elif MODE == _MIN_P:
+            t = m + tl.cast(log_param, acc)
+        else:  # MODE_MIN_PROB: p_a >= tau  <=>  z_a >= lse + log tau, capped at the maximum
+            s_vec = tl.zeros((BLOCK,), acc)
+            for start in range(0, n_cols, BLOCK):
+                offs = start + cols
+                mask = offs < n_cols
+                z = tl.load(row_ptr + offs, mask=mask, other=0.0).to(acc)
+                z = transform(z, scale, softcap, temperature, HAS_SCALE, HAS_SOFTCAP, HAS_TEMPERATURE)
+                s_vec += tl.where(mask, tl.exp(z - m), 0.0)
+            t = tl.minimum(m + tl.log(tl.sum(s_vec, axis=0)) + tl.cast(log_param, acc), m)
+        t = tl.maximum(t, tl.cast(_FLOOR, acc))
+        tl.store(threshold_ptr + row, t)
+
+    sum_full = tl.zeros((BLOCK,), acc)
+    sum_safe = tl.zeros((BLOCK,), acc)
+    sum_safe_z = tl.zeros((BLOCK,), acc)
+    kept_count = tl.zeros((BLOCK,), tl.int32)
+    for start in range(0, n_cols, BLOCK):
+        offs = start + cols
+        mask = offs < n_cols
+        z = tl.load(row_ptr + offs, mask=mask, other=0.0).to(acc)
+        z = transform(z, scale, softcap, temperature, HAS_SCALE, HAS_SOFTCAP, HAS_TEMPERATURE)
+        if STORE_Z:
+            tl.store(row_ptr + offs, z.to(z_ptr.dtype.element_ty), mask=mask)
+        kept = mask & (z >= t)
+        e = tl.where(mask, tl.exp(z - m), 0.0)
+        sum_full += e
+        e_safe = tl.where(kept, e, 0.0)
+        sum_safe += e_safe
+        if HAS_ENTROPY:
+            # xlogy(e, e) = e (z - m) on S; dropped entries (z may be -inf) contribute 0 * 0
+            sum_safe_z += e_safe * (tl.where(kept, z, m) - m)
+        kept_count += kept.to(tl.int32)
+
+    s_full = tl.sum(sum_full, axis=0)
+    s_safe = tl.sum(sum_safe, axis=0)
+    log_s_safe = tl.log(s_safe)
+    tl.store(lse_safe_ptr + row, m + log_s_safe)
+    tl.store(lse_full_ptr + row, m + tl.log(s_full))
+    tl.store(safe_size_ptr + row, tl.sum(kept_count, axis=0))
+    if HAS_ENTROPY:
+        tl.store(entropy_ptr + row, log_s_safe - tl.sum(sum_safe_z, axis=0) / s_safe)
+
+    tl.store(target_logit_ptr + row, z_y)
+    tl.store(in_safe_ptr + row, z_y >= t)
+
+
+def _block(n_cols: int) -> int:
+    return min(triton.next_power_of_2(max(n_cols, 1)), MAX_BLOCK)
+
+
+def forward_fold(
+    z: torch.Tensor,
+    targets: torch.Tensor,
+    threshold: torch.Tensor,
+    row_max: torch.Tensor | None,
+    target_logit: torch.Tensor,
+    lse_safe: torch.Tensor,
+    lse_full: torch.Tensor,
+    entropy: torch.Tensor | None,
+    in_safe: torch.Tensor,
+    safe_size: torch.Tensor,
+    mode: int,
+    log_param: float = 0.0,
+    scale: float = 1.0,
+    softcap: float | None = None,
+    temperature: float = 1.0,
+    store_z: bool = False,
+) -> None:
+    """Fold the chunk ``z`` ``[n, V]`` (row-contiguous) into the per-row outputs (each ``[n]``, written).
+
+    Args:
+        z: GEMM output in the inputs' dtype (raw logits; transformed in the kernel), or, with
+            ``mode == MODE_GIVEN``, transformed fp32/fp64 logits.
+        targets: ``[n]`` int64 token ids.
+        threshold: ``[n]`` stats dtype: read for ``MODE_GIVEN``, written otherwise.
+        row_max: ``[n]`` row maxima of ``z`` for ``MODE_GIVEN``, else ``None``.
+        mode, log_param: from :func:`safevocab.kernels.kernel_threshold` (or ``MODE_GIVEN``).
+        scale, softcap, temperature: the logit transform applied in the kernel (identity for ``MODE_GIVEN``).
+        store_z: write the transformed logits back over ``z`` (``z`` must then be fp32/fp64).
+    """
+    n, n_cols = z.shape
+    if n == 0:
+        return
+    assert z.stride(1) == 1, "the chunk must be row-contiguous"
+    if mode == MODE_GIVEN:
+        assert row_max is not None
+    block = _block(n_cols)
+    _forward_fold_kernel[(n,)](
+        z,
+        z.stride(0),
+        targets,
+        threshold,
+        row_max if row_max is not None else lse_full,  # unused outside MODE_GIVEN
+        target_logit,
+        lse_safe,
+        lse_full,
+        entropy if entropy is not None else lse_full,  # unused without HAS_ENTROPY
+        in_safe,
+        safe_size,
+        n_cols,
+        float(log_param),
+        float(scale),
+        float(softcap) if softcap is not None else 1.0,
+        float(temperature),
+        MODE=mode,
+        HAS_SCALE=scale != 1.0,
+        HAS_SOFTCAP=softcap is not None,
+        HAS_TEMPERATURE=temperature != 1.0,
+        HAS_ENTROPY=entropy is not None,
+        STORE_Z=store_z,
+        BLOCK=block,
+        num_warps=8 if block >= 2048 else 4,
+    )

@@ -1,0 +1,607 @@
+"""Training–inference mismatch metrics (pure tensor functions, torch only).
+
+Two engines score the same sampled tokens ``y_t``: the training engine (``log pi(y_t)``, "train") and the
+rollout engine that sampled them (``log mu(y_t)``, "rollout"). Per token the log importance ratio is::
+
+    log r_t = log pi(y_t) - log mu(y_t)
+
+Definitions follow verl's rollout-correction diagnostics (``verl/trainer/ppo/rollout_corr_helper.py``):
+
+| quantity | formula | function |
+|---|---|---|
+| log-ppl gap of sequence ``b`` | ``mean_t log mu - mean_t log pi`` | `log_ppl_gap` |
+| k1 KL | ``mean_M (log mu - log pi)`` | `mismatch_metrics` |
+| k3 KL | ``mean_M (r_t - log r_t - 1)`` | `k3_kl` |
+| chi^2 (token) | ``mean_M r_t^2 - 1`` | `chi2_token` |
+| chi^2 (sequence) | ``mean_b (prod_t r_t)^2 - 1`` | `chi2_sequence` |
+| mismatch by probability bucket | ``mean |log r_t|``, ``mean log r_t`` over ``p_t = pi(y_t) in [lo, hi)`` | `bucket_mismatch` |
+| safe-set disagreement | Jaccard ``|S^a ∩ S^b| / |S^a ∪ S^b|``, ``1[S^a != S^b]`` | `safe_set_disagreement` |
+| logit perturbation size | ``eps_t = (max_i delta_i - min_i delta_i) / 2`` | `logit_perturbation_eps` |
+
+``M`` is the set of counted tokens (a ``[B, T]`` mask); tokens whose log-probability is NaN (not reported by
+an engine) are left out of ``M``. Log-ratios are clamped to ``±LOG_RATIO_BOUND`` (20, verl's ``SAFETY_BOUND``)
+before exponentiation. Sums and means run in float64.
+
+The ``*_metrics`` functions return ``{name: 0-dim fp32 tensor}`` dictionaries ready to log (NaN when a value is
+undefined on the batch, e.g. an empty bucket); names ending in ``_max``/``/max`` (``_min``/``/min``) are meant to
+be reduced across processes with max (min), others with the mean (`reduction`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from safevocab.bounds import sequence_kl, sequence_tv
+from safevocab.rules import SafeVocabRule, parse_rule
+
+__all__ = [
+    "DEFAULT_BUCKETS",
+    "LOG_RATIO_BOUND",
+    "reduction",
+    "bucket_names",
+    "log_ppl_gap",
+    "k3_kl",
+    "chi2_token",
+    "chi2_sequence",
+    "BucketMismatch",
+    "bucket_mismatch",
+    "SafeSetDisagreement",
+    "safe_set_disagreement",
+    "logit_perturbation_eps",
+    "mismatch_metrics",
+    "bucket_mismatch_metrics",
+    "safe_set_metrics",
+    "importance_ratio_metrics",
+]
+
+#: Default edges of the probability buckets of `bucket_mismatch` / `bucket_mismatch_metrics`.
+DEFAULT_BUCKETS: tuple[float, ...] = (1e-3, 1e-2, 1e-1, 0.5)
+
+#: Log-ratios are clamped to +-this before exponentiation in chi^2, k3 and raw-ratio statistics (verl's SAFETY_BOUND).
+LOG_RATIO_BOUND = 20.0
+
+_NAN = float("nan")
+
+
+# ----------------------------------------------------------------------------------------------------
+# helpers
+# ----------------------------------------------------------------------------------------------------
+
+
+def reduction(name: str) -> str:
+    """How a metric is combined across processes, read from its name.
+
+    Args:
+        name: the metric key.
+
+    Returns:
+        ``"max"`` for names ending in ``_max`` or ``/max``, ``"min"`` for ``_min`` or ``/min``, else ``"mean"``.
+    """
+    if name.endswith(("_max", "/max")):
+        return "max"
+    if name.endswith(("_min", "/min")):
+        return "min"
+    return "mean"
+
+
+def _scalar(x: torch.Tensor | float) -> torch.Tensor:
+    return torch.as_tensor(x, dtype=torch.float32).detach().reshape(())
+
+
+def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    n = mask.sum()
+    if n == 0:
+        return _scalar(_NAN)
+    return _scalar((x.double() * mask).sum() / n)
+
+
+def _masked_extreme(x: torch.Tensor, mask: torch.Tensor, largest: bool) -> torch.Tensor:
+    vals = x[mask.bool()]
+    if vals.numel() == 0:
+        return _scalar(_NAN)
+    return _scalar(vals.max() if largest else vals.min())
+
+
+def _check(mask: torch.Tensor, *tensors: torch.Tensor) -> torch.Tensor:
+    for t in tensors:
+        if t.shape != mask.shape:
+            raise ValueError(f"tensor of shape {tuple(t.shape)} does not match mask shape {tuple(mask.shape)}")
+    if mask.dim() != 2:
+        raise ValueError(f"mask has shape {tuple(mask.shape)}: expected [B, T]")
+    return mask.to(torch.bool)
+
+
+def _pair(train_logps: torch.Tensor, rollout_logps: torch.Tensor, mask: torch.Tensor):
+    """Validated float64 ``(train, rollout, log_r, mask)`` with NaN tokens removed from the mask and zeroed."""
+    mask = _check(mask, train_logps, rollout_logps)
+    mask = mask & ~torch.isnan(rollout_logps) & ~torch.isnan(train_logps)
+    train = torch.where(mask, train_logps.double(), 0.0)
+    rollout = torch.where(mask, rollout_logps.double(), 0.0)
+    return train, rollout, train - rollout, mask
+
+
+def _check_edges(edges: Sequence[float]) -> list[float]:
+    edges = [float(e) for e in edges]
+    if any(not (0.0 < e < 1.0) for e in edges) or any(a >= b for a, b in zip(edges[:-1], edges[1:])):
+        raise ValueError(f"edges={edges}: accepted strictly increasing values in (0, 1)")
+    return edges
+
+
+def bucket_names(edges: Sequence[float]) -> list[str]:
+    """Labels of the probability buckets ``[0, e_1), [e_1, e_2), ..., [e_k, 1]``.
+
+    Args:
+        edges: the inner bucket edges, strictly increasing in ``(0, 1)``.
+
+    Returns:
+        ``["p=0-e_1", "p=e_1-e_2", ..., "p=e_k-1"]``, the edges printed with ``%g``.
+    """
+    bounds = [0.0, *edges, 1.0]
+    return [f"p={lo:g}-{hi:g}" for lo, hi in zip(bounds[:-1], bounds[1:])]
+
+
+# ----------------------------------------------------------------------------------------------------
+# elementary quantities
+# ----------------------------------------------------------------------------------------------------
+
+
+def log_ppl_gap(train_logps: torch.Tensor, rollout_logps: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Per-sequence log-perplexity gap between the rollout and the training engine.
+
+    For sequence ``b`` with counted tokens ``M_b``::
+
+        gap_b = mean_{t in M_b} log mu(y_t) - mean_{t in M_b} log pi(y_t)
+              = log PPL_train(b) - log PPL_rollout(b)
+
+    verl's ``log_ppl_diff`` is ``mean_b gap_b`` and ``log_ppl_abs_diff`` is ``mean_b |gap_b|``.
+
+    Args:
+        train_logps: ``[B, T]`` training log-probabilities of the sampled tokens.
+        rollout_logps: ``[B, T]`` rollout log-probabilities (NaN where the engine reported none).
+        mask: ``[B, T]`` bool or 0/1, the counted tokens.
+
+    Returns:
+        ``[B]`` float64 gaps in nats; NaN for a sequence without a counted token.
+    """
+    train, rollout, _, mask = _pair(train_logps, rollout_logps, mask)
+    m = mask.double()
+    counts = m.sum(-1)
+    gap = ((rollout - train) * m).sum(-1) / counts
+    return torch.where(counts > 0, gap, torch.full_like(gap, _NAN))
+
+
+def k3_kl(train_logps: torch.Tensor, rollout_logps: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """k3 estimator of ``KL(mu || pi)`` on tokens sampled from ``mu``: ``mean_M (r_t - log r_t - 1)``.
+
+    With ``log r_t = log pi(y_t) - log mu(y_t)`` (clamped to ``±LOG_RATIO_BOUND``). Each term is ``>= 0``
+    and ``E_mu[r - log r - 1] = KL(mu || pi)``.
+
+    Args:
+        train_logps: ``[B, T]`` training log-probabilities of the sampled tokens.
+        rollout_logps: ``[B, T]`` rollout log-probabilities (NaN where the engine reported none).
+        mask: ``[B, T]`` bool or 0/1, the counted tokens.
+
+    Returns:
+        A 0-dim fp32 tensor (NaN when no token counts).
+    """
+    _, _, log_r, mask = _pair(train_logps, rollout_logps, mask)
+    lr = log_r.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+    return _masked_mean(torch.exp(lr) - lr - 1.0, mask.double())
+
+
+def chi2_token(train_logps: torch.Tensor, rollout_logps: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Token-level chi-square divergence estimate ``mean_M r_t^2 - 1`` (``E_mu[r^2] - 1 = chi^2(pi || mu)``).
+
+    Args:
+        train_logps: ``[B, T]`` training log-probabilities of the sampled tokens.
+        rollout_logps: ``[B, T]`` rollout log-probabilities (NaN where the engine reported none).
+        mask: ``[B, T]`` bool or 0/1, the counted tokens.
+
+    Returns:
+        A 0-dim fp32 tensor (NaN when no token counts); ``log r_t`` is clamped to ``±LOG_RATIO_BOUND``.
+    """
+    _, _, log_r, mask = _pair(train_logps, rollout_logps, mask)
+    lr = log_r.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+    return _masked_mean(torch.exp(2.0 * lr), mask.double()) - 1.0
+
+
+def chi2_sequence(train_logps: torch.Tensor, rollout_logps: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Sequence-level chi-square estimate ``mean_b (prod_{t in M_b} r_t)^2 - 1``.
+
+    The product is taken as ``exp(sum_t log r_t)`` with the sum clamped to ``±LOG_RATIO_BOUND``; sequences
+    without a counted token are left out.
+
+    Args:
+        train_logps: ``[B, T]`` training log-probabilities of the sampled tokens.
+        rollout_logps: ``[B, T]`` rollout log-probabilities (NaN where the engine reported none).
+        mask: ``[B, T]`` bool or 0/1, the counted tokens.
+
+    Returns:
+        A 0-dim fp32 tensor (NaN when no sequence counts).
+    """
+    _, _, log_r, mask = _pair(train_logps, rollout_logps, mask)
+    rows = mask.any(-1)
+    if not bool(rows.any()):
+        return _scalar(_NAN)
+    seq = (log_r * mask.double()).sum(-1)[rows].clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+    return _scalar(torch.exp(2.0 * seq).mean() - 1.0)
+
+
+@dataclass
+class BucketMismatch:
+    """Mismatch grouped by the training probability of the token (result of `bucket_mismatch`).
+
+    Attributes:
+        names: bucket labels ``"p=lo-hi"`` (`bucket_names`).
+        lo: ``[K]`` float64 lower edges (inclusive).
+        hi: ``[K]`` float64 upper edges (exclusive, the last one inclusive of 1).
+        count: ``[K]`` int64 number of counted tokens in each bucket.
+        abs_diff_mean: ``[K]`` float64 ``mean |log r_t|`` over the bucket (NaN when empty).
+        diff_mean: ``[K]`` float64 ``mean log r_t`` over the bucket (NaN when empty); positive means the
+            training engine gives those tokens more probability than the rollout engine.
+    """
+
+    names: list[str]
+    lo: torch.Tensor
+    hi: torch.Tensor
+    count: torch.Tensor
+    abs_diff_mean: torch.Tensor
+    diff_mean: torch.Tensor
+
+    @property
+    def frac(self) -> torch.Tensor:
+        """``[K]`` share of the counted tokens in each bucket (NaN when no token counts)."""
+        total = self.count.sum()
+        if total == 0:
+            return torch.full(self.count.shape, _NAN, dtype=torch.float64)
+        return self.count.double() / total
+
+
+def bucket_mismatch(
+    train_logps: torch.Tensor,
+    rollout_logps: torch.Tensor,
+    mask: torch.Tensor,
+    edges: Sequence[float] = DEFAULT_BUCKETS,
+) -> BucketMismatch:
+    """Mean ``|log r|`` and signed ``log r`` per bucket of training probability ``p_t = exp(log pi(y_t))``.
+
+    Buckets are ``[0, e_1), [e_1, e_2), ..., [e_k, 1]``. For bucket ``B_j``::
+
+        abs_diff_mean_j = mean_{t in M, p_t in B_j} |log pi(y_t) - log mu(y_t)|
+        diff_mean_j     = mean_{t in M, p_t in B_j}  log pi(y_t) - log mu(y_t)
+
+    The mismatch bound ``|log r| <= log(p + (1 - p) e^{2 eps})`` predicts the largest values in the
+    lowest buckets.
+
+    Args:
+        train_logps: ``[B, T]`` training log-probabilities of the sampled tokens (any float dtype).
+        rollout_logps: ``[B, T]`` rollout log-probabilities (NaN where the engine reported none).
+        mask: ``[B, T]`` bool or 0/1, the counted tokens.
+        edges: inner bucket edges, strictly increasing in ``(0, 1)``.
+
+    Returns:
+        A `BucketMismatch`.
+
+    Raises:
+        ValueError: on mismatched shapes or bad edges.
+    """
+    edges = _check_edges(edges)
+    train, _, log_r, mask = _pair(train_logps, rollout_logps, mask)
+    p = train.exp()
+    bounds = [0.0, *edges, math.inf]
+    counts, abs_means, means = [], [], []
+    for lo, hi in zip(bounds[:-1], bounds[1:]):
+        w = (mask & (p >= lo) & (p < hi)).double()
+        n = w.sum()
+        counts.append(int(n.item()))
+        abs_means.append((log_r.abs() * w).sum() / n if n > 0 else torch.tensor(_NAN, dtype=torch.float64))
+        means.append((log_r * w).sum() / n if n > 0 else torch.tensor(_NAN, dtype=torch.float64))
+    return BucketMismatch(
+        names=bucket_names(edges),
+        lo=torch.tensor(bounds[:-1], dtype=torch.float64),
+        hi=torch.tensor([*edges, 1.0], dtype=torch.float64),
+        count=torch.tensor(counts, dtype=torch.int64),
+        abs_diff_mean=torch.stack([x.double().cpu() for x in abs_means]),
+        diff_mean=torch.stack([x.double().cpu() for x in means]),
+    )
+
+
+@dataclass
+class SafeSetDisagreement:
+    """Per-position comparison of the safe sets two engines pick (result of `safe_set_disagreement`).
+
+    Attributes:
+        jaccard: ``[...]`` float64 ``|S^a ∩ S^b| / |S^a ∪ S^b|`` in ``(0, 1]`` (1: identical sets).
+        differs: ``[...]`` bool, ``S^a != S^b``.
+        size_a: ``[...]`` int64 ``|S^a|``.
+        size_b: ``[...]`` int64 ``|S^b|``.
+    """
+
+    jaccard: torch.Tensor
+    differs: torch.Tensor
+    size_a: torch.Tensor
+    size_b: torch.Tensor
+
+    def metrics(self, mask: torch.Tensor | None = None, prefix: str = "mismatch/safe_set_") -> dict[str, torch.Tensor]:
+        """``{prefix}jaccard_mean``, ``{prefix}jaccard_min`` and ``{prefix}differ_frac`` over the positions of
+        ``mask`` (all positions when ``None``), as 0-dim fp32 tensors (NaN when no position counts)."""
+        m = torch.ones_like(self.differs) if mask is None else mask.to(torch.bool)
+        if m.shape != self.differs.shape:
+            raise ValueError(f"mask has shape {tuple(m.shape)}: accepted {tuple(self.differs.shape)}")
+        return {
+            f"{prefix}jaccard_mean": _masked_mean(self.jaccard, m.double()),
+            f"{prefix}jaccard_min": _masked_extreme(self.jaccard, m, largest=False),
+            f"{prefix}differ_frac": _masked_mean(self.differs.double(), m.double()),
+        }
+
+
+@torch.no_grad()
+def safe_set_disagreement(
+    logits_a: torch.Tensor, logits_b: torch.Tensor, rule: SafeVocabRule | str, temperature: float = 1.0
+) -> SafeSetDisagreement:
+    """How much the safe sets picked by one rule on two engines' logits differ, per position.
+
+    Each engine applies ``rule`` to its own transformed logits (``z / temperature``), as a sampler and a
+    trainer each do: ``S^a = rule(z^a)``, ``S^b = rule(z^b)``. Then::
+
+        jaccard_t = |S^a_t ∩ S^b_t| / |S^a_t ∪ S^b_t|,      differs_t = 1[S^a_t != S^b_t]
+
+    A sampled token in ``S^b`` but not in ``S^a`` is the out-of-set token the trainer has to mask.
+
+    Args:
+        logits_a: ``[..., V]`` logits of engine a (e.g. training), after any softcap/logit scale.
+        logits_b: ``[..., V]`` logits of engine b (e.g. rollout), same shape.
+        rule: a `safevocab.rules.SafeVocabRule` or rule string (``"min_p=0.01"``).
+        temperature: divides both logits before the rule (> 0).
+
+    Returns:
+        A `SafeSetDisagreement` with ``[...]`` tensors.
+
+    Raises:
+        ValueError: on mismatched shapes or a non-positive temperature.
+    """
+    if logits_a.shape != logits_b.shape:
+        raise ValueError(f"logits_a {tuple(logits_a.shape)} and logits_b {tuple(logits_b.shape)} must match")
+    if not temperature > 0:
+        raise ValueError(f"temperature={temperature!r} is out of range: accepted > 0")
+    rule = parse_rule(rule)
+    dtype = torch.float64 if torch.float64 in (logits_a.dtype, logits_b.dtype) else torch.float32
+    keep_a = rule.keep_mask(logits_a.to(dtype) / temperature)
+    keep_b = rule.keep_mask(logits_b.to(dtype) / temperature)
+    inter = (keep_a & keep_b).sum(-1)
+    union = (keep_a | keep_b).sum(-1)
+    return SafeSetDisagreement(
+        jaccard=inter.double() / union.clamp(min=1).double(),
+        differs=inter != union,
+        size_a=keep_a.sum(-1),
+        size_b=keep_b.sum(-1),
+    )
+
+
+@torch.no_grad()
+def logit_perturbation_eps(logits_a: torch.Tensor, logits_b: torch.Tensor, centered: bool = True) -> torch.Tensor:
+    """Size ``eps_t`` of the logit perturbation ``delta = z^b - z^a`` at each position.
+
+    A softmax does not change when a constant is added to all logits, so the smallest ``eps`` for which some
+    shifted perturbation satisfies ``|delta_i - c| <= eps`` for every token ``i`` is::
+
+        eps_t = (max_i delta_i - min_i delta_i) / 2        (centered=True)
+
+    and the tight mismatch bound ``|log pi(a) - log mu(a)| <= log(p + (1 - p) e^{2 eps_t})``
+    (`safevocab.bounds.logprob_mismatch_bound`) holds with it. ``centered=False`` gives the raw
+    ``max_i |delta_i|`` (never smaller). Only finite logits are compared (``-inf`` on both sides is ignored).
+
+    Args:
+        logits_a: ``[..., V]`` logits of engine a, after any transform both engines share.
+        logits_b: ``[..., V]`` logits of engine b, same shape.
+        centered: use the shift-invariant size (default) or the raw maximum.
+
+    Returns:
+        ``[...]`` float64 ``eps_t >= 0``.
+
+    Raises:
+        ValueError: on mismatched shapes.
+    """
+    if logits_a.shape != logits_b.shape:
+        raise ValueError(f"logits_a {tuple(logits_a.shape)} and logits_b {tuple(logits_b.shape)} must match")
+    a, b = logits_a.double(), logits_b.double()
+    finite = torch.isfinite(a) & torch.isfinite(b)
+    delta = torch.where(finite, b - a, 0.0)
+    if not centered:
+        return delta.abs().amax(-1)
+    hi = torch.where(finite, delta, -math.inf).amax(-1)
+    lo = torch.where(finite, delta, math.inf).amin(-1)
+    return torch.where(finite.any(-1), (hi - lo) / 2.0, torch.zeros_like(hi))
+
+
+# ----------------------------------------------------------------------------------------------------
+# metric dictionaries (what the trainer logs)
+# ----------------------------------------------------------------------------------------------------
+
+_SEQ_KEYS = (
+    "mismatch/training_ppl",
+    "mismatch/rollout_ppl",
+    "mismatch/log_ppl_diff",
+    "mismatch/log_ppl_abs_diff",
+    "mismatch/log_ppl_diff_max",
+    "mismatch/log_ppl_diff_min",
+    "mismatch/ppl_ratio",
+    "mismatch/chi2_seq",
+)
+
+
+def mismatch_metrics(
+    train_logps: torch.Tensor, rollout_logps: torch.Tensor, mask: torch.Tensor
+) -> dict[str, torch.Tensor]:
+    """Training–inference mismatch on the sampled tokens (verl's definitions, prefix ``mismatch/``).
+
+    With ``log r_t = log pi(y_t) - log mu(y_t)`` and ``gap_b`` of `log_ppl_gap`:
+
+    - ``kl`` = ``mean_M (log mu - log pi)`` (k1 estimate of ``KL(mu || pi)``);
+      ``k3_kl`` (`k3_kl`); ``chi2_token`` (`chi2_token`); ``chi2_seq`` (`chi2_sequence`);
+    - ``training_ppl`` = ``mean_b exp(-mean_t log pi)``, ``rollout_ppl`` = ``mean_b exp(-mean_t log mu)``;
+    - ``log_ppl_diff`` = ``mean_b gap_b``, ``log_ppl_abs_diff`` = ``mean_b |gap_b|``, ``log_ppl_diff_max`` /
+      ``_min`` = ``max_b`` / ``min_b gap_b``, ``ppl_ratio`` = ``mean_b exp(gap_b)``;
+    - ``abs_logp_diff_mean`` / ``_max`` = mean / max of ``|log r_t|`` over ``M``.
+
+    Tokens whose rollout (or training) log-probability is NaN are left out.
+
+    Args:
+        train_logps: ``[B, T]`` training log-probabilities of the sampled tokens.
+        rollout_logps: ``[B, T]`` rollout log-probabilities.
+        mask: ``[B, T]`` bool or 0/1, the counted tokens.
+
+    Returns:
+        ``{"mismatch/<key>": 0-dim fp32 tensor}`` for the keys above.
+    """
+    train, rollout, log_r, mask = _pair(train_logps, rollout_logps, mask)
+    m = mask.double()
+    rows = mask.any(-1)
+    if bool(rows.any()):
+        counts = m.sum(-1)[rows]
+        mean_train = (train * m).sum(-1)[rows] / counts
+        mean_rollout = (rollout * m).sum(-1)[rows] / counts
+        gap = log_ppl_gap(train_logps, rollout_logps, mask)[rows]
+        seq = {
+            "mismatch/training_ppl": _scalar(torch.exp(-mean_train).mean()),
+            "mismatch/rollout_ppl": _scalar(torch.exp(-mean_rollout).mean()),
+            "mismatch/log_ppl_diff": _scalar(gap.mean()),
+            "mismatch/log_ppl_abs_diff": _scalar(gap.abs().mean()),
+            "mismatch/log_ppl_diff_max": _scalar(gap.max()),
+            "mismatch/log_ppl_diff_min": _scalar(gap.min()),
+            "mismatch/ppl_ratio": _scalar(torch.exp(gap).mean()),
+            "mismatch/chi2_seq": chi2_sequence(train_logps, rollout_logps, mask),
+        }
+    else:
+        seq = {k: _scalar(_NAN) for k in _SEQ_KEYS}
+    out = {
+        "mismatch/kl": _masked_mean(rollout - train, m),
+        "mismatch/k3_kl": k3_kl(train_logps, rollout_logps, mask),
+        "mismatch/chi2_token": chi2_token(train_logps, rollout_logps, mask),
+        "mismatch/abs_logp_diff_mean": _masked_mean(log_r.abs(), m),
+        "mismatch/abs_logp_diff_max": _masked_extreme(log_r.abs(), mask, largest=True),
+    }
+    out.update(seq)
+    return out
+
+
+def bucket_mismatch_metrics(
+    train_logps: torch.Tensor,
+    rollout_logps: torch.Tensor,
+    mask: torch.Tensor,
+    edges: Sequence[float] = DEFAULT_BUCKETS,
+) -> dict[str, torch.Tensor]:
+    """`bucket_mismatch` as a metric dictionary.
+
+    For each bucket ``p=lo-hi``: ``mismatch/abs_diff/p=lo-hi`` (mean ``|log r|``), ``mismatch/diff/p=lo-hi``
+    (mean signed ``log r``: its sign shows the direction of the bias) and ``mismatch/token_frac/p=lo-hi``
+    (share of the counted tokens in the bucket). Empty buckets give NaN for the first two.
+
+    Args:
+        train_logps: ``[B, T]`` training log-probabilities of the sampled tokens.
+        rollout_logps: ``[B, T]`` rollout log-probabilities (NaN where the engine reported none).
+        mask: ``[B, T]`` bool or 0/1, the counted tokens.
+        edges: inner bucket edges, strictly increasing in ``(0, 1)``.
+
+    Returns:
+        ``{key: 0-dim fp32 tensor}``.
+    """
+    b = bucket_mismatch(train_logps, rollout_logps, mask, edges)
+    frac = b.frac
+    out: dict[str, torch.Tensor] = {}
+    for j, name in enumerate(b.names):
+        out[f"mismatch/abs_diff/{name}"] = _scalar(b.abs_diff_mean[j])
+        out[f"mismatch/diff/{name}"] = _scalar(b.diff_mean[j])
+        out[f"mismatch/token_frac/{name}"] = _scalar(frac[j])
+    return out
+
+
+def safe_set_metrics(
+    in_safe: torch.Tensor, log_kept_mass: torch.Tensor, safe_size: torch.Tensor, mask: torch.Tensor
+) -> dict[str, torch.Tensor]:
+    """Statistics of the trainer's safe set at the sampled positions (prefix ``safevocab/``).
+
+    With ``m_t = 1 - exp(log_kept_mass_t)`` the pruned mass:
+
+    - ``out_of_set_frac`` = ``mean_M 1[y_t not in S_t]``;
+    - ``pruned_mass_mean`` / ``_max`` = mean / max of ``m_t`` over ``M``; ``safe_size_mean`` = ``mean_M |S_t|``;
+    - ``seq_tv_estimate`` = ``1 - mean_b prod_t (1 - m_t)`` (unbiased for ``TV(P, Q)`` when rows are drawn from
+      the pruned sampler ``Q``); ``seq_kl_estimate`` = ``mean_b sum_t -log(1 - m_t)`` (for ``KL(Q || P)``).
+
+    Args:
+        in_safe: ``[B, T]`` bool, the sampled token is in the trainer's safe set.
+        log_kept_mass: ``[B, T]`` ``log(1 - m_t)``.
+        safe_size: ``[B, T]`` ``|S_t|``.
+        mask: ``[B, T]`` the completion tokens (before any out-of-set masking).
+
+    Returns:
+        ``{"safevocab/<key>": 0-dim fp32 tensor}`` for the keys above.
+    """
+    mask = _check(mask, in_safe, log_kept_mass, safe_size)
+    m = mask.double()
+    log_kept = log_kept_mass.double().clamp(max=0.0) * m
+    pruned = -torch.expm1(log_kept)  # m_t, exactly 0 at padding
+    if mask.shape[0] == 0:
+        seq_tv = seq_kl = _scalar(_NAN)
+    else:
+        # Padding counts as kept mass 1 (DESIGN section 4).
+        kept = log_kept.exp()
+        seq_tv = _scalar(sequence_tv(kept, mask))
+        seq_kl = _scalar(sequence_kl(kept, mask))
+    return {
+        "safevocab/out_of_set_frac": _masked_mean((~in_safe.bool()).double(), m),
+        "safevocab/pruned_mass_mean": _masked_mean(pruned, m),
+        "safevocab/pruned_mass_max": _masked_extreme(pruned, mask, largest=True),
+        "safevocab/safe_size_mean": _masked_mean(safe_size.double(), m),
+        "safevocab/seq_tv_estimate": seq_tv,
+        "safevocab/seq_kl_estimate": seq_kl,
+    }
+
+
+def importance_ratio_metrics(
+    log_raw: torch.Tensor, ratio: torch.Tensor, clipped: torch.Tensor, mask: torch.Tensor
+) -> dict[str, torch.Tensor]:
+    """Statistics of an importance-sampling correction, before and after truncation/masking.
+
+    With raw ratios ``w_raw = exp(clamp(log_raw, ±LOG_RATIO_BOUND))`` and applied ratios ``w``:
+    ``is_raw_mean``/``_min``/``_max`` (of ``w_raw``), ``is_mean``/``_min``/``_max`` (of ``w``),
+    ``is_clipped_frac`` (share of entries truncated or masked) and ``is_ess`` = ``(sum w)^2 / (n sum w^2)``,
+    the normalised effective sample size, all over the counted entries.
+
+    Args:
+        log_raw: raw log-ratio ``[B, T]`` (token level) or ``[B, 1]`` (sequence level).
+        ratio: the corrected ratio, same shape.
+        clipped: bool, same shape, the entry was truncated or masked.
+        mask: ``[B, T]`` the tokens that count (a sequence counts when it has one).
+
+    Returns:
+        ``{"mismatch/<key>": 0-dim fp32 tensor}`` for the keys above.
+    """
+    mask = mask.to(torch.bool)
+    valid = mask if log_raw.shape == mask.shape else mask.any(dim=-1, keepdim=True)
+    if log_raw.shape != valid.shape or ratio.shape != valid.shape or clipped.shape != valid.shape:
+        raise ValueError(
+            f"log_raw {tuple(log_raw.shape)}, ratio {tuple(ratio.shape)} and clipped {tuple(clipped.shape)} must be "
+            f"[B, T] or [B, 1] for mask {tuple(mask.shape)}"
+        )
+    raw = torch.exp(log_raw.double().clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND))
+    w = ratio.double()
+    v = valid.double()
+    n = v.sum()
+    sum_w = (w * v).sum()
+    sum_w2 = (w.square() * v).sum()
+    ess = _scalar(sum_w.square() / (n * sum_w2)) if n > 0 and sum_w2 > 0 else _scalar(_NAN)
+    return {
+        "mismatch/is_raw_mean": _masked_mean(raw, v),
+        "mismatch/is_raw_min": _masked_extreme(raw, valid, largest=False),
+        "mismatch/is_raw_max": _masked_extreme(raw, valid, largest=True),
+        "mismatch/is_mean": _masked_mean(w, v),
+        "mismatch/is_min": _masked_extreme(w, valid, largest=False),
+        "mismatch/is_max": _masked_extreme(w, valid, largest=True),
+        "mismatch/is_clipped_frac": _masked_mean(clipped.double(), v),
+        "mismatch/is_ess": ess,
+    }

@@ -1,0 +1,91 @@
+"""End-of-run summary of ``safevocab-grpo``: reward and accuracy before/after, mismatch, where things went."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+__all__ = ["run_summary", "print_run_summary"]
+
+#: Metrics reported from the last logged step (see docs/metrics.md).
+SUMMARY_METRICS = (
+    "safevocab/pruned_mass_mean",
+    "safevocab/safe_size_mean",
+    "safevocab/out_of_set_frac",
+    "safevocab/seq_tv_estimate",
+    "mismatch/log_ppl_abs_diff",
+    "mismatch/k3_kl",
+    "mismatch/chi2_token",
+)
+
+
+def _mean_of(history: list[dict], key: str, first: bool, n: int = 3) -> float | None:
+    values = [h[key] for h in history if isinstance(h.get(key), (int, float)) and not math.isnan(h[key])]
+    if not values:
+        return None
+    part = values[:n] if first else values[-n:]
+    return sum(part) / len(part)
+
+
+def run_summary(trainer, accuracy_before: float | None = None, accuracy_after: float | None = None) -> dict:
+    """The summary as a dict (also written to ``<output_dir>/summary.json``).
+
+    Rewards are the mean of the first and of the last three logged steps; mismatch metrics are those of
+    the last logged step.
+    """
+    history = [h for h in trainer.state.log_history if "reward" in h]
+    last = history[-1] if history else {}
+    out_dir = Path(trainer.args.output_dir).resolve()
+    summary = {
+        "steps": trainer.state.global_step,
+        "train_runtime_s": next((h["train_runtime"] for h in trainer.state.log_history if "train_runtime" in h), None),
+        "rule": trainer.args.safe_vocab_rule,
+        "reward_first": _mean_of(history, "reward", first=True),
+        "reward_last": _mean_of(history, "reward", first=False),
+        "accuracy_before": accuracy_before,
+        "accuracy_after": accuracy_after,
+        "metrics_last_step": {k: last.get(k) for k in SUMMARY_METRICS if k in last},
+        "output_dir": str(out_dir),
+        "log_history": str(out_dir / "log_history.json"),
+    }
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "log_history.json").write_text(json.dumps(trainer.state.log_history, indent=1))
+    (out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+    return summary
+
+
+def print_run_summary(trainer, accuracy_before: float | None = None, accuracy_after: float | None = None) -> dict:
+    """Print :func:`run_summary` as a table (rich when available) and return it."""
+    summary = run_summary(trainer, accuracy_before, accuracy_after)
+
+    def fmt(x) -> str:
+        return "n/a" if x is None else f"{x:.4g}" if isinstance(x, float) else str(x)
+
+    rows = [
+        ("steps", fmt(summary["steps"])),
+        ("train time (s)", fmt(summary["train_runtime_s"])),
+        ("safe-vocabulary rule", summary["rule"]),
+        ("reward, first -> last steps", f"{fmt(summary['reward_first'])} -> {fmt(summary['reward_last'])}"),
+    ]
+    if accuracy_before is not None:
+        rows.append(("held-out accuracy (greedy), before -> after", f"{accuracy_before:.3f} -> {accuracy_after:.3f}"))
+    rows += [(k, fmt(v)) for k, v in summary["metrics_last_step"].items()]
+    rows += [
+        ("model and logs", summary["output_dir"]),
+        ("per-step metrics", summary["log_history"]),
+    ]
+    try:
+        from rich.console import Console
+        from rich.table import Table
+
+        table = Table(title="safevocab-grpo summary", show_header=False)
+        for key, value in rows:
+            table.add_row(key, value)
+        Console().print(table)
+    except ImportError:  # rich is in the trl extra; plain text otherwise
+        width = max(len(k) for k, _ in rows)
+        print("safevocab-grpo summary")
+        for key, value in rows:
+            print(f"  {key:<{width}}  {value}")
+    return summary
