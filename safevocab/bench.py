@@ -1,7 +1,7 @@
 """Benchmark of ``fused_safe_logprobs`` against the matmul floor, a naive masked log-softmax and trl.
 
 Run ``python -m safevocab.bench`` (``--help`` for sizes). Every variant runs forward + backward on the
-same seeded inputs, each in a fresh subprocess so that its peak memory is its own:
+same seeded inputs, in one fresh subprocess:
 
 - ``floor``: the three bare LM-head GEMMs (``h W^T`` forward, ``G W`` and ``G^T h`` backward);
 - ``fused``: :func:`safevocab.fused_safe_logprobs` with the chosen rule;
@@ -17,7 +17,10 @@ same seeded inputs, each in a fresh subprocess so that its peak memory is its ow
 budget and the variants ``floor,fused,fused_torch,trl,liger`` (explicit flags still win). Comparison
 variants that fail (missing package, out of memory) are reported in the table instead of stopping the run.
 
-It prints time (best of ``--repeats``, the usual guard against a busy machine; the JSON has the median too) and peak extra memory (over the inputs) of each, and the
+It prints time (best of ``--repeats``, taken round-robin across variants, the usual guard against a busy
+machine; the JSON has the median too) and peak extra memory of each (tensor storage allocated during one
+step and alive at once, inputs excluded: see :class:`LiveTensorBytes`; ``torch.cuda.max_memory_allocated``
+on GPU), and the
 ratios of ``fused`` to each other variant that ran. Timings are ratios from one run on one
 machine; tests never assert them.
 
@@ -36,6 +39,9 @@ import time
 from collections.abc import Callable
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 VARIANTS = ("floor", "fused", "fused_torch", "naive", "trl", "liger")
 #: Variants run when ``--variants`` is not given, per device type.
@@ -174,55 +180,97 @@ def _liger_available() -> bool:
     return True
 
 
-def _rss_kib(field: str) -> int:
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"{field} not found in /proc/self/status")
+class LiveTensorBytes(TorchDispatchMode):
+    """Peak bytes of tensor storage allocated inside the ``with`` block and alive at the same time.
+
+    The CPU counterpart of ``torch.cuda.max_memory_allocated``: every op's outputs are recorded by
+    storage, and storages whose tensors were freed are dropped before the next op runs. Tensors that
+    existed before the block (the inputs) are not counted; gradients and autograd's saved tensors
+    are. Deterministic, unlike the process RSS, which depends on the allocator's caching.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live: dict[int, tuple[StorageWeakRef, int]] = {}
+        self.current = 0
+        self.peak = 0
+
+    def _sweep(self) -> None:
+        for key in [k for k, (ref, _) in self.live.items() if ref.expired()]:
+            self.current -= self.live.pop(key)[1]
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self._sweep()
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.layout == torch.strided and t.device.type != "meta":
+                storage = t.untyped_storage()
+                key = storage.data_ptr()
+                if key and key not in self.live:
+                    self.live[key] = (StorageWeakRef(storage), storage.nbytes())
+                    self.current += storage.nbytes()
+        self.peak = max(self.peak, self.current)
+        return out
 
 
-def _measure(variant: str, args: argparse.Namespace) -> dict:
-    """Runs in the worker subprocess: peak extra memory of one step, then timed repeats."""
-    device = torch.device(args.device)
-    torch.manual_seed(args.seed)
-    step = _make_step(variant, args, device)
+def _peak_bytes(step: Callable[[], None], device: torch.device) -> int:
+    """Peak extra memory of one call of ``step`` (inputs excluded)."""
     if device.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
         step()
         torch.cuda.synchronize()
-        peak_bytes = torch.cuda.max_memory_allocated() - base
-    else:
-        # The first step runs before anything else could raise the high-water mark, so VmHWM - VmRSS
-        # measured before it is the step's own peak (inputs excluded).
-        with open("/proc/self/clear_refs", "w") as f:  # reset VmHWM to the current RSS
-            f.write("5")
-        base = _rss_kib("VmRSS")
+        return torch.cuda.max_memory_allocated() - base
+    with LiveTensorBytes() as tracker:
         step()
-        peak_bytes = (_rss_kib("VmHWM") - base) * 1024
-    times = []
+    return tracker.peak
+
+
+def _timed(step: Callable[[], None], device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    step()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - t0
+
+
+def _measure(variants: list[str], args: argparse.Namespace) -> dict[str, dict]:
+    """Runs in the worker subprocess: each variant's peak memory, then timed repeats taken round-robin
+    (variant by variant within each repeat), so that a machine whose load changes slows all alike."""
+    device = torch.device(args.device)
+    steps: dict[str, Callable[[], None]] = {}
+    results: dict[str, dict] = {}
+    for variant in variants:
+        torch.manual_seed(args.seed)
+        try:
+            steps[variant] = _make_step(variant, args, device)
+            results[variant] = {"variant": variant, "peak_bytes": _peak_bytes(steps[variant], device)}
+        except Exception as err:  # a comparison that cannot run here (e.g. out of memory): say so in the table
+            if variant not in _OPTIONAL:
+                raise
+            steps.pop(variant, None)
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+            print(f"benchmark variant {variant!r} failed: {err!r}", file=sys.stderr)
+            results[variant] = {"variant": variant, "error": f"{type(err).__name__}: {err}"[:200]}
+    times: dict[str, list[float]] = {variant: [] for variant in steps}
     for _ in range(args.repeats):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        step()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-    return {"variant": variant, "seconds": min(times), "median_seconds": statistics.median(times), "peak_bytes": peak_bytes}
+        for variant, step in steps.items():
+            times[variant].append(_timed(step, device))
+    for variant, values in times.items():
+        results[variant].update(seconds=min(values), median_seconds=statistics.median(values))
+    return results
 
 
-def _run_worker(variant: str, argv: list[str]) -> dict:
-    cmd = [sys.executable, "-m", "safevocab.bench", *argv, "--_worker", variant]
+def _run_worker(variants: list[str], argv: list[str]) -> dict[str, dict]:
+    """Measure ``variants`` in one fresh subprocess (the inputs of earlier runs never count)."""
+    cmd = [sys.executable, "-m", "safevocab.bench", *argv, "--_worker", ",".join(variants)]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=os.environ.copy())
     if proc.returncode != 0:
-        if variant in _OPTIONAL:  # a comparison that cannot run here (e.g. out of memory): say so in the table
-            last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-            print(f"benchmark worker {variant!r} failed:\n{proc.stderr[-4000:]}", file=sys.stderr)
-            return {"variant": variant, "error": last[:200]}
-        raise RuntimeError(f"benchmark worker {variant!r} failed:\n{proc.stderr[-4000:]}")
+        raise RuntimeError(f"benchmark worker failed:\n{proc.stderr[-4000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
@@ -309,7 +357,7 @@ def main(argv: list[str] | None = None) -> int:
 
         args.max_chunk_bytes = DEFAULT_MAX_CHUNK_BYTES
     if args._worker:
-        print(json.dumps(_measure(args._worker, args)))
+        print(json.dumps(_measure(args._worker.split(","), args)))
         return 0
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     unknown = sorted(set(variants) - set(VARIANTS))
@@ -322,10 +370,8 @@ def main(argv: list[str] | None = None) -> int:
     from safevocab.rules import parse_rule
 
     parse_rule(args.rule)  # fail fast on a bad rule, before any worker starts
-    results: dict[str, dict] = {}
-    for i, variant in enumerate(variants, 1):
-        print(f"[{i}/{len(variants)}] {variant} ...", file=sys.stderr, flush=True)
-        results[variant] = _run_worker(variant, argv)
+    print(f"measuring {', '.join(variants)} ({args.repeats} round-robin repeats) ...", file=sys.stderr, flush=True)
+    results = _run_worker(variants, argv)
     print(_format_table(args, results))
     if args.json_path:
         with open(args.json_path, "w") as f:
