@@ -23,6 +23,7 @@ dense logits gradient) with the Triton kernels of :mod:`safevocab.kernels`; the 
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from dataclasses import dataclass
 
@@ -123,8 +124,10 @@ class FusedSafeLogProbs(torch.autograd.Function):
         compute_entropy: bool,
         chunk_rows: int,
         backend: str = "torch",  # "torch" or "triton" (resolved by fused_safe_logprobs)
+        weight_gather=None,  # sharded-weight hook (issue 8): zero-arg factory of a context manager, or None
     ):
         ctx.set_materialize_grads(False)
+        ctx.weight_gather = weight_gather
         n_rows, vocab, device = hidden.shape[0], weight.shape[0], hidden.device
         stat = dict(device=device, dtype=torch.float64 if hidden.dtype == torch.float64 else torch.float32)
         target_logit = torch.empty(n_rows, **stat)
@@ -192,10 +195,18 @@ class FusedSafeLogProbs(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_logprobs, grad_log_kept, grad_entropy, _grad_in_safe, _grad_safe_size):  # type: ignore[override]
+        if grad_logprobs is None and grad_log_kept is None and grad_entropy is None:
+            return (None,) * 10
+        # ---- sharded-weight hook (issue 8): the backward re-reads the weight (sparse GEMMs and the dense
+        # recomputation), so a weight gathered only for the forward (DeepSpeed ZeRO-3) is gathered again here.
+        gather = contextlib.nullcontext() if ctx.weight_gather is None else ctx.weight_gather()
+        with gather:
+            return FusedSafeLogProbs._backward(ctx, grad_logprobs, grad_log_kept, grad_entropy)
+
+    @staticmethod
+    def _backward(ctx, grad_logprobs, grad_log_kept, grad_entropy):
         hidden, weight, bias, targets, threshold, lse_safe, lse_full, in_safe, entropy = ctx.saved_tensors
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
-        if grad_logprobs is None and grad_log_kept is None and grad_entropy is None:
-            return (None,) * 9
         n_rows, stat = hidden.shape[0], lse_safe.dtype
 
         # Per-row coefficients of the logits gradient
@@ -249,6 +260,7 @@ class FusedSafeLogProbs(torch.autograd.Function):
             None,
             None,
             None,  # backend
+            None,  # weight_gather
         )
 
 

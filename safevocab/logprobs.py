@@ -17,6 +17,8 @@ Logits are transformed as the sampler does, in this order: ``logit_scale``, soft
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
 import torch
@@ -204,6 +206,7 @@ def fused_safe_logprobs(
     compute_entropy: bool = False,
     max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
     backend: str = "auto",
+    weight_gather: Callable[[], AbstractContextManager] | None = None,
 ) -> SafeLogProbs:
     """Safe-vocabulary log-probabilities of ``targets`` under ``hidden @ weight.T (+ bias)``, fused.
 
@@ -228,11 +231,24 @@ def fused_safe_logprobs(
         backend: ``"auto"`` (Triton kernels when the tensors are on CUDA and ``triton`` imports, else
             torch), ``"torch"``, or ``"triton"`` (forces the kernels; CPU tensors only under Triton's
             interpreter, ``TRITON_INTERPRET=1``). See :mod:`safevocab.kernels`.
+        weight_gather: for a sharded ``weight``/``bias`` that hold their full values only inside a context
+            (DeepSpeed ZeRO-3 parameters: ``deepspeed.zero.GatheredParameters``, trl's
+            ``maybe_gather_lm_head_ctx``), a zero-argument callable returning that context manager. The caller
+            holds the weight gathered around this call, as for any direct use of such a parameter; the backward,
+            which runs after that context has exited and re-reads the weight (it recomputes the logits instead of
+            storing them), enters ``weight_gather()`` again. ``None`` (the default) enters nothing. An FSDP2
+            ``DTensor`` weight needs no hook: pass ``weight.full_tensor()``, whose backward reduce-scatters the
+            gradient.
 
     Returns:
         :class:`SafeLogProbs` of shape ``[...]`` (the targets' shape). ``logprobs``, ``log_kept_mass``
         and ``entropy`` are differentiable with respect to ``hidden``, ``weight`` and ``bias``.
     """
+    if weight_gather is not None and not callable(weight_gather):
+        raise TypeError(
+            f"weight_gather={weight_gather!r} is not accepted: accepted None or a zero-argument callable returning "
+            "a context manager"
+        )
     _check_float("hidden", hidden)
     _check_float("weight", weight)
     if weight.dim() != 2:
@@ -272,7 +288,7 @@ def fused_safe_logprobs(
     rows_for = triton_chunk_rows if backend == "triton" else chunk_rows_for  # the kernels need less scratch
     chunk_rows = rows_for(hidden2d.shape[0], vocab, rule, hidden.element_size(), max_chunk_bytes)
     logprobs, log_kept, entropy, in_safe, safe_size = FusedSafeLogProbs.apply(
-        hidden2d, weight, bias, flat_targets, rule, transform, compute_entropy, chunk_rows, backend
+        hidden2d, weight, bias, flat_targets, rule, transform, compute_entropy, chunk_rows, backend, weight_gather
     )
     return SafeLogProbs(
         logprobs=logprobs.reshape(out_shape),

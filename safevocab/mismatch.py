@@ -25,6 +25,13 @@ before exponentiation. Sums and means run in float64.
 The ``*_metrics`` functions return ``{name: 0-dim fp32 tensor}`` dictionaries ready to log (NaN when a value is
 undefined on the batch, e.g. an empty bucket); names ending in ``_max``/``/max`` (``_min``/``/min``) are meant to
 be reduced across processes with max (min), others with the mean (`reduction`).
+
+Across processes (data parallelism), a mean must be weighted by what it averages over, or the combined value is a
+mean of means that depends on how the batch was split. With ``return_counts=True`` each ``*_metrics`` function
+also returns, per key, the number of items the value is computed over (tokens, sequences, ratio entries);
+`reduce_gathered` combines the gathered ``[processes, keys]`` values and counts into exactly the value one process
+would compute on the whole batch (up to rounding): count-weighted means, max/min, and the effective sample size
+from its sums.
 """
 
 from __future__ import annotations
@@ -56,6 +63,7 @@ __all__ = [
     "bucket_mismatch_metrics",
     "safe_set_metrics",
     "importance_ratio_metrics",
+    "reduce_gathered",
 ]
 
 #: Default edges of the probability buckets of `bucket_mismatch` / `bucket_mismatch_metrics`.
@@ -90,6 +98,11 @@ def reduction(name: str) -> str:
 
 def _scalar(x: torch.Tensor | float) -> torch.Tensor:
     return torch.as_tensor(x, dtype=torch.float32).detach().reshape(())
+
+
+def _count(n: torch.Tensor | int) -> torch.Tensor:
+    """A count as a 0-dim float64 tensor (what `reduce_gathered` weighs a process's value by)."""
+    return torch.as_tensor(n, dtype=torch.float64).detach().reshape(())
 
 
 def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -435,8 +448,8 @@ _SEQ_KEYS = (
 
 
 def mismatch_metrics(
-    train_logps: torch.Tensor, rollout_logps: torch.Tensor, mask: torch.Tensor
-) -> dict[str, torch.Tensor]:
+    train_logps: torch.Tensor, rollout_logps: torch.Tensor, mask: torch.Tensor, return_counts: bool = False
+) -> dict[str, torch.Tensor] | tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """Training–inference mismatch on the sampled tokens (verl's definitions, prefix ``mismatch/``).
 
     With ``log r_t = log pi(y_t) - log mu(y_t)`` and ``gap_b`` of `log_ppl_gap`:
@@ -454,9 +467,12 @@ def mismatch_metrics(
         train_logps: ``[B, T]`` training log-probabilities of the sampled tokens.
         rollout_logps: ``[B, T]`` rollout log-probabilities.
         mask: ``[B, T]`` bool or 0/1, the counted tokens.
+        return_counts: also return the counts for `reduce_gathered`.
 
     Returns:
-        ``{"mismatch/<key>": 0-dim fp32 tensor}`` for the keys above.
+        ``{"mismatch/<key>": 0-dim fp32 tensor}`` for the keys above; with ``return_counts``, the pair
+        ``(metrics, counts)`` where ``counts[key]`` is the number of tokens (token keys) or sequences (sequence
+        keys) the value is computed over.
     """
     train, rollout, log_r, mask = _pair(train_logps, rollout_logps, mask)
     m = mask.double()
@@ -486,7 +502,10 @@ def mismatch_metrics(
         "mismatch/abs_logp_diff_max": _masked_extreme(log_r.abs(), mask, largest=True),
     }
     out.update(seq)
-    return out
+    if not return_counts:
+        return out
+    n_tok, n_seq = _count(mask.sum()), _count(rows.sum())
+    return out, {k: n_seq if k in _SEQ_KEYS else n_tok for k in out}
 
 
 def bucket_mismatch_metrics(
@@ -494,7 +513,8 @@ def bucket_mismatch_metrics(
     rollout_logps: torch.Tensor,
     mask: torch.Tensor,
     edges: Sequence[float] = DEFAULT_BUCKETS,
-) -> dict[str, torch.Tensor]:
+    return_counts: bool = False,
+) -> dict[str, torch.Tensor] | tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """`bucket_mismatch` as a metric dictionary.
 
     For each bucket ``p=lo-hi``: ``mismatch/abs_diff/p=lo-hi`` (mean ``|log r|``), ``mismatch/diff/p=lo-hi``
@@ -506,23 +526,33 @@ def bucket_mismatch_metrics(
         rollout_logps: ``[B, T]`` rollout log-probabilities (NaN where the engine reported none).
         mask: ``[B, T]`` bool or 0/1, the counted tokens.
         edges: inner bucket edges, strictly increasing in ``(0, 1)``.
+        return_counts: also return the counts for `reduce_gathered`.
 
     Returns:
-        ``{key: 0-dim fp32 tensor}``.
+        ``{key: 0-dim fp32 tensor}``; with ``return_counts``, the pair ``(metrics, counts)``: the bucket's token
+        count for ``abs_diff``/``diff``, all counted tokens for ``token_frac``.
     """
     b = bucket_mismatch(train_logps, rollout_logps, mask, edges)
     frac = b.frac
     out: dict[str, torch.Tensor] = {}
+    counts: dict[str, torch.Tensor] = {}
+    total = _count(b.count.sum())
     for j, name in enumerate(b.names):
         out[f"mismatch/abs_diff/{name}"] = _scalar(b.abs_diff_mean[j])
         out[f"mismatch/diff/{name}"] = _scalar(b.diff_mean[j])
         out[f"mismatch/token_frac/{name}"] = _scalar(frac[j])
-    return out
+        counts[f"mismatch/abs_diff/{name}"] = counts[f"mismatch/diff/{name}"] = _count(b.count[j])
+        counts[f"mismatch/token_frac/{name}"] = total
+    return (out, counts) if return_counts else out
 
 
 def safe_set_metrics(
-    in_safe: torch.Tensor, log_kept_mass: torch.Tensor, safe_size: torch.Tensor, mask: torch.Tensor
-) -> dict[str, torch.Tensor]:
+    in_safe: torch.Tensor,
+    log_kept_mass: torch.Tensor,
+    safe_size: torch.Tensor,
+    mask: torch.Tensor,
+    return_counts: bool = False,
+) -> dict[str, torch.Tensor] | tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """Statistics of the trainer's safe set at the sampled positions (prefix ``safevocab/``).
 
     With ``m_t = 1 - exp(log_kept_mass_t)`` the pruned mass:
@@ -537,9 +567,11 @@ def safe_set_metrics(
         log_kept_mass: ``[B, T]`` ``log(1 - m_t)``.
         safe_size: ``[B, T]`` ``|S_t|``.
         mask: ``[B, T]`` the completion tokens (before any out-of-set masking).
+        return_counts: also return the counts for `reduce_gathered`.
 
     Returns:
-        ``{"safevocab/<key>": 0-dim fp32 tensor}`` for the keys above.
+        ``{"safevocab/<key>": 0-dim fp32 tensor}`` for the keys above; with ``return_counts``, the pair
+        ``(metrics, counts)``: counted tokens for the token keys, rows ``B`` for the two sequence estimates.
     """
     mask = _check(mask, in_safe, log_kept_mass, safe_size)
     m = mask.double()
@@ -552,7 +584,7 @@ def safe_set_metrics(
         kept = log_kept.exp()
         seq_tv = _scalar(sequence_tv(kept, mask))
         seq_kl = _scalar(sequence_kl(kept, mask))
-    return {
+    out = {
         "safevocab/out_of_set_frac": _masked_mean((~in_safe.bool()).double(), m),
         "safevocab/pruned_mass_mean": _masked_mean(pruned, m),
         "safevocab/pruned_mass_max": _masked_extreme(pruned, mask, largest=True),
@@ -560,11 +592,15 @@ def safe_set_metrics(
         "safevocab/seq_tv_estimate": seq_tv,
         "safevocab/seq_kl_estimate": seq_kl,
     }
+    if not return_counts:
+        return out
+    n_tok, n_seq = _count(mask.sum()), _count(mask.shape[0])
+    return out, {k: n_seq if k.startswith("safevocab/seq_") else n_tok for k in out}
 
 
 def importance_ratio_metrics(
-    log_raw: torch.Tensor, ratio: torch.Tensor, clipped: torch.Tensor, mask: torch.Tensor
-) -> dict[str, torch.Tensor]:
+    log_raw: torch.Tensor, ratio: torch.Tensor, clipped: torch.Tensor, mask: torch.Tensor, return_counts: bool = False
+) -> dict[str, torch.Tensor] | tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """Statistics of an importance-sampling correction, before and after truncation/masking.
 
     With raw ratios ``w_raw = exp(clamp(log_raw, ±LOG_RATIO_BOUND))`` and applied ratios ``w``:
@@ -577,9 +613,12 @@ def importance_ratio_metrics(
         ratio: the corrected ratio, same shape.
         clipped: bool, same shape, the entry was truncated or masked.
         mask: ``[B, T]`` the tokens that count (a sequence counts when it has one).
+        return_counts: also return the counts for `reduce_gathered` (the number of counted entries, for every key;
+            ``is_ess`` is combined from its sums, see `reduce_gathered`).
 
     Returns:
-        ``{"mismatch/<key>": 0-dim fp32 tensor}`` for the keys above.
+        ``{"mismatch/<key>": 0-dim fp32 tensor}`` for the keys above; with ``return_counts``, the pair
+        ``(metrics, counts)``.
     """
     mask = mask.to(torch.bool)
     valid = mask if log_raw.shape == mask.shape else mask.any(dim=-1, keepdim=True)
@@ -595,7 +634,7 @@ def importance_ratio_metrics(
     sum_w = (w * v).sum()
     sum_w2 = (w.square() * v).sum()
     ess = _scalar(sum_w.square() / (n * sum_w2)) if n > 0 and sum_w2 > 0 else _scalar(_NAN)
-    return {
+    out = {
         "mismatch/is_raw_mean": _masked_mean(raw, v),
         "mismatch/is_raw_min": _masked_extreme(raw, valid, largest=False),
         "mismatch/is_raw_max": _masked_extreme(raw, valid, largest=True),
@@ -605,3 +644,80 @@ def importance_ratio_metrics(
         "mismatch/is_clipped_frac": _masked_mean(clipped.double(), v),
         "mismatch/is_ess": ess,
     }
+    if not return_counts:
+        return out
+    return out, dict.fromkeys(out, _count(n))
+
+
+# ----------------------------------------------------------------------------------------------------
+# reduction across processes
+# ----------------------------------------------------------------------------------------------------
+
+#: The normalised effective sample size and the mean whose sums it is rebuilt from (`reduce_gathered`).
+_ESS_KEY, _ESS_MEAN_KEY = "mismatch/is_ess", "mismatch/is_mean"
+
+
+def reduce_gathered(
+    names: Sequence[str], values: torch.Tensor, counts: torch.Tensor | None = None
+) -> dict[str, float]:
+    """Combine per-process metric values into the value of the whole (all-process) batch.
+
+    ``values[p, k]`` is metric ``names[k]`` computed by process ``p`` on its share of the batch and
+    ``counts[p, k]`` the number of items it is computed over (from the ``*_metrics`` functions with
+    ``return_counts=True``). Per metric, by `reduction` of its name:
+
+    - ``"mean"``: ``sum_p c_p v_p / sum_p c_p``, the mean over all items, not the mean of the per-process means
+      (which would depend on how the batch was split when the processes hold different numbers of tokens);
+    - ``"max"`` / ``"min"``: the max / min over the processes;
+    - ``mismatch/is_ess`` = ``(sum w)^2 / (n sum w^2)`` is not a mean: it is rebuilt from each process's sums,
+      ``sum w = n * is_mean`` and ``sum w^2 = n * is_mean^2 / is_ess`` (``0`` when ``is_ess`` is undefined on a
+      process that counts entries: all its ratios are 0), when ``mismatch/is_mean`` is among ``names``.
+
+    Processes with a NaN value or a zero count are left out of a metric. A metric left out everywhere is
+    absent from the result.
+
+    Args:
+        names: the ``K`` metric keys.
+        values: ``[P, K]`` per-process values (any float dtype; combined in float64).
+        counts: ``[P, K]`` per-process counts, or ``None`` for equal weights (a plain mean over processes).
+
+    Returns:
+        ``{name: float}`` for the metrics defined on at least one process.
+
+    Raises:
+        ValueError: on shapes that do not match ``names``.
+    """
+    names = list(names)
+    values = torch.as_tensor(values).detach().to("cpu", torch.float64)
+    if values.dim() != 2 or values.shape[1] != len(names):
+        raise ValueError(f"values has shape {tuple(values.shape)}: accepted [P, K] with K = len(names) = {len(names)}")
+    counts = torch.ones_like(values) if counts is None else torch.as_tensor(counts).detach().to("cpu", torch.float64)
+    if counts.shape != values.shape:
+        raise ValueError(f"counts has shape {tuple(counts.shape)}: accepted the shape of values {tuple(values.shape)}")
+    column = {name: j for j, name in enumerate(names)}
+    out: dict[str, float] = {}
+    for j, name in enumerate(names):
+        v, c = values[:, j], counts[:, j]
+        if name == _ESS_KEY and _ESS_MEAN_KEY in column:
+            mean = values[:, column[_ESS_MEAN_KEY]]
+            ok = (c > 0) & ~torch.isnan(mean)
+            if not bool(ok.any()):
+                continue
+            n, mean, ess = c[ok], mean[ok], v[ok]
+            sum_w = n * mean
+            sum_w2 = torch.where(torch.isnan(ess) | (ess <= 0), 0.0, n * mean.square() / ess)
+            if not bool(sum_w2.sum() > 0):
+                continue
+            out[name] = float(sum_w.sum().square() / (n.sum() * sum_w2.sum()))
+            continue
+        ok = (c > 0) & ~torch.isnan(v)
+        if not bool(ok.any()):
+            continue
+        how = reduction(name)
+        if how == "max":
+            out[name] = float(v[ok].max())
+        elif how == "min":
+            out[name] = float(v[ok].min())
+        else:
+            out[name] = float((v[ok] * c[ok]).sum() / c[ok].sum())
+    return out

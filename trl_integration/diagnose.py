@@ -816,6 +816,11 @@ def _diagnose_command(args) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``safevocab`` console script. Returns the process exit code."""
     parser = build_parser()
+    # --- begin: `safevocab study` subcommand (implemented in trl_integration/study.py) ---
+    from trl_integration.study import add_study_subparser
+
+    add_study_subparser(next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)))
+    # --- end: `safevocab study` subcommand ---
     args = parser.parse_args(argv)
     if getattr(args, "func", None) is None:
         parser.print_help(sys.stderr)

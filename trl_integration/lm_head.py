@@ -156,10 +156,10 @@ def add_safe_lm_head(
             labels = shift_labels
         lm_head = self.get_output_embeddings()
         weight, bias = lm_head.weight, lm_head.bias
-        if isinstance(weight, DTensor):  # FSDP2: gather the sharded head once
-            weight = weight.full_tensor()
+        if isinstance(weight, DTensor):  # FSDP2: gather the sharded head once (issue 8: with a reduced gradient)
+            weight = _gather_data_parallel(weight)
             if bias is not None:
-                bias = bias.full_tensor()
+                bias = _gather_data_parallel(bias)
         hidden_states = hidden_states.to(weight.device)
         labels = labels.to(weight.device)
         mask = labels != -100
@@ -174,17 +174,20 @@ def add_safe_lm_head(
         else:
             dtype = weight.dtype
         with maybe_gather_lm_head_ctx(lm_head.weight, lm_head.bias), torch.autocast(device_type, enabled=False):
+            head_weight = weight.to(dtype)
+            head_bias = None if bias is None else bias.to(dtype)
             out = fused_safe_logprobs(
                 hidden_states[mask].to(dtype),
-                weight.to(dtype),
+                head_weight,
                 labels[mask],
                 rule,
-                bias=None if bias is None else bias.to(dtype),
+                bias=head_bias,
                 temperature=temperature,
                 softcap=softcap,
                 logit_scale=logit_scale,
                 compute_entropy=state.compute_entropy,
                 max_chunk_bytes=max_chunk_bytes,
+                weight_gather=_backward_gather(lm_head, head_weight, head_bias),
             )
 
         def scatter(x, fill):
@@ -225,3 +228,44 @@ def add_safe_lm_head(
     model._safevocab_head = (rule, float(temperature), softcap, logit_scale)
     return state
 
+
+def _gather_data_parallel(param: torch.Tensor) -> torch.Tensor:
+    """The full value of a sharded FSDP2 ``DTensor`` parameter, whose gradient is averaged over the mesh (issue 8).
+
+    The head's parameters are a ``DTensor`` here only when the LM head is its own ``fully_shard`` group: the
+    patched forward never calls the head module, so FSDP's hooks for that group never run, and nothing reduces its
+    gradient across the data-parallel ranks. ``full_tensor()`` alone (trl's fused head) declares the gathered
+    copy's gradient *replicated*, so its backward merely slices this rank's shard out of this rank's own
+    gradient: each rank would update its shard from its own data only. Declaring the gradient ``Partial("avg")``
+    makes the backward reduce-scatter it with the average, FSDP2's default gradient reduction. (A head in the
+    root's group — accelerate's transformer-layer wrap policy — arrives here unsharded, as a plain tensor, and
+    FSDP reduces its gradient itself.)
+    """
+    from torch.distributed.tensor import Partial, Replicate
+
+    ndim = param.device_mesh.ndim
+    return param.redistribute(placements=[Replicate()] * ndim).to_local(grad_placements=[Partial("avg")] * ndim)
+
+
+def _backward_gather(lm_head: torch.nn.Module, head_weight: torch.Tensor, head_bias: torch.Tensor | None):
+    """The ``weight_gather`` hook of :func:`safevocab.fused_safe_logprobs` for ``lm_head`` (issue 8), or ``None``.
+
+    Under DeepSpeed ZeRO-3 the head's parameters hold their values only while gathered: trl's
+    ``maybe_gather_lm_head_ctx`` gathers them around the forward, and the fused backward, which recomputes the
+    logits from the weight after that context has exited, must gather them again (as trl's own chunked head
+    does). Only needed when the kernel was handed the parameters themselves: a dtype cast (``.to(dtype)``) made
+    inside the forward's gather is a full copy that autograd keeps alive for the backward. FSDP2 needs no hook
+    (a sharded head is gathered into a full copy by :func:`_gather_data_parallel`, a root-group head is
+    unsharded by FSDP's own hooks around the model's forward and backward).
+    """
+    from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
+
+    if not is_deepspeed_zero3_enabled():
+        return None
+    pairs = ((lm_head.weight, head_weight), (lm_head.bias, head_bias))
+    params = [param for param, used in pairs if param is not None and param is used]
+    if not params:
+        return None
+    from trl.trainer.utils import maybe_gather_lm_head_ctx
+
+    return functools.partial(maybe_gather_lm_head_ctx, *params)

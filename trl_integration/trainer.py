@@ -43,7 +43,7 @@ from trl_integration.metrics import (
     bucket_mismatch_metrics,
     importance_ratio_metrics,
     mismatch_metrics,
-    reduction,
+    reduce_gathered,
     safe_set_metrics,
 )
 from trl_integration.rollout import (
@@ -109,19 +109,12 @@ class SafeVocabGRPOTrainer(GRPOTrainer):
                 f"args must be a SafeVocabGRPOConfig, got {type(args).__name__}: build it with "
                 "SafeVocabGRPOConfig(...), which accepts every GRPOConfig argument"
             )
-        from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
-
-        if is_deepspeed_zero3_enabled():
-            raise NotImplementedError(
-                "SafeVocabGRPOTrainer does not support DeepSpeed ZeRO-3 yet: the fused safe log-softmax recomputes "
-                "the LM-head GEMM in its backward, where ZeRO-3 has re-partitioned the head weight. Use ZeRO-2, FSDP "
-                "or DDP."
-            )
         self._captured_logps: dict | None = None
         self._last_safe_stats: SafeTokenStats | None = None
         #: Tensors of the latest generation batch (train/rollout log-probs, masks, ratios), for inspection.
         self.last_generation: dict[str, torch.Tensor] | None = None
         super().__init__(model, reward_funcs, args, *pargs, **kwargs)
+        self._check_zero3()
 
         self.safe_vocab_rule = args.rule
         self._rollout_dtype = ROLLOUT_DTYPES[args.rollout_dtype]
@@ -154,6 +147,22 @@ class SafeVocabGRPOTrainer(GRPOTrainer):
 
     # ------------------------------------------------------------------------------------------------------
     # setup helpers
+
+    def _check_zero3(self) -> None:
+        """DeepSpeed ZeRO-3 (issue 8): the safe head gathers the partitioned LM-head weight around its forward and,
+        through ``fused_safe_logprobs``' ``weight_gather`` hook, again around its backward
+        (:mod:`trl_integration.lm_head`). What cannot work on partitioned parameters is the in-place upcast of a
+        ``rollout_dtype="float32"`` rollout over lower-precision weights."""
+        from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
+
+        if not is_deepspeed_zero3_enabled() or self.args.rollout_dtype != "float32":
+            return
+        if any(p.is_floating_point() and p.dtype != torch.float32 for p in self.model.parameters()):
+            raise ValueError(
+                "rollout_dtype='float32' upcasts lower-precision parameters in place for the rollout, which DeepSpeed "
+                "ZeRO-3's partitioned parameters do not allow: use rollout_dtype='auto' under ZeRO-3, load the model "
+                "in float32, or use ZeRO-2 / FSDP2 for fp32 rollouts"
+            )
 
     def _require_processed_logprobs(self) -> None:
         """vLLM must return log-probabilities renormalised over the sampler's set (``processed_logprobs``)."""
@@ -325,8 +334,13 @@ class SafeVocabGRPOTrainer(GRPOTrainer):
         loss_mask = completion_mask * new_tool_mask
         output["num_items_in_batch"] = self.accelerator.gather(loss_mask.sum()).sum()
 
-        metrics = safe_set_metrics(stats.in_safe, stats.log_kept_mass, stats.safe_size, base_mask)
+        # Every metric comes with the number of items it averages over, so that the cross-process reduction is
+        # the value of the whole (all-process) batch, not a mean of per-process means (issue 8).
+        metrics, counts = safe_set_metrics(
+            stats.in_safe, stats.log_kept_mass, stats.safe_size, base_mask, return_counts=True
+        )
         metrics["safevocab/masked_token_frac"] = _frac(counted & ~keep, counted)
+        counts["safevocab/masked_token_frac"] = counted.sum()
 
         # 2. Importance ratio over the final mask, on both rollout paths.
         ratio = None
@@ -340,18 +354,23 @@ class SafeVocabGRPOTrainer(GRPOTrainer):
                 clip_max=args.vllm_importance_sampling_clip_max,
             )
             output["importance_sampling_ratio"] = ratio.ratio
-            metrics.update(importance_ratio_metrics(ratio.log_raw, ratio.ratio, ratio.clipped, loss_mask))
+            ratio_metrics = importance_ratio_metrics(ratio.log_raw, ratio.ratio, ratio.clipped, loss_mask, True)
+            _merge(metrics, counts, ratio_metrics)
             if not self.use_vllm:  # trl logs these itself on the vLLM path
-                metrics.update(_trl_sampling_metrics(train_logps, rollout_logps, ratio, loss_mask))
+                _merge(metrics, counts, _trl_sampling_metrics(train_logps, rollout_logps, ratio, loss_mask))
 
         # 3. Mismatch diagnostics.
         if use_mismatch:
-            metrics.update(mismatch_metrics(train_logps, rollout_logps, loss_mask))
-            metrics.update(bucket_mismatch_metrics(train_logps, rollout_logps, loss_mask, args.mismatch_buckets))
+            _merge(metrics, counts, mismatch_metrics(train_logps, rollout_logps, loss_mask, return_counts=True))
+            _merge(
+                metrics,
+                counts,
+                bucket_mismatch_metrics(train_logps, rollout_logps, loss_mask, args.mismatch_buckets, True),
+            )
         if measured_rollout_logps is not None:
-            metrics.update(_removed_mismatch_metrics(train_logps, measured_rollout_logps, loss_mask))
+            _merge(metrics, counts, _removed_mismatch_metrics(train_logps, measured_rollout_logps, loss_mask))
 
-        self._log_reduced_metrics(mode, metrics)
+        self._log_reduced_metrics(mode, metrics, counts)
         self.last_generation = {
             "train_logps": train_logps.detach(),
             "rollout_logps": None if rollout_logps is None else rollout_logps.detach(),
@@ -366,23 +385,31 @@ class SafeVocabGRPOTrainer(GRPOTrainer):
             "measured_rollout_logps": None if measured_rollout_logps is None else measured_rollout_logps.detach(),
         }
 
-    def _log_reduced_metrics(self, mode: str, metrics: dict[str, torch.Tensor]) -> None:
-        """Gather local metric values across processes in one call and append their reductions to trl's
-        ``self._metrics``. NaN (undefined here) values are ignored; a metric undefined everywhere is skipped."""
+    def _log_reduced_metrics(
+        self, mode: str, metrics: dict[str, torch.Tensor], counts: dict[str, torch.Tensor] | None = None
+    ) -> None:
+        """Gather local metric values and their counts across processes in one call and append their reductions
+        (:func:`safevocab.mismatch.reduce_gathered`: count-weighted means, max, min) to trl's ``self._metrics``.
+
+        Every process ends with the same values, equal to what one process would compute on the whole batch. A
+        metric without a count weighs every process equally. NaN (undefined here) values and zero counts are
+        ignored; a metric undefined everywhere is skipped."""
         if not metrics:
             return
         names = list(metrics)
+        counts = counts or {}
         device = self.accelerator.device
-        local = torch.stack([metrics[n].to(device=device, dtype=torch.float32) for n in names]).unsqueeze(0)
-        gathered = self.accelerator.gather(local).reshape(-1, len(names))
-        for j, name in enumerate(names):
-            col = gathered[:, j]
-            col = col[~torch.isnan(col)]
-            if col.numel() == 0:
-                continue
-            how = reduction(name)
-            value = col.max() if how == "max" else col.min() if how == "min" else col.mean()
-            self._metrics[mode][name].append(value.item())
+        # float64 (exact counts, full-precision weighted sums), except where the device has none (MPS).
+        dtype = torch.float32 if device.type == "mps" else torch.float64
+        local = torch.stack(
+            [metrics[n].to(device=device, dtype=dtype).reshape(()) for n in names]
+            + [torch.as_tensor(counts.get(n, 1.0)).to(device=device, dtype=dtype).reshape(()) for n in names]
+        ).unsqueeze(0)
+        gathered = self.accelerator.gather(local).reshape(-1, 2, len(names))
+        reduced = reduce_gathered(names, gathered[:, 0], gathered[:, 1])
+        for name in names:
+            if name in reduced:
+                self._metrics[mode][name].append(reduced[name])
 
     # ------------------------------------------------------------------------------------------------------
     # loss
@@ -401,6 +428,12 @@ class SafeVocabGRPOTrainer(GRPOTrainer):
         return super()._compute_loss(model, inputs)
 
 
+def _merge(metrics: dict, counts: dict, result: tuple[dict, dict]) -> None:
+    """Add a ``(metrics, counts)`` pair (a ``*_metrics(..., return_counts=True)`` result) to the running dicts."""
+    metrics.update(result[0])
+    counts.update(result[1])
+
+
 def _frac(selected: torch.Tensor, among: torch.Tensor) -> torch.Tensor:
     n = among.sum()
     if n == 0:
@@ -412,23 +445,26 @@ def _frac(selected: torch.Tensor, among: torch.Tensor) -> torch.Tensor:
 _REMOVED_KEYS = ("abs_logp_diff_mean", "abs_logp_diff_max", "k3_kl", "log_ppl_abs_diff", "chi2_token")
 
 
-def _removed_mismatch_metrics(train_logps, measured_rollout_logps, mask) -> dict[str, torch.Tensor]:
+def _removed_mismatch_metrics(train_logps, measured_rollout_logps, mask) -> tuple[dict, dict]:
     """zero_mismatch: the gap between the training and the *measured* rollout log-probabilities that the
-    replacement removed, as ``mismatch/removed/<key>``."""
-    full = mismatch_metrics(train_logps, measured_rollout_logps, mask)
-    return {f"mismatch/removed/{k}": full[f"mismatch/{k}"] for k in _REMOVED_KEYS}
+    replacement removed, as ``mismatch/removed/<key>``, with the counts of each value."""
+    full, counts = mismatch_metrics(train_logps, measured_rollout_logps, mask, return_counts=True)
+    keys = {f"mismatch/removed/{k}": f"mismatch/{k}" for k in _REMOVED_KEYS}
+    return {k: full[v] for k, v in keys.items()}, {k: counts[v] for k, v in keys.items()}
 
 
-def _trl_sampling_metrics(train_logps, rollout_logps, ratio, mask) -> dict[str, torch.Tensor]:
-    """trl's ``sampling/*`` metrics (post-truncation), which trl logs only on the vLLM path."""
+def _trl_sampling_metrics(train_logps, rollout_logps, ratio, mask) -> tuple[dict, dict]:
+    """trl's ``sampling/*`` metrics (post-truncation), which trl logs only on the vLLM path, with their counts."""
     m = mask.bool() & ~torch.isnan(rollout_logps)
     delta = (train_logps - rollout_logps).abs()[m]
     flat = ratio.ratio.flatten() if ratio.sequence_level else ratio.ratio[mask.bool()]
     nan = torch.tensor(float("nan"))
-    return {
+    metrics = {
         "sampling/sampling_logp_difference/mean": delta.mean() if delta.numel() else nan,
         "sampling/sampling_logp_difference/max": delta.max() if delta.numel() else nan,
         "sampling/importance_sampling_ratio/min": flat.min() if flat.numel() else nan,
         "sampling/importance_sampling_ratio/mean": flat.mean() if flat.numel() else nan,
         "sampling/importance_sampling_ratio/max": flat.max() if flat.numel() else nan,
     }
+    counts = {k: float(delta.numel() if "logp_difference" in k else flat.numel()) for k in metrics}
+    return metrics, counts
