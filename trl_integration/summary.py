@@ -80,6 +80,8 @@ def print_run_summary(trainer, accuracy_before: float | None = None, accuracy_af
         from rich.table import Table
 
         table = Table(title="safevocab-grpo summary", show_header=False)
+        table.add_column(no_wrap=True)
+        table.add_column(overflow="fold")  # paths stay whole on narrow or non-tty consoles
         for key, value in rows:
             table.add_row(key, value)
         Console().print(table)
