@@ -124,7 +124,7 @@ class FusedSafeLogProbs(torch.autograd.Function):
         compute_entropy: bool,
         chunk_rows: int,
         backend: str = "torch",  # "torch" or "triton" (resolved by fused_safe_logprobs)
-        weight_gather=None,  # sharded-weight hook (issue 8): zero-arg factory of a context manager, or None
+        weight_gather=None,  # sharded-weight hook: zero-arg factory of a context manager, or None
     ):
         ctx.set_materialize_grads(False)
         ctx.weight_gather = weight_gather
@@ -141,7 +141,7 @@ class FusedSafeLogProbs(torch.autograd.Function):
         sparse_ok = hidden.dtype in (torch.float32, torch.float64)
         sparse_chunks: list[_SparseChunk] = []
 
-        # ---- backend hook (issue 7): Triton kernels fold every chunk (safevocab/kernels) ----
+        # ---- backend hook: Triton kernels fold every chunk (safevocab/kernels) ----
         if backend == "triton":
             from safevocab.kernels.fused import triton_forward
 
@@ -197,7 +197,7 @@ class FusedSafeLogProbs(torch.autograd.Function):
     def backward(ctx, grad_logprobs, grad_log_kept, grad_entropy, _grad_in_safe, _grad_safe_size):  # type: ignore[override]
         if grad_logprobs is None and grad_log_kept is None and grad_entropy is None:
             return (None,) * 10
-        # ---- sharded-weight hook (issue 8): the backward re-reads the weight (sparse GEMMs and the dense
+        # ---- sharded-weight hook: the backward re-reads the weight (sparse GEMMs and the dense
         # recomputation), so a weight gathered only for the forward (DeepSpeed ZeRO-3) is gathered again here.
         gather = contextlib.nullcontext() if ctx.weight_gather is None else ctx.weight_gather()
         with gather:
@@ -242,7 +242,7 @@ class FusedSafeLogProbs(torch.autograd.Function):
             _sparse_backward(chunk, hidden, weight, coef, dense_rows, ctx.transform, grads)
         dense_idx = dense_rows.nonzero().squeeze(-1)
         if dense_idx.numel():
-            if ctx.backend == "triton":  # backend hook (issue 7): the logits gradient from a Triton kernel
+            if ctx.backend == "triton":  # backend hook: the logits gradient from a Triton kernel
                 from safevocab.kernels.fused import triton_dense_backward
 
                 args = (dense_idx, hidden, weight, bias, coef, ctx.transform, ctx.chunk_rows, grads)

@@ -273,7 +273,7 @@ def fused_safe_logprobs(
         raise ValueError(f"max_chunk_bytes={max_chunk_bytes!r} is out of range: accepted an integer > 0")
     if backend not in _BACKENDS:
         raise ValueError(f"backend={backend!r} is not accepted: accepted one of {_BACKENDS}")
-    # backend hook (issue 7): "auto"/"triton" -> "torch" or "triton"; raises on an unusable "triton"
+    # backend hook: "auto"/"triton" -> "torch" or "triton"; raises on an unusable "triton"
     from safevocab.kernels import resolve_backend, triton_chunk_rows
 
     backend = resolve_backend(backend, hidden.device)

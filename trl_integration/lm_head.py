@@ -156,7 +156,7 @@ def add_safe_lm_head(
             labels = shift_labels
         lm_head = self.get_output_embeddings()
         weight, bias = lm_head.weight, lm_head.bias
-        if isinstance(weight, DTensor):  # FSDP2: gather the sharded head once (issue 8: with a reduced gradient)
+        if isinstance(weight, DTensor):  # FSDP2: gather the sharded head once, with a reduced gradient
             weight = _gather_data_parallel(weight)
             if bias is not None:
                 bias = _gather_data_parallel(bias)
@@ -230,7 +230,7 @@ def add_safe_lm_head(
 
 
 def _gather_data_parallel(param: torch.Tensor) -> torch.Tensor:
-    """The full value of a sharded FSDP2 ``DTensor`` parameter, whose gradient is averaged over the mesh (issue 8).
+    """The full value of a sharded FSDP2 ``DTensor`` parameter, whose gradient is averaged over the mesh.
 
     The head's parameters are a ``DTensor`` here only when the LM head is its own ``fully_shard`` group: the
     patched forward never calls the head module, so FSDP's hooks for that group never run, and nothing reduces its
@@ -248,7 +248,7 @@ def _gather_data_parallel(param: torch.Tensor) -> torch.Tensor:
 
 
 def _backward_gather(lm_head: torch.nn.Module, head_weight: torch.Tensor, head_bias: torch.Tensor | None):
-    """The ``weight_gather`` hook of :func:`safevocab.fused_safe_logprobs` for ``lm_head`` (issue 8), or ``None``.
+    """The ``weight_gather`` hook of :func:`safevocab.fused_safe_logprobs` for ``lm_head``, or ``None``.
 
     Under DeepSpeed ZeRO-3 the head's parameters hold their values only while gathered: trl's
     ``maybe_gather_lm_head_ctx`` gathers them around the forward, and the fused backward, which recomputes the

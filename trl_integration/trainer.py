@@ -149,7 +149,7 @@ class SafeVocabGRPOTrainer(GRPOTrainer):
     # setup helpers
 
     def _check_zero3(self) -> None:
-        """DeepSpeed ZeRO-3 (issue 8): the safe head gathers the partitioned LM-head weight around its forward and,
+        """DeepSpeed ZeRO-3: the safe head gathers the partitioned LM-head weight around its forward and,
         through ``fused_safe_logprobs``' ``weight_gather`` hook, again around its backward
         (:mod:`trl_integration.lm_head`). What cannot work on partitioned parameters is the in-place upcast of a
         ``rollout_dtype="float32"`` rollout over lower-precision weights."""
@@ -335,7 +335,7 @@ class SafeVocabGRPOTrainer(GRPOTrainer):
         output["num_items_in_batch"] = self.accelerator.gather(loss_mask.sum()).sum()
 
         # Every metric comes with the number of items it averages over, so that the cross-process reduction is
-        # the value of the whole (all-process) batch, not a mean of per-process means (issue 8).
+        # the value of the whole (all-process) batch, not a mean of per-process means.
         metrics, counts = safe_set_metrics(
             stats.in_safe, stats.log_kept_mass, stats.safe_size, base_mask, return_counts=True
         )
