@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from safevocab.rules import SafeVocabRule, stat_float
+from safevocab.rules import SafeVocabRule
 
 #: Largest fraction of a chunk's logits kept in ``S`` for which the sparse backward is used.
 SPARSE_MAX_DENSITY = 1.0 / 16
@@ -128,7 +128,7 @@ class FusedSafeLogProbs(torch.autograd.Function):
     ):
         ctx.set_materialize_grads(False)
         ctx.weight_gather = weight_gather
-        n_rows, vocab, device = hidden.shape[0], weight.shape[0], hidden.device
+        n_rows, device = hidden.shape[0], hidden.device
         stat = dict(device=device, dtype=torch.float64 if hidden.dtype == torch.float64 else torch.float32)
         target_logit = torch.empty(n_rows, **stat)
         lse_safe = torch.empty(n_rows, **stat)
@@ -139,49 +139,15 @@ class FusedSafeLogProbs(torch.autograd.Function):
         safe_size = torch.empty(n_rows, device=device, dtype=torch.int64)
         # MKL/cuSPARSE sparse GEMMs take fp32/fp64 only; half inputs use the dense backward.
         sparse_ok = hidden.dtype in (torch.float32, torch.float64)
-        sparse_chunks: list[_SparseChunk] = []
 
-        # ---- backend hook: Triton kernels fold every chunk (safevocab/kernels) ----
-        if backend == "triton":
+        stats = (target_logit, lse_safe, lse_full, threshold, entropy, in_safe, safe_size)
+        density = SPARSE_MAX_DENSITY if sparse_ok else None
+        if backend == "triton":  # the Triton kernels fold every chunk (safevocab/kernels)
             from safevocab.kernels.fused import triton_forward
 
-            stats = (target_logit, lse_safe, lse_full, threshold, entropy, in_safe, safe_size)
-            density = SPARSE_MAX_DENSITY if sparse_ok else None
             sparse_chunks = triton_forward(hidden, weight, bias, targets, rule, transform, chunk_rows, stats, density)
-        # ---- end of backend hook; the torch loop below runs for backend == "torch" only ----
-        elif n_rows:
-            logits_of = _ChunkLogits(hidden, weight, bias, transform, min(chunk_rows, n_rows))
-            drop_buf = torch.empty(min(chunk_rows, n_rows), vocab, device=device, dtype=torch.bool)
-        for start in range(0, n_rows if backend == "torch" else 0, chunk_rows):
-            rows = slice(start, min(start + chunk_rows, n_rows))
-            n = rows.stop - start
-            z = logits_of(hidden[rows])
-            t, z_max = rule.threshold_and_max(z)  # [n, 1] each
-            target_logit[rows] = z.gather(-1, targets[rows].unsqueeze(-1)).squeeze(-1)
-            in_safe[rows] = target_logit[rows] >= t.squeeze(-1)
-            threshold[rows] = t.squeeze(-1)
-            dropped = torch.lt(z.sub_(z_max), t - z_max, out=drop_buf[:n])  # z now holds z - z_max
-            kept_per_row = vocab - dropped.sum(-1)
-            safe_size[rows] = kept_per_row
-            store_sparse = sparse_ok and int(kept_per_row.sum()) <= SPARSE_MAX_DENSITY * n * vocab
-            if store_sparse:
-                r, c = torch.logical_not(dropped).nonzero(as_tuple=True)
-                shifted_kept = z[r, c]
-            e = z.exp_()  # z now holds exp(z - z_max)
-            sum_full = e.sum(-1)
-            e.masked_fill_(dropped, 0.0)
-            sum_safe = e.sum(-1)
-            log_sum_safe = sum_safe.log()
-            lse_safe[rows] = z_max.squeeze(-1) + log_sum_safe
-            lse_full[rows] = z_max.squeeze(-1) + sum_full.log()
-            if compute_entropy:
-                # H(pi_S) = log sum_S e - sum_S e log e / sum_S e, with e = exp(z - z_max); xlogy(0, 0) = 0
-                entropy[rows] = log_sum_safe - torch.special.xlogy(e, e).sum(-1) / sum_safe
-            if store_sparse:
-                sparse_chunks.append(
-                    _SparseChunk(start, kept_per_row, c.to(torch.int32), shifted_kept.sub_(log_sum_safe[r]))
-                )
-            del z, e, dropped
+        else:
+            sparse_chunks = _torch_forward(hidden, weight, bias, targets, rule, transform, chunk_rows, stats, density)
         logprobs = torch.where(in_safe, target_logit - lse_safe, target_logit - lse_full)
         log_kept = lse_safe - lse_full
 
@@ -262,6 +228,59 @@ class FusedSafeLogProbs(torch.autograd.Function):
             None,  # backend
             None,  # weight_gather
         )
+
+
+def _torch_forward(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    targets: torch.Tensor,
+    rule: SafeVocabRule,
+    transform: Transform,
+    chunk_rows: int,
+    stats: tuple,
+    density: float | None,
+) -> list[_SparseChunk]:
+    """Fill the per-row ``stats`` chunk by chunk with torch passes; return the chunks whose safe sets are
+    stored sparsely (at most ``density`` of a chunk's logits kept; ``None``: never)."""
+    target_logit, lse_safe, lse_full, threshold, entropy, in_safe, safe_size = stats
+    n_rows, vocab = hidden.shape[0], weight.shape[0]
+    sparse_chunks: list[_SparseChunk] = []
+    if not n_rows:
+        return sparse_chunks
+    logits_of = _ChunkLogits(hidden, weight, bias, transform, min(chunk_rows, n_rows))
+    drop_buf = torch.empty(min(chunk_rows, n_rows), vocab, device=hidden.device, dtype=torch.bool)
+    for start in range(0, n_rows, chunk_rows):
+        rows = slice(start, min(start + chunk_rows, n_rows))
+        n = rows.stop - start
+        z = logits_of(hidden[rows])
+        t, z_max = rule.threshold_and_max(z)  # [n, 1] each
+        target_logit[rows] = z.gather(-1, targets[rows].unsqueeze(-1)).squeeze(-1)
+        in_safe[rows] = target_logit[rows] >= t.squeeze(-1)
+        threshold[rows] = t.squeeze(-1)
+        dropped = torch.lt(z.sub_(z_max), t - z_max, out=drop_buf[:n])  # z now holds z - z_max
+        kept_per_row = vocab - dropped.sum(-1)
+        safe_size[rows] = kept_per_row
+        store_sparse = density is not None and int(kept_per_row.sum()) <= density * n * vocab
+        if store_sparse:
+            r, c = torch.logical_not(dropped).nonzero(as_tuple=True)
+            shifted_kept = z[r, c]
+        e = z.exp_()  # z now holds exp(z - z_max)
+        sum_full = e.sum(-1)
+        e.masked_fill_(dropped, 0.0)
+        sum_safe = e.sum(-1)
+        log_sum_safe = sum_safe.log()
+        lse_safe[rows] = z_max.squeeze(-1) + log_sum_safe
+        lse_full[rows] = z_max.squeeze(-1) + sum_full.log()
+        if entropy is not None:
+            # H(pi_S) = log sum_S e - sum_S e log e / sum_S e, with e = exp(z - z_max); xlogy(0, 0) = 0
+            entropy[rows] = log_sum_safe - torch.special.xlogy(e, e).sum(-1) / sum_safe
+        if store_sparse:
+            sparse_chunks.append(
+                _SparseChunk(start, kept_per_row, c.to(torch.int32), shifted_kept.sub_(log_sum_safe[r]))
+            )
+        del z, e, dropped
+    return sparse_chunks
 
 
 @dataclass
