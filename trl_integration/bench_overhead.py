@@ -19,17 +19,18 @@ import tempfile
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
+_JOB_KEYS = ("per_device_train_batch_size", "num_generations", "max_completion_length", "learning_rate", "beta")
+
 
 def _step_times(trainer_cls, config_cls, model: str, dataset, reward, steps: int, seed: int, extra: dict):
+    from trl_integration.cli import BUNDLED_JOB_DEFAULTS
+
     with tempfile.TemporaryDirectory() as tmp:
         kwargs = dict(
             output_dir=tmp,
             max_steps=steps,
-            per_device_train_batch_size=64,
-            num_generations=8,
-            max_completion_length=8,
-            learning_rate=1e-4,
-            beta=0.0,
+            # the main job's batch and optimisation settings, so the overhead is measured on the job users run
+            **{key: BUNDLED_JOB_DEFAULTS[key] for key in _JOB_KEYS},
             logging_steps=1,
             save_strategy="no",
             report_to="none",
