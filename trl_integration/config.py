@@ -15,12 +15,15 @@ from trl_integration.correction import IS_MODES
 from trl_integration.metrics import DEFAULT_BUCKETS
 from trl_integration.rollout import NOISE_KINDS, ROLLOUT_DTYPES, UNSUPPORTED_SAMPLING_KWARGS, sampler_rule
 
-__all__ = ["SafeVocabGRPOConfig", "OUT_OF_SET_MODES", "DEFAULT_RULE"]
+__all__ = ["SafeVocabGRPOConfig", "OUT_OF_SET_MODES", "SCORING_MODES", "DEFAULT_RULE"]
 
 #: Default safe-vocabulary rule (see docs/trl.md, "Choosing the rule", for why).
 DEFAULT_RULE = "min_p=0.001"
 
 OUT_OF_SET_MODES = ("mask_token", "mask_sequence")
+
+#: Where the safe-set masks, importance ratio and metrics of an on-policy generation batch come from.
+SCORING_MODES = ("auto", "loss_forward", "separate")
 
 # trl's neutral (no truncation) values of the sampler settings.
 _NEUTRAL = {"top_k": (None, 0, -1), "top_p": (None, 1.0), "min_p": (None, 0.0)}
@@ -62,6 +65,17 @@ class SafeVocabGRPOConfig(GRPOConfig):
             Edges of the probability buckets of the `mismatch/*/p=lo-hi` metrics.
         safe_vocab_max_chunk_bytes (`int`, defaults to 64 MiB):
             Scratch memory budget of one chunk of the fused safe log-softmax.
+        safe_vocab_scoring (`str`, defaults to `"auto"`):
+            Where the out-of-set masks, the importance ratio and the metrics of a generation batch come from when
+            trl scores no old-policy log-probabilities (on-policy: one iteration per generation, no vLLM
+            importance sampling). `"loss_forward"`: from the loss's own forward pass, per micro-batch, at no
+            extra cost; `"separate"`: from one more no-grad forward over the generation batch right after the
+            rollout (trl's old-policy pass); `"auto"`: `"loss_forward"` where it is exact, else `"separate"`.
+            It is exact unless a count-normalised loss (`dapo`, `cispo`, `vespo`) splits a generation batch
+            into several micro-batches: those divide by `num_items_in_batch`, the loss tokens of the whole
+            generation batch, and the out-of-set tokens of the micro-batches not yet run are unknown, so
+            `"loss_forward"` then divides by the count before out-of-set masking (a relative difference of
+            `safevocab/masked_token_frac`). Off-policy batches always reuse trl's old-policy pass.
         rollout_logit_noise (`float`, defaults to `0.0`):
             Mismatch lab: a hard bound ε on a seeded perturbation δ (|δ_i| ≤ ε) added to the `generate`
             rollout's transformed logits before the rule and the softmax; tokens are sampled from, and rollout
@@ -130,6 +144,16 @@ class SafeVocabGRPOConfig(GRPOConfig):
     safe_vocab_max_chunk_bytes: int = field(
         default=64 * 2**20,
         metadata={"help": "Scratch memory budget (bytes) of one chunk of the fused safe log-softmax."},
+    )
+    safe_vocab_scoring: str = field(
+        default="auto",
+        metadata={
+            "help": "Source of the out-of-set masks, importance ratio and metrics of on-policy generation batches: "
+            "'loss_forward' (the loss's own forward, no extra pass), 'separate' (one more no-grad forward after the "
+            "rollout) or 'auto' ('loss_forward' where exact, i.e. unless a dapo/cispo/vespo loss splits a "
+            "generation batch into several micro-batches).",
+            "choices": list(SCORING_MODES),
+        },
     )
 
     # --- mismatch lab (docs/mismatch.md) ---------------------------------------------------------------
@@ -232,6 +256,10 @@ class SafeVocabGRPOConfig(GRPOConfig):
             raise ValueError(
                 f"safe_vocab_max_chunk_bytes={self.safe_vocab_max_chunk_bytes!r} is out of range: accepted an "
                 "integer > 0"
+            )
+        if self.safe_vocab_scoring not in SCORING_MODES:
+            raise ValueError(
+                f"safe_vocab_scoring={self.safe_vocab_scoring!r} is not accepted: accepted one of {SCORING_MODES}"
             )
         if self.safe_vocab_in_sampler:
             self._apply_rule_to_sampler(rule)

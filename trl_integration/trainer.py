@@ -9,10 +9,12 @@ PEFT, logging — is trl's own code):
    (:func:`trl_integration.lm_head.add_safe_lm_head` replaces trl's fused head behind the same
    ``model(..., fused_lm_head=True)`` call, so ``_get_per_token_logps_and_entropies`` keeps trl's batching and
    multimodal handling).
-2. **Out-of-set tokens.** After each generation, sampled tokens outside the trainer's ``S`` (possible when the
-   sampler's set differs numerically, or the sampler does not prune) are removed from the loss, token-wise or
-   sequence-wise (``safe_vocab_out_of_set``), through trl's ``tool_mask`` (the loss-only mask; the attention
-   mask is untouched), and ``num_items_in_batch`` is recomputed.
+2. **Out-of-set tokens.** Sampled tokens outside the trainer's ``S`` (possible when the sampler's set differs
+   numerically, or the sampler does not prune) are removed from the loss, token-wise or sequence-wise
+   (``safe_vocab_out_of_set``), through trl's ``tool_mask`` (the loss-only mask; the attention mask is untouched),
+   and ``num_items_in_batch`` is recomputed. The trainer's ``S`` comes from trl's old-policy pass when trl runs
+   one (off-policy batches, vLLM importance sampling); for on-policy batches, where the old policy *is* the
+   policy of the loss pass, from the loss's own forward (``safe_vocab_scoring``), so no extra forward is run.
 3. **Rollout log-probabilities without vLLM.** On the ``generate`` path a logits processor records each sampled
    token's log-probability during KV-cached decoding in the rollout's own precision (``rollout_dtype``), so
    ``sampling_per_token_logps`` exists as on the vLLM path.
@@ -56,6 +58,12 @@ from trl_integration.rollout import (
 
 __all__ = ["SafeVocabGRPOTrainer", "SafeTokenStats"]
 
+#: Key of a generation batch whose out-of-set masks, importance ratio and metrics come from the loss's forward.
+SCORE_IN_LOSS = "safevocab_score_in_loss"
+
+#: trl loss types normalised by ``num_items_in_batch`` (the loss tokens of the whole generation batch).
+_COUNT_NORMALISED_LOSSES = ("dapo", "cispo", "vespo")
+
 # Keys of a generation batch that the forward pass needs besides ids and masks (multimodal inputs).
 _FORWARD_KEYS = (
     "pixel_values",
@@ -80,6 +88,19 @@ class SafeTokenStats:
         self.in_safe = in_safe
         self.log_kept_mass = log_kept_mass
         self.safe_size = safe_size
+
+
+class _PendingGeneration:
+    """Metric rows and tensors of the micro-batches of one on-policy generation batch whose safe-vocabulary step
+    runs in the loss (``safe_vocab_scoring``); logged once all ``expected`` micro-batches have been seen."""
+
+    __slots__ = ("mode", "expected", "rows", "records")
+
+    def __init__(self, mode: str, expected: int):
+        self.mode = mode
+        self.expected = expected
+        self.rows: list[tuple[dict, dict]] = []
+        self.records: list[dict] = []
 
 
 class SafeVocabGRPOTrainer(GRPOTrainer):
@@ -111,6 +132,9 @@ class SafeVocabGRPOTrainer(GRPOTrainer):
             )
         self._captured_logps: dict | None = None
         self._last_safe_stats: SafeTokenStats | None = None
+        # The loss forward run ahead of trl's loss code (on-policy batches), handed back to it once.
+        self._replay: tuple | None = None
+        self._pending: dict[str, _PendingGeneration] = {}
         #: Tensors of the latest generation batch (train/rollout log-probs, masks, ratios), for inspection.
         self.last_generation: dict[str, torch.Tensor] | None = None
         super().__init__(model, reward_funcs, args, *pargs, **kwargs)
@@ -190,7 +214,18 @@ class SafeVocabGRPOTrainer(GRPOTrainer):
         self, model, input_ids, attention_mask, logits_to_keep, batch_size=None, compute_entropy=False, **kwargs
     ):
         """trl's method (its batching and multimodal slicing) over the safe head; also keeps the per-token
-        safe-set statistics of the call in ``self._last_safe_stats``."""
+        safe-set statistics of the call in ``self._last_safe_stats``.
+
+        When the loss pass was run ahead of trl's loss code (:meth:`_compute_loss`, on-policy batches), trl's own
+        call gets that result back instead of a second forward."""
+        if self._replay is not None:
+            (shape, keep), result, self._replay = self._replay[:2], self._replay[2], None
+            if tuple(input_ids.shape) != shape or logits_to_keep != keep:
+                raise RuntimeError(
+                    f"trl's loss pass asked for log-probabilities of a {tuple(input_ids.shape)} batch (keep "
+                    f"{logits_to_keep}) but the pass run ahead of it scored {shape} (keep {keep})"
+                )
+            return result
         self._safe_head.begin(compute_entropy)
         try:
             logps, entropies, aux_loss = super()._get_per_token_logps_and_entropies(
@@ -294,12 +329,14 @@ class SafeVocabGRPOTrainer(GRPOTrainer):
         return self.lr_scheduler
 
     def _apply_safe_vocabulary(self, output: dict, captured: dict) -> None:
-        """Out-of-set masking, importance ratio and metrics for one generation batch (modifies ``output``)."""
+        """Out-of-set masking, importance ratio and metrics for one generation batch (modifies ``output``).
+
+        The trainer's log-probabilities and safe sets of the sampled tokens come from trl's old-policy pass when
+        trl ran one; else, for these on-policy batches, from the loss's own forward (the batch is marked with
+        `SCORE_IN_LOSS` and :meth:`_compute_loss` does the rest per micro-batch) or from one more no-grad pass
+        (``safe_vocab_scoring``)."""
         args = self.args
         mode = "train" if self.model.training else "eval"
-        completion_mask = output["completion_mask"]
-        tool_mask = output.get("tool_mask")
-        base_mask = completion_mask if tool_mask is None else completion_mask * tool_mask
         rollout_logps = output.get("sampling_per_token_logps")
         zero_mismatch = bool(getattr(args, "zero_mismatch", False))
         use_is = self._importance_sampling_active and (rollout_logps is not None or zero_mismatch)
@@ -311,8 +348,51 @@ class SafeVocabGRPOTrainer(GRPOTrainer):
         entry = captured.get(id(old)) if old is not None else None
         if entry is not None and entry[0] is old:
             train_logps, stats = old, entry[1]
+        elif self._score_in_loss(mode):
+            output[SCORE_IN_LOSS] = torch.tensor(True)
+            micro_batches = self.args.steps_per_generation if mode == "train" else 1
+            self._pending[mode] = _PendingGeneration(mode, micro_batches)
+            return
         else:
             train_logps, stats = self._score_generation_batch(output)
+        metrics, counts, record = self._safe_vocabulary_step(output, train_logps, stats, whole_batch=True)
+        self._log_reduced_metrics(mode, [(metrics, counts)])
+        self.last_generation = record
+
+    def _score_in_loss(self, mode: str) -> bool:
+        """Whether an on-policy generation batch takes its safe sets from the loss's forward
+        (``safe_vocab_scoring``; see :class:`~trl_integration.config.SafeVocabGRPOConfig`)."""
+        choice = self.args.safe_vocab_scoring
+        if choice != "auto":
+            return choice == "loss_forward"
+        micro_batches = self.args.steps_per_generation if mode == "train" else 1
+        return micro_batches == 1 or self.loss_type not in _COUNT_NORMALISED_LOSSES
+
+    def _safe_vocabulary_step(
+        self, batch: dict, train_logps: torch.Tensor, stats: SafeTokenStats, whole_batch: bool
+    ) -> tuple[dict, dict, dict]:
+        """Mask out-of-set tokens, set the importance ratio and measure, on a generation batch or one of its
+        micro-batches (modifies ``batch``).
+
+        Args:
+            batch: the generation batch (or a micro-batch of it) as trl passes it to the loss.
+            train_logps: ``[B, T]`` the trainer's safe log-probabilities of the sampled tokens (no grad).
+            stats: the safe-set statistics of the same pass.
+            whole_batch: whether ``batch`` is the whole (per-process) generation batch; only then is
+                ``num_items_in_batch`` recounted after the out-of-set masking (it spans the generation batch).
+
+        Returns:
+            ``(metrics, counts, record)``: local metric values with the number of items each averages over, and
+            the tensors of :attr:`last_generation`.
+        """
+        args = self.args
+        completion_mask = batch["completion_mask"]
+        tool_mask = batch.get("tool_mask")
+        base_mask = completion_mask if tool_mask is None else completion_mask * tool_mask
+        rollout_logps = batch.get("sampling_per_token_logps")
+        zero_mismatch = bool(getattr(args, "zero_mismatch", False))
+        use_is = self._importance_sampling_active and (rollout_logps is not None or zero_mismatch)
+        use_mismatch = args.log_mismatch_metrics and (rollout_logps is not None or zero_mismatch)
 
         # 0. Zero-mismatch lab setting: the rollout log-probabilities become the training engine's own scoring
         # of the sampled tokens (bit-identical); the gap measured by the recorder is kept to log what was removed.
@@ -320,7 +400,7 @@ class SafeVocabGRPOTrainer(GRPOTrainer):
         if zero_mismatch:
             measured_rollout_logps = rollout_logps
             rollout_logps = train_logps.detach().clone()
-            output["sampling_per_token_logps"] = rollout_logps
+            batch["sampling_per_token_logps"] = rollout_logps
 
         # 1. Tokens outside S leave the loss (through the loss-only tool_mask; attention is unchanged).
         counted = base_mask.bool()
@@ -330,12 +410,13 @@ class SafeVocabGRPOTrainer(GRPOTrainer):
         new_tool_mask = (tool_mask if tool_mask is not None else torch.ones_like(completion_mask)) * keep.to(
             completion_mask.dtype
         )
-        output["tool_mask"] = new_tool_mask
+        batch["tool_mask"] = new_tool_mask
         loss_mask = completion_mask * new_tool_mask
-        output["num_items_in_batch"] = self.accelerator.gather(loss_mask.sum()).sum()
+        if whole_batch:
+            batch["num_items_in_batch"] = self.accelerator.gather(loss_mask.sum()).sum()
 
-        # Every metric comes with the number of items it averages over, so that the cross-process reduction is
-        # the value of the whole (all-process) batch, not a mean of per-process means.
+        # Every metric comes with the number of items it averages over, so that the reduction over processes
+        # and micro-batches is the value of the whole batch, not a mean of means.
         metrics, counts = safe_set_metrics(
             stats.in_safe, stats.log_kept_mass, stats.safe_size, base_mask, return_counts=True
         )
@@ -353,7 +434,7 @@ class SafeVocabGRPOTrainer(GRPOTrainer):
                 clip_min=args.vllm_importance_sampling_clip_min,
                 clip_max=args.vllm_importance_sampling_clip_max,
             )
-            output["importance_sampling_ratio"] = ratio.ratio
+            batch["importance_sampling_ratio"] = ratio.ratio
             ratio_metrics = importance_ratio_metrics(ratio.log_raw, ratio.ratio, ratio.clipped, loss_mask, True)
             _merge(metrics, counts, ratio_metrics)
             if not self.use_vllm:  # trl logs these itself on the vLLM path
@@ -370,8 +451,7 @@ class SafeVocabGRPOTrainer(GRPOTrainer):
         if measured_rollout_logps is not None:
             _merge(metrics, counts, _removed_mismatch_metrics(train_logps, measured_rollout_logps, loss_mask))
 
-        self._log_reduced_metrics(mode, metrics, counts)
-        self.last_generation = {
+        record = {
             "train_logps": train_logps.detach(),
             "rollout_logps": None if rollout_logps is None else rollout_logps.detach(),
             "completion_mask": completion_mask,
@@ -384,27 +464,32 @@ class SafeVocabGRPOTrainer(GRPOTrainer):
             # zero_mismatch: the recorder's rollout log-probabilities before the replacement (else None).
             "measured_rollout_logps": None if measured_rollout_logps is None else measured_rollout_logps.detach(),
         }
+        return metrics, counts, record
 
-    def _log_reduced_metrics(
-        self, mode: str, metrics: dict[str, torch.Tensor], counts: dict[str, torch.Tensor] | None = None
-    ) -> None:
-        """Gather local metric values and their counts across processes in one call and append their reductions
-        (:func:`safevocab.mismatch.reduce_gathered`: count-weighted means, max, min) to trl's ``self._metrics``.
+    def _log_reduced_metrics(self, mode: str, rows: list[tuple[dict, dict]]) -> None:
+        """Gather local metric rows (``(values, counts)`` of a batch, or of each of its micro-batches) across
+        processes in one call and append their reductions (:func:`safevocab.mismatch.reduce_gathered`:
+        count-weighted means, max, min) to trl's ``self._metrics``.
 
         Every process ends with the same values, equal to what one process would compute on the whole batch. A
-        metric without a count weighs every process equally. NaN (undefined here) values and zero counts are
+        metric without a count weighs every row equally. NaN (undefined here) values and zero counts are
         ignored; a metric undefined everywhere is skipped."""
-        if not metrics:
+        names = list(dict.fromkeys(name for metrics, _ in rows for name in metrics))
+        if not names:
             return
-        names = list(metrics)
-        counts = counts or {}
         device = self.accelerator.device
         # float64 (exact counts, full-precision weighted sums), except where the device has none (MPS).
         dtype = torch.float32 if device.type == "mps" else torch.float64
+        nan = torch.tensor(float("nan"))
         local = torch.stack(
-            [metrics[n].to(device=device, dtype=dtype).reshape(()) for n in names]
-            + [torch.as_tensor(counts.get(n, 1.0)).to(device=device, dtype=dtype).reshape(()) for n in names]
-        ).unsqueeze(0)
+            [
+                torch.stack(
+                    [torch.as_tensor(metrics.get(n, nan)).to(device=device, dtype=dtype).reshape(()) for n in names]
+                    + [torch.as_tensor(counts.get(n, 1.0)).to(device=device, dtype=dtype).reshape(()) for n in names]
+                )
+                for metrics, counts in rows
+            ]
+        )
         gathered = self.accelerator.gather(local).reshape(-1, 2, len(names))
         reduced = reduce_gathered(names, gathered[:, 0], gathered[:, 1])
         for name in names:
@@ -415,6 +500,8 @@ class SafeVocabGRPOTrainer(GRPOTrainer):
     # loss
 
     def _compute_loss(self, model, inputs):
+        if SCORE_IN_LOSS in inputs:
+            inputs = self._loss_forward_first(model, inputs)
         # trl applies the importance ratio only when use_vllm. On the generate path, fold it into the
         # advantages instead: every loss type but VESPO is linear in the advantage per token, and the ratio
         # is >= 0, so A * r gives exactly trl's `per_token_loss * r` (the KL and entropy terms stay unweighted,
@@ -425,7 +512,59 @@ class SafeVocabGRPOTrainer(GRPOTrainer):
             if advantages.dim() == 1:
                 advantages = advantages.unsqueeze(1)
             inputs["advantages"] = advantages * inputs["importance_sampling_ratio"]
-        return super()._compute_loss(model, inputs)
+        try:
+            return super()._compute_loss(model, inputs)
+        finally:
+            self._replay = None
+
+    def _loss_forward_first(self, model, inputs: dict) -> dict:
+        """On-policy micro-batch: run the loss's forward pass now (with grad, as trl's ``_compute_loss`` calls
+        it), apply the safe-vocabulary step to the micro-batch from its safe sets, and hand the forward's result
+        to trl's loss code (:meth:`_get_per_token_logps_and_entropies` replays it), so the batch is scored once.
+
+        The old policy of an on-policy batch is the policy of this pass (trl itself then takes
+        ``old_per_token_logps = per_token_logps.detach()``), so these are the safe sets and log-probabilities
+        an old-policy pass would give."""
+        inputs = {k: v for k, v in inputs.items() if k != SCORE_IN_LOSS}
+        input_ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
+        attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
+        logits_to_keep = inputs["completion_ids"].size(1)
+        result = self._get_per_token_logps_and_entropies(
+            model,
+            input_ids,
+            attention_mask,
+            logits_to_keep,
+            compute_entropy=True,
+            compute_aux_loss=self.aux_loss_enabled,
+            **{key: inputs.get(key) for key in _FORWARD_KEYS},
+        )
+        self._replay = (tuple(input_ids.shape), logits_to_keep, result)
+        mode = "train" if self.model.training else "eval"
+        pending = self._pending.get(mode)
+        whole_batch = pending is not None and pending.expected == 1
+        metrics, counts, record = self._safe_vocabulary_step(
+            inputs, result[0].detach(), self._last_safe_stats, whole_batch=whole_batch
+        )
+        # Log once per generation batch, over all its micro-batches (later iterations over the same batch, with
+        # num_iterations > 1, only apply the masks).
+        if pending is not None:
+            pending.rows.append((metrics, counts))
+            pending.records.append(record)
+            if len(pending.rows) == pending.expected:
+                del self._pending[mode]
+                self._log_reduced_metrics(mode, pending.rows)
+                self.last_generation = _concat_records(pending.records)
+        return inputs
+
+
+def _concat_records(records: list[dict]) -> dict:
+    """The :attr:`last_generation` tensors of a generation batch from those of its micro-batches."""
+    if len(records) == 1:
+        return records[0]
+    return {
+        key: None if records[0][key] is None else torch.cat([record[key] for record in records])
+        for key in records[0]
+    }
 
 
 def _merge(metrics: dict, counts: dict, result: tuple[dict, dict]) -> None:

@@ -247,10 +247,10 @@ def run_schedule(schedule: str, args, output_dir: str) -> dict:
     local: list[dict] = []
     log_reduced = trainer._log_reduced_metrics
 
-    def recording(mode, metrics, counts=None):
-        counts = counts or {}
-        local.append({n: [float(v), float(counts.get(n, 1.0))] for n, v in metrics.items()})
-        return log_reduced(mode, metrics, counts)
+    def recording(mode, rows):
+        # one row per generation batch here (steps_per_generation=1): this rank's values and counts
+        local.append({n: [float(v), float(counts.get(n, 1.0))] for metrics, counts in rows for n, v in metrics.items()})
+        return log_reduced(mode, rows)
 
     trainer._log_reduced_metrics = recording
     with RowSeededSampling(state.process_index, seed=args.sampling_seed):

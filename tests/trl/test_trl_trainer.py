@@ -40,7 +40,11 @@ def make_trainer(model_dir, tmp_path, trainer_cls=SafeVocabGRPOTrainer, config_c
 
 
 def generate_batch(trainer, n_prompts: int = 2):
-    """One generation batch through the trainer's own pipeline (rollout, scoring, masking, metrics), no update."""
+    """One generation batch through the trainer's own pipeline (rollout, scoring, masking, metrics), no update.
+
+    The batch is scored by the separate pass (``safe_vocab_scoring="separate"``), so that its masks, ratio and
+    metrics can be inspected before any loss pass; test_trl_scoring.py shows the loss-forward path equals it."""
+    trainer.args.safe_vocab_scoring = "separate"
     trainer.model.train()
     g = trainer.num_generations
     inputs = [{"prompt": PROMPTS[i]} for i in range(n_prompts) for _ in range(g)]
