@@ -105,18 +105,24 @@ def _count(n: torch.Tensor | int) -> torch.Tensor:
     return torch.as_tensor(n, dtype=torch.float64).detach().reshape(())
 
 
+# The metrics run every training step on small tensors, where each torch call costs more than its arithmetic:
+# the helpers below are branch-free (no host sync on a GPU) and compute several statistics per call.
+
+
 def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    n = mask.sum()
-    if n == 0:
-        return _scalar(_NAN)
-    return _scalar((x.double() * mask).sum() / n)
+    """Mean of ``x`` over the 0/1 weights ``mask``; NaN (0/0) when nothing counts."""
+    return _scalar((x.double() * mask).sum() / mask.sum())
 
 
 def _masked_extreme(x: torch.Tensor, mask: torch.Tensor, largest: bool) -> torch.Tensor:
-    vals = x[mask.bool()]
-    if vals.numel() == 0:
+    """Max (``largest``) or min of ``x`` over ``mask``; NaN when nothing counts."""
+    if x.numel() == 0:
         return _scalar(_NAN)
-    return _scalar(vals.max() if largest else vals.min())
+    mask = mask.bool()
+    fill = -math.inf if largest else math.inf
+    vals = torch.where(mask, x, fill)
+    extreme = vals.amax() if largest else vals.amin()
+    return _scalar(torch.where(mask.any(), extreme, _NAN))
 
 
 def _check(mask: torch.Tensor, *tensors: torch.Tensor) -> torch.Tensor:
@@ -305,21 +311,22 @@ def bucket_mismatch(
     edges = _check_edges(edges)
     train, _, log_r, mask = _pair(train_logps, rollout_logps, mask)
     p = train.exp()
-    bounds = [0.0, *edges, math.inf]
-    counts, abs_means, means = [], [], []
-    for lo, hi in zip(bounds[:-1], bounds[1:]):
-        w = (mask & (p >= lo) & (p < hi)).double()
-        n = w.sum()
-        counts.append(int(n.item()))
-        abs_means.append((log_r.abs() * w).sum() / n if n > 0 else torch.tensor(_NAN, dtype=torch.float64))
-        means.append((log_r * w).sum() / n if n > 0 else torch.tensor(_NAN, dtype=torch.float64))
+    k = len(edges) + 1
+    # bucket j holds edges[j-1] <= p < edges[j]: bucketize with right=True; masked tokens go to an extra bin k
+    inner = torch.tensor(edges, dtype=torch.float64, device=p.device)
+    bucket = torch.where(mask, torch.bucketize(p, inner, right=True), k).flatten()
+    count = torch.bincount(bucket, minlength=k + 1)[:k]
+    sums = torch.stack(
+        [torch.bincount(bucket, weights=w.flatten(), minlength=k + 1)[:k] for w in (log_r.abs(), log_r)]
+    )
+    means = (sums / count).cpu()  # 0/0 = NaN for an empty bucket
     return BucketMismatch(
         names=bucket_names(edges),
-        lo=torch.tensor(bounds[:-1], dtype=torch.float64),
+        lo=torch.tensor([0.0, *edges], dtype=torch.float64),
         hi=torch.tensor([*edges, 1.0], dtype=torch.float64),
-        count=torch.tensor(counts, dtype=torch.int64),
-        abs_diff_mean=torch.stack([x.double().cpu() for x in abs_means]),
-        diff_mean=torch.stack([x.double().cpu() for x in means]),
+        count=count.cpu(),
+        abs_diff_mean=means[0],
+        diff_mean=means[1],
     )
 
 
@@ -447,6 +454,7 @@ _SEQ_KEYS = (
 )
 
 
+@torch.no_grad()  # diagnostics: logged, never differentiated
 def mismatch_metrics(
     train_logps: torch.Tensor, rollout_logps: torch.Tensor, mask: torch.Tensor, return_counts: bool = False
 ) -> dict[str, torch.Tensor] | tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
@@ -476,38 +484,45 @@ def mismatch_metrics(
     """
     train, rollout, log_r, mask = _pair(train_logps, rollout_logps, mask)
     m = mask.double()
-    rows = mask.any(-1)
-    if bool(rows.any()):
-        counts = m.sum(-1)[rows]
-        mean_train = (train * m).sum(-1)[rows] / counts
-        mean_rollout = (rollout * m).sum(-1)[rows] / counts
-        gap = log_ppl_gap(train_logps, rollout_logps, mask)[rows]
-        seq = {
-            "mismatch/training_ppl": _scalar(torch.exp(-mean_train).mean()),
-            "mismatch/rollout_ppl": _scalar(torch.exp(-mean_rollout).mean()),
-            "mismatch/log_ppl_diff": _scalar(gap.mean()),
-            "mismatch/log_ppl_abs_diff": _scalar(gap.abs().mean()),
-            "mismatch/log_ppl_diff_max": _scalar(gap.max()),
-            "mismatch/log_ppl_diff_min": _scalar(gap.min()),
-            "mismatch/ppl_ratio": _scalar(torch.exp(gap).mean()),
-            "mismatch/chi2_seq": chi2_sequence(train_logps, rollout_logps, mask),
-        }
-    else:
-        seq = {k: _scalar(_NAN) for k in _SEQ_KEYS}
+    lr = log_r.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+    # Token statistics (the formulas of k3_kl, chi2_token and the means), summed in one call.
+    token_sums = (torch.stack([rollout - train, torch.exp(lr) - lr - 1.0, torch.exp(2.0 * lr), log_r.abs()]) * m).sum(
+        dim=(1, 2)
+    )
+    token_means = (token_sums / m.sum()).float()
+    # Sequence statistics over the rows with a counted token (log_ppl_gap, chi2_sequence).
+    row_sums = (torch.stack([train, rollout, log_r]) * m).sum(-1)
+    count = m.sum(-1)
+    rows = count > 0
+    n_seq = rows.sum()
+    mean_train, mean_rollout = row_sums[0] / count, row_sums[1] / count
+    gap = mean_rollout - mean_train
+    seq_lr = row_sums[2].clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+    per_row = torch.stack([torch.exp(-mean_train), torch.exp(-mean_rollout), gap, gap.abs(), torch.exp(gap)])
+    seq_means = (torch.where(rows, per_row, 0.0).sum(-1) / n_seq).float()
+    chi2_seq = torch.where(rows, torch.exp(2.0 * seq_lr), 0.0).sum() / n_seq - 1.0
     out = {
-        "mismatch/kl": _masked_mean(rollout - train, m),
-        "mismatch/k3_kl": k3_kl(train_logps, rollout_logps, mask),
-        "mismatch/chi2_token": chi2_token(train_logps, rollout_logps, mask),
-        "mismatch/abs_logp_diff_mean": _masked_mean(log_r.abs(), m),
+        "mismatch/kl": token_means[0],
+        "mismatch/k3_kl": token_means[1],
+        "mismatch/chi2_token": token_means[2] - 1.0,
+        "mismatch/abs_logp_diff_mean": token_means[3],
         "mismatch/abs_logp_diff_max": _masked_extreme(log_r.abs(), mask, largest=True),
+        "mismatch/training_ppl": seq_means[0],
+        "mismatch/rollout_ppl": seq_means[1],
+        "mismatch/log_ppl_diff": seq_means[2],
+        "mismatch/log_ppl_abs_diff": seq_means[3],
+        "mismatch/log_ppl_diff_max": _masked_extreme(gap, rows, largest=True),
+        "mismatch/log_ppl_diff_min": _masked_extreme(gap, rows, largest=False),
+        "mismatch/ppl_ratio": seq_means[4],
+        "mismatch/chi2_seq": _scalar(chi2_seq),
     }
-    out.update(seq)
     if not return_counts:
         return out
-    n_tok, n_seq = _count(mask.sum()), _count(rows.sum())
+    n_tok, n_seq = _count(mask.sum()), _count(n_seq)
     return out, {k: n_seq if k in _SEQ_KEYS else n_tok for k in out}
 
 
+@torch.no_grad()  # diagnostics: logged, never differentiated
 def bucket_mismatch_metrics(
     train_logps: torch.Tensor,
     rollout_logps: torch.Tensor,
@@ -533,19 +548,22 @@ def bucket_mismatch_metrics(
         count for ``abs_diff``/``diff``, all counted tokens for ``token_frac``.
     """
     b = bucket_mismatch(train_logps, rollout_logps, mask, edges)
-    frac = b.frac
+    # One conversion of each [K] vector, then views of it (one tensor per key costs more than the statistics).
+    abs_diff, diff, frac = torch.stack([b.abs_diff_mean, b.diff_mean, b.frac]).float()
+    bucket_counts = b.count.double()
     out: dict[str, torch.Tensor] = {}
     counts: dict[str, torch.Tensor] = {}
     total = _count(b.count.sum())
     for j, name in enumerate(b.names):
-        out[f"mismatch/abs_diff/{name}"] = _scalar(b.abs_diff_mean[j])
-        out[f"mismatch/diff/{name}"] = _scalar(b.diff_mean[j])
-        out[f"mismatch/token_frac/{name}"] = _scalar(frac[j])
-        counts[f"mismatch/abs_diff/{name}"] = counts[f"mismatch/diff/{name}"] = _count(b.count[j])
+        out[f"mismatch/abs_diff/{name}"] = abs_diff[j]
+        out[f"mismatch/diff/{name}"] = diff[j]
+        out[f"mismatch/token_frac/{name}"] = frac[j]
+        counts[f"mismatch/abs_diff/{name}"] = counts[f"mismatch/diff/{name}"] = bucket_counts[j]
         counts[f"mismatch/token_frac/{name}"] = total
     return (out, counts) if return_counts else out
 
 
+@torch.no_grad()  # diagnostics: logged, never differentiated
 def safe_set_metrics(
     in_safe: torch.Tensor,
     log_kept_mass: torch.Tensor,
@@ -598,6 +616,7 @@ def safe_set_metrics(
     return out, {k: n_seq if k.startswith("safevocab/seq_") else n_tok for k in out}
 
 
+@torch.no_grad()  # diagnostics: logged, never differentiated
 def importance_ratio_metrics(
     log_raw: torch.Tensor, ratio: torch.Tensor, clipped: torch.Tensor, mask: torch.Tensor, return_counts: bool = False
 ) -> dict[str, torch.Tensor] | tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
@@ -694,30 +713,25 @@ def reduce_gathered(
     counts = torch.ones_like(values) if counts is None else torch.as_tensor(counts).detach().to("cpu", torch.float64)
     if counts.shape != values.shape:
         raise ValueError(f"counts has shape {tuple(counts.shape)}: accepted the shape of values {tuple(values.shape)}")
-    column = {name: j for j, name in enumerate(names)}
-    out: dict[str, float] = {}
-    for j, name in enumerate(names):
-        v, c = values[:, j], counts[:, j]
-        if name == _ESS_KEY and _ESS_MEAN_KEY in column:
-            mean = values[:, column[_ESS_MEAN_KEY]]
-            ok = (c > 0) & ~torch.isnan(mean)
-            if not bool(ok.any()):
-                continue
-            n, mean, ess = c[ok], mean[ok], v[ok]
-            sum_w = n * mean
-            sum_w2 = torch.where(torch.isnan(ess) | (ess <= 0), 0.0, n * mean.square() / ess)
-            if not bool(sum_w2.sum() > 0):
-                continue
-            out[name] = float(sum_w.sum().square() / (n.sum() * sum_w2.sum()))
-            continue
-        ok = (c > 0) & ~torch.isnan(v)
-        if not bool(ok.any()):
-            continue
-        how = reduction(name)
-        if how == "max":
-            out[name] = float(v[ok].max())
-        elif how == "min":
-            out[name] = float(v[ok].min())
-        else:
-            out[name] = float((v[ok] * c[ok]).sum() / c[ok].sum())
+    # All columns at once (one pass of tensor ops, then one conversion to Python): this runs every step.
+    ok = (counts > 0) & ~torch.isnan(values)
+    defined = ok.any(dim=0).tolist()
+    weights = torch.where(ok, counts, 0.0)
+    means = (torch.where(ok, values, 0.0) * weights).sum(dim=0) / weights.sum(dim=0)
+    maxima = torch.where(ok, values, -math.inf).amax(dim=0)
+    minima = torch.where(ok, values, math.inf).amin(dim=0)
+    how = [reduction(name) for name in names]
+    reduced = torch.stack([means, maxima, minima]).tolist()
+    pick = {"mean": 0, "max": 1, "min": 2}
+    out = {name: reduced[pick[h]][j] for j, (name, h) in enumerate(zip(names, how)) if defined[j]}
+    if _ESS_KEY in names and _ESS_MEAN_KEY in names:
+        out.pop(_ESS_KEY, None)
+        j = names.index(_ESS_KEY)
+        n, mean, ess = counts[:, j], values[:, names.index(_ESS_MEAN_KEY)], values[:, j]
+        keep = (n > 0) & ~torch.isnan(mean)
+        n, mean, ess = n[keep], mean[keep], ess[keep]
+        sum_w = n * mean
+        sum_w2 = torch.where(torch.isnan(ess) | (ess <= 0), 0.0, n * mean.square() / ess)
+        if bool(keep.any()) and bool(sum_w2.sum() > 0):
+            out[_ESS_KEY] = float(sum_w.sum().square() / (n.sum() * sum_w2.sum()))
     return out

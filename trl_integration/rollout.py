@@ -7,12 +7,14 @@ log-probability of every sampled token under the distribution the sampler actual
 
 - HF ``generate`` runs custom logits processors *before* its sampling warpers (temperature, top-k, top-p, min-p),
   so the recorder sees the model's scores after any penalties but before truncation;
-- it keeps one step's scores, and when the next step reveals the sampled token it applies
+- it keeps each step's scores until the next step reveals the sampled token, and applies
   `safevocab.safe_log_softmax` with the sampler's own rule and temperature, i.e. ``log pi_S(y)``
   renormalised over the sampler's kept set — the same quantity vLLM returns with
   ``logprobs_mode="processed_logprobs"``.
 
-Memory is one ``[batch, vocab]`` fp32 buffer, not the ``[batch, steps, vocab]`` of ``output_scores=True``.
+Steps are scored in batches of up to ``max_buffer_bytes`` of fp32 scores (default 64 MiB; a large-vocabulary
+model scores every step as it comes, a small one its whole rollout in one call), never the
+``[batch, steps, vocab]`` of ``output_scores=True``.
 
 Controlled mismatch (the mismatch lab, docs/mismatch.md):
 
@@ -117,20 +119,25 @@ class RolloutLogprobRecorder(LogitsProcessor):
     Args:
         rule: the sampler's rule (``sampler_rule_from_generation_config``), applied on the recorded scores.
         temperature: the sampler's temperature.
+        max_buffer_bytes: fp32 scores held before they are scored in one batched call (at least one step is
+            always held: its token is only known at the next step).
 
     After ``generate`` returns, call `finalize` with the returned sequences; `logprobs` is then the
     fp32 ``[batch, generated_steps]`` tensor (positions after a sequence finished hold the pad token's value and
     are masked by the caller).
     """
 
-    def __init__(self, rule: SafeVocabRule, temperature: float = 1.0):
+    def __init__(self, rule: SafeVocabRule, temperature: float = 1.0, max_buffer_bytes: int = 64 * 2**20):
         self.rule = rule
         self.temperature = float(temperature)
+        self.max_buffer_bytes = int(max_buffer_bytes)
         self.prompt_length: int | None = None
         self.num_calls = 0
         self.logprobs: torch.Tensor | None = None
-        self._pending: torch.Tensor | None = None
-        self._steps: list[torch.Tensor] = []
+        self._pending: torch.Tensor | None = None  # the latest step's scores; its token comes with the next call
+        self._closed: list[tuple[torch.Tensor, torch.Tensor]] = []  # (scores, tokens) not scored yet
+        self._closed_bytes = 0
+        self._steps: list[torch.Tensor] = []  # [batch] log-probabilities of the scored steps
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         if self.prompt_length is None:
@@ -143,9 +150,22 @@ class RolloutLogprobRecorder(LogitsProcessor):
         return scores
 
     def _close_step(self, tokens: torch.Tensor) -> None:
-        out = safe_log_softmax(self._pending, tokens.to(self._pending.device), self.rule, temperature=self.temperature)
-        self._steps.append(out.logprobs)
+        self._closed.append((self._pending, tokens.to(self._pending.device)))
+        self._closed_bytes += self._pending.numel() * 4
         self._pending = None
+        if self._closed_bytes >= self.max_buffer_bytes:
+            self._score_closed()
+
+    def _score_closed(self) -> None:
+        """Score the buffered steps in one `safe_log_softmax` call (the per-call overhead dominates small ones)."""
+        if not self._closed:
+            return
+        batch = self._closed[0][0].shape[0]
+        scores = torch.cat([s for s, _ in self._closed])
+        tokens = torch.cat([t for _, t in self._closed])
+        out = safe_log_softmax(scores, tokens, self.rule, temperature=self.temperature)
+        self._steps.extend(out.logprobs.split(batch))
+        self._closed, self._closed_bytes = [], 0
 
     def finalize(self, sequences: torch.Tensor) -> torch.Tensor:
         """Close the last step with the final sampled tokens; returns ``[batch, steps]`` fp32 log-probabilities."""
@@ -153,6 +173,7 @@ class RolloutLogprobRecorder(LogitsProcessor):
             raise RuntimeError("the rollout log-prob recorder was never called: it is not attached to generate")
         if self._pending is not None:
             self._close_step(sequences[:, -1])
+        self._score_closed()
         steps = sequences.shape[1] - self.prompt_length
         if steps != len(self._steps):
             raise RuntimeError(
@@ -171,11 +192,9 @@ class RolloutLogprobRecorder(LogitsProcessor):
         if self.logprobs is None:
             raise RuntimeError("call finalize() after generate before reading the recorded log-probabilities")
         if len(completion_ids) != self.logprobs.shape[0]:
-            raise RuntimeError(
-                f"{len(completion_ids)} completions but {self.logprobs.shape[0]} recorded rows"
-            )
-        rows = self.logprobs.cpu()
-        return [rows[i, : len(ids)].tolist() for i, ids in enumerate(completion_ids)]
+            raise RuntimeError(f"{len(completion_ids)} completions but {self.logprobs.shape[0]} recorded rows")
+        rows = self.logprobs.cpu().tolist()  # one conversion, then plain list slicing
+        return [row[: len(ids)] for row, ids in zip(rows, completion_ids)]
 
 
 def logit_noise(

@@ -33,14 +33,16 @@ def tiny():
         dict(temperature=0.9, top_k=10, top_p=0.9, min_p=0.05),
     ],
 )
-def test_recorder_matches_processed_scores(tiny, sampling):
-    """The recorder's log-probs equal the log-softmax of the scores HF actually sampled from (output_scores)."""
+@pytest.mark.parametrize("max_buffer_bytes", [1, 64 * 2**20], ids=["score_each_step", "score_once"])
+def test_recorder_matches_processed_scores(tiny, sampling, max_buffer_bytes):
+    """The recorder's log-probs equal the log-softmax of the scores HF actually sampled from (output_scores),
+    whether it scores every step as it comes or buffers the whole rollout into one call."""
     model, tok = tiny
     gc = GenerationConfig(
         do_sample=True, max_new_tokens=6, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, **sampling
     )
     rule, temperature = sampler_rule_from_generation_config(gc)
-    recorder = RolloutLogprobRecorder(rule, temperature)
+    recorder = RolloutLogprobRecorder(rule, temperature, max_buffer_bytes=max_buffer_bytes)
     inputs = tok(["hello", "the cat", "1+1="], return_tensors="pt", padding=True)
     torch.manual_seed(0)
     with recording_generate(model, recorder, None):
