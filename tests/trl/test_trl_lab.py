@@ -223,7 +223,7 @@ def test_lab_flags_parse(tmp_path):
 
 
 # ----------------------------------------------------------------------------------------------------
-# fp16 (the pieces that run on a CPU)
+# fp16
 
 
 def test_fp16_on_cpu_warns_that_accelerate_ignores_it(tmp_path):
@@ -249,6 +249,57 @@ def test_fp16_weights_with_fp32_head_train_a_grpo_step(tiny_model_dir, tmp_path)
     assert g["train_logps"].dtype == torch.float32 and torch.isfinite(g["train_logps"]).all()
     # the rollout ran with fp16 weights too, the training head in fp32: the gap is small but real
     assert h["mismatch/abs_logp_diff_max"] < 0.1
+
+
+def _fp16_trainer(model_dir, tmp_path, init_scale: float, **config):
+    """A trainer with ``fp16=True`` whose fp16 mixed precision really runs on this CPU.
+
+    accelerate keeps fp16 AMP off on a CPU by a device check and nothing else. Switching its own machinery on
+    (``native_amp``, so that preparing the model wraps its forward in fp16 autocast, and a ``GradScaler`` that the
+    Trainer's backward, gradient clipping and optimizer step go through) runs the Trainer's GPU fp16 path here,
+    unchanged: scaled backward through the safe head, unscale before clipping, inf check, skipped steps."""
+    with pytest.warns(UserWarning, match="fp16=True on a machine without"):
+        trainer = make_trainer(model_dir, tmp_path, fp16=True, **config)
+    acc = trainer.accelerator
+    assert acc.mixed_precision == "fp16" and not acc.native_amp and acc.scaler is None  # what accelerate does on CPU
+    acc.native_amp = True
+    acc.scaler = torch.amp.GradScaler("cpu", init_scale=init_scale)
+    return trainer
+
+
+# fp32 master weights, fp16 autocast for the loss pass, fp32 LM head, fp32 rollouts (so both runs sample alike)
+FP16_RUN = dict(safe_vocab_rule="min_p=0.05", cast_lm_head_to_fp32=True, rollout_dtype="float32", max_steps=2)
+
+
+def test_fp16_mixed_precision_trains_through_the_trainers_loss_scaling(tiny_model_dir, tmp_path):
+    trainer = _fp16_trainer(tiny_model_dir, tmp_path / "fp16", init_scale=2.0**10, **FP16_RUN)
+    passes = []  # (grad enabled, dtype) of the first decoder MLP's output in every forward
+    trainer.model.model.layers[0].mlp.register_forward_hook(lambda m, i, o: passes.append((torch.is_grad_enabled(), o.dtype)))
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    trainer.train()
+    assert (True, torch.float16) in passes  # the loss pass ran under fp16 autocast ...
+    assert (True, torch.float32) not in passes
+    assert trainer.last_generation["train_logps"].dtype == torch.float32  # ... with the fp32 safe head
+    scaler = trainer.accelerator.scaler
+    assert scaler._scale is not None and scaler.get_scale() == 2.0**10  # the scaler ran; no overflow
+    assert all(p.dtype == torch.float32 for p in trainer.model.parameters())  # fp32 master weights ...
+    assert any(not torch.equal(p.detach(), before[n]) for n, p in trainer.model.named_parameters())  # ... updated
+
+    reference = make_trainer(tiny_model_dir, tmp_path / "fp32", **FP16_RUN)
+    reference.train()
+    for h, r in zip(trainer.state.log_history[:2], reference.state.log_history[:2]):
+        # unscaled fp16 gradients: the same norm as the fp32 run's, to fp16 accuracy
+        assert h["grad_norm"] == pytest.approx(r["grad_norm"], rel=1e-2) and h["grad_norm"] > 1.0
+
+
+def test_fp16_overflow_skips_the_step_and_backs_off(tiny_model_dir, tmp_path):
+    """A loss scale of 2^100 overflows the fp16 backward: the scaler must skip the update and halve the scale."""
+    trainer = _fp16_trainer(tiny_model_dir, tmp_path, init_scale=2.0**100, **{**FP16_RUN, "max_steps": 1})
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    trainer.train()
+    assert trainer.accelerator.scaler.get_scale() == 2.0**99
+    assert all(torch.equal(p.detach(), before[n]) for n, p in trainer.model.named_parameters())
+    assert not math.isfinite(trainer.state.log_history[0]["grad_norm"])
 
 
 def test_loss_scaling_through_the_safe_head_under_fp16_autocast(tiny):
