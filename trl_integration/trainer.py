@@ -351,8 +351,7 @@ class SafeVocabGRPOTrainer(GRPOTrainer):
             train_logps, stats = old, entry[1]
         elif self._score_in_loss(mode):
             output[SCORE_IN_LOSS] = torch.tensor(True)
-            micro_batches = self.args.steps_per_generation if mode == "train" else 1
-            self._pending[mode] = _PendingGeneration(mode, micro_batches)
+            self._pending[mode] = _PendingGeneration(mode, self._micro_batches_per_generation(mode))
             return
         else:
             train_logps, stats = self._score_generation_batch(output)
@@ -360,14 +359,17 @@ class SafeVocabGRPOTrainer(GRPOTrainer):
         self._log_reduced_metrics(mode, [(metrics, counts)])
         self.last_generation = record
 
+    def _micro_batches_per_generation(self, mode: str) -> int:
+        """How many micro-batches trl splits a (per-process) generation batch into."""
+        return self.args.steps_per_generation if mode == "train" else 1
+
     def _score_in_loss(self, mode: str) -> bool:
         """Whether an on-policy generation batch takes its safe sets from the loss's forward
         (``safe_vocab_scoring``; see :class:`~trl_integration.config.SafeVocabGRPOConfig`)."""
         choice = self.args.safe_vocab_scoring
         if choice != "auto":
             return choice == "loss_forward"
-        micro_batches = self.args.steps_per_generation if mode == "train" else 1
-        return micro_batches == 1 or self.loss_type not in _COUNT_NORMALISED_LOSSES
+        return self._micro_batches_per_generation(mode) == 1 or self.loss_type not in _COUNT_NORMALISED_LOSSES
 
     @torch.no_grad()
     def _safe_vocabulary_step(
@@ -542,7 +544,8 @@ class SafeVocabGRPOTrainer(GRPOTrainer):
         self._replay = (tuple(input_ids.shape), logits_to_keep, result)
         mode = "train" if self.model.training else "eval"
         pending = self._pending.get(mode)
-        whole_batch = pending is not None and pending.expected == 1
+        # Every pass over the batch (num_iterations > 1 repeats them) applies the same masks and count.
+        whole_batch = self._micro_batches_per_generation(mode) == 1
         metrics, counts, record = self._safe_vocabulary_step(
             inputs, result[0].detach(), self._last_safe_stats, whole_batch=whole_batch
         )

@@ -52,6 +52,11 @@ CASES = {
     "zero_mismatch": dict(safe_vocab_rule="top_k=5", zero_mismatch=True),
     # each micro-batch runs twice in one optimizer step (still on-policy: trl scores no old log-probs)
     "two_iterations": dict(gradient_accumulation_steps=2, steps_per_generation=1, num_iterations=2, loss_type="grpo"),
+    # ... with a count-normalised loss and masked tokens: every iteration divides by the recounted tokens
+    "two_iterations_dapo_out_of_set": dict(
+        gradient_accumulation_steps=2, steps_per_generation=1, num_iterations=2, loss_type="dapo",
+        safe_vocab_rule="top_k=3", safe_vocab_in_sampler=False, vllm_importance_sampling_correction=False,
+    ),
 }
 
 
@@ -78,7 +83,7 @@ def test_loss_forward_trains_like_the_separate_pass(tiny_model_dir, tmp_path, ca
             assert same, (step, key, a[key], b[key])
         assert a["grad_norm"] > 1e-3  # the step really moved the policy
     assert any(k.startswith("mismatch/") for h in separate for k in h)
-    if case in ("out_of_set_grpo_accumulation", "mask_sequence_bnpo"):
+    if case in ("out_of_set_grpo_accumulation", "mask_sequence_bnpo", "two_iterations_dapo_out_of_set"):
         fracs = [h["safevocab/masked_token_frac"] for h in separate]
         assert max(fracs) > 0 and min(fracs) < 1  # masking happened, and not of everything
     moved = 0.0
