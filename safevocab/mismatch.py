@@ -208,8 +208,13 @@ def k3_kl(train_logps: torch.Tensor, rollout_logps: torch.Tensor, mask: torch.Te
         A 0-dim fp32 tensor (NaN when no token counts).
     """
     _, _, log_r, mask = _pair(train_logps, rollout_logps, mask)
+    return _masked_mean(_k3_terms(log_r), mask.double())
+
+
+def _k3_terms(log_r: torch.Tensor) -> torch.Tensor:
+    """Per-token ``r - log r - 1`` with ``log r`` clamped to ``±LOG_RATIO_BOUND`` (`k3_kl`)."""
     lr = log_r.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
-    return _masked_mean(torch.exp(lr) - lr - 1.0, mask.double())
+    return torch.exp(lr) - lr - 1.0
 
 
 def chi2_token(train_logps: torch.Tensor, rollout_logps: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -224,8 +229,12 @@ def chi2_token(train_logps: torch.Tensor, rollout_logps: torch.Tensor, mask: tor
         A 0-dim fp32 tensor (NaN when no token counts); ``log r_t`` is clamped to ``±LOG_RATIO_BOUND``.
     """
     _, _, log_r, mask = _pair(train_logps, rollout_logps, mask)
-    lr = log_r.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
-    return _masked_mean(torch.exp(2.0 * lr), mask.double()) - 1.0
+    return _masked_mean(_chi2_terms(log_r), mask.double()) - 1.0
+
+
+def _chi2_terms(log_r: torch.Tensor) -> torch.Tensor:
+    """Per-token ``r^2`` with ``log r`` clamped to ``±LOG_RATIO_BOUND`` (`chi2_token`)."""
+    return torch.exp(2.0 * log_r.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND))
 
 
 def chi2_sequence(train_logps: torch.Tensor, rollout_logps: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -243,11 +252,14 @@ def chi2_sequence(train_logps: torch.Tensor, rollout_logps: torch.Tensor, mask: 
         A 0-dim fp32 tensor (NaN when no sequence counts).
     """
     _, _, log_r, mask = _pair(train_logps, rollout_logps, mask)
-    rows = mask.any(-1)
-    if not bool(rows.any()):
-        return _scalar(_NAN)
-    seq = (log_r * mask.double()).sum(-1)[rows].clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
-    return _scalar(torch.exp(2.0 * seq).mean() - 1.0)
+    return _scalar(_sequence_chi2(log_r, mask.double()))
+
+
+def _sequence_chi2(log_r: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """`chi2_sequence` from zero-filled ``log r`` and 0/1 weights, branch-free (NaN = 0/0 when no row counts)."""
+    rows = m.sum(-1) > 0
+    seq = (log_r * m).sum(-1).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+    return torch.where(rows, torch.exp(2.0 * seq), 0.0).sum() / rows.sum() - 1.0
 
 
 @dataclass
@@ -484,23 +496,15 @@ def mismatch_metrics(
     """
     train, rollout, log_r, mask = _pair(train_logps, rollout_logps, mask)
     m = mask.double()
-    lr = log_r.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
-    # Token statistics (the formulas of k3_kl, chi2_token and the means), summed in one call.
-    token_sums = (torch.stack([rollout - train, torch.exp(lr) - lr - 1.0, torch.exp(2.0 * lr), log_r.abs()]) * m).sum(
-        dim=(1, 2)
-    )
-    token_means = (token_sums / m.sum()).float()
-    # Sequence statistics over the rows with a counted token (log_ppl_gap, chi2_sequence).
-    row_sums = (torch.stack([train, rollout, log_r]) * m).sum(-1)
-    count = m.sum(-1)
-    rows = count > 0
+    # Token statistics (kl, k3_kl, chi2_token, mean |log r|), summed in one call.
+    token_terms = torch.stack([rollout - train, _k3_terms(log_r), _chi2_terms(log_r), log_r.abs()])
+    token_means = ((token_terms * m).sum(dim=(1, 2)) / m.sum()).float()
+    # Sequence statistics over the rows with a counted token; gap_b as in log_ppl_gap.
+    mean_train, mean_rollout, gap = (torch.stack([train, rollout, rollout - train]) * m).sum(-1) / m.sum(-1)
+    rows = mask.any(-1)
     n_seq = rows.sum()
-    mean_train, mean_rollout = row_sums[0] / count, row_sums[1] / count
-    gap = mean_rollout - mean_train
-    seq_lr = row_sums[2].clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
     per_row = torch.stack([torch.exp(-mean_train), torch.exp(-mean_rollout), gap, gap.abs(), torch.exp(gap)])
     seq_means = (torch.where(rows, per_row, 0.0).sum(-1) / n_seq).float()
-    chi2_seq = torch.where(rows, torch.exp(2.0 * seq_lr), 0.0).sum() / n_seq - 1.0
     out = {
         "mismatch/kl": token_means[0],
         "mismatch/k3_kl": token_means[1],
@@ -514,7 +518,7 @@ def mismatch_metrics(
         "mismatch/log_ppl_diff_max": _masked_extreme(gap, rows, largest=True),
         "mismatch/log_ppl_diff_min": _masked_extreme(gap, rows, largest=False),
         "mismatch/ppl_ratio": seq_means[4],
-        "mismatch/chi2_seq": _scalar(chi2_seq),
+        "mismatch/chi2_seq": _scalar(_sequence_chi2(log_r, m)),
     }
     if not return_counts:
         return out
