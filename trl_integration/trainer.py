@@ -94,10 +94,9 @@ class _PendingGeneration:
     """Metric rows and tensors of the micro-batches of one on-policy generation batch whose safe-vocabulary step
     runs in the loss (``safe_vocab_scoring``); logged once all ``expected`` micro-batches have been seen."""
 
-    __slots__ = ("mode", "expected", "rows", "records")
+    __slots__ = ("expected", "rows", "records")
 
-    def __init__(self, mode: str, expected: int):
-        self.mode = mode
+    def __init__(self, expected: int):
         self.expected = expected
         self.rows: list[tuple[dict, dict]] = []
         self.records: list[dict] = []
@@ -336,12 +335,8 @@ class SafeVocabGRPOTrainer(GRPOTrainer):
         trl ran one; else, for these on-policy batches, from the loss's own forward (the batch is marked with
         `SCORE_IN_LOSS` and :meth:`_compute_loss` does the rest per micro-batch) or from one more no-grad pass
         (``safe_vocab_scoring``)."""
-        args = self.args
         mode = "train" if self.model.training else "eval"
-        rollout_logps = output.get("sampling_per_token_logps")
-        zero_mismatch = bool(getattr(args, "zero_mismatch", False))
-        use_is = self._importance_sampling_active and (rollout_logps is not None or zero_mismatch)
-        use_mismatch = args.log_mismatch_metrics and (rollout_logps is not None or zero_mismatch)
+        use_is, use_mismatch, zero_mismatch = self._measurement_switches(output)
         if isinstance(self.safe_vocab_rule, NoPruning) and not use_is and not use_mismatch and not zero_mismatch:
             return  # nothing to mask or measure: stay exactly trl (no extra forward pass)
 
@@ -351,13 +346,21 @@ class SafeVocabGRPOTrainer(GRPOTrainer):
             train_logps, stats = old, entry[1]
         elif self._score_in_loss(mode):
             output[SCORE_IN_LOSS] = torch.tensor(True)
-            self._pending[mode] = _PendingGeneration(mode, self._micro_batches_per_generation(mode))
+            self._pending[mode] = _PendingGeneration(self._micro_batches_per_generation(mode))
             return
         else:
             train_logps, stats = self._score_generation_batch(output)
         metrics, counts, record = self._safe_vocabulary_step(output, train_logps, stats, whole_batch=True)
         self._log_reduced_metrics(mode, [(metrics, counts)])
         self.last_generation = record
+
+    def _measurement_switches(self, batch: dict) -> tuple[bool, bool, bool]:
+        """``(use_is, use_mismatch, zero_mismatch)`` for a batch: the importance ratio and the mismatch metrics
+        need rollout log-probabilities, or the zero-mismatch setting that makes them."""
+        zero_mismatch = bool(getattr(self.args, "zero_mismatch", False))
+        has_rollout = batch.get("sampling_per_token_logps") is not None or zero_mismatch
+        use_is = self._importance_sampling_active and has_rollout
+        return use_is, self.args.log_mismatch_metrics and has_rollout, zero_mismatch
 
     def _micro_batches_per_generation(self, mode: str) -> int:
         """How many micro-batches trl splits a (per-process) generation batch into."""
@@ -373,7 +376,7 @@ class SafeVocabGRPOTrainer(GRPOTrainer):
 
     @torch.no_grad()
     def _safe_vocabulary_step(
-        self, batch: dict, train_logps: torch.Tensor, stats: SafeTokenStats, whole_batch: bool
+        self, batch: dict, train_logps: torch.Tensor, stats: SafeTokenStats, whole_batch: bool, measure: bool = True
     ) -> tuple[dict, dict, dict]:
         """Mask out-of-set tokens, set the importance ratio and measure, on a generation batch or one of its
         micro-batches (modifies ``batch``).
@@ -384,6 +387,7 @@ class SafeVocabGRPOTrainer(GRPOTrainer):
             stats: the safe-set statistics of the same pass.
             whole_batch: whether ``batch`` is the whole (per-process) generation batch; only then is
                 ``num_items_in_batch`` recounted after the out-of-set masking (it spans the generation batch).
+            measure: compute the metrics (``False``: masks and ratio only, empty metric dicts).
 
         Returns:
             ``(metrics, counts, record)``: local metric values with the number of items each averages over, and
@@ -394,9 +398,7 @@ class SafeVocabGRPOTrainer(GRPOTrainer):
         tool_mask = batch.get("tool_mask")
         base_mask = completion_mask if tool_mask is None else completion_mask * tool_mask
         rollout_logps = batch.get("sampling_per_token_logps")
-        zero_mismatch = bool(getattr(args, "zero_mismatch", False))
-        use_is = self._importance_sampling_active and (rollout_logps is not None or zero_mismatch)
-        use_mismatch = args.log_mismatch_metrics and (rollout_logps is not None or zero_mismatch)
+        use_is, use_mismatch, zero_mismatch = self._measurement_switches(batch)
 
         # 0. Zero-mismatch lab setting: the rollout log-probabilities become the training engine's own scoring
         # of the sampled tokens (bit-identical); the gap measured by the recorder is kept to log what was removed.
@@ -435,26 +437,28 @@ class SafeVocabGRPOTrainer(GRPOTrainer):
         # 3. Metrics. Every metric comes with the number of items it averages over, so that the reduction over
         # processes and micro-batches is the value of the whole batch, not a mean of means. Inference mode: the
         # values are only logged, and dozens of small ops per step run about twice as fast without autograd.
-        with torch.inference_mode():
-            metrics, counts = safe_set_metrics(
-                stats.in_safe, stats.log_kept_mass, stats.safe_size, base_mask, return_counts=True
-            )
-            metrics["safevocab/masked_token_frac"] = _frac(counted & ~keep, counted)
-            counts["safevocab/masked_token_frac"] = counted.sum()
-            if ratio is not None:
-                ratio_metrics = importance_ratio_metrics(ratio.log_raw, ratio.ratio, ratio.clipped, loss_mask, True)
-                _merge(metrics, counts, ratio_metrics)
-                if not self.use_vllm:  # trl logs these itself on the vLLM path
-                    _merge(metrics, counts, _trl_sampling_metrics(train_logps, rollout_logps, ratio, loss_mask))
-            if use_mismatch:
-                _merge(metrics, counts, mismatch_metrics(train_logps, rollout_logps, loss_mask, return_counts=True))
-                _merge(
-                    metrics,
-                    counts,
-                    bucket_mismatch_metrics(train_logps, rollout_logps, loss_mask, args.mismatch_buckets, True),
+        metrics, counts = {}, {}
+        if measure:
+            with torch.inference_mode():
+                metrics, counts = safe_set_metrics(
+                    stats.in_safe, stats.log_kept_mass, stats.safe_size, base_mask, return_counts=True
                 )
-            if measured_rollout_logps is not None:
-                _merge(metrics, counts, _removed_mismatch_metrics(train_logps, measured_rollout_logps, loss_mask))
+                metrics["safevocab/masked_token_frac"] = _frac(counted & ~keep, counted)
+                counts["safevocab/masked_token_frac"] = counted.sum()
+                if ratio is not None:
+                    ratio_metrics = importance_ratio_metrics(ratio.log_raw, ratio.ratio, ratio.clipped, loss_mask, True)
+                    _merge(metrics, counts, ratio_metrics)
+                    if not self.use_vllm:  # trl logs these itself on the vLLM path
+                        _merge(metrics, counts, _trl_sampling_metrics(train_logps, rollout_logps, ratio, loss_mask))
+                if use_mismatch:
+                    _merge(metrics, counts, mismatch_metrics(train_logps, rollout_logps, loss_mask, return_counts=True))
+                    _merge(
+                        metrics,
+                        counts,
+                        bucket_mismatch_metrics(train_logps, rollout_logps, loss_mask, args.mismatch_buckets, True),
+                    )
+                if measured_rollout_logps is not None:
+                    _merge(metrics, counts, _removed_mismatch_metrics(train_logps, measured_rollout_logps, loss_mask))
 
         record = {
             "train_logps": train_logps.detach(),
@@ -546,11 +550,11 @@ class SafeVocabGRPOTrainer(GRPOTrainer):
         pending = self._pending.get(mode)
         # Every pass over the batch (num_iterations > 1 repeats them) applies the same masks and count.
         whole_batch = self._micro_batches_per_generation(mode) == 1
+        # Log once per generation batch, over all its micro-batches: later iterations over the same batch (with
+        # num_iterations > 1) only apply the masks.
         metrics, counts, record = self._safe_vocabulary_step(
-            inputs, result[0].detach(), self._last_safe_stats, whole_batch=whole_batch
+            inputs, result[0].detach(), self._last_safe_stats, whole_batch=whole_batch, measure=pending is not None
         )
-        # Log once per generation batch, over all its micro-batches (later iterations over the same batch, with
-        # num_iterations > 1, only apply the masks).
         if pending is not None:
             pending.rows.append((metrics, counts))
             pending.records.append(record)
