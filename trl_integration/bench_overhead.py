@@ -72,6 +72,8 @@ def _timed_step(trainer, batches, seed: int) -> float:
 
 
 def main(argv: list[str] | None = None) -> dict:
+    from trl_integration.config import SCORING_MODES
+
     parser = argparse.ArgumentParser(prog="python -m trl_integration.bench_overhead", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=None, help="model path (default: the bundled tiny model)")
     parser.add_argument("--rule", default="min_p=0.001", help="min_p rule used by both samplers (default min_p=0.001)")
@@ -89,7 +91,7 @@ def main(argv: list[str] | None = None) -> dict:
         "forward (safe_vocab_scoring='auto'); with > 1 both run trl's old-policy pass.",
     )  # fmt: skip
     parser.add_argument(
-        "--safe_vocab_scoring", default="auto", choices=["auto", "loss_forward", "separate"],
+        "--safe_vocab_scoring", default="auto", choices=SCORING_MODES,
         help="SafeVocabGRPOConfig.safe_vocab_scoring of the SafeVocab trainer (default auto)",
     )  # fmt: skip
     args = parser.parse_args(argv)
