@@ -1,24 +1,33 @@
 """Torch implementation of :func:`safevocab.fused_safe_logprobs`: chunked over rows, never ``[N, V]``.
 
 Forward walks chunks of rows. For each it computes the chunk's logits (one GEMM in the inputs'
-dtype, into a reused buffer), the rule's threshold and fp32 row statistics, and keeps ``O(N)``
-numbers: the threshold, ``logsumexp`` over ``S`` and over the vocabulary, and the entropy.
+dtype, into a reused buffer), the rule's threshold ``t`` and fp32 row statistics, and keeps ``O(N)``
+numbers, all **max-shifted** so that huge logits (tiny temperatures) lose no precision: the row
+maximum ``m``, ``z_y - m``, ``log sum_S exp(z - m)``, ``log sum_V exp(z - m)``, ``t``, ``|S|`` and the
+entropy. Then ``log pi_S(y) = (z_y - m) - log sum_S exp(z - m)``.
 
-Backward has two paths, chosen per row:
+Backward forms ``grad_z = g_lp 1[a=y] - pi_S (c_S + g_H (log pi_S + H)) - c_F pi`` (see
+:class:`Coefficients`) in two parts:
 
-- **sparse** (the common case in RL): the logits gradient of ``log pi_S(y)`` and of the entropy of
-  ``pi_S`` is zero outside ``S``. When a chunk's safe sets are small (at most
-  ``SPARSE_MAX_DENSITY`` of the chunk's logits), forward also stores ``S`` as CSR (int32 column,
-  fp32 ``log pi_S``: 8 bytes per kept logit), and backward runs two sparse GEMMs whose cost scales
-  with ``|S|`` instead of ``V``: no recomputation of the logits, no dense gradient GEMMs.
-- **dense**: rows whose gradient is not confined to ``S`` (a target outside ``S`` with a nonzero
-  gradient, or a gradient on ``log_kept_mass``), or chunks whose safe sets are large, or half
-  precision inputs: recompute the chunk's logits, rebuild ``S = {z >= t}`` from the saved
-  threshold (no re-sort for top-p), form the logits gradient in place, and run the two gradient
-  GEMMs with the weight gradient accumulated in fp32.
+- the **safe-set part** ``-pi_S (...) + g_lp 1[a=y in S]`` depends on ``S``. It must use exactly the
+  forward's ``S``, whatever the layout, dtype, chunking or backend:
+
+  - **sparse** (the common case in RL): when a chunk's safe sets are small (at most
+    ``SPARSE_MAX_DENSITY`` of its logits), forward stores ``S`` itself as CSR (int32 column, fp32
+    ``z - m``: 8 bytes per kept logit), and backward runs two sparse GEMMs whose cost scales with
+    ``|S|``: no recomputation at all.
+  - **dense** (chunks with large safe sets, half-precision inputs): recompute the chunk's logits with
+    the *same call on the same operands* as the forward (the same row slice of ``hidden``, the same
+    buffer shape: BLAS results depend on layout and alignment, and a boundary token one ulp off would
+    leave ``S``), rebuild ``S = {z >= t}``, and check it against the saved ``|S|``; a row whose count
+    differs (it cannot on a deterministic BLAS) gets the ``|S|`` largest logits instead.
+- the **full-softmax part** ``-c_F pi + g_lp 1[a=y not in S]`` (targets outside ``S`` with a gradient,
+  or a gradient on ``log_kept_mass``) does not depend on ``S``: rows of sparse chunks that need it
+  recompute only their own logits.
 
 ``backend="triton"`` keeps this structure and replaces the per-chunk torch passes (forward statistics,
-dense logits gradient) with the Triton kernels of :mod:`safevocab.kernels`; the sparse backward stays here.
+dense logits gradient) with the Triton kernels of :mod:`safevocab.kernels`; the sparse backward and the
+full-softmax part stay here.
 """
 
 from __future__ import annotations
@@ -37,18 +46,25 @@ SPARSE_MAX_DENSITY = 1.0 / 16
 
 @dataclass(frozen=True)
 class Transform:
-    """The sampler's logit transform: ``logit_scale``, then softcap, then ``/ temperature``."""
+    """The sampler's logit transform: ``logit_scale``, then softcap, then ``/ temperature``.
+
+    ``-inf`` logits stay ``-inf`` through the softcap (``c * tanh(-inf / c)`` would be the finite
+    ``-c``): a token of probability 0 never enters ``S``.
+    """
 
     temperature: float
     softcap: float | None
     logit_scale: float
 
-    def apply_(self, z: torch.Tensor) -> torch.Tensor:
-        """In-place transform of a scratch chunk."""
+    def apply_(self, z: torch.Tensor, neg_inf_cols: torch.Tensor | None = None) -> torch.Tensor:
+        """In-place transform of a scratch chunk ``[n, V]``; ``neg_inf_cols``: columns whose raw logit is
+        ``-inf`` in every row (a ``-inf`` bias entry), restored to ``-inf`` after a softcap."""
         if self.logit_scale != 1.0:
             z.mul_(self.logit_scale)
         if self.softcap is not None:
             z.div_(self.softcap).tanh_().mul_(self.softcap)
+            if neg_inf_cols is not None and neg_inf_cols.numel():
+                z.index_fill_(-1, neg_inf_cols, -torch.inf)
         if self.temperature != 1.0:
             z.div_(self.temperature)
         return z
@@ -57,10 +73,11 @@ class Transform:
         """In-place chain rule from transformed ``z`` back to raw logits.
 
         The softcap derivative ``1 - tanh^2`` is recovered from ``z`` itself
-        (``tanh = z * temperature / softcap``), so no extra buffer of raw logits is kept.
+        (``tanh = z * temperature / softcap``), so no extra buffer of raw logits is kept. ``tanh^2`` is
+        clamped to 1 (its true range), which makes the derivative 0, not ``-inf``, at ``-inf`` logits.
         """
         if self.softcap is not None:
-            tanh_sq = (z * (self.temperature / self.softcap)).square_()
+            tanh_sq = (z * (self.temperature / self.softcap)).square_().clamp_(max=1.0)
             grad_z.mul_(tanh_sq.neg_().add_(1.0))
         scale = self.logit_scale / self.temperature
         if scale != 1.0:
@@ -76,8 +93,17 @@ def chunk_rows_for(n_rows: int, vocab: int, rule: SafeVocabRule, in_bytes: int, 
     return max(1, min(n_rows, max_chunk_bytes // max(1, vocab * per_logit)))
 
 
-class _ChunkLogits:
-    """Computes transformed logits of a chunk of rows into one reused buffer (no page faults per chunk)."""
+def chunk_slices(n_rows: int, chunk_rows: int) -> list[slice]:
+    """The row slices of the chunks, identical in forward and backward."""
+    return [slice(start, min(start + chunk_rows, n_rows)) for start in range(0, n_rows, chunk_rows)]
+
+
+class ChunkLogits:
+    """Computes transformed logits of a chunk of rows into one reused buffer (no page faults per chunk).
+
+    Forward and backward build one each with the same ``rows`` and call it on the same row slices of
+    ``hidden``, so a recomputed chunk is bit-identical to the forward's.
+    """
 
     def __init__(self, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, transform: Transform, rows: int):
         self.weight_t, self.bias, self.transform = weight.t(), bias, transform
@@ -85,6 +111,9 @@ class _ChunkLogits:
         vocab = weight.shape[0]
         self.buf = torch.empty(rows, vocab, device=hidden.device, dtype=stat)
         self.raw = None if hidden.dtype == stat else torch.empty(rows, vocab, device=hidden.device, dtype=hidden.dtype)
+        self.neg_inf_cols = None
+        if bias is not None and transform.softcap is not None:
+            self.neg_inf_cols = (bias == -torch.inf).nonzero().squeeze(-1)
 
     def __call__(self, h: torch.Tensor) -> torch.Tensor:
         n = h.shape[0]
@@ -96,17 +125,61 @@ class _ChunkLogits:
         z = self.buf[:n]
         if self.raw is not None:
             z.copy_(out)  # the GEMM rounds to the inputs' dtype, exactly as materialised logits would be
-        return self.transform.apply_(z)
+        return self.transform.apply_(z, self.neg_inf_cols)
 
 
 @dataclass
-class _SparseChunk:
-    """The safe sets of one chunk of rows, as CSR: ``log pi_S`` at the kept columns."""
+class SparseChunk:
+    """The safe sets of one chunk of rows, as CSR: the shifted logits ``z - m`` at the kept columns.
+
+    ``log pi_S = (z - m) - log sum_S exp(z - m)`` and, for the softcap derivative, ``z = (z - m) + m``
+    are both recovered to ``z``'s own precision (storing ``log pi_S`` instead would lose ``z - m`` to
+    the rounding of ``log sum_S``, which dominates when the logits are tiny, e.g. at large temperatures).
+    """
 
     start: int
     counts: torch.Tensor  # [n] int64, |S| per row
     cols: torch.Tensor  # [nnz] int32
-    log_p: torch.Tensor  # [nnz] stats dtype, log pi_S(col)
+    shifted: torch.Tensor  # [nnz] stats dtype, z - m
+
+
+@dataclass
+class RowStats:
+    """Per-row outputs of the forward (each ``[N]``), written chunk by chunk by a backend.
+
+    Max-shifted: with ``m`` the row maximum of the transformed logits ``z``,
+    ``lse_S = m + log_sum_safe`` and ``lse_V = m + log_sum_full``, but the sums are never formed, so
+    ``z_y - lse_S`` keeps full precision when ``|m|`` is huge.
+    """
+
+    target_shift: torch.Tensor  # z_y - m
+    log_sum_safe: torch.Tensor  # log sum_S exp(z - m)
+    log_sum_full: torch.Tensor  # log sum_V exp(z - m)
+    row_max: torch.Tensor  # m
+    threshold: torch.Tensor  # t: S = {z >= t}
+    entropy: torch.Tensor | None  # H(pi_S)
+    in_safe: torch.Tensor  # bool, z_y >= t
+    safe_size: torch.Tensor  # int64, |S|
+
+    @staticmethod
+    def empty(n_rows: int, device: torch.device, dtype: torch.dtype, compute_entropy: bool) -> RowStats:
+        def new() -> torch.Tensor:
+            return torch.empty(n_rows, device=device, dtype=dtype)
+
+        return RowStats(
+            target_shift=new(),
+            log_sum_safe=new(),
+            log_sum_full=new(),
+            row_max=new(),
+            threshold=new(),
+            entropy=new() if compute_entropy else None,
+            in_safe=torch.empty(n_rows, device=device, dtype=torch.bool),
+            safe_size=torch.empty(n_rows, device=device, dtype=torch.int64),
+        )
+
+    def rows(self, rows: slice) -> dict[str, torch.Tensor | None]:
+        """Views of every field on a row slice (keyword arguments of the forward kernel)."""
+        return {name: (None if t is None else t[rows]) for name, t in vars(self).items()}
 
 
 class FusedSafeLogProbs(torch.autograd.Function):
@@ -128,36 +201,33 @@ class FusedSafeLogProbs(torch.autograd.Function):
     ):
         ctx.set_materialize_grads(False)
         ctx.weight_gather = weight_gather
-        n_rows, device = hidden.shape[0], hidden.device
-        stat = dict(device=device, dtype=torch.float64 if hidden.dtype == torch.float64 else torch.float32)
-        target_logit = torch.empty(n_rows, **stat)
-        lse_safe = torch.empty(n_rows, **stat)
-        lse_full = torch.empty(n_rows, **stat)
-        threshold = torch.empty(n_rows, **stat)
-        entropy = torch.empty(n_rows, **stat) if compute_entropy else None
-        in_safe = torch.empty(n_rows, device=device, dtype=torch.bool)
-        safe_size = torch.empty(n_rows, device=device, dtype=torch.int64)
+        n_rows = hidden.shape[0]
+        stat_dtype = torch.float64 if hidden.dtype == torch.float64 else torch.float32
+        stats = RowStats.empty(n_rows, hidden.device, stat_dtype, compute_entropy)
         # MKL/cuSPARSE sparse GEMMs take fp32/fp64 only; half inputs use the dense backward.
-        sparse_ok = hidden.dtype in (torch.float32, torch.float64)
-
-        stats = (target_logit, lse_safe, lse_full, threshold, entropy, in_safe, safe_size)
-        density = SPARSE_MAX_DENSITY if sparse_ok else None
+        density = SPARSE_MAX_DENSITY if hidden.dtype in (torch.float32, torch.float64) else None
         if backend == "triton":  # the Triton kernels fold every chunk (safevocab/kernels)
             from safevocab.kernels.fused import triton_forward
 
             sparse_chunks = triton_forward(hidden, weight, bias, targets, rule, transform, chunk_rows, stats, density)
         else:
             sparse_chunks = _torch_forward(hidden, weight, bias, targets, rule, transform, chunk_rows, stats, density)
-        logprobs = torch.where(in_safe, target_logit - lse_safe, target_logit - lse_full)
-        log_kept = lse_safe - lse_full
+        _raise_on_non_finite_rows(stats, hidden, weight, bias, transform)
+        logprobs = torch.where(
+            stats.in_safe, stats.target_shift - stats.log_sum_safe, stats.target_shift - stats.log_sum_full
+        )
+        log_kept = stats.log_sum_safe - stats.log_sum_full
 
-        ctx.save_for_backward(hidden, weight, bias, targets, threshold, lse_safe, lse_full, in_safe, entropy)
+        ctx.save_for_backward(
+            hidden, weight, bias, targets, stats.threshold, stats.row_max, stats.log_sum_safe, stats.log_sum_full,
+            stats.in_safe, stats.safe_size, stats.entropy,
+        )
         ctx.sparse_chunks = sparse_chunks
         ctx.transform = transform
         ctx.chunk_rows = chunk_rows
         ctx.backend, ctx.rule = backend, rule
-        ctx.mark_non_differentiable(in_safe, safe_size)
-        return logprobs, log_kept, entropy, in_safe, safe_size
+        ctx.mark_non_differentiable(stats.in_safe, stats.safe_size)
+        return logprobs, log_kept, stats.entropy, stats.in_safe, stats.safe_size
 
     @staticmethod
     def backward(ctx, grad_logprobs, grad_log_kept, grad_entropy, _grad_in_safe, _grad_safe_size):  # type: ignore[override]
@@ -171,50 +241,56 @@ class FusedSafeLogProbs(torch.autograd.Function):
 
     @staticmethod
     def _backward(ctx, grad_logprobs, grad_log_kept, grad_entropy):
-        hidden, weight, bias, targets, threshold, lse_safe, lse_full, in_safe, entropy = ctx.saved_tensors
+        (hidden, weight, bias, targets, threshold, row_max, log_sum_safe, log_sum_full, in_safe, safe_size,
+         entropy) = ctx.saved_tensors
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
-        n_rows, stat = hidden.shape[0], lse_safe.dtype
+        n_rows, stat = hidden.shape[0], log_sum_safe.dtype
 
-        # Per-row coefficients of the logits gradient
-        #   grad_z = g_lp 1[a=y] - pi_S (c_S + g_H (log pi_S + H)) - c_F pi,
-        # with c_S = g_lp 1[y in S] - g_k and c_F = g_lp 1[y not in S] + g_k (g_k: log_kept_mass grad).
+        # contiguous: autograd may hand over expanded (stride-0) gradients, and the kernels index rows directly
         zeros = torch.zeros(n_rows, device=hidden.device, dtype=stat)
-        g_lp = grad_logprobs.to(stat) if grad_logprobs is not None else zeros
-        g_k = grad_log_kept.to(stat) if grad_log_kept is not None else zeros
-        g_ent = grad_entropy.to(stat) if grad_entropy is not None else None
-        coef = _Coefficients(
+        g_lp = grad_logprobs.to(stat).contiguous() if grad_logprobs is not None else zeros
+        g_k = grad_log_kept.to(stat).contiguous() if grad_log_kept is not None else zeros
+        g_ent = grad_entropy.to(stat).contiguous() if grad_entropy is not None else None
+        coef = Coefficients(
             g_lp=g_lp,
             g_ent=g_ent,
             c_safe=torch.where(in_safe, g_lp, 0.0) - g_k,
             c_full=torch.where(in_safe, 0.0, g_lp) + g_k,
-            lse_safe=lse_safe,
-            lse_full=lse_full,
+            g_target_out=torch.where(in_safe, 0.0, g_lp),
+            row_max=row_max,
+            log_sum_safe=log_sum_safe,
+            log_sum_full=log_sum_full,
             entropy=entropy,
             threshold=threshold,
+            safe_size=safe_size,
             targets=targets,
         )
 
-        grad_hidden = torch.empty_like(hidden) if need_h else None
+        grad_hidden = torch.zeros_like(hidden) if need_h else None
         grad_weight = torch.zeros(weight.shape, device=weight.device, dtype=stat) if need_w else None
         grad_bias = torch.zeros(weight.shape[0], device=weight.device, dtype=stat) if need_b else None
         grads = (grad_hidden, grad_weight, grad_bias)
 
-        dense_rows = torch.ones(n_rows, device=hidden.device, dtype=torch.bool)
+        # Safe-set part: the stored S of sparse chunks, or an exact recomputation of the other chunks.
+        sparse_starts = set()
+        in_sparse = torch.zeros(n_rows, device=hidden.device, dtype=torch.bool)
         for chunk in ctx.sparse_chunks:
-            dense_rows[chunk.start : chunk.start + chunk.counts.shape[0]] = False
-        # Rows whose gradient reaches outside S (c_F != 0) go dense even when S was stored.
-        dense_rows |= coef.c_full != 0
-        for chunk in ctx.sparse_chunks:
-            _sparse_backward(chunk, hidden, weight, coef, dense_rows, ctx.transform, grads)
-        dense_idx = dense_rows.nonzero().squeeze(-1)
-        if dense_idx.numel():
+            _sparse_backward(chunk, hidden, weight, coef, ctx.transform, grads)
+            sparse_starts.add(chunk.start)
+            in_sparse[chunk.start : chunk.start + chunk.counts.shape[0]] = True
+        dense_chunks = [rows for rows in chunk_slices(n_rows, ctx.chunk_rows) if rows.start not in sparse_starts]
+        if dense_chunks:
             if ctx.backend == "triton":  # backend hook: the logits gradient from a Triton kernel
                 from safevocab.kernels.fused import triton_dense_backward
 
-                args = (dense_idx, hidden, weight, bias, coef, ctx.transform, ctx.chunk_rows, grads)
-                triton_dense_backward(*args, ctx.rule)
+                triton_dense_backward(dense_chunks, hidden, weight, bias, coef, ctx.transform, ctx.chunk_rows, grads, ctx.rule)
             else:
-                _dense_backward(dense_idx, hidden, weight, bias, coef, ctx.transform, ctx.chunk_rows, grads)
+                _dense_backward(dense_chunks, hidden, weight, bias, coef, ctx.transform, ctx.chunk_rows, grads)
+        # Full-softmax part of sparse-chunk rows whose gradient leaves S (the dense chunks include it).
+        leaves = in_sparse & ((coef.c_full != 0) | (coef.g_target_out != 0))
+        full_idx = leaves.nonzero().squeeze(-1)
+        if full_idx.numel():
+            _full_softmax_backward(full_idx, hidden, weight, bias, coef, ctx.transform, ctx.chunk_rows, grads)
 
         return (
             grad_hidden,
@@ -230,6 +306,46 @@ class FusedSafeLogProbs(torch.autograd.Function):
         )
 
 
+def _raise_on_non_finite_rows(
+    stats: RowStats, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, transform: Transform
+) -> None:
+    """Raise a one-line ``ValueError`` naming the argument when a row's statistics are not finite.
+
+    A NaN or ``+inf`` logit, an all ``-inf`` row or an overflowing GEMM or transform make the row maximum
+    or ``log sum_V exp(z - m)`` non-finite; checking those ``[N]`` statistics costs nothing next to a pass
+    over ``[N, V]``. Finding *which* argument caused it runs only here, on the error path.
+    """
+    bad = ~(torch.isfinite(stats.row_max) & torch.isfinite(stats.log_sum_full))
+    if not bool(bad.any()):
+        return
+    row = int(bad.nonzero()[0])
+    h = hidden[row]
+    where = f"(row {row} of {hidden.shape[0]})"
+    if not bool(torch.isfinite(h).all()):
+        raise ValueError(f"hidden has a non-finite value (NaN or inf) {where}: accepted finite hidden states")
+    finite_weight = torch.isfinite(weight).all(dim=-1)
+    if not bool(finite_weight.all()):
+        token = int((~finite_weight).nonzero()[0])
+        raise ValueError(f"weight has a non-finite value (NaN or inf) in row {token} (token id): accepted finite weights")
+    raw = h.double() @ weight.double().t()
+    if bias is not None:
+        raw = raw + bias.double()
+        if not bool((bias != -torch.inf).any()):
+            raise ValueError("bias is -inf for every token: no token has a probability > 0")
+    limit = torch.finfo(hidden.dtype).max
+    peak = float(raw[torch.isfinite(raw)].abs().max()) if bool(torch.isfinite(raw).any()) else 0.0
+    if peak > limit:
+        raise ValueError(
+            f"hidden @ weight.T overflows {hidden.dtype} {where}: |logit| up to {peak:.4g} > {limit:.4g}; "
+            "use bfloat16/float32 inputs (an fp32 LM head) for this model"
+        )
+    raise ValueError(
+        f"temperature={transform.temperature!r} with logit_scale={transform.logit_scale!r} makes the logits overflow "
+        f"{stats.row_max.dtype} {where}: |logit| up to {peak:.4g} gives |logit| * logit_scale / temperature > "
+        f"{torch.finfo(stats.row_max.dtype).max:.4g}; accepted a larger temperature"
+    )
+
+
 def _torch_forward(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -238,91 +354,100 @@ def _torch_forward(
     rule: SafeVocabRule,
     transform: Transform,
     chunk_rows: int,
-    stats: tuple,
+    stats: RowStats,
     density: float | None,
-) -> list[_SparseChunk]:
-    """Fill the per-row ``stats`` chunk by chunk with torch passes; return the chunks whose safe sets are
-    stored sparsely (at most ``density`` of a chunk's logits kept; ``None``: never)."""
-    target_logit, lse_safe, lse_full, threshold, entropy, in_safe, safe_size = stats
+) -> list[SparseChunk]:
+    """Fill ``stats`` chunk by chunk with torch passes; return the chunks whose safe sets are stored
+    sparsely (at most ``density`` of a chunk's logits kept; ``None``: never)."""
     n_rows, vocab = hidden.shape[0], weight.shape[0]
-    sparse_chunks: list[_SparseChunk] = []
+    sparse_chunks: list[SparseChunk] = []
     if not n_rows:
         return sparse_chunks
-    logits_of = _ChunkLogits(hidden, weight, bias, transform, min(chunk_rows, n_rows))
+    logits_of = ChunkLogits(hidden, weight, bias, transform, min(chunk_rows, n_rows))
     drop_buf = torch.empty(min(chunk_rows, n_rows), vocab, device=hidden.device, dtype=torch.bool)
-    for start in range(0, n_rows, chunk_rows):
-        rows = slice(start, min(start + chunk_rows, n_rows))
-        n = rows.stop - start
+    for rows in chunk_slices(n_rows, chunk_rows):
+        n = rows.stop - rows.start
         z = logits_of(hidden[rows])
         t, z_max = rule.threshold_and_max(z)  # [n, 1] each
-        target_logit[rows] = z.gather(-1, targets[rows].unsqueeze(-1)).squeeze(-1)
-        in_safe[rows] = target_logit[rows] >= t.squeeze(-1)
-        threshold[rows] = t.squeeze(-1)
-        dropped = torch.lt(z.sub_(z_max), t - z_max, out=drop_buf[:n])  # z now holds z - z_max
+        z_y = z.gather(-1, targets[rows].unsqueeze(-1))
+        stats.in_safe[rows] = (z_y >= t).squeeze(-1)
+        stats.threshold[rows] = t.squeeze(-1)
+        stats.row_max[rows] = z_max.squeeze(-1)
+        stats.target_shift[rows] = (z_y - z_max).squeeze(-1)
+        # S = {z >= t} on the unshifted logits, as the backward and in_safe decide it (z - m < t - m
+        # could round a boundary token the other way).
+        dropped = torch.lt(z, t, out=drop_buf[:n])
         kept_per_row = vocab - dropped.sum(-1)
-        safe_size[rows] = kept_per_row
+        stats.safe_size[rows] = kept_per_row
+        z.sub_(z_max)  # z now holds z - m
         store_sparse = density is not None and int(kept_per_row.sum()) <= density * n * vocab
         if store_sparse:
             r, c = torch.logical_not(dropped).nonzero(as_tuple=True)
             shifted_kept = z[r, c]
-        e = z.exp_()  # z now holds exp(z - z_max)
+        e = z.exp_()  # z now holds exp(z - m)
         sum_full = e.sum(-1)
         e.masked_fill_(dropped, 0.0)
         sum_safe = e.sum(-1)
         log_sum_safe = sum_safe.log()
-        lse_safe[rows] = z_max.squeeze(-1) + log_sum_safe
-        lse_full[rows] = z_max.squeeze(-1) + sum_full.log()
-        if entropy is not None:
-            # H(pi_S) = log sum_S e - sum_S e log e / sum_S e, with e = exp(z - z_max); xlogy(0, 0) = 0
-            entropy[rows] = log_sum_safe - torch.special.xlogy(e, e).sum(-1) / sum_safe
+        stats.log_sum_safe[rows] = log_sum_safe
+        stats.log_sum_full[rows] = sum_full.log()
+        if stats.entropy is not None:
+            # H(pi_S) = log sum_S e - sum_S e log e / sum_S e, with e = exp(z - m); xlogy(0, 0) = 0
+            stats.entropy[rows] = log_sum_safe - torch.special.xlogy(e, e).sum(-1) / sum_safe
         if store_sparse:
-            sparse_chunks.append(
-                _SparseChunk(start, kept_per_row, c.to(torch.int32), shifted_kept.sub_(log_sum_safe[r]))
-            )
+            sparse_chunks.append(SparseChunk(rows.start, kept_per_row, c.to(torch.int32), shifted_kept))
         del z, e, dropped
     return sparse_chunks
 
 
 @dataclass
-class _Coefficients:
+class Coefficients:
+    """Per-row backward coefficients (each ``[N]``, stats dtype) and the forward statistics they need.
+
+    ``grad_z = g_lp 1[a=y] - pi_S (c_S + g_H (log pi_S + H)) - c_F pi`` with
+    ``c_S = g_lp 1[y in S] - g_k`` and ``c_F = g_lp 1[y not in S] + g_k`` (``g_k``: the
+    ``log_kept_mass`` gradient); ``g_target_out = g_lp 1[y not in S]`` is the target term of the
+    full-softmax part.
+    """
+
     g_lp: torch.Tensor
     g_ent: torch.Tensor | None
     c_safe: torch.Tensor
     c_full: torch.Tensor
-    lse_safe: torch.Tensor
-    lse_full: torch.Tensor
+    g_target_out: torch.Tensor
+    row_max: torch.Tensor
+    log_sum_safe: torch.Tensor
+    log_sum_full: torch.Tensor
     entropy: torch.Tensor | None
     threshold: torch.Tensor
+    safe_size: torch.Tensor
     targets: torch.Tensor
 
 
 def _sparse_backward(
-    chunk: _SparseChunk,
+    chunk: SparseChunk,
     hidden: torch.Tensor,
     weight: torch.Tensor,
-    coef: _Coefficients,
-    dense_rows: torch.Tensor,
+    coef: Coefficients,
     transform: Transform,
     grads: tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None],
 ) -> None:
+    """Safe-set part of the gradient of a chunk whose ``S`` was stored: two sparse GEMMs."""
     grad_hidden, grad_weight, grad_bias = grads
     n = chunk.counts.shape[0]
     rows = slice(chunk.start, chunk.start + n)
     vocab = weight.shape[0]
     row_of = torch.repeat_interleave(torch.arange(n, device=hidden.device), chunk.counts)
-    keep_row = ~dense_rows[rows]  # dense rows get their gradient from the dense path
-    # -pi_S (c_S + g_H (log pi_S + H)) on S, then + g_lp at the target (which is in S for these rows)
-    c_safe = torch.where(keep_row, coef.c_safe[rows], 0.0)
-    per_entry = c_safe[row_of]
+    log_p = chunk.shifted - coef.log_sum_safe[rows][row_of]  # log pi_S
+    # -pi_S (c_S + g_H (log pi_S + H)) on S, then + g_lp at the target when it is in S
+    per_entry = coef.c_safe[rows][row_of]
     if coef.g_ent is not None:
-        g_ent = torch.where(keep_row, coef.g_ent[rows], 0.0)
-        per_entry = per_entry + g_ent[row_of] * (chunk.log_p + coef.entropy[rows][row_of])
-    vals = chunk.log_p.exp().mul_(per_entry).neg_()
-    g_lp = torch.where(keep_row, coef.g_lp[rows], 0.0)
+        per_entry = per_entry + coef.g_ent[rows][row_of] * (log_p + coef.entropy[rows][row_of])
+    vals = log_p.exp_().mul_(per_entry).neg_()
     is_target = chunk.cols == coef.targets[rows][row_of]
-    vals += torch.where(is_target, g_lp[row_of], 0.0)
-    # The softcap derivative needs the transformed logits at the kept entries: log pi_S + lse_S.
-    z = chunk.log_p + coef.lse_safe[rows][row_of] if transform.softcap is not None else vals
+    vals += torch.where(is_target, coef.g_lp[rows][row_of], 0.0)
+    # The softcap derivative needs the transformed logits at the kept entries: (z - m) + m.
+    z = chunk.shifted + coef.row_max[rows][row_of] if transform.softcap is not None else vals
     vals = transform.backward_(vals, z)
 
     crow = torch.zeros(n + 1, device=hidden.device, dtype=torch.int32)
@@ -331,7 +456,7 @@ def _sparse_backward(
         warnings.filterwarnings("ignore", message=".*[Ss]parse.*")
         if grad_hidden is not None:
             g = torch.sparse_csr_tensor(crow, chunk.cols, vals, size=(n, vocab), check_invariants=False)
-            grad_hidden[rows] = torch.sparse.mm(g, weight)
+            grad_hidden[rows] += torch.sparse.mm(g, weight)
         if grad_weight is not None:
             # G^T as CSR: entries sorted by column (a stable sort keeps rows ascending within a column)
             order = torch.argsort(chunk.cols, stable=True)
@@ -345,24 +470,63 @@ def _sparse_backward(
         grad_bias.index_add_(0, chunk.cols.long(), vals)
 
 
+def accumulate_chunk_grads(
+    grad: torch.Tensor,
+    h: torch.Tensor,
+    weight: torch.Tensor,
+    rows: slice | torch.Tensor,
+    grads: tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None],
+) -> None:
+    """Add a chunk's logits gradient ``grad`` ``[n, V]`` to the input gradients: ``grad @ weight`` into
+    ``grad_hidden[rows]``, ``grad.T @ h`` into the fp32 ``grad_weight`` (rounding each chunk's product to
+    bf16 would bias training), column sums into ``grad_bias``."""
+    grad_hidden, grad_weight, grad_bias = grads
+    if grad_bias is not None:
+        grad_bias += grad.sum(0, dtype=grad_bias.dtype)
+    if grad_hidden is not None:
+        product = grad.to(grad_hidden.dtype) @ weight
+        if isinstance(rows, slice):
+            grad_hidden[rows] += product
+        else:
+            grad_hidden.index_add_(0, rows, product)
+    if grad_weight is not None:
+        if grad.dtype == grad_weight.dtype:
+            grad_weight.addmm_(grad.t(), h.to(grad.dtype))
+        else:
+            from safevocab.kernels.fused import addmm_fp32
+
+            addmm_fp32(grad_weight, grad.t(), h)
+
+
+def _repair_safe_sets(z: torch.Tensor, dropped: torch.Tensor, saved_size: torch.Tensor) -> None:
+    """Make each row of ``dropped`` drop exactly ``V - saved_size`` logits when a recomputation moved a
+    boundary logit across the threshold: keep the ``|S|`` largest logits of such rows instead."""
+    kept = dropped.shape[-1] - dropped.sum(-1)
+    for row in (kept != saved_size).nonzero().squeeze(-1).tolist():
+        size = int(saved_size[row])
+        t = torch.topk(z[row], size, sorted=False).values.amin()
+        torch.lt(z[row], t, out=dropped[row])
+
+
 def _dense_backward(
-    idx: torch.Tensor,
+    chunks: list[slice],
     hidden: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None,
-    coef: _Coefficients,
+    coef: Coefficients,
     transform: Transform,
     chunk_rows: int,
     grads: tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None],
 ) -> None:
-    grad_hidden, grad_weight, grad_bias = grads
-    logits_of = _ChunkLogits(hidden, weight, bias, transform, min(chunk_rows, idx.numel()))
-    for start in range(0, idx.numel(), chunk_rows):
-        rows = idx[start : start + chunk_rows]
-        h = hidden.index_select(0, rows)
+    """The whole gradient of the given forward chunks, recomputing their logits exactly as the forward did."""
+    logits_of = ChunkLogits(hidden, weight, bias, transform, min(chunk_rows, hidden.shape[0]))
+    for rows in chunks:
+        h = hidden[rows]  # the forward's operand: same slice, same layout
         z = logits_of(h)
         dropped = z < coef.threshold[rows].unsqueeze(-1)
-        grad = z - coef.lse_safe[rows].unsqueeze(-1)  # log pi_S on S
+        _repair_safe_sets(z, dropped, coef.safe_size[rows])
+        m = coef.row_max[rows].unsqueeze(-1)
+        grad = (z - m).sub_(coef.log_sum_safe[rows].unsqueeze(-1))  # log pi_S on S
         c_safe = coef.c_safe[rows].unsqueeze(-1)
         if coef.g_ent is not None:
             per_logit = (grad + coef.entropy[rows].unsqueeze(-1)).mul_(coef.g_ent[rows].unsqueeze(-1))
@@ -373,19 +537,37 @@ def _dense_backward(
             grad.exp_().masked_fill_(dropped, 0.0).mul_(c_safe.neg())
         c_full = coef.c_full[rows]
         if bool((c_full != 0).any()):
-            p_full = (z - coef.lse_full[rows].unsqueeze(-1)).exp_()
+            p_full = (z - m).sub_(coef.log_sum_full[rows].unsqueeze(-1)).exp_()
             grad.sub_(p_full.mul_(c_full.unsqueeze(-1)))
             del p_full
         grad.scatter_add_(-1, coef.targets[rows].unsqueeze(-1), coef.g_lp[rows].unsqueeze(-1))
         grad = transform.backward_(grad, z)
         del z, dropped
-        if grad_bias is not None:
-            grad_bias += grad.sum(0)
-        g_in = grad.to(hidden.dtype)
-        if grad_hidden is not None:
-            grad_hidden.index_copy_(0, rows, g_in @ weight)
-        if grad_weight is not None:
-            # fp32 accumulation across chunks (rounding each chunk's product to bf16 biases training)
-            grad_weight.addmm_(grad.t(), h.to(grad.dtype))
-        del grad, g_in
+        accumulate_chunk_grads(grad, h, weight, rows, grads)
+        del grad
 
+
+def _full_softmax_backward(
+    idx: torch.Tensor,
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    coef: Coefficients,
+    transform: Transform,
+    chunk_rows: int,
+    grads: tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None],
+) -> None:
+    """``-c_F pi + g_lp 1[a=y not in S]`` for the rows ``idx`` (their safe-set part comes from the sparse
+    path). Independent of ``S``, so the recomputed logits need not be bit-identical to the forward's."""
+    logits_of = ChunkLogits(hidden, weight, bias, transform, min(chunk_rows, idx.numel()))
+    for start in range(0, idx.numel(), chunk_rows):
+        rows = idx[start : start + chunk_rows]
+        h = hidden.index_select(0, rows)
+        z = logits_of(h)
+        grad = (z - coef.row_max[rows].unsqueeze(-1)).sub_(coef.log_sum_full[rows].unsqueeze(-1)).exp_()
+        grad.mul_(coef.c_full[rows].neg().unsqueeze(-1))
+        grad.scatter_add_(-1, coef.targets[rows].unsqueeze(-1), coef.g_target_out[rows].unsqueeze(-1))
+        grad = transform.backward_(grad, z)
+        del z
+        accumulate_chunk_grads(grad, h, weight, rows, grads)
+        del grad

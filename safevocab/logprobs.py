@@ -12,6 +12,17 @@ Both entry points compute, per position with target ``y`` and safe set ``S`` (se
 ``S`` is a selection and is not differentiated: ``d log pi_S(y) / d z_a = 1[a=y] - pi_S(a) 1[a in S]``.
 Logits are transformed as the sampler does, in this order: ``logit_scale``, softcap
 ``c * tanh(z / c)``, division by ``temperature``. Statistics are kept in fp32 for any input dtype.
+
+Arithmetic is max-shifted everywhere: with ``m = max_a z_a``,
+``log pi_S(y) = (z_y - m) - log sum_{a in S} exp(z_a - m)``, so tied logits at ``temperature=1e-7``
+still give ``-log 3`` (forming ``m + log sum`` first would round the ``log 3`` away).
+
+Non-finite input: ``-inf`` logits (and ``-inf`` bias entries) are allowed: such a token has
+probability 0 and is never in ``S``, with or without softcap. A NaN or ``+inf`` logit, a row whose
+every logit is ``-inf``, NaN/inf in ``hidden`` or ``weight``, NaN/``+inf`` in ``bias``, and a
+temperature or GEMM that overflows raise a one-line ``ValueError`` naming the argument. Cheap checks
+(``bias``, the scalars) run before any work; the others are read off the row statistics the op
+computes anyway (a non-finite row maximum or ``log sum_V exp(z - m)``), so they cost no extra pass.
 """
 
 from __future__ import annotations
@@ -25,6 +36,7 @@ import torch
 
 from safevocab._chunked import FusedSafeLogProbs, Transform, chunk_rows_for
 from safevocab.rules import SafeVocabRule, parse_rule, stat_float
+from safevocab.validation import integer, real
 
 __all__ = [
     "SafeLogProbs",
@@ -63,17 +75,14 @@ class SafeLogProbs:
 # Validation shared by both entry points: every check runs before any work (DESIGN §6).
 
 
-def _check_transform(temperature: float, softcap: float | None, logit_scale: float) -> None:
-    if not _is_positive_real(temperature):
-        raise ValueError(f"temperature={temperature!r} is out of range: accepted a finite temperature > 0")
-    if softcap is not None and not _is_positive_real(softcap):
-        raise ValueError(f"softcap={softcap!r} is out of range: accepted None or a finite softcap > 0")
-    if not _is_positive_real(logit_scale):
-        raise ValueError(f"logit_scale={logit_scale!r} is out of range: accepted a finite logit_scale > 0")
-
-
-def _is_positive_real(x: object) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x > 0
+def _check_transform(temperature: object, softcap: object, logit_scale: object) -> tuple[float, float | None, float]:
+    """The transform's scalars as Python floats (any real scalar type accepted); raises on bad ones."""
+    positive = "a finite {} > 0"
+    return (
+        real("temperature", temperature, lambda x: x > 0, positive.format("temperature")),
+        None if softcap is None else real("softcap", softcap, lambda x: x > 0, "None or " + positive.format("softcap")),
+        real("logit_scale", logit_scale, lambda x: x > 0, positive.format("logit_scale")),
+    )
 
 
 def _check_targets(targets: torch.Tensor, expected_shape: torch.Size, vocab_size: int, shape_name: str) -> None:
@@ -92,11 +101,43 @@ def _check_targets(targets: torch.Tensor, expected_shape: torch.Size, vocab_size
             raise ValueError(f"targets contain token id {bad}: accepted 0 <= id < vocab_size={vocab_size}")
 
 
-def _check_float(name: str, x: torch.Tensor) -> None:
+def _check_float(name: str, x: object) -> None:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
     if not x.is_floating_point():
         raise TypeError(f"{name}.dtype={x.dtype} is not accepted: accepted float32, bfloat16, float16 or float64")
+
+
+def _check_bias_values(bias: torch.Tensor) -> None:
+    """``-inf`` entries are allowed (tokens of probability 0); NaN and ``+inf`` are not. ``[V]``: cheap."""
+    bad = torch.isnan(bias) | (bias == math.inf)
+    if bool(bad.any()):
+        index = int(bad.nonzero()[0])
+        raise ValueError(
+            f"bias has value {bias[index].item()!r} at token {index}: accepted finite values or -inf (a banned token)"
+        )
+
+
+def _raise_on_non_finite_logits(logits: torch.Tensor, z: torch.Tensor, row_max: torch.Tensor, log_sum: torch.Tensor,
+                                temperature: float, logit_scale: float) -> None:
+    """One-line ``ValueError`` naming the argument when a row of transformed logits has no finite
+    ``log softmax``: read off the row statistics (``[...]``), so the common case costs no extra pass."""
+    bad = ~(torch.isfinite(row_max) & torch.isfinite(log_sum))
+    if not bool(bad.any()):
+        return
+    index = tuple(int(i) for i in bad.nonzero()[0])
+    raw, row = logits[index], z[index]
+    where = f"at row {index if len(index) > 1 else index[0]}"
+    if bool(torch.isnan(raw).any()):
+        raise ValueError(f"logits has a NaN {where}: accepted finite logits or -inf")
+    if bool((raw == math.inf).any()):
+        raise ValueError(f"logits has +inf {where}: accepted finite logits or -inf")
+    if not bool((raw != -math.inf).any()):
+        raise ValueError(f"logits is -inf for every token {where}: no token has a probability > 0")
+    raise ValueError(
+        f"temperature={temperature!r} with logit_scale={logit_scale!r} makes the logits overflow {row.dtype} {where} "
+        f"(max |logit| {float(raw[torch.isfinite(raw)].abs().max()):.4g}); accepted a larger temperature"
+    )
 
 
 def _as_rule(rule: SafeVocabRule | str | None) -> SafeVocabRule:
@@ -119,14 +160,17 @@ def transform_logits(
         logit_scale: multiplier applied first (> 0), e.g. Cohere/Granite ``logit_scale``.
 
     Returns:
-        fp32 transformed logits ``[..., V]`` (fp64 for fp64 input; differentiable).
+        fp32 transformed logits ``[..., V]`` (fp64 for fp64 input; differentiable). ``-inf`` stays
+        ``-inf`` through the softcap.
     """
-    _check_transform(temperature, softcap, logit_scale)
+    _check_float("logits", logits)
+    temperature, softcap, logit_scale = _check_transform(temperature, softcap, logit_scale)
     z = stat_float(logits)
     if logit_scale != 1.0:
         z = z * logit_scale
     if softcap is not None:
-        z = softcap * torch.tanh(z / softcap)
+        # c * tanh(-inf / c) = -c would give a banned token a probability: keep it -inf
+        z = torch.where(z == -math.inf, z, softcap * torch.tanh(z / softcap))
     if temperature != 1.0:
         z = z / temperature
     return z
@@ -162,24 +206,28 @@ def safe_log_softmax(
         ``entropy`` are differentiable with respect to ``logits``.
     """
     _check_float("logits", logits)
-    if logits.dim() < 1:
-        raise ValueError("logits must have at least one dimension [..., V]")
+    if logits.dim() < 1 or logits.shape[-1] == 0:
+        raise ValueError(f"logits.shape={tuple(logits.shape)}: expected [..., V] with a vocabulary size V >= 1")
     _check_targets(targets, logits.shape[:-1], logits.shape[-1], "logits.shape[:-1]")
-    _check_transform(temperature, softcap, logit_scale)
+    temperature, softcap, logit_scale = _check_transform(temperature, softcap, logit_scale)
     rule = _as_rule(rule)
 
     z = transform_logits(logits, temperature, softcap, logit_scale)
-    keep = z >= rule.threshold(z.detach())  # S is a selection: no gradient flows through it
+    threshold, row_max = rule.threshold_and_max(z.detach())  # S is a selection: no gradient flows through it
+    keep = z >= threshold
+    # Max-shifted: (z - m) keeps full precision where m + log(sum) would round log(sum) away. m is a
+    # constant shift (detached), which leaves every log-softmax value and gradient unchanged.
+    shifted = z - row_max
+    lse_full = torch.logsumexp(shifted, dim=-1)
+    _raise_on_non_finite_logits(logits, z, row_max.squeeze(-1), lse_full, temperature, logit_scale)
     idx = targets.long().unsqueeze(-1)
-    z_y = z.gather(-1, idx).squeeze(-1)
+    shifted_y = shifted.gather(-1, idx).squeeze(-1)
     in_safe = keep.gather(-1, idx).squeeze(-1)
-    lse_full = torch.logsumexp(z, dim=-1)
-    z_safe = z.masked_fill(~keep, -math.inf)
-    lse_safe = torch.logsumexp(z_safe, dim=-1)
-    logprobs = torch.where(in_safe, z_y - lse_safe, z_y - lse_full)
+    lse_safe = torch.logsumexp(shifted.masked_fill(~keep, -math.inf), dim=-1)
+    logprobs = torch.where(in_safe, shifted_y - lse_safe, shifted_y - lse_full)
     entropy = None
     if compute_entropy:
-        log_p_safe = (z - lse_safe.unsqueeze(-1)).masked_fill(~keep, 0.0)  # 0 outside S: no 0 * -inf
+        log_p_safe = (shifted - lse_safe.unsqueeze(-1)).masked_fill(~keep, 0.0)  # 0 outside S: no 0 * -inf
         entropy = -(log_p_safe.exp().masked_fill(~keep, 0.0) * log_p_safe).sum(-1)
     return SafeLogProbs(
         logprobs=logprobs,
@@ -251,8 +299,8 @@ def fused_safe_logprobs(
         )
     _check_float("hidden", hidden)
     _check_float("weight", weight)
-    if weight.dim() != 2:
-        raise ValueError(f"weight.shape={tuple(weight.shape)}: expected [V, H]")
+    if weight.dim() != 2 or weight.shape[0] == 0 or weight.shape[1] == 0:
+        raise ValueError(f"weight.shape={tuple(weight.shape)}: expected [V, H] with V >= 1 and H >= 1")
     if hidden.dim() < 1 or hidden.shape[-1] != weight.shape[1]:
         raise ValueError(
             f"hidden.shape={tuple(hidden.shape)} does not match weight.shape={tuple(weight.shape)}: "
@@ -267,10 +315,10 @@ def fused_safe_logprobs(
         _check_float("bias", bias)
         if bias.shape != (vocab,):
             raise ValueError(f"bias.shape={tuple(bias.shape)}: expected [V]=({vocab},)")
+        _check_bias_values(bias)
     _check_targets(targets, hidden.shape[:-1], vocab, "hidden.shape[:-1]")
-    _check_transform(temperature, softcap, logit_scale)
-    if not isinstance(max_chunk_bytes, int) or isinstance(max_chunk_bytes, bool) or max_chunk_bytes <= 0:
-        raise ValueError(f"max_chunk_bytes={max_chunk_bytes!r} is out of range: accepted an integer > 0")
+    temperature, softcap, logit_scale = _check_transform(temperature, softcap, logit_scale)
+    max_chunk_bytes = integer("max_chunk_bytes", max_chunk_bytes, lambda x: x > 0, "an integer > 0")
     if backend not in _BACKENDS:
         raise ValueError(f"backend={backend!r} is not accepted: accepted one of {_BACKENDS}")
     # backend hook: "auto"/"triton" -> "torch" or "triton"; raises on an unusable "triton"
@@ -284,7 +332,7 @@ def fused_safe_logprobs(
     flat_targets = targets.reshape(-1).long()
     if bias is not None:
         bias = bias.to(hidden.dtype)
-    transform = Transform(float(temperature), None if softcap is None else float(softcap), float(logit_scale))
+    transform = Transform(temperature, softcap, logit_scale)
     rows_for = triton_chunk_rows if backend == "triton" else chunk_rows_for  # the kernels need less scratch
     chunk_rows = rows_for(hidden2d.shape[0], vocab, rule, hidden.element_size(), max_chunk_bytes)
     logprobs, log_kept, entropy, in_safe, safe_size = FusedSafeLogProbs.apply(

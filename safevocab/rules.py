@@ -28,6 +28,8 @@ from typing import ClassVar
 
 import torch
 
+from safevocab.validation import integer, real
+
 __all__ = [
     "SafeVocabRule",
     "NoPruning",
@@ -38,11 +40,18 @@ __all__ = [
     "Intersection",
     "parse_rule",
     "RULE_KEYS",
+    "finite_floor",
 ]
 
-# A finite floor for thresholds: ``z >= t`` then never keeps a ``-inf`` logit (probability 0), so the
-# safe-set size counts only tokens the sampler could actually draw.
-_FINITE_FLOOR = torch.finfo(torch.float32).min
+
+def finite_floor(dtype: torch.dtype) -> float:
+    """The floor of every threshold: the most negative finite number of the statistics dtype.
+
+    ``z >= t`` with a finite ``t`` never keeps a ``-inf`` logit (probability 0), so the safe-set size
+    counts only tokens the sampler could actually draw. fp64 statistics get fp64's floor, so rows far
+    below fp32's range still keep their argmax.
+    """
+    return torch.finfo(torch.float64 if dtype == torch.float64 else torch.float32).min
 
 
 class SafeVocabRule(ABC):
@@ -74,8 +83,9 @@ class SafeVocabRule(ABC):
             z: transformed logits ``[..., V]`` (any float dtype; compared in fp32, or fp64 for fp64). ``-inf`` entries are
                 allowed and never kept. Each row needs at least one finite entry.
 
-        The threshold is never above the row maximum, so the argmax is always kept, and never below
-        the smallest finite fp32 number, so ``-inf`` logits are never kept.
+        The threshold is never above the row maximum, so the argmax is always kept, and, for rows
+        with a finite maximum, never below the most negative finite number of the statistics dtype
+        (:func:`finite_floor`), so ``-inf`` logits are never kept.
         """
         return self.threshold_and_max(z)[0]
 
@@ -85,7 +95,8 @@ class SafeVocabRule(ABC):
         z = stat_float(z)
         z_max = z.amax(dim=-1, keepdim=True)
         t = self._raw_threshold(z, z_max)
-        return torch.minimum(t, z_max).clamp_min(_FINITE_FLOOR), z_max
+        # Floor first, then cap: a row whose every logit lies below the floor still keeps its argmax.
+        return torch.minimum(t.clamp_min(finite_floor(z.dtype)), z_max), z_max
 
     @torch.no_grad()
     def keep_mask(self, z: torch.Tensor) -> torch.Tensor:
@@ -136,11 +147,6 @@ class NoPruning(SafeVocabRule):
         return "none"
 
 
-def _check_range(name: str, value: object, ok: bool, accepted: str) -> None:
-    if not ok:
-        raise ValueError(f"{name}={value!r} is out of range: accepted {accepted}")
-
-
 @dataclass(frozen=True)
 class MinP(SafeVocabRule):
     """Keep tokens with ``p_a >= rho * p_max``, i.e. ``z_a >= z_max + log(rho)``. ``0 < rho <= 1``.
@@ -152,7 +158,7 @@ class MinP(SafeVocabRule):
     key: ClassVar[str] = "min_p"
 
     def __post_init__(self) -> None:
-        _check_range("min_p", self.rho, _is_real(self.rho) and 0.0 < self.rho <= 1.0, "0 < min_p <= 1")
+        object.__setattr__(self, "rho", real("min_p", self.rho, lambda x: 0.0 < x <= 1.0, "0 < min_p <= 1"))
 
     @property
     def value(self) -> float:
@@ -170,7 +176,7 @@ class MinProb(SafeVocabRule):
     key: ClassVar[str] = "min_prob"
 
     def __post_init__(self) -> None:
-        _check_range("min_prob", self.tau, _is_real(self.tau) and 0.0 < self.tau < 1.0, "0 < min_prob < 1")
+        object.__setattr__(self, "tau", real("min_prob", self.tau, lambda x: 0.0 < x < 1.0, "0 < min_prob < 1"))
 
     @property
     def value(self) -> float:
@@ -192,8 +198,7 @@ class TopK(SafeVocabRule):
     key: ClassVar[str] = "top_k"
 
     def __post_init__(self) -> None:
-        ok = isinstance(self.k, int) and not isinstance(self.k, bool) and self.k >= 1
-        _check_range("top_k", self.k, ok, "an integer top_k >= 1")
+        object.__setattr__(self, "k", integer("top_k", self.k, lambda k: k >= 1, "an integer top_k >= 1"))
 
     @property
     def value(self) -> int:
@@ -210,7 +215,7 @@ class TopP(SafeVocabRule):
     """Keep the smallest highest-probability set of mass ``>= q`` (nucleus). ``0 < q <= 1``.
 
     Follows HF ``TopPLogitsWarper``/vLLM ``top_p``: a token is removed when the mass of the tokens at or
-    below it (ascending order) is ``<= 1 - q``. Tokens tied with the last kept one are all kept (the
+    below it (ascending order) is ``<= 1 - q``; ``q = 1`` keeps every token (no truncation). Tokens tied with the last kept one are all kept (the
     samplers break such ties by sort order instead; ties do not occur on continuous logits).
     Needs a full sort of each row: the most expensive rule.
     """
@@ -221,13 +226,17 @@ class TopP(SafeVocabRule):
     scratch_bytes_per_logit: ClassVar[int] = 16
 
     def __post_init__(self) -> None:
-        _check_range("top_p", self.q, _is_real(self.q) and 0.0 < self.q <= 1.0, "0 < top_p <= 1")
+        object.__setattr__(self, "q", real("top_p", self.q, lambda x: 0.0 < x <= 1.0, "0 < top_p <= 1"))
 
     @property
     def value(self) -> float:
         return float(self.q)
 
     def _raw_threshold(self, z: torch.Tensor, z_max: torch.Tensor) -> torch.Tensor:
+        if self.q >= 1.0:
+            # top_p=1 is "no truncation" for HF and vLLM: keep every token, also those whose probability
+            # underflows to 0 in the cumulative sum below.
+            return torch.full_like(z_max, -math.inf)
         sorted_z = torch.sort(z, dim=-1).values  # ascending
         cum = torch.softmax(sorted_z, dim=-1).cumsum_(dim=-1)
         n_removed = (cum <= 1.0 - self.q).sum(dim=-1, keepdim=True)
@@ -288,10 +297,6 @@ class Intersection(SafeVocabRule):
 def stat_float(x: torch.Tensor) -> torch.Tensor:
     """``x`` in the dtype statistics are kept in: fp32, or fp64 for fp64 inputs (for gradcheck)."""
     return x if x.dtype == torch.float64 else x.float()
-
-
-def _is_real(x: object) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
 def parse_rule(spec: str | SafeVocabRule | None) -> SafeVocabRule:

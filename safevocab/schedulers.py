@@ -22,15 +22,15 @@ from typing import Any
 import torch
 from torch.optim.lr_scheduler import LRScheduler
 
+from safevocab.validation import integer, real
+
 __all__ = ["LengthDecayLR", "SurgeDetector"]
 
 _STARTS = ("on_surge", "step0")
 
 
 def _check_period(decay_period: object, name: str = "decay_period") -> int:
-    if not isinstance(decay_period, int) or isinstance(decay_period, bool) or decay_period < 1:
-        raise ValueError(f"{name}={decay_period!r} is out of range: accepted an integer >= 1")
-    return decay_period
+    return integer(name, decay_period, lambda x: x >= 1, "an integer >= 1")
 
 
 class LengthDecayLR(LRScheduler):
@@ -69,8 +69,7 @@ class LengthDecayLR(LRScheduler):
         auto_period: bool = False,
     ) -> None:
         self.decay_period = _check_period(decay_period)
-        if not isinstance(min_lr_ratio, (int, float)) or isinstance(min_lr_ratio, bool) or not 0.0 <= min_lr_ratio <= 1.0:
-            raise ValueError(f"min_lr_ratio={min_lr_ratio!r} is out of range: accepted 0 <= min_lr_ratio <= 1")
+        min_lr_ratio = real("min_lr_ratio", min_lr_ratio, lambda x: 0.0 <= x <= 1.0, "0 <= min_lr_ratio <= 1")
         if start not in _STARTS:
             raise ValueError(f"start={start!r} is not accepted: accepted one of {_STARTS}")
         self.min_lr_ratio = float(min_lr_ratio)
@@ -175,16 +174,13 @@ class SurgeDetector:
         warmup: int = 20,
         factor: float = 1.8,
     ) -> None:
-        _check_period(window, "window")
-        _check_period(baseline_window, "baseline_window")
-        if not isinstance(ratio, (int, float)) or isinstance(ratio, bool) or not ratio > 1.0 or not math.isfinite(ratio):
-            raise ValueError(f"ratio={ratio!r} is out of range: accepted a finite ratio > 1")
-        if not isinstance(warmup, int) or isinstance(warmup, bool) or warmup < 0:
-            raise ValueError(f"warmup={warmup!r} is out of range: accepted an integer >= 0")
-        if not isinstance(factor, (int, float)) or isinstance(factor, bool) or not factor > 0 or not math.isfinite(factor):
-            raise ValueError(f"factor={factor!r} is out of range: accepted a finite factor > 0")
+        window = _check_period(window, "window")
+        baseline_window = _check_period(baseline_window, "baseline_window")
+        ratio = real("ratio", ratio, lambda x: x > 1.0, "a finite ratio > 1")
+        warmup = integer("warmup", warmup, lambda x: x >= 0, "an integer >= 0")
+        factor = real("factor", factor, lambda x: x > 0, "a finite factor > 0")
         self.window, self.baseline_window = window, baseline_window
-        self.ratio, self.warmup, self.factor = float(ratio), warmup, float(factor)
+        self.ratio, self.warmup, self.factor = ratio, warmup, factor
         self.history: deque[tuple[int, float]] = deque(maxlen=window + baseline_window)
         self.n_updates = 0
         self.surge_step: int | None = None
@@ -203,15 +199,20 @@ class SurgeDetector:
     def update(self, step: int, mean_length: float) -> bool:
         """Record the mean response length at ``step``; ``True`` exactly once, when the surge is detected.
 
-        Non-finite lengths (a step with no completions) are ignored.
+        Args:
+            step: the optimizer step, an integer (Python, numpy or a 0-dim tensor).
+            mean_length: the mean completion length, a real number of any kind (``np.float32``, a 0-dim
+                tensor, ...). NaN or infinite lengths (a step with no completions) are ignored.
+
+        Raises:
+            TypeError: ``step`` is not an integer or ``mean_length`` not a real number (a string, ``None``).
+            ValueError: ``step < 0`` or ``mean_length < 0``.
         """
-        if self.detected:
+        step = integer("step", step, lambda x: x >= 0, "an integer step >= 0")
+        mean_length = real("mean_length", mean_length, lambda x: x >= 0 or math.isnan(x), "a length >= 0", finite=False)
+        if self.detected or not math.isfinite(mean_length):
             return False
-        if not isinstance(mean_length, (int, float)) or not math.isfinite(mean_length):
-            return False
-        if mean_length < 0:
-            raise ValueError(f"mean_length={mean_length!r} is out of range: accepted a length >= 0")
-        self.history.append((int(step), float(mean_length)))
+        self.history.append((step, mean_length))
         self.n_updates += 1
         if self.n_updates < max(self.warmup, self.window + self.baseline_window):
             return False

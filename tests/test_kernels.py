@@ -336,29 +336,32 @@ def test_forward_fold_kernel_against_definitions(rule, mode, store_z, softcap, m
     targets = torch.randint(0, 150, (9,), generator=g).to(DEVICE)
     scale, temperature = 1.5, 0.9
     z = raw * scale
-    z = (softcap * torch.tanh(z / softcap) if softcap else z) / temperature
+    z = (torch.where(z == -math.inf, z, softcap * torch.tanh(z / softcap)) if softcap else z) / temperature
     parsed = parse_rule(rule)
     assert kernels.kernel_threshold(parsed)[0] == mode
-    outs = {k: torch.empty(9, device=DEVICE) for k in ("threshold", "target_logit", "lse_safe", "lse_full", "entropy")}
+    names = ("threshold", "row_max", "target_shift", "log_sum_safe", "log_sum_full", "entropy")
+    outs = {k: torch.empty(9, device=DEVICE) for k in names}
     in_safe = torch.empty(9, dtype=torch.bool, device=DEVICE)
     safe_size = torch.empty(9, dtype=torch.int64, device=DEVICE)
     chunk = raw.clone()
     forward_fold.forward_fold(
-        chunk, targets, outs["threshold"], None, outs["target_logit"], outs["lse_safe"], outs["lse_full"],
-        outs["entropy"], in_safe, safe_size, mode=mode, log_param=kernels.kernel_threshold(parsed)[1],
-        scale=scale, softcap=softcap, temperature=temperature, store_z=store_z,
+        chunk, targets, outs["threshold"], outs["row_max"], outs["target_shift"], outs["log_sum_safe"],
+        outs["log_sum_full"], outs["entropy"], in_safe, safe_size, mode=mode,
+        log_param=kernels.kernel_threshold(parsed)[1], scale=scale, softcap=softcap, temperature=temperature,
+        store_z=store_z,
     )
     torch.testing.assert_close(chunk, z if store_z else raw, atol=1e-5, rtol=1e-5, equal_nan=True)
     t = parsed.threshold(z).squeeze(-1)
     torch.testing.assert_close(outs["threshold"], t, atol=1e-5, rtol=1e-5)
     keep = z >= outs["threshold"].unsqueeze(-1)
     assert torch.equal(safe_size, keep.sum(-1))
-    if softcap is None:  # softcap maps -inf to the finite -softcap / temperature
-        assert not keep[:, 10:40].any()
-    torch.testing.assert_close(outs["lse_full"], torch.logsumexp(z, -1))
-    torch.testing.assert_close(outs["lse_safe"], torch.logsumexp(z.masked_fill(~keep, -math.inf), -1))
+    assert not keep[:, 10:40].any()  # -inf logits are never kept, with or without softcap
+    m = z.amax(-1)
+    torch.testing.assert_close(outs["row_max"], m)
+    torch.testing.assert_close(outs["log_sum_full"], torch.logsumexp(z - m[:, None], -1))
+    torch.testing.assert_close(outs["log_sum_safe"], torch.logsumexp((z - m[:, None]).masked_fill(~keep, -math.inf), -1))
     z_y = z.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-    torch.testing.assert_close(outs["target_logit"], z_y)
+    torch.testing.assert_close(outs["target_shift"], z_y - m)
     assert torch.equal(in_safe, keep.gather(-1, targets.unsqueeze(-1)).squeeze(-1))
     p_s = torch.softmax(z.masked_fill(~keep, -math.inf), -1)
     entropy = -(p_s * p_s.clamp_min(1e-30).log()).sum(-1)
@@ -439,3 +442,38 @@ print("ok")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-2000:]
+
+
+# ---------------------------------------------------------------------------------------------- independent reference
+
+from hypothesis import HealthCheck  # noqa: E402
+from test_reference_fuzz import check_fused, fuzz_settings, head_inputs, rule_parts, transforms  # noqa: E402
+
+#: Examples of the Triton property in the default run (the interpreter is ~50x slower than torch on CPU).
+TRITON_EXAMPLES = int(os.environ.get("SAFEVOCAB_FUZZ_EXAMPLES_TRITON", "2000"))
+
+
+def _triton_property(inputs, data, max_chunk_bytes, dense):
+    parts = data.draw(rule_parts(inputs["weight"].shape[0]))
+    transform = data.draw(transforms(inputs["exact"]))
+    check_fused(inputs, parts, transform, max_chunk_bytes, dense, backend="triton", device=DEVICE.type)
+
+
+triton_cases = dict(
+    inputs=head_inputs(), data=st.data(), max_chunk_bytes=st.one_of(st.integers(1, 4096), st.just(64 * 2**20)),
+    dense=st.booleans(),
+)
+
+
+@settings(fuzz_settings(TRITON_EXAMPLES), suppress_health_check=list(HealthCheck))
+@given(**triton_cases)
+def test_triton_matches_reference(inputs, data, max_chunk_bytes, dense):
+    """The Triton backend against the float64 reference (``tests/safevocab_reference.py``)."""
+    _triton_property(inputs, data, max_chunk_bytes, dense)
+
+
+@slow
+@settings(fuzz_settings(int(os.environ.get("SAFEVOCAB_FUZZ_EXAMPLES_SLOW", "20000"))), suppress_health_check=list(HealthCheck))
+@given(**triton_cases)
+def test_triton_matches_reference_20k(inputs, data, max_chunk_bytes, dense):
+    _triton_property(inputs, data, max_chunk_bytes, dense)

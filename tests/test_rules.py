@@ -74,9 +74,15 @@ def test_bad_specs_raise_value_error_naming_the_problem(spec, fragment):
     assert fragment in str(err.value)
 
 
-@pytest.mark.parametrize("bad", [lambda: MinP(-0.1), lambda: TopK(0), lambda: TopK(True), lambda: TopP(1.01), lambda: MinProb(0.0)])
+@pytest.mark.parametrize("bad", [lambda: MinP(-0.1), lambda: TopK(0), lambda: TopP(1.01), lambda: MinProb(0.0)])
 def test_constructors_validate(bad):
     with pytest.raises(ValueError):
+        bad()
+
+
+@pytest.mark.parametrize("bad", [lambda: TopK(True), lambda: TopK(2.0), lambda: MinP("0.1"), lambda: TopP(None)])
+def test_constructors_refuse_wrong_types(bad):
+    with pytest.raises(TypeError):
         bad()
 
 

@@ -106,13 +106,26 @@ def test_gradient_accumulation_steps_once_per_optimizer_step():
     "kwargs, fragment",
     [
         ({"decay_period": 0}, "decay_period=0"),
-        ({"decay_period": 2.5}, "decay_period=2.5"),
         ({"decay_period": 5, "min_lr_ratio": 1.5}, "min_lr_ratio=1.5"),
         ({"decay_period": 5, "start": "later"}, "start='later'"),
     ],
 )
 def test_scheduler_bad_arguments(kwargs, fragment):
     with pytest.raises(ValueError) as err:
+        LengthDecayLR(make_optimizer(), **kwargs)
+    assert fragment in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "kwargs, fragment",
+    [
+        ({"decay_period": 2.5}, "decay_period must be an integer, got float"),
+        ({"decay_period": "5"}, "decay_period must be an integer, got str"),
+        ({"decay_period": 5, "min_lr_ratio": None}, "min_lr_ratio must be a real number, got NoneType"),
+    ],
+)
+def test_scheduler_wrong_types(kwargs, fragment):
+    with pytest.raises(TypeError) as err:
         LengthDecayLR(make_optimizer(), **kwargs)
     assert fragment in str(err.value)
 

@@ -11,9 +11,6 @@ import triton.language as tl
 
 from safevocab.kernels import interpreter_on
 
-#: The smallest finite fp32 number: thresholds never go below it, so ``-inf`` logits are never kept
-#: (``safevocab.rules._FINITE_FLOOR``).
-FINITE_FLOOR = -3.4028234663852886e38
 #: Whether these helpers were defined under Triton's interpreter (``TRITON_INTERPRET=1`` at import).
 INTERPRETED = interpreter_on()
 
@@ -31,12 +28,13 @@ def transform(z, scale, softcap, temperature, HAS_SCALE: tl.constexpr, HAS_SOFTC
 
     Same operations, in the same order, as ``safevocab._chunked.Transform.apply_``; the identity steps
     are compiled out. The scalars are cast to ``z``'s dtype (a caller may pass fp64 Python floats).
+    ``-inf`` stays ``-inf`` through the softcap (a token of probability 0 never enters ``S``).
     """
     if HAS_SCALE:
         z = z * tl.cast(scale, z.dtype)
     if HAS_SOFTCAP:
         c = tl.cast(softcap, z.dtype)
-        z = tanh(z / c) * c
+        z = tl.where(z == float("-inf"), z, tanh(z / c) * c)
     if HAS_TEMPERATURE:
         z = z / tl.cast(temperature, z.dtype)
     return z

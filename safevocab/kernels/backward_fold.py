@@ -1,13 +1,14 @@
 """Backward fold: a recomputed ``[rows, V]`` logits chunk -> the logits gradient, written in place.
 
-Per row, with the forward's threshold ``t``, ``lse_S``, ``lse_V``, entropy ``H`` and the per-row
-coefficients of :class:`safevocab._chunked._Coefficients` (``c_S = g_lp 1[y in S] - g_k``,
-``c_F = g_lp 1[y not in S] + g_k``)::
+Per row, with the forward's threshold ``t``, row maximum ``m``, ``log sum_S exp(z - m)``,
+``log sum_V exp(z - m)``, entropy ``H`` and the per-row coefficients of
+:class:`safevocab._chunked.Coefficients` (``c_S = g_lp 1[y in S] - g_k``, ``c_F = g_lp 1[y not in S] + g_k``)::
 
     grad_z = g_lp 1[a=y] - pi_S (c_S + g_H (log pi_S + H)) - c_F pi
 
+with ``log pi_S = (z - m) - log sum_S exp(z - m)`` (max-shifted, as the forward),
 then the transform's chain rule: times the softcap derivative ``1 - tanh^2`` (``tanh`` recovered from
-``z`` as ``z * temperature / softcap``) and ``logit_scale / temperature``. The same operations in the
+``z`` as ``z * temperature / softcap``, ``tanh^2`` clamped to 1 so ``-inf`` logits get 0) and ``logit_scale / temperature``. The same operations in the
 same order as ``safevocab._chunked._dense_backward``, in fp32 (fp64 for fp64 inputs), for bf16/fp16/fp32
 chunks. Grid ``(rows, column blocks)``: every program reads and writes its own block only.
 """
@@ -35,8 +36,9 @@ def _backward_fold_kernel(
     out_stride,
     targets_ptr,
     threshold_ptr,
-    lse_safe_ptr,
-    lse_full_ptr,
+    row_max_ptr,
+    log_sum_safe_ptr,
+    log_sum_full_ptr,
     c_safe_ptr,
     c_full_ptr,
     g_lp_ptr,
@@ -59,12 +61,13 @@ def _backward_fold_kernel(
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n_cols
-    acc = lse_safe_ptr.dtype.element_ty  # fp32, or fp64 for fp64 inputs
+    acc = log_sum_safe_ptr.dtype.element_ty  # fp32, or fp64 for fp64 inputs
 
     z = tl.load(z_ptr + row * z_stride + offs, mask=mask, other=0.0).to(acc)
     z = transform(z, scale, softcap, temperature, HAS_SCALE, HAS_SOFTCAP, HAS_TEMPERATURE)
     dropped = z < tl.load(threshold_ptr + row)
-    log_p = tl.where(dropped, 0.0, z - tl.load(lse_safe_ptr + row))  # log pi_S on S; 0 off S (no -inf * 0)
+    z_shift = z - tl.load(row_max_ptr + row)
+    log_p = tl.where(dropped, 0.0, z_shift - tl.load(log_sum_safe_ptr + row))  # log pi_S on S; 0 off S (no -inf * 0)
     c_safe = tl.load(c_safe_ptr + row)
     p_safe = tl.where(dropped, 0.0, tl.exp(log_p))
     if HAS_ENTROPY_GRAD:
@@ -75,11 +78,11 @@ def _backward_fold_kernel(
         grad = p_safe * (-c_safe)
     c_full = tl.load(c_full_ptr + row)
     if c_full != 0:
-        grad = grad - tl.exp(z - tl.load(lse_full_ptr + row)) * c_full
+        grad = grad - tl.exp(z_shift - tl.load(log_sum_full_ptr + row)) * c_full
     grad = grad + tl.where(offs == tl.load(targets_ptr + row), tl.load(g_lp_ptr + row), 0.0)
     if SOFTCAP_GRAD:
         tanh_z = z * tl.cast(tanh_of_z, acc)
-        grad = grad * (1.0 - tanh_z * tanh_z)
+        grad = grad * (1.0 - tl.minimum(tanh_z * tanh_z, 1.0))
     if SCALE_GRAD:
         grad = grad * tl.cast(grad_scale, acc)
     tl.store(out_ptr + row * out_stride + offs, grad.to(out_ptr.dtype.element_ty), mask=mask)
@@ -90,8 +93,9 @@ def backward_fold(
     out: torch.Tensor,
     targets: torch.Tensor,
     threshold: torch.Tensor,
-    lse_safe: torch.Tensor,
-    lse_full: torch.Tensor,
+    row_max: torch.Tensor,
+    log_sum_safe: torch.Tensor,
+    log_sum_full: torch.Tensor,
     c_safe: torch.Tensor,
     c_full: torch.Tensor,
     g_lp: torch.Tensor,
@@ -108,7 +112,8 @@ def backward_fold(
         z: raw GEMM output in the inputs' dtype (``transform_in_kernel``), or logits already transformed
             in torch (fp32/fp64), exactly as in the forward pass, so ``S = {z >= t}`` is rebuilt bit for bit.
         out: ``[n, V]`` gradient destination (the inputs' dtype).
-        targets, threshold, lse_safe, lse_full, c_safe, c_full, g_lp: ``[n]`` per-row values (stats dtype).
+        targets, threshold, row_max, log_sum_safe, log_sum_full, c_safe, c_full, g_lp: ``[n]`` per-row values
+            (stats dtype).
         g_ent, entropy: ``[n]`` when the entropy has a gradient, else ``None``.
         temperature, softcap, logit_scale: the transform (its chain rule always runs here).
         transform_in_kernel: apply the transform to ``z`` in the kernel.
@@ -127,8 +132,9 @@ def backward_fold(
         out.stride(0),
         targets,
         threshold,
-        lse_safe,
-        lse_full,
+        row_max,
+        log_sum_safe,
+        log_sum_full,
         c_safe,
         c_full,
         g_lp,

@@ -7,12 +7,15 @@ One program per row. With ``m`` the row maximum and ``t`` the threshold (``S = {
   ``|S|``; optionally the transformed logits written back over the chunk (fp32/fp64 inputs, for the
   sparse backward's copy of ``S``).
 
-Outputs per row: ``threshold``, ``lse_safe = m + log sum_S e``, ``lse_full = m + log sum_V e``,
-``target_logit``, ``in_safe = z_y >= t``, ``safe_size = |S|`` and
-``entropy(pi_S) = log sum_S e - sum_S e (z - m) / sum_S e`` (the torch path's formula).
+Outputs per row, max-shifted as :class:`safevocab._chunked.RowStats` (no ``m + log sum`` is ever
+formed, so huge logits lose no precision): ``threshold``, ``row_max = m``, ``log_sum_safe = log sum_S e``,
+``log_sum_full = log sum_V e``, ``target_shift = z_y - m``, ``in_safe = z_y >= t``, ``safe_size = |S|``
+and ``entropy(pi_S) = log sum_S e - sum_S e (z - m) / sum_S e`` (the torch path's formula).
 
-With ``MODE_GIVEN`` the chunk already holds transformed logits and ``threshold``/``row_max`` come
-from the rule's torch code (``TopK``, ``TopP``, compositions): a single pass.
+Thresholds are floored at the most negative finite number of the statistics dtype, then capped at
+``m`` (the argmax is always kept; ``-inf`` logits never are). With ``MODE_GIVEN`` the chunk already
+holds transformed logits and ``threshold``/``row_max`` come from the rule's torch code (``TopK``,
+``TopP``, compositions): a single pass.
 """
 
 from __future__ import annotations
@@ -22,7 +25,8 @@ import triton
 import triton.language as tl
 
 from safevocab.kernels import MODE_GIVEN, MODE_MIN_P, MODE_MIN_PROB, MODE_NONE, interpreter_on
-from safevocab.kernels._common import FINITE_FLOOR, transform
+from safevocab.kernels._common import transform
+from safevocab.rules import finite_floor
 
 #: Whether these kernels were defined under Triton's interpreter (``TRITON_INTERPRET=1`` at import).
 INTERPRETED = interpreter_on()
@@ -33,7 +37,6 @@ _GIVEN: tl.constexpr = tl.constexpr(MODE_GIVEN)
 _NONE: tl.constexpr = tl.constexpr(MODE_NONE)
 _MIN_P: tl.constexpr = tl.constexpr(MODE_MIN_P)
 _MIN_PROB: tl.constexpr = tl.constexpr(MODE_MIN_PROB)
-_FLOOR: tl.constexpr = tl.constexpr(FINITE_FLOOR)
 
 
 @triton.jit
@@ -42,10 +45,10 @@ def _forward_fold_kernel(
     z_stride,
     targets_ptr,
     threshold_ptr,  # read in MODE_GIVEN, written otherwise
-    row_max_ptr,  # read in MODE_GIVEN only
-    target_logit_ptr,
-    lse_safe_ptr,
-    lse_full_ptr,
+    row_max_ptr,  # read in MODE_GIVEN, written otherwise
+    target_shift_ptr,
+    log_sum_safe_ptr,
+    log_sum_full_ptr,
     entropy_ptr,
     in_safe_ptr,
     safe_size_ptr,
@@ -60,10 +63,11 @@ def _forward_fold_kernel(
     HAS_TEMPERATURE: tl.constexpr,
     HAS_ENTROPY: tl.constexpr,
     STORE_Z: tl.constexpr,
+    FLOOR: tl.constexpr,  # the most negative finite number of the statistics dtype
     BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
-    acc = lse_safe_ptr.dtype.element_ty  # fp32, or fp64 for fp64 inputs
+    acc = log_sum_safe_ptr.dtype.element_ty  # fp32, or fp64 for fp64 inputs
     row_ptr = z_ptr + row * z_stride
     cols = tl.arange(0, BLOCK)
     # The target logit, read before any STORE_Z write (same transform as the row, so the same value)
@@ -83,7 +87,7 @@ def _forward_fold_kernel(
             m_vec = tl.maximum(m_vec, tl.where(mask, z, float("-inf")))
         m = tl.max(m_vec, axis=0)
         if MODE == _NONE:
-            t = tl.cast(_FLOOR, acc)
+            t = tl.full((), FLOOR, acc)
         elif MODE == _MIN_P:
             t = m + tl.cast(log_param, acc)
         else:  # MODE_MIN_PROB: p_a >= tau  <=>  z_a >= lse + log tau, capped at the maximum
@@ -94,9 +98,11 @@ def _forward_fold_kernel(
                 z = tl.load(row_ptr + offs, mask=mask, other=0.0).to(acc)
                 z = transform(z, scale, softcap, temperature, HAS_SCALE, HAS_SOFTCAP, HAS_TEMPERATURE)
                 s_vec += tl.where(mask, tl.exp(z - m), 0.0)
-            t = tl.minimum(m + tl.log(tl.sum(s_vec, axis=0)) + tl.cast(log_param, acc), m)
-        t = tl.maximum(t, tl.cast(_FLOOR, acc))
+            t = m + tl.log(tl.sum(s_vec, axis=0)) + tl.cast(log_param, acc)
+        # floor first, then cap: a row below the floor still keeps its argmax
+        t = tl.minimum(tl.maximum(t, tl.full((), FLOOR, acc)), m)
         tl.store(threshold_ptr + row, t)
+        tl.store(row_max_ptr + row, m)
 
     sum_full = tl.zeros((BLOCK,), acc)
     sum_safe = tl.zeros((BLOCK,), acc)
@@ -122,13 +128,13 @@ def _forward_fold_kernel(
     s_full = tl.sum(sum_full, axis=0)
     s_safe = tl.sum(sum_safe, axis=0)
     log_s_safe = tl.log(s_safe)
-    tl.store(lse_safe_ptr + row, m + log_s_safe)
-    tl.store(lse_full_ptr + row, m + tl.log(s_full))
+    tl.store(log_sum_safe_ptr + row, log_s_safe)
+    tl.store(log_sum_full_ptr + row, tl.log(s_full))
     tl.store(safe_size_ptr + row, tl.sum(kept_count, axis=0))
     if HAS_ENTROPY:
         tl.store(entropy_ptr + row, log_s_safe - tl.sum(sum_safe_z, axis=0) / s_safe)
 
-    tl.store(target_logit_ptr + row, z_y)
+    tl.store(target_shift_ptr + row, z_y - m)
     tl.store(in_safe_ptr + row, z_y >= t)
 
 
@@ -140,10 +146,10 @@ def forward_fold(
     z: torch.Tensor,
     targets: torch.Tensor,
     threshold: torch.Tensor,
-    row_max: torch.Tensor | None,
-    target_logit: torch.Tensor,
-    lse_safe: torch.Tensor,
-    lse_full: torch.Tensor,
+    row_max: torch.Tensor,
+    target_shift: torch.Tensor,
+    log_sum_safe: torch.Tensor,
+    log_sum_full: torch.Tensor,
     entropy: torch.Tensor | None,
     in_safe: torch.Tensor,
     safe_size: torch.Tensor,
@@ -160,8 +166,9 @@ def forward_fold(
         z: GEMM output in the inputs' dtype (raw logits; transformed in the kernel), or, with
             ``mode == MODE_GIVEN``, transformed fp32/fp64 logits.
         targets: ``[n]`` int64 token ids.
-        threshold: ``[n]`` stats dtype: read for ``MODE_GIVEN``, written otherwise.
-        row_max: ``[n]`` row maxima of ``z`` for ``MODE_GIVEN``, else ``None``.
+        threshold, row_max: ``[n]`` stats dtype: read for ``MODE_GIVEN``, written otherwise.
+        target_shift, log_sum_safe, log_sum_full, entropy, in_safe, safe_size: ``[n]`` outputs
+            (``entropy`` may be ``None``).
         mode, log_param: from :func:`safevocab.kernels.kernel_threshold` (or ``MODE_GIVEN``).
         scale, softcap, temperature: the logit transform applied in the kernel (identity for ``MODE_GIVEN``).
         store_z: write the transformed logits back over ``z`` (``z`` must then be fp32/fp64).
@@ -170,19 +177,17 @@ def forward_fold(
     if n == 0:
         return
     assert z.stride(1) == 1, "the chunk must be row-contiguous"
-    if mode == MODE_GIVEN:
-        assert row_max is not None
     block = _block(n_cols)
     _forward_fold_kernel[(n,)](
         z,
         z.stride(0),
         targets,
         threshold,
-        row_max if row_max is not None else lse_full,  # unused outside MODE_GIVEN
-        target_logit,
-        lse_safe,
-        lse_full,
-        entropy if entropy is not None else lse_full,  # unused without HAS_ENTROPY
+        row_max,
+        target_shift,
+        log_sum_safe,
+        log_sum_full,
+        entropy if entropy is not None else log_sum_full,  # unused without HAS_ENTROPY
         in_safe,
         safe_size,
         n_cols,
@@ -196,6 +201,7 @@ def forward_fold(
         HAS_TEMPERATURE=temperature != 1.0,
         HAS_ENTROPY=entropy is not None,
         STORE_Z=store_z,
+        FLOOR=finite_floor(log_sum_safe.dtype),
         BLOCK=block,
         num_warps=8 if block >= 2048 else 4,
     )

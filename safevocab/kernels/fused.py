@@ -2,7 +2,9 @@
 
 :func:`triton_forward` and :func:`triton_dense_backward` replace the torch passes of the chunk loop
 (``FusedSafeLogProbs.forward`` and ``_dense_backward``); the autograd bookkeeping, the backward
-coefficients and the sparse backward stay in :mod:`safevocab._chunked`.
+coefficients, the sparse backward and the full-softmax part stay in :mod:`safevocab._chunked`. The
+backward recomputes each chunk on the forward's row slice with the same calls, so ``S = {z >= t}`` is
+rebuilt from bit-identical logits.
 
 Two ways to get a chunk's threshold, fixed per rule (:func:`safevocab.kernels.kernel_threshold`) so
 that forward and backward rebuild ``S = {z >= t}`` from bit-identical logits:
@@ -10,7 +12,7 @@ that forward and backward rebuild ``S = {z >= t}`` from bit-identical logits:
 - **in-kernel** (``NoPruning``, ``MinP``, ``MinProb``): the GEMM output (inputs' dtype) goes straight to
   the kernels, which apply the logit transform and compute the threshold themselves;
 - **torch threshold** (``TopK``, ``TopP``, compositions): the chunk is transformed in torch into an fp32
-  copy (``_ChunkLogits``, as the torch backend does), the rule's ``threshold_and_max`` runs in torch,
+  copy (``ChunkLogits``, as the torch backend does), the rule's ``threshold_and_max`` runs in torch,
   and the kernels fold the rest. Logged once per call at DEBUG level.
 
 The logits gradient is written over the GEMM output, in the inputs' dtype, and the gradient GEMMs
@@ -24,13 +26,13 @@ import contextlib
 
 import torch
 
-from safevocab._chunked import _ChunkLogits, _SparseChunk, Transform
+from safevocab._chunked import ChunkLogits, Coefficients, RowStats, SparseChunk, Transform, accumulate_chunk_grads, chunk_slices
 from safevocab.kernels import MODE_GIVEN, kernel_threshold, logger
 from safevocab.kernels.backward_fold import backward_fold
 from safevocab.kernels.forward_fold import forward_fold
 from safevocab.rules import SafeVocabRule
 
-__all__ = ["triton_forward", "triton_dense_backward"]
+__all__ = ["triton_forward", "triton_dense_backward", "addmm_fp32"]
 
 
 class _ChunkGemm:
@@ -70,21 +72,19 @@ def triton_forward(
     rule: SafeVocabRule,
     transform: Transform,
     chunk_rows: int,
-    stats: tuple[torch.Tensor, ...],
+    stats: RowStats,
     sparse_max_density: float | None,
-) -> list[_SparseChunk]:
+) -> list[SparseChunk]:
     """Fill the per-row statistics of every chunk; return the safe sets stored for the sparse backward.
 
     Args:
         hidden, weight, bias, targets, rule, transform, chunk_rows: as ``FusedSafeLogProbs.forward``.
-        stats: the preallocated ``[N]`` outputs ``(target_logit, lse_safe, lse_full, threshold, entropy
-            or None, in_safe, safe_size)``, written here.
+        stats: the preallocated ``[N]`` outputs, written here.
         sparse_max_density: store a chunk's ``S`` as CSR when at most this fraction of its logits is kept;
             ``None`` never stores (bf16/fp16 inputs).
     """
-    target_logit, lse_safe, lse_full, threshold, entropy, in_safe, safe_size = stats
     n_rows, vocab = hidden.shape[0], weight.shape[0]
-    sparse_chunks: list[_SparseChunk] = []
+    sparse_chunks: list[SparseChunk] = []
     if n_rows == 0:
         return sparse_chunks
     targets = targets.contiguous()
@@ -92,36 +92,27 @@ def triton_forward(
     rows_buf = min(chunk_rows, n_rows)
     if in_kernel is None:
         _log_torch_threshold(rule)
-        logits_of = _ChunkLogits(hidden, weight, bias, transform, rows_buf)
+        logits_of = ChunkLogits(hidden, weight, bias, transform, rows_buf)
     else:
         gemm = _ChunkGemm(hidden, weight, bias, rows_buf)
     identity = transform.logit_scale == 1.0 and transform.softcap is None and transform.temperature == 1.0
     store_sparse_ok = sparse_max_density is not None and sparse_max_density > 0
     with _device_guard(hidden.device):
-        for start in range(0, n_rows, chunk_rows):
-            rows = slice(start, min(start + chunk_rows, n_rows))
-            n = rows.stop - start
-            out = dict(
-                target_logit=target_logit[rows],
-                lse_safe=lse_safe[rows],
-                lse_full=lse_full[rows],
-                entropy=entropy[rows] if entropy is not None else None,
-                in_safe=in_safe[rows],
-                safe_size=safe_size[rows],
-            )
+        for rows in chunk_slices(n_rows, chunk_rows):
+            n = rows.stop - rows.start
+            out = stats.rows(rows)
             if in_kernel is None:
                 z = logits_of(hidden[rows])  # transformed, fp32 (fp64 for fp64 inputs)
                 t, z_max = rule.threshold_and_max(z)
-                threshold[rows] = t.squeeze(-1)
-                forward_fold(z, targets[rows], threshold[rows], z_max.squeeze(-1).contiguous(), mode=MODE_GIVEN, **out)
+                out["threshold"].copy_(t.squeeze(-1))
+                out["row_max"].copy_(z_max.squeeze(-1))
+                forward_fold(z, targets[rows], mode=MODE_GIVEN, **out)
             else:
                 mode, log_param = in_kernel
                 z = gemm(hidden[rows])
                 forward_fold(
                     z,
                     targets[rows],
-                    threshold[rows],
-                    None,
                     mode=mode,
                     log_param=log_param,
                     scale=transform.logit_scale,
@@ -131,18 +122,18 @@ def triton_forward(
                     store_z=store_sparse_ok and not identity,
                     **out,
                 )
-            if store_sparse_ok and int(safe_size[rows].sum()) <= sparse_max_density * n * vocab:
+            if store_sparse_ok and int(out["safe_size"].sum()) <= sparse_max_density * n * vocab:
                 # z holds the transformed logits the kernel compared with t: the same S, bit for bit
-                keep = z >= threshold[rows].unsqueeze(-1)
+                keep = z >= out["threshold"].unsqueeze(-1)
                 r, c = keep.nonzero(as_tuple=True)
-                log_p = z[r, c].sub_(lse_safe[rows][r])
-                sparse_chunks.append(_SparseChunk(start, keep.sum(-1), c.to(torch.int32), log_p))
+                shifted = z[r, c] - out["row_max"][r]
+                sparse_chunks.append(SparseChunk(rows.start, keep.sum(-1), c.to(torch.int32), shifted))
                 del keep, r, c
             del z
     return sparse_chunks
 
 
-def _addmm_fp32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+def addmm_fp32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
     """``acc += a @ b`` for an fp32/fp64 ``acc``, without rounding the product to half precision first."""
     global _OUT_DTYPE_MM
     if a.dtype == acc.dtype:
@@ -161,11 +152,11 @@ _OUT_DTYPE_MM = True
 
 
 def triton_dense_backward(
-    idx: torch.Tensor,
+    chunks: list[slice],
     hidden: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None,
-    coef,
+    coef: Coefficients,
     transform: Transform,
     chunk_rows: int,
     grads: tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None],
@@ -173,51 +164,42 @@ def triton_dense_backward(
 ) -> None:
     """``safevocab._chunked._dense_backward`` with the logits gradient formed by the Triton kernel.
 
-    Recomputes the chunk's logits exactly as the forward did (same GEMM, same transform path), so the
-    saved thresholds select the same ``S``.
+    Recomputes each chunk's logits exactly as the forward did (same row slice, same GEMM into a buffer of
+    the same shape, same transform path), so the saved thresholds select the same ``S``.
     """
-    grad_hidden, grad_weight, grad_bias = grads
     in_kernel = kernel_threshold(rule) is not None
-    rows_buf = min(chunk_rows, idx.numel())
+    rows_buf = min(chunk_rows, hidden.shape[0])
     if in_kernel:
         gemm = _ChunkGemm(hidden, weight, bias, rows_buf)
     else:
-        logits_of = _ChunkLogits(hidden, weight, bias, transform, rows_buf)
-    targets = coef.targets
+        logits_of = ChunkLogits(hidden, weight, bias, transform, rows_buf)
+    has_ent = coef.g_ent is not None
     with _device_guard(hidden.device):
-        for start in range(0, idx.numel(), chunk_rows):
-            rows = idx[start : start + chunk_rows]
-            n = rows.numel()
-            h = hidden.index_select(0, rows)
+        for rows in chunks:
+            n = rows.stop - rows.start
+            h = hidden[rows]
             if in_kernel:
                 z = out = gemm(h)
             else:
                 z = logits_of(h)
                 out = logits_of.raw[:n] if logits_of.raw is not None else z
-            has_ent = coef.g_ent is not None
             backward_fold(
                 z,
                 out,
-                targets.index_select(0, rows).contiguous(),
-                coef.threshold.index_select(0, rows),
-                coef.lse_safe.index_select(0, rows),
-                coef.lse_full.index_select(0, rows),
-                coef.c_safe.index_select(0, rows),
-                coef.c_full.index_select(0, rows),
-                coef.g_lp.index_select(0, rows),
-                coef.g_ent.index_select(0, rows) if has_ent else None,
-                coef.entropy.index_select(0, rows) if has_ent else None,
+                coef.targets[rows].contiguous(),
+                coef.threshold[rows],
+                coef.row_max[rows],
+                coef.log_sum_safe[rows],
+                coef.log_sum_full[rows],
+                coef.c_safe[rows],
+                coef.c_full[rows],
+                coef.g_lp[rows],
+                coef.g_ent[rows] if has_ent else None,
+                coef.entropy[rows] if has_ent else None,
                 temperature=transform.temperature,
                 softcap=transform.softcap,
                 logit_scale=transform.logit_scale,
                 transform_in_kernel=in_kernel,
             )
-            grad = out  # the logits gradient, in the inputs' dtype
-            if grad_bias is not None:
-                grad_bias += grad.sum(0, dtype=grad_bias.dtype)
-            if grad_hidden is not None:
-                grad_hidden.index_copy_(0, rows, grad @ weight)
-            if grad_weight is not None:
-                # fp32 accumulation across chunks (rounding each chunk's product to bf16 biases training)
-                _addmm_fp32(grad_weight, grad.t(), h)
-            del z, out, grad
+            accumulate_chunk_grads(out, h, weight, rows, grads)  # out: the logits gradient, inputs' dtype
+            del z, out

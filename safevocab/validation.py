@@ -1,0 +1,102 @@
+"""Argument validation shared by the whole ``safevocab`` package: one error style everywhere.
+
+Every public entry point checks its arguments before any work and raises
+
+- ``TypeError("<name> must be <kind>, got <type>: <value>")`` when the *type* is wrong, and
+- ``ValueError("<name>=<value> is out of range: accepted <range>")`` when the value is.
+
+A *real number* is any real scalar a user may hold: a Python ``int``/``float``, a numpy scalar
+(``np.float32(0.1)``, ``np.int64(50)``), a 0-dim numpy array, or a 0-dim real ``torch.Tensor``
+(``torch.tensor(0.7)``). Booleans are not numbers here (``True`` as a temperature is a bug). An
+*integer* is the same with an integer type; floats are refused even when integral, as ``range`` does.
+The functions return plain Python ``float``/``int`` so that callers store hashable, printable values.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Callable
+
+import torch
+
+__all__ = ["real", "integer", "check_range", "is_real_scalar"]
+
+
+def _unwrap(value: object) -> object:
+    """The Python scalar inside a 0-dim tensor or numpy array/scalar; ``value`` itself otherwise."""
+    if isinstance(value, torch.Tensor):
+        if value.dim() == 0 and value.dtype != torch.bool and not value.dtype.is_complex:
+            return value.item()
+        return value
+    # numpy without importing it: numpy scalars and 0-dim arrays have ``ndim == 0`` and ``dtype.kind``
+    kind = getattr(getattr(value, "dtype", None), "kind", None)
+    if getattr(value, "ndim", None) == 0 and kind in ("i", "u", "f") and hasattr(value, "item"):
+        return value.item()
+    return value
+
+
+def is_real_scalar(value: object) -> bool:
+    """Whether ``value`` is a real number in the sense above (bool excluded; NaN and inf included)."""
+    value = _unwrap(value)
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _describe(value: object) -> str:
+    return f"{type(value).__name__}: {value!r}"
+
+
+def check_range(name: str, value: object, ok: bool, accepted: str) -> None:
+    """Raise ``ValueError("<name>=<value> is out of range: accepted <accepted>")`` unless ``ok``."""
+    if not ok:
+        raise ValueError(f"{name}={value!r} is out of range: accepted {accepted}")
+
+
+def real(
+    name: str,
+    value: object,
+    ok: Callable[[float], bool] | None = None,
+    accepted: str = "a finite real number",
+    *,
+    finite: bool = True,
+) -> float:
+    """``value`` as a Python ``float`` after checking its type and range.
+
+    Args:
+        name: the argument's name, used in the message.
+        value: the argument.
+        ok: range predicate on the float (``None``: any value).
+        accepted: the accepted range, in words, for the message.
+        finite: also refuse NaN and infinities (default).
+
+    Raises:
+        TypeError: ``value`` is not a real number (a string, ``None``, a bool, a tensor with elements).
+        ValueError: ``value`` is NaN/infinite (with ``finite``) or ``ok`` says no.
+    """
+    scalar = _unwrap(value)
+    if not isinstance(scalar, numbers.Real) or isinstance(scalar, bool):
+        raise TypeError(f"{name} must be a real number, got {_describe(value)}")
+    as_float = float(scalar)
+    good = (math.isfinite(as_float) or not finite) and (ok is None or ok(as_float))
+    check_range(name, scalar, good, accepted)
+    return as_float
+
+
+def integer(
+    name: str,
+    value: object,
+    ok: Callable[[int], bool] | None = None,
+    accepted: str = "an integer",
+) -> int:
+    """``value`` as a Python ``int`` after checking its type and range (see :func:`real`).
+
+    Raises:
+        TypeError: ``value`` is not an integer (floats too, even integral ones; bools).
+        ValueError: ``ok`` says no.
+    """
+    scalar = _unwrap(value)
+    if not isinstance(scalar, numbers.Integral) or isinstance(scalar, bool):
+        raise TypeError(f"{name} must be an integer, got {_describe(value)}")
+    as_int = int(scalar)
+    check_range(name, scalar, ok is None or ok(as_int), accepted)
+    return as_int
