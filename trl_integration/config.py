@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 
 from trl import GRPOConfig
 
+import trl_integration.trl_private  # noqa: F401  (fails at import, in one line, outside the tested trl range)
+
 from safevocab import MinProb, SafeVocabRule, parse_rule
 from safevocab.schedulers import SurgeDetector
 from trl_integration.correction import IS_MODES

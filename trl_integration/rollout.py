@@ -308,6 +308,8 @@ def rollout_precision(model: torch.nn.Module, dtype: torch.dtype | None):
     if dtype is None:
         yield
         return
+    from trl_integration.trl_private import mixed_precision_forward
+
     params = [p for p in model.parameters() if p.is_floating_point()]
     if not params:
         yield
@@ -316,12 +318,13 @@ def rollout_precision(model: torch.nn.Module, dtype: torch.dtype | None):
     dtypes = {p.dtype for p in params}
     # Under mixed precision, accelerate wraps `model.forward` in its own autocast (keeping the unwrapped one in
     # `_original_forward`); that inner autocast would override ours, so the rollout runs the unwrapped forward.
-    wrapped = vars(model).get("_original_forward") is not None and "forward" in vars(model)
+    unwrapped_forward = mixed_precision_forward(model)
+    wrapped = unwrapped_forward is not None
     saved_forward = model.forward if wrapped else None
     originals = [(p, p.data) for p in params if p.dtype != torch.float32] if dtype == torch.float32 else []
     try:
         if wrapped:
-            model.forward = model._original_forward
+            model.forward = unwrapped_forward
         if dtypes == {dtype} or dtype == torch.float32:
             for p, data in originals:  # lossless upcast of lower-precision parameters
                 p.data = data.float()

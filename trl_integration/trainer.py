@@ -32,8 +32,6 @@ from __future__ import annotations
 
 import torch
 from accelerate.utils import is_peft_model
-from trl import GRPOTrainer
-from trl.models.utils import disable_gradient_checkpointing
 
 from safevocab import NoPruning
 from safevocab.schedulers import LengthDecayLR
@@ -48,6 +46,7 @@ from trl_integration.metrics import (
     reduce_gathered,
     safe_set_metrics,
 )
+from trl_integration.trl_private import GRPOTrainerBridge, disable_gradient_checkpointing
 from trl_integration.rollout import (
     ROLLOUT_DTYPES,
     LogitNoiseProcessor,
@@ -102,7 +101,7 @@ class _PendingGeneration:
         self.records: list[dict] = []
 
 
-class SafeVocabGRPOTrainer(GRPOTrainer):
+class SafeVocabGRPOTrainer(GRPOTrainerBridge):
     """GRPO with safe-vocabulary (Dynamic Vocabulary Pruning) log-probabilities.
 
     Takes the same arguments as ``trl.GRPOTrainer``; ``args`` must be a
@@ -209,13 +208,13 @@ class SafeVocabGRPOTrainer(GRPOTrainer):
     # ------------------------------------------------------------------------------------------------------
     # log-probabilities
 
-    def _get_per_token_logps_and_entropies(
+    def score_completion_tokens(
         self, model, input_ids, attention_mask, logits_to_keep, batch_size=None, compute_entropy=False, **kwargs
     ):
         """trl's method (its batching and multimodal slicing) over the safe head; also keeps the per-token
         safe-set statistics of the call in ``self._last_safe_stats``.
 
-        When the loss pass was run ahead of trl's loss code (:meth:`_compute_loss`, on-policy batches), trl's own
+        When the loss pass was run ahead of trl's loss code (:meth:`grpo_loss`, on-policy batches), trl's own
         call gets that result back instead of a second forward."""
         if self._replay is not None:
             shape, keep, result = self._replay
@@ -228,7 +227,7 @@ class SafeVocabGRPOTrainer(GRPOTrainer):
             return result
         self._safe_head.begin(compute_entropy)
         try:
-            logps, entropies, aux_loss = super()._get_per_token_logps_and_entropies(
+            logps, entropies, aux_loss = self.stock_score_completion_tokens(
                 model,
                 input_ids,
                 attention_mask,
@@ -263,7 +262,7 @@ class SafeVocabGRPOTrainer(GRPOTrainer):
         batch_size = self.args.per_device_train_batch_size if mode == "train" else self.args.per_device_eval_batch_size
         extra = {k: batch[k] for k in _FORWARD_KEYS if k in batch}
         with torch.no_grad(), disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs):
-            logps, _, _ = self._get_per_token_logps_and_entropies(
+            logps, _, _ = self.score_completion_tokens(
                 self.model, input_ids, attention_mask, batch["completion_ids"].size(1), batch_size=batch_size, **extra
             )
         return logps, self._last_safe_stats
@@ -271,11 +270,9 @@ class SafeVocabGRPOTrainer(GRPOTrainer):
     # ------------------------------------------------------------------------------------------------------
     # rollouts
 
-    def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+    def generate_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
         if self.use_vllm or self.use_transformers_continuous_batching:
-            return super()._generate_single_turn(
-                prompt_ids, images, multimodal_fields, num_generations, has_tool_images=has_tool_images
-            )
+            return self.stock_generate_turn(prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
         recorder = None
         if self.args.rollout_logprobs:
             rule, temperature = sampler_rule_from_generation_config(self.generation_config)
@@ -287,24 +284,22 @@ class SafeVocabGRPOTrainer(GRPOTrainer):
             processors.append(self._logit_noise)  # before the recorder: it records the perturbed distribution
         target = self.accelerator.unwrap_model(self.model_wrapped)
         with recording_generate(target, recorder, self._rollout_dtype, processors):
-            completion_ids, logprobs = super()._generate_single_turn(
-                prompt_ids, images, multimodal_fields, num_generations, has_tool_images=has_tool_images
-            )
+            completion_ids, logprobs = self.stock_generate_turn(prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
         if recorder is not None:
             logprobs = recorder.per_sequence(completion_ids)
         return completion_ids, logprobs
 
-    def _generate_and_score_completions(self, inputs):
+    def generate_and_score(self, inputs):
         self._captured_logps = {}
         try:
-            output = super()._generate_and_score_completions(inputs)
+            output = self.stock_generate_and_score(inputs)
             captured = self._captured_logps
         finally:
             self._captured_logps = None
         self._apply_safe_vocabulary(output, captured)
         if self.args.length_decay and self.model.training:
             # trl has just logged the gathered (all-process) mean completion length of this generation.
-            lengths = self._metrics["train"].get("completions/mean_length")
+            lengths = self.metric_store["train"].get("completions/mean_length")
             if lengths:
                 self.pending_mean_lengths.append(float(lengths[-1]))
         return output
@@ -333,7 +328,7 @@ class SafeVocabGRPOTrainer(GRPOTrainer):
 
         The trainer's log-probabilities and safe sets of the sampled tokens come from trl's old-policy pass when
         trl ran one; else, for these on-policy batches, from the loss's own forward (the batch is marked with
-        `SCORE_IN_LOSS` and :meth:`_compute_loss` does the rest per micro-batch) or from one more no-grad pass
+        `SCORE_IN_LOSS` and :meth:`grpo_loss` does the rest per micro-batch) or from one more no-grad pass
         (``safe_vocab_scoring``)."""
         mode = "train" if self.model.training else "eval"
         use_is, use_mismatch, zero_mismatch = self._measurement_switches(output)
@@ -479,7 +474,7 @@ class SafeVocabGRPOTrainer(GRPOTrainer):
     def _log_reduced_metrics(self, mode: str, rows: list[tuple[dict, dict]]) -> None:
         """Gather local metric rows (``(values, counts)`` of a batch, or of each of its micro-batches) across
         processes in one call and append their reductions (:func:`safevocab.mismatch.reduce_gathered`:
-        count-weighted means, max, min) to trl's ``self._metrics``.
+        count-weighted means, max, min) to trl's metric store (``metric_store``).
 
         Every process ends with the same values, equal to what one process would compute on the whole batch. A
         metric without a count weighs every row equally. NaN (undefined here) values and zero counts are
@@ -501,12 +496,12 @@ class SafeVocabGRPOTrainer(GRPOTrainer):
         reduced = reduce_gathered(names, gathered[:, 0], gathered[:, 1])
         for name in names:
             if name in reduced:
-                self._metrics[mode][name].append(reduced[name])
+                self.metric_store[mode][name].append(reduced[name])
 
     # ------------------------------------------------------------------------------------------------------
     # loss
 
-    def _compute_loss(self, model, inputs):
+    def grpo_loss(self, model, inputs):
         if SCORE_IN_LOSS in inputs:
             inputs = self._loss_forward_first(model, inputs)
         # trl applies the importance ratio only when use_vllm. On the generate path, fold it into the
@@ -520,14 +515,14 @@ class SafeVocabGRPOTrainer(GRPOTrainer):
                 advantages = advantages.unsqueeze(1)
             inputs["advantages"] = advantages * inputs["importance_sampling_ratio"]
         try:
-            return super()._compute_loss(model, inputs)
+            return self.stock_grpo_loss(model, inputs)
         finally:
             self._replay = None
 
     def _loss_forward_first(self, model, inputs: dict) -> dict:
         """On-policy micro-batch: run the loss's forward pass now (with grad, as trl's ``_compute_loss`` calls
         it), apply the safe-vocabulary step to the micro-batch from its safe sets, and hand the forward's result
-        to trl's loss code (:meth:`_get_per_token_logps_and_entropies` replays it), so the batch is scored once.
+        to trl's loss code (:meth:`score_completion_tokens` replays it), so the batch is scored once.
 
         The old policy of an on-policy batch is the policy of this pass (trl itself then takes
         ``old_per_token_logps = per_token_logps.detach()``), so these are the safe sets and log-probabilities
@@ -536,7 +531,7 @@ class SafeVocabGRPOTrainer(GRPOTrainer):
         input_ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
         attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
         logits_to_keep = inputs["completion_ids"].size(1)
-        result = self._get_per_token_logps_and_entropies(
+        result = self.score_completion_tokens(
             model,
             input_ids,
             attention_mask,
