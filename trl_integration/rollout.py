@@ -124,7 +124,9 @@ class RolloutLogprobRecorder(LogitsProcessor):
 
     After ``generate`` returns, call `finalize` with the returned sequences; `logprobs` is then the
     fp32 ``[batch, generated_steps]`` tensor (positions after a sequence finished hold the pad token's value and
-    are masked by the caller).
+    are masked by the caller). `recording_generate` does that, and when the recording is unusable (``generate``
+    ran no logits-processor loop, or fewer steps than it returned) sets `failure` to the reason instead of
+    raising, so that the rollout goes on without log-probabilities.
     """
 
     def __init__(self, rule: SafeVocabRule, temperature: float = 1.0, max_buffer_bytes: int = 64 * 2**20):
@@ -134,6 +136,8 @@ class RolloutLogprobRecorder(LogitsProcessor):
         self.prompt_length: int | None = None
         self.num_calls = 0
         self.logprobs: torch.Tensor | None = None
+        #: Why the recording is unusable (set by `recording_generate`), else ``None``.
+        self.failure: str | None = None
         self._pending: torch.Tensor | None = None  # the latest step's scores; its token comes with the next call
         self._closed: list[tuple[torch.Tensor, torch.Tensor]] = []  # (scores, tokens) not scored yet
         self._closed_bytes = 0
@@ -170,7 +174,10 @@ class RolloutLogprobRecorder(LogitsProcessor):
     def finalize(self, sequences: torch.Tensor) -> torch.Tensor:
         """Close the last step with the final sampled tokens; returns ``[batch, steps]`` fp32 log-probabilities."""
         if self.prompt_length is None:
-            raise RuntimeError("the rollout log-prob recorder was never called: it is not attached to generate")
+            raise RuntimeError(
+                "the rollout log-prob recorder was never called: generate ran no logits-processor loop (a replaced "
+                "or patched generate, or a decoding mode without logits processors)"
+            )
         if self._pending is not None:
             self._close_step(sequences[:, -1])
         self._score_closed()
@@ -349,7 +356,8 @@ def recording_generate(
 ):
     """Patch ``model.generate`` for the enclosed block: append ``processors`` (e.g. a
     `LogitNoiseProcessor`) and then ``recorder`` to its logits processors, run it under
-    `rollout_precision` and finalize the recorder with the returned sequences."""
+    `rollout_precision` and finalize the recorder with the returned sequences (a recording that cannot be finalized
+    sets ``recorder.failure`` instead of raising)."""
     processors = list(processors)
     if recorder is None and dtype is None and not processors:
         yield
@@ -365,7 +373,10 @@ def recording_generate(
         with rollout_precision(model, dtype) if dtype is not None else nullcontext():
             out = original(*args, **kwargs)
         if recorder is not None:
-            recorder.finalize(out if isinstance(out, torch.Tensor) else out.sequences)
+            try:
+                recorder.finalize(out if isinstance(out, torch.Tensor) else out.sequences)
+            except RuntimeError as error:  # degrade: the rollout is fine, only its log-probabilities are missing
+                recorder.failure = str(error)
         return out
 
     model.generate = generate

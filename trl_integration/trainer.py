@@ -30,6 +30,9 @@ PEFT, logging — is trl's own code):
 
 from __future__ import annotations
 
+import math
+import warnings
+
 import torch
 from accelerate.utils import is_peft_model
 
@@ -59,6 +62,9 @@ __all__ = ["SafeVocabGRPOTrainer", "SafeTokenStats"]
 
 #: Key of a generation batch whose out-of-set masks, importance ratio and metrics come from the loss's forward.
 SCORE_IN_LOSS = "safevocab_score_in_loss"
+
+#: Metric: share of the loss tokens of a generation batch whose rollout log-probability was recorded (public name).
+ROLLOUT_LOGPROBS_FRAC = "safevocab/rollout_logprobs_frac"
 
 #: trl loss types normalised by ``num_items_in_batch`` (the loss tokens of the whole generation batch).
 _COUNT_NORMALISED_LOSSES = ("dapo", "cispo", "vespo")
@@ -128,7 +134,9 @@ class SafeVocabGRPOTrainer(GRPOTrainerBridge):
                 f"args must be a SafeVocabGRPOConfig, got {type(args).__name__}: build it with "
                 "SafeVocabGRPOConfig(...), which accepts every GRPOConfig argument"
             )
-        self._captured_logps: dict | None = None
+        self._captured_logps: list | None = None
+        #: Why rollout log-probabilities were missing, once warned (one warning per run).
+        self._rollout_logprobs_fallback: str | None = None
         self._last_safe_stats: SafeTokenStats | None = None
         # The loss forward run ahead of trl's loss code (on-policy batches), handed back to it once.
         self._replay: tuple | None = None
@@ -138,7 +146,13 @@ class SafeVocabGRPOTrainer(GRPOTrainerBridge):
         super().__init__(model, reward_funcs, args, *pargs, **kwargs)
         self._check_zero3()
 
-        self.safe_vocab_rule = args.rule
+        # The rule the trainer scores with: safe_vocab_rule composed with the sampler's own truncation.
+        self.safe_vocab_rule = args.effective_rule
+        if str(args.effective_rule) != str(args.rule) and self.accelerator.is_main_process:
+            print(
+                f"[safevocab] effective rule {str(args.effective_rule)!r} = safe_vocab_rule {str(args.rule)!r} & the "
+                "sampler's top_k/top_p/min_p: the sampler and the trainer renormalise over it"
+            )
         self._rollout_dtype = ROLLOUT_DTYPES[args.rollout_dtype]
         self._safe_head = SafeHeadState()
         head_kwargs = dict(
@@ -250,7 +264,7 @@ class SafeVocabGRPOTrainer(GRPOTrainerBridge):
         )
         self._last_safe_stats = stats
         if self._captured_logps is not None:
-            self._captured_logps[id(logps)] = (logps, stats)
+            self._captured_logps.append((logps, stats))
         return logps, entropies, aux_loss
 
     def _score_generation_batch(self, batch: dict) -> tuple[torch.Tensor, SafeTokenStats]:
@@ -273,10 +287,19 @@ class SafeVocabGRPOTrainer(GRPOTrainerBridge):
     def generate_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
         if self.use_vllm or self.use_transformers_continuous_batching:
             return self.stock_generate_turn(prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
-        recorder = None
+        recorder, fallback = None, None
         if self.args.rollout_logprobs:
-            rule, temperature = sampler_rule_from_generation_config(self.generation_config)
-            recorder = RolloutLogprobRecorder(rule, temperature)
+            try:
+                rule, temperature = sampler_rule_from_generation_config(self.generation_config)
+                recorder = RolloutLogprobRecorder(rule, temperature)
+            except ValueError as error:  # a sampling setting the recorder cannot reproduce (beams, typical_p, ...)
+                fallback = str(error)
+            penalty = getattr(self.generation_config, "repetition_penalty", None)
+            if recorder is not None and self._importance_sampling_active and penalty not in (None, 1.0):
+                recorder, fallback = None, (
+                    f"generation repetition_penalty={penalty!r} reshapes the sampling distribution by the context, "
+                    "which the trainer's log-probabilities do not reproduce: no generate-path importance sampling"
+                )
         processors = []
         if self._logit_noise is not None:
             temperature = self.generation_config.temperature
@@ -285,12 +308,31 @@ class SafeVocabGRPOTrainer(GRPOTrainerBridge):
         target = self.accelerator.unwrap_model(self.model_wrapped)
         with recording_generate(target, recorder, self._rollout_dtype, processors):
             completion_ids, logprobs = self.stock_generate_turn(prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
-        if recorder is not None:
+        if recorder is not None and recorder.failure is not None:
+            fallback = recorder.failure
+        if recorder is not None and fallback is None:
             logprobs = recorder.per_sequence(completion_ids)
+        elif fallback is not None:
+            # NaN marks "not recorded" (trl's own convention for vLLM tokens without a log-probability);
+            # generate_and_score drops the batch's rollout log-probabilities and logs the recorded share.
+            self._warn_rollout_logprobs_fallback(fallback)
+            logprobs = [[math.nan] * len(ids) for ids in completion_ids]
         return completion_ids, logprobs
 
+    def _warn_rollout_logprobs_fallback(self, reason: str) -> None:
+        """One warning per run: rollout log-probabilities could not be recorded, the batch trains without them."""
+        if self._rollout_logprobs_fallback is not None:
+            return
+        self._rollout_logprobs_fallback = reason
+        warnings.warn(
+            f"rollout log-probabilities could not be recorded ({reason}); such batches train without generate-path "
+            f"importance sampling and mismatch metrics, and {ROLLOUT_LOGPROBS_FRAC} logs the recorded share",
+            UserWarning,
+            stacklevel=2,
+        )
+
     def generate_and_score(self, inputs):
-        self._captured_logps = {}
+        self._captured_logps = []
         try:
             output = self.stock_generate_and_score(inputs)
             captured = self._captured_logps
@@ -323,7 +365,7 @@ class SafeVocabGRPOTrainer(GRPOTrainerBridge):
         self._created_lr_scheduler = True
         return self.lr_scheduler
 
-    def _apply_safe_vocabulary(self, output: dict, captured: dict) -> None:
+    def _apply_safe_vocabulary(self, output: dict, captured: list) -> None:
         """Out-of-set masking, importance ratio and metrics for one generation batch (modifies ``output``).
 
         The trainer's log-probabilities and safe sets of the sampled tokens come from trl's old-policy pass when
@@ -331,13 +373,18 @@ class SafeVocabGRPOTrainer(GRPOTrainerBridge):
         `SCORE_IN_LOSS` and :meth:`grpo_loss` does the rest per micro-batch) or from one more no-grad pass
         (``safe_vocab_scoring``)."""
         mode = "train" if self.model.training else "eval"
+        self._check_rollout_logprobs(output, mode)
         use_is, use_mismatch, zero_mismatch = self._measurement_switches(output)
         if isinstance(self.safe_vocab_rule, NoPruning) and not use_is and not use_mismatch and not zero_mismatch:
             return  # nothing to mask or measure: stay exactly trl (no extra forward pass)
 
+        # trl ran an old-policy pass when the batch carries old_per_token_logps: its safe sets are those of the
+        # first captured policy pass with the same values (trl scores the old policy before the reference).
         old = output.get("old_per_token_logps")
-        entry = captured.get(id(old)) if old is not None else None
-        if entry is not None and entry[0] is old:
+        entry = None
+        if old is not None:
+            entry = next((e for e in captured if e[0].shape == old.shape and torch.equal(e[0], old)), None)
+        if entry is not None:
             train_logps, stats = old, entry[1]
         elif self._score_in_loss(mode):
             output[SCORE_IN_LOSS] = torch.tensor(True)
@@ -348,6 +395,24 @@ class SafeVocabGRPOTrainer(GRPOTrainerBridge):
         metrics, counts, record = self._safe_vocabulary_step(output, train_logps, stats, whole_batch=True)
         self._log_reduced_metrics(mode, [(metrics, counts)])
         self.last_generation = record
+
+    def _check_rollout_logprobs(self, output: dict, mode: str) -> None:
+        """Log the share of loss tokens with a recorded rollout log-probability; on the ``generate`` path a batch
+        with unrecorded tokens (NaN) drops its rollout log-probabilities and trains without generate-path IS."""
+        rollout = output.get("sampling_per_token_logps")
+        if rollout is None:
+            return
+        mask = output["completion_mask"]
+        if output.get("tool_mask") is not None:
+            mask = mask * output["tool_mask"]
+        counted = mask.bool()
+        recorded = counted & ~torch.isnan(rollout)
+        n = counted.sum()
+        frac = (recorded.sum().double() / n).float() if n > 0 else torch.tensor(float("nan"))
+        self._log_reduced_metrics(mode, [({ROLLOUT_LOGPROBS_FRAC: frac}, {ROLLOUT_LOGPROBS_FRAC: n})])
+        # vLLM keeps trl's convention (a NaN token gets ratio 1); a partial generate-path recording is not used.
+        if not self.use_vllm and bool((recorded != counted).any()):
+            del output["sampling_per_token_logps"]
 
     def _measurement_switches(self, batch: dict) -> tuple[bool, bool, bool]:
         """``(use_is, use_mismatch, zero_mismatch)`` for a batch: the importance ratio and the mismatch metrics
