@@ -62,7 +62,8 @@ class SafeVocabGRPOConfig(GRPOConfig):
         rollout_logprobs (`bool` or `None`, defaults to `None`):
             Record the sampled tokens' log-probabilities on the `generate` path (vLLM always returns them), for
             the importance-sampling correction and the mismatch metrics. `None` (auto): on when the effective rule
-            prunes, off for rule `"none"` (stock trl). Where they cannot be recorded (no logits-processor loop,
+            or the sampler prunes or a mismatch-lab setting is on, off for rule `"none"` with default settings
+            (stock trl). Where they cannot be recorded (no logits-processor loop,
             beam search, a replaced `generate`), the batch trains without them, with one warning per run and the
             metric `safevocab/rollout_logprobs_frac`.
         safe_vocab_effective_rule (`str` or `None`, set by the config):
@@ -413,12 +414,13 @@ class SafeVocabGRPOConfig(GRPOConfig):
         return effective
 
     def _resolve_rollout_logprobs(self) -> None:
-        """``rollout_logprobs=None`` (auto): record on the plain ``generate`` path when the effective rule prunes;
-        rule ``"none"`` stays stock trl unless the user switches recording on."""
+        """``rollout_logprobs=None`` (auto): record on the plain ``generate`` path when the effective rule or the
+        sampler prunes, or a mismatch-lab setting needs them; rule ``"none"`` with default settings stays stock trl
+        unless the user switches recording on."""
         if self.rollout_logprobs is None:
-            self.rollout_logprobs = (
-                not self.use_transformers_continuous_batching and not isinstance(self.effective_rule, NoPruning)
-            )
+            prunes = not isinstance(self.effective_rule, NoPruning) or not isinstance(self.sampler_rule, NoPruning)
+            lab = self.rollout_logit_noise > 0 or self.zero_mismatch
+            self.rollout_logprobs = not self.use_transformers_continuous_batching and (prunes or lab)
 
     def _check_generation_kwargs(self, rule: SafeVocabRule) -> None:
         if not self.safe_vocab_in_sampler and str(self.sampler_rule) != str(rule):

@@ -162,9 +162,15 @@ class SafeVocabGRPOTrainer(GRPOTrainerBridge):
             state=self._safe_head,
             max_chunk_bytes=args.safe_vocab_max_chunk_bytes,
         )
-        add_safe_lm_head(self.model.get_base_model() if is_peft_model(self.model) else self.model, **head_kwargs)
-        if self.ref_model is not None:
-            add_safe_lm_head(self.accelerator.unwrap_model(self.ref_model), **head_kwargs)
+        # Rule "none" renormalises over the whole vocabulary: that is trl's own log-softmax, so trl's fused head stays
+        # (bit-for-bit stock trl) and the safe-set statistics are the trivial ones (every token kept, no mass pruned).
+        self._stock_head = isinstance(self.safe_vocab_rule, NoPruning)
+        base = self.model.get_base_model() if is_peft_model(self.model) else self.model
+        self._vocab_size = int(base.get_output_embeddings().weight.shape[0])
+        if not self._stock_head:
+            add_safe_lm_head(base, **head_kwargs)
+            if self.ref_model is not None:
+                add_safe_lm_head(self.accelerator.unwrap_model(self.ref_model), **head_kwargs)
         if self.use_vllm:
             self._require_processed_logprobs()
         #: Global mean completion lengths of training generations not yet seen by the length-decay schedule.
@@ -214,6 +220,12 @@ class SafeVocabGRPOTrainer(GRPOTrainerBridge):
             )
 
     @property
+    def _uses_rollout_logprobs(self) -> bool:
+        """Whether rollout log-probabilities are used: always from vLLM; on the generate path (recorded, or given by
+        a ``rollout_func``) only with ``rollout_logprobs`` (rule ``"none"`` leaves them to trl, which ignores them)."""
+        return bool(self.use_vllm or self.args.rollout_logprobs)
+
+    @property
     def _importance_sampling_active(self) -> bool:
         if self.use_vllm:
             return bool(self.vllm_importance_sampling_correction)
@@ -239,6 +251,17 @@ class SafeVocabGRPOTrainer(GRPOTrainerBridge):
                     f"{logits_to_keep}) but the pass run ahead of it scored {shape} (keep {keep})"
                 )
             return result
+        if self._stock_head:
+            logps, entropies, aux_loss = self.stock_score_completion_tokens(
+                model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size,
+                compute_entropy=compute_entropy, **kwargs,
+            )
+            stats = SafeTokenStats(
+                in_safe=torch.ones_like(logps, dtype=torch.bool),
+                log_kept_mass=torch.zeros_like(logps, dtype=torch.float32),
+                safe_size=torch.full(logps.shape, self._vocab_size, dtype=torch.int64, device=logps.device),
+            )
+            return self._keep_stats(logps, entropies, aux_loss, stats)
         self._safe_head.begin(compute_entropy)
         try:
             logps, entropies, aux_loss = self.stock_score_completion_tokens(
@@ -262,6 +285,10 @@ class SafeVocabGRPOTrainer(GRPOTrainerBridge):
             log_kept_mass=torch.cat([r.log_kept_mass[:, -logits_to_keep:] for r in records]),
             safe_size=torch.cat([r.safe_size[:, -logits_to_keep:] for r in records]),
         )
+        return self._keep_stats(logps, entropies, aux_loss, stats)
+
+    def _keep_stats(self, logps, entropies, aux_loss, stats: SafeTokenStats):
+        """Keep the statistics of the latest scoring pass (and of every pass of a generation batch)."""
         self._last_safe_stats = stats
         if self._captured_logps is not None:
             self._captured_logps.append((logps, stats))
@@ -400,7 +427,7 @@ class SafeVocabGRPOTrainer(GRPOTrainerBridge):
         """Log the share of loss tokens with a recorded rollout log-probability; on the ``generate`` path a batch
         with unrecorded tokens (NaN) drops its rollout log-probabilities and trains without generate-path IS."""
         rollout = output.get("sampling_per_token_logps")
-        if rollout is None:
+        if rollout is None or not self._uses_rollout_logprobs:
             return
         mask = output["completion_mask"]
         if output.get("tool_mask") is not None:
@@ -418,7 +445,7 @@ class SafeVocabGRPOTrainer(GRPOTrainerBridge):
         """``(use_is, use_mismatch, zero_mismatch)`` for a batch: the importance ratio and the mismatch metrics
         need rollout log-probabilities, or the zero-mismatch setting that makes them."""
         zero_mismatch = bool(getattr(self.args, "zero_mismatch", False))
-        has_rollout = batch.get("sampling_per_token_logps") is not None or zero_mismatch
+        has_rollout = (batch.get("sampling_per_token_logps") is not None and self._uses_rollout_logprobs) or zero_mismatch
         use_is = self._importance_sampling_active and has_rollout
         return use_is, self.args.log_mismatch_metrics and has_rollout, zero_mismatch
 

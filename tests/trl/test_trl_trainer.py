@@ -61,7 +61,7 @@ RULES = [
     ("top_k=5", {}),
     ("top_p=0.9", {}),
     ("top_k=10,min_p=0.05", {}),
-    ("none", {}),
+    ("none", {"rollout_logprobs": True}),  # rule "none" records (and measures) only when switched on
     ("min_prob=0.02", {"safe_vocab_in_sampler": False}),
 ]
 
