@@ -1,5 +1,8 @@
 """``SafeVocabGRPOTrainer``: trl's ``GRPOTrainer`` with Dynamic Vocabulary Pruning.
 
+trl's private methods are reached through :class:`trl_integration.trl_private.GRPOTrainerBridge` (the fence,
+checked at import against the tested trl range); this module overrides its public hooks.
+
 What changes with respect to ``trl.GRPOTrainer`` (everything else — loss types, rewards, vLLM modes, tools,
 PEFT, logging — is trl's own code):
 
@@ -7,8 +10,10 @@ PEFT, logging — is trl's own code):
    over the safe set ``S`` of ``args.safe_vocab_rule``, computed by :func:`safevocab.fused_safe_logprobs` from the
    backbone's hidden states and the LM-head weight, under the sampler's temperature, softcap and logit scale
    (:func:`trl_integration.lm_head.add_safe_lm_head` replaces trl's fused head behind the same
-   ``model(..., fused_lm_head=True)`` call, so ``_get_per_token_logps_and_entropies`` keeps trl's batching and
-   multimodal handling).
+   ``model(..., fused_lm_head=True)`` call, so trl's scoring method keeps its batching and multimodal handling).
+   The rule is the effective one (``safe_vocab_rule`` & the sampler's own truncation, see
+   :mod:`trl_integration.effective_rule`); with rule ``"none"`` trl's own fused head stays, so that rule ``"none"``
+   with default settings is stock trl bit for bit.
 2. **Out-of-set tokens.** Sampled tokens outside the trainer's ``S`` (possible when the sampler's set differs
    numerically, or the sampler does not prune) are removed from the loss, token-wise or sequence-wise
    (``safe_vocab_out_of_set``), through trl's ``tool_mask`` (the loss-only mask; the attention mask is untouched),
@@ -17,7 +22,9 @@ PEFT, logging — is trl's own code):
    policy of the loss pass, from the loss's own forward (``safe_vocab_scoring``), so no extra forward is run.
 3. **Rollout log-probabilities without vLLM.** On the ``generate`` path a logits processor records each sampled
    token's log-probability during KV-cached decoding in the rollout's own precision (``rollout_dtype``), so
-   ``sampling_per_token_logps`` exists as on the vLLM path.
+   ``sampling_per_token_logps`` exists as on the vLLM path. Where they cannot be recorded (no logits-processor
+   loop, beams, a replaced ``generate``), the batch trains without them: one warning per run, and
+   ``safevocab/rollout_logprobs_frac`` logs the recorded share.
 4. **Importance sampling on both paths.** The ratio ``pi_S,train / pi_S,rollout`` is recomputed after the
    out-of-set masking with trl's ``vllm_importance_sampling_*`` settings; on the ``generate`` path it is applied
    by scaling the advantages per token (exactly what trl's multiplication of the per-token loss does for every
