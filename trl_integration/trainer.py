@@ -445,8 +445,11 @@ class SafeVocabGRPOTrainer(GRPOTrainerBridge):
         frac = (recorded.sum().double() / n).float() if n > 0 else torch.tensor(float("nan"))
         self._log_reduced_metrics(mode, [({ROLLOUT_LOGPROBS_FRAC: frac}, {ROLLOUT_LOGPROBS_FRAC: n})])
         # vLLM keeps trl's convention (a NaN token gets ratio 1); a partial generate-path recording is not used.
-        if not self.use_vllm and bool((recorded != counted).any()):
-            del output["sampling_per_token_logps"]
+        # Decided over all processes: every rank must then log the same metrics (they are gathered together).
+        if not self.use_vllm:
+            gap = (recorded != counted).any().reshape(1).to(self.accelerator.device, torch.float32)
+            if bool(self.accelerator.gather(gap).max() > 0):
+                del output["sampling_per_token_logps"]
 
     def _measurement_switches(self, batch: dict) -> tuple[bool, bool, bool]:
         """``(use_is, use_mismatch, zero_mismatch)`` for a batch: the importance ratio and the mismatch metrics

@@ -244,6 +244,15 @@ def test_reference_model_and_flags(tiny_model_dir, tmp_path):
     )
 
 
+@pytest.mark.slow  # transformers' continuous batching takes ~10 s per trainer on CPU
+def test_transformers_continuous_batching(tiny_model_dir, tmp_path):
+    """trl's generate_batch path (no log-probabilities): accepted with trl's default IS switch, nothing recorded."""
+    runs = run_all(tmp_path=tmp_path, use_transformers_continuous_batching=True, **plain(tiny_model_dir))
+    trainer = runs["safevocab"][0]
+    assert trainer.args.rollout_logprobs is False and trainer.args.vllm_importance_sampling_correction
+    assert not any(FRAC in h for h in steps(trainer))
+
+
 def test_peft(tiny_model_dir, tmp_path):
     peft = pytest.importorskip("peft", reason="peft is in the test extra; install safevocab[test]")
     config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
@@ -289,9 +298,12 @@ def test_sampler_flags_compose(tiny_model_dir, tmp_path):
         assert not any("mismatch/is_mean" in h for h in steps(trainer))
 
 
-def test_sampler_flags_without_penalty_record(tiny_model_dir, tmp_path):
-    """Truncation alone composes and is recorded: the ratio is exactly 1 in fp32 (same support on both sides)."""
+def test_sampler_flags_without_penalty_record(tiny_model_dir, tmp_path, capsys):
+    """Truncation alone composes and is recorded: the ratio is exactly 1 in fp32 (same support on both sides); the
+    effective rule is printed once per trainer."""
     runs = run_all(tmp_path=tmp_path, agree=False, **plain(tiny_model_dir, top_p=0.9, top_k=10, min_p=0.01))
+    printed = [line for line in capsys.readouterr().out.splitlines() if "[safevocab] effective rule" in line]
+    assert len(printed) == 2 and all("'top_k=10,top_p=0.9,min_p=0.01'" in line for line in printed)
     for name in ("safevocab", "none"):
         trainer, _, fallbacks = runs[name]
         assert not fallbacks
