@@ -63,9 +63,9 @@ class SafeVocabGRPOConfig(GRPOConfig):
             Record the sampled tokens' log-probabilities on the `generate` path (vLLM always returns them), for
             the importance-sampling correction and the mismatch metrics. `None` (auto): on when the effective rule
             or the sampler prunes or a mismatch-lab setting is on, off for rule `"none"` with default settings
-            (stock trl). Where they cannot be recorded (no logits-processor loop,
-            beam search, a replaced `generate`), the batch trains without them, with one warning per run and the
-            metric `safevocab/rollout_logprobs_frac`.
+            (stock trl). Where they cannot be recorded (no logits-processor loop, beam search, a replaced
+            `generate`), the batch trains without them, with one warning per run and the metric
+            `safevocab/rollout_logprobs_frac`.
         safe_vocab_effective_rule (`str` or `None`, set by the config):
             The rule the trainer scores with: `safe_vocab_rule` composed with the sampler's own truncation when
             `safe_vocab_in_sampler` (else `safe_vocab_rule`). Computed; a value passed in must equal it.
@@ -138,7 +138,8 @@ class SafeVocabGRPOConfig(GRPOConfig):
         metadata={
             "help": "Record the sampled tokens' log-probabilities on the generate path (renormalised over the "
             "sampler's set), so that the importance-sampling correction and mismatch metrics work without vLLM. "
-            "Default (unset): on when the effective rule prunes, off for rule 'none' (stock trl)."
+            "Default (unset): on when the effective rule or the sampler prunes or a mismatch-lab setting is on, off "
+            "for rule 'none' with default settings (stock trl)."
         },
     )
     safe_vocab_effective_rule: str | None = field(
@@ -393,6 +394,8 @@ class SafeVocabGRPOConfig(GRPOConfig):
             )
         # generation_kwargs override the flags in trl's GenerationConfig/SamplingParams: the sampler's own setting
         # is the generation_kwargs value when there is one.
+        if isinstance(self.generation_kwargs, dict):
+            self.generation_kwargs = dict(self.generation_kwargs)  # a copy: the caller's dict is not modified
         gk = self.generation_kwargs if isinstance(self.generation_kwargs, dict) else {}
         user = {key: gk.get(key, getattr(self, key)) for key in ("top_k", "top_p", "min_p")}
         effective = compose_rules(rule, sampler_rule(**user))
