@@ -102,6 +102,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     from safevocab import parse_rule
     from trl_integration import SafeVocabGRPOConfig, SafeVocabGRPOTrainer
+    from trl_integration.trl_private import metric_store
     from trl_integration.tasks.arithmetic import arithmetic_reward, make_dataset
 
     if not 0 <= args.skip < args.steps:
@@ -136,7 +137,7 @@ def main(argv: list[str] | None = None) -> dict:
             for name in names if step % 2 == 0 else names[::-1]:  # alternate who goes first
                 trainer, batches = trainers[name]
                 times[name].append(_timed_step(trainer, batches, seed=args.seed * 100_003 + step))
-        tokens = {name: trainers[name][0]._metrics["train"]["num_tokens"][-1] for name in names}
+        tokens = {name: metric_store(trainers[name][0])["train"]["num_tokens"][-1] for name in names}
     stock, safe = (times[name][args.skip :] for name in names)
     ratios = sorted(s / k for s, k in zip(safe, stock))
     quartiles = statistics.quantiles(ratios, n=4) if len(ratios) >= 2 else [ratios[0]] * 3

@@ -38,7 +38,7 @@ class LengthDecayCallback(TrainerCallback):
             length = pending.pop(0)
             if scheduler.detector is not None and math.isfinite(length):
                 scheduler.observe_length(state.global_step, length)
-        metrics = self.trainer._metrics["train"]
+        metrics = self.trainer.metric_store["train"]
         metrics["lr"].append(float(scheduler.get_last_lr()[0]))
         metrics["safevocab/lr_decay_active"].append(float(scheduler.decay_active))
         detector = scheduler.detector

@@ -9,11 +9,14 @@ from dataclasses import dataclass, field
 
 from trl import GRPOConfig
 
-from safevocab import MinProb, SafeVocabRule, parse_rule
+import trl_integration.trl_private  # noqa: F401  (fails at import, in one line, outside the tested trl range)
+
+from safevocab import MinProb, NoPruning, SafeVocabRule, parse_rule
 from safevocab.schedulers import SurgeDetector
 from trl_integration.correction import IS_MODES
+from trl_integration.effective_rule import compose_rules
 from trl_integration.metrics import DEFAULT_BUCKETS
-from trl_integration.rollout import NOISE_KINDS, ROLLOUT_DTYPES, UNSUPPORTED_SAMPLING_KWARGS, sampler_rule
+from trl_integration.rollout import NOISE_KINDS, ROLLOUT_DTYPES, sampler_rule
 
 __all__ = ["SafeVocabGRPOConfig", "OUT_OF_SET_MODES", "SCORING_MODES", "DEFAULT_RULE"]
 
@@ -24,9 +27,6 @@ OUT_OF_SET_MODES = ("mask_token", "mask_sequence")
 
 #: Where the safe-set masks, importance ratio and metrics of an on-policy generation batch come from.
 SCORING_MODES = ("auto", "loss_forward", "separate")
-
-# trl's neutral (no truncation) values of the sampler settings.
-_NEUTRAL = {"top_k": (None, 0, -1), "top_p": (None, 1.0), "min_p": (None, 0.0)}
 
 
 @dataclass
@@ -51,14 +51,24 @@ class SafeVocabGRPOConfig(GRPOConfig):
             What to do with a sampled token outside the trainer's safe set: `"mask_token"` drops the token from
             the loss, `"mask_sequence"` drops its whole sequence.
         safe_vocab_in_sampler (`bool`, defaults to `True`):
-            Sample rollouts with the same rule: trl's `top_k`/`top_p`/`min_p` are set from the rule. Setting them
-            to other values raises. With `False` the sampler keeps its own settings.
+            Sample rollouts with the same rule. Sampler truncation the user sets (`top_k`/`top_p`/`min_p`, as flags
+            or in `generation_kwargs`) composes with it: the sampler and the trainer both use the effective rule
+            `safe_vocab_rule & sampler rule` (`safe_vocab_effective_rule`, see
+            :func:`~trl_integration.effective_rule.compose_rules`). With `False` the sampler keeps its own settings
+            and the trainer scores with `safe_vocab_rule` alone.
         rollout_dtype (`str`, defaults to `"auto"`):
             Precision of the `generate` rollouts: `"auto"` (the model's dtype, as trl), `"float32"`, `"bfloat16"`
             or `"float16"` (autocast; the trained weights are not modified).
-        rollout_logprobs (`bool`, defaults to `True`):
+        rollout_logprobs (`bool` or `None`, defaults to `None`):
             Record the sampled tokens' log-probabilities on the `generate` path (vLLM always returns them), for
-            the importance-sampling correction and the mismatch metrics.
+            the importance-sampling correction and the mismatch metrics. `None` (auto): on when the effective rule
+            or the sampler prunes or a mismatch-lab setting is on, off for rule `"none"` with default settings
+            (stock trl). Where they cannot be recorded (no logits-processor loop, beam search, a replaced
+            `generate`), the batch trains without them, with one warning per run and the metric
+            `safevocab/rollout_logprobs_frac`.
+        safe_vocab_effective_rule (`str` or `None`, set by the config):
+            The rule the trainer scores with: `safe_vocab_rule` composed with the sampler's own truncation when
+            `safe_vocab_in_sampler` (else `safe_vocab_rule`). Computed; a value passed in must equal it.
         log_mismatch_metrics (`bool`, defaults to `True`):
             Log the `mismatch/*` metrics whenever rollout log-probabilities exist.
         mismatch_buckets (`list[float]`, defaults to `[0.001, 0.01, 0.1, 0.5]`):
@@ -123,11 +133,21 @@ class SafeVocabGRPOConfig(GRPOConfig):
             "choices": list(ROLLOUT_DTYPES),
         },
     )
-    rollout_logprobs: bool = field(
-        default=True,
+    rollout_logprobs: bool | None = field(
+        default=None,
         metadata={
             "help": "Record the sampled tokens' log-probabilities on the generate path (renormalised over the "
-            "sampler's set), so that the importance-sampling correction and mismatch metrics work without vLLM."
+            "sampler's set), so that the importance-sampling correction and mismatch metrics work without vLLM. "
+            "Default (unset): on when the effective rule or the sampler prunes or a mismatch-lab setting is on, off "
+            "for rule 'none' with default settings (stock trl)."
+        },
+    )
+    safe_vocab_effective_rule: str | None = field(
+        default=None,
+        metadata={
+            "help": "Set by the config, not an input: safe_vocab_rule composed with the sampler's top_k/top_p/min_p "
+            "(flags or generation_kwargs), the rule both the sampler and the trainer use. A value passed in must "
+            "equal the computed one."
         },
     )
     log_mismatch_metrics: bool = field(
@@ -261,13 +281,21 @@ class SafeVocabGRPOConfig(GRPOConfig):
             raise ValueError(
                 f"safe_vocab_scoring={self.safe_vocab_scoring!r} is not accepted: accepted one of {SCORING_MODES}"
             )
-        if self.safe_vocab_in_sampler:
-            self._apply_rule_to_sampler(rule)
+        if isinstance(self.generation_kwargs, str):
+            self.generation_kwargs = json.loads(self.generation_kwargs)
+        effective = self._compose_with_sampler(rule) if self.safe_vocab_in_sampler else rule
+        given = self.safe_vocab_effective_rule
+        if given is not None and str(parse_rule(given)) != str(effective):
+            raise ValueError(
+                f"safe_vocab_effective_rule={given!r} is computed by the config, not an input: accepted None or "
+                f"{str(effective)!r} (safe_vocab_rule & the sampler's settings)"
+            )
+        self.safe_vocab_effective_rule = str(effective)
+        self._effective_rule = effective
 
         super().__post_init__()
 
-        if isinstance(self.generation_kwargs, str):
-            self.generation_kwargs = json.loads(self.generation_kwargs)
+        self._resolve_rollout_logprobs()
         self._check_generation_kwargs(rule)
         self._check_rollout_paths()
         self._check_mismatch_lab()
@@ -331,6 +359,15 @@ class SafeVocabGRPOConfig(GRPOConfig):
         return rule
 
     @property
+    def effective_rule(self) -> SafeVocabRule:
+        """The rule the trainer scores with (:attr:`safe_vocab_effective_rule`, parsed)."""
+        rule = getattr(self, "_effective_rule", None)
+        if rule is None or str(rule) != self.safe_vocab_effective_rule:
+            rule = parse_rule(self.safe_vocab_effective_rule or self.safe_vocab_rule)
+            self._effective_rule = rule
+        return rule
+
+    @property
     def sampler_rule(self) -> SafeVocabRule:
         """The rule the rollout sampler applies (from ``top_k``/``top_p``/``min_p`` and ``generation_kwargs``)."""
         gk = self.generation_kwargs if isinstance(self.generation_kwargs, dict) else {}
@@ -347,39 +384,49 @@ class SafeVocabGRPOConfig(GRPOConfig):
         )
 
     # ------------------------------------------------------------------------------------------------------
-    def _apply_rule_to_sampler(self, rule: SafeVocabRule) -> None:
+    def _compose_with_sampler(self, rule: SafeVocabRule) -> SafeVocabRule:
+        """The effective rule ``rule & sampler rule``; sets the sampler (flags and ``generation_kwargs``) to it."""
         if any(isinstance(part, MinProb) for part in rule.parts):
             raise ValueError(
                 f"safe_vocab_rule={str(rule)!r} contains min_prob, which no HF/vLLM sampler can apply, while "
                 "safe_vocab_in_sampler=True. Use min_p/top_k/top_p, or set safe_vocab_in_sampler=False (the "
                 "sampler then keeps its own settings and sampled tokens outside S are masked)."
             )
-        wanted = rule.sampler_kwargs()
+        # generation_kwargs override the flags in trl's GenerationConfig/SamplingParams: the sampler's own setting
+        # is the generation_kwargs value when there is one.
+        if isinstance(self.generation_kwargs, dict):
+            self.generation_kwargs = dict(self.generation_kwargs)  # a copy: the caller's dict is not modified
+        gk = self.generation_kwargs if isinstance(self.generation_kwargs, dict) else {}
+        user = {key: gk.get(key, getattr(self, key)) for key in ("top_k", "top_p", "min_p")}
+        effective = compose_rules(rule, sampler_rule(**user))
+        wanted = effective.sampler_kwargs()
         for key in ("top_k", "top_p", "min_p"):
-            current = getattr(self, key)
-            target = wanted.get(key)
-            if current not in _NEUTRAL[key] and current != target:
-                raise ValueError(
-                    f"{key}={current!r} disagrees with safe_vocab_rule={str(rule)!r} "
-                    f"({key}={target!r} there) while safe_vocab_in_sampler=True: the sampler and the trainer must "
-                    f"share one safe set. Put the threshold in safe_vocab_rule and leave {key} unset, or set "
-                    "safe_vocab_in_sampler=False."
-                )
-            if target is not None:
-                setattr(self, key, target)
+            if key in wanted:
+                setattr(self, key, wanted[key])
+                if key in gk:
+                    gk[key] = wanted[key]
+        # The sampler's temperature is the behaviour policy's: score at it too (trl would score at `temperature`).
+        if "temperature" in gk and gk["temperature"] is not None and gk["temperature"] != self.temperature:
+            warnings.warn(
+                f"generation_kwargs['temperature']={gk['temperature']!r} overrides temperature={self.temperature!r} "
+                "in the sampler: the trainer scores at the sampler's temperature too",
+                UserWarning,
+                stacklevel=4,
+            )
+            self.temperature = float(gk["temperature"])
+        return effective
+
+    def _resolve_rollout_logprobs(self) -> None:
+        """``rollout_logprobs=None`` (auto): record on the plain ``generate`` path when the effective rule or the
+        sampler prunes, or a mismatch-lab setting needs them; rule ``"none"`` with default settings stays stock trl
+        unless the user switches recording on."""
+        if self.rollout_logprobs is None:
+            prunes = not isinstance(self.effective_rule, NoPruning) or not isinstance(self.sampler_rule, NoPruning)
+            lab = self.rollout_logit_noise > 0 or self.zero_mismatch
+            self.rollout_logprobs = not self.use_transformers_continuous_batching and (prunes or lab)
 
     def _check_generation_kwargs(self, rule: SafeVocabRule) -> None:
-        gk = self.generation_kwargs or {}
-        if self.safe_vocab_in_sampler:
-            for key in ("top_k", "top_p", "min_p", "temperature"):
-                if key in gk and gk[key] != getattr(self, key) and not (
-                    key != "temperature" and gk[key] in _NEUTRAL[key] and getattr(self, key) in _NEUTRAL[key]
-                ):
-                    raise ValueError(
-                        f"generation_kwargs[{key!r}]={gk[key]!r} overrides the sampler's {key}={getattr(self, key)!r} "
-                        f"set from safe_vocab_rule={str(rule)!r}: remove it from generation_kwargs"
-                    )
-        elif str(self.sampler_rule) != str(rule):
+        if not self.safe_vocab_in_sampler and str(self.sampler_rule) != str(rule):
             warnings.warn(
                 f"safe_vocab_in_sampler=False: rollouts are sampled with {str(self.sampler_rule)!r} but the trainer "
                 f"scores with {str(rule)!r}. Importance ratios then carry a log(kept-mass) offset and sampled tokens "
@@ -387,13 +434,6 @@ class SafeVocabGRPOConfig(GRPOConfig):
                 UserWarning,
                 stacklevel=4,
             )
-        if self.rollout_logprobs and not self.use_vllm:
-            for key, neutral in UNSUPPORTED_SAMPLING_KWARGS.items():
-                if key in gk and gk[key] != neutral and not (key == "guidance_scale" and gk[key] in (None, 1.0)):
-                    raise ValueError(
-                        f"generation_kwargs[{key!r}]={gk[key]!r} changes sampling in a way the rollout log-prob "
-                        f"recorder cannot reproduce: set it to {neutral!r} or set rollout_logprobs=False"
-                    )
 
     def _check_mismatch_lab(self) -> None:
         """Controlled-mismatch settings (``rollout_logit_noise*``, ``zero_mismatch``) and fp16 on CPU."""
@@ -438,38 +478,26 @@ class SafeVocabGRPOConfig(GRPOConfig):
             )
 
     def _check_rollout_paths(self) -> None:
-        correction = self.vllm_importance_sampling_correction
-        if self.use_vllm:
-            if self.rollout_dtype != "auto":
-                raise ValueError(
-                    f"rollout_dtype={self.rollout_dtype!r} applies to the generate path only; with use_vllm=True "
-                    "the vLLM engine's dtype decides. Leave rollout_dtype='auto'."
-                )
-        elif self.use_transformers_continuous_batching:
-            if self.rollout_logprobs or correction:
-                raise ValueError(
-                    "use_transformers_continuous_batching=True returns no rollout log-probabilities: set "
-                    "rollout_logprobs=False and vllm_importance_sampling_correction=False"
-                )
-        elif correction and not self.rollout_logprobs:
+        """Only the project's own requirements: trl's (e.g. VESPO's token-level IS modes with vLLM) stay trl's,
+        checked where trl checks them."""
+        if self.use_vllm and self.rollout_dtype != "auto":
+            # Our requirement: rollout_dtype acts on the generate path's autocast, which vLLM does not use.
             raise ValueError(
-                "vllm_importance_sampling_correction=True on the generate path (use_vllm=False) needs the rollout "
-                "log-probabilities: set rollout_logprobs=True, or vllm_importance_sampling_correction=False"
+                f"rollout_dtype={self.rollout_dtype!r} applies to the generate path only; with use_vllm=True "
+                "the vLLM engine's dtype decides. Leave rollout_dtype='auto'."
             )
-        if correction and self.vllm_importance_sampling_mode not in IS_MODES:
+        if self.use_transformers_continuous_batching and self.rollout_logprobs:
+            # Our requirement: the recorder is a LogitsProcessor of `generate`, which continuous batching bypasses.
             raise ValueError(
-                f"vllm_importance_sampling_mode={self.vllm_importance_sampling_mode!r} is not accepted: accepted one "
-                f"of {IS_MODES}"
+                "rollout_logprobs=True is not accepted with use_transformers_continuous_batching=True, whose "
+                "generate_batch returns no log-probabilities and runs no logits processor: accepted "
+                "rollout_logprobs=False or unset"
             )
-        if (
-            correction
-            and (self.use_vllm or self.rollout_logprobs)
-            and self.loss_type == "vespo"
-            and self.vllm_importance_sampling_mode not in ("token_truncate", "token_mask")
-        ):
+        if self.generate_path_importance_sampling and self.vllm_importance_sampling_mode not in IS_MODES:
+            # Our requirement: the generate-path correction reuses trl's modes (trl checks them on vLLM itself).
             raise ValueError(
-                "loss_type='vespo' requires vllm_importance_sampling_mode 'token_truncate' or 'token_mask', got "
-                f"{self.vllm_importance_sampling_mode!r}"
+                f"vllm_importance_sampling_mode={self.vllm_importance_sampling_mode!r} is not accepted by the "
+                f"generate-path importance sampling: accepted one of {IS_MODES}"
             )
 
 

@@ -123,7 +123,8 @@ def add_safe_lm_head(
         The :class:`SafeHeadState` the patched forward reads.
     """
     from torch.distributed.tensor import DTensor
-    from trl.trainer.utils import maybe_gather_lm_head_ctx
+
+    from trl_integration.trl_private import maybe_gather_lm_head_ctx
 
     state = state if state is not None else SafeHeadState()
     previous_forward = model.forward
@@ -266,6 +267,6 @@ def _backward_gather(lm_head: torch.nn.Module, head_weight: torch.Tensor, head_b
     params = [param for param, used in pairs if param is not None and param is used]
     if not params:
         return None
-    from trl.trainer.utils import maybe_gather_lm_head_ctx
+    from trl_integration.trl_private import maybe_gather_lm_head_ctx
 
     return functools.partial(maybe_gather_lm_head_ctx, *params)

@@ -124,7 +124,9 @@ class RolloutLogprobRecorder(LogitsProcessor):
 
     After ``generate`` returns, call `finalize` with the returned sequences; `logprobs` is then the
     fp32 ``[batch, generated_steps]`` tensor (positions after a sequence finished hold the pad token's value and
-    are masked by the caller).
+    are masked by the caller). `recording_generate` does that, and when the recording is unusable (``generate``
+    ran no logits-processor loop, or fewer steps than it returned) sets `failure` to the reason instead of
+    raising, so that the rollout goes on without log-probabilities.
     """
 
     def __init__(self, rule: SafeVocabRule, temperature: float = 1.0, max_buffer_bytes: int = 64 * 2**20):
@@ -134,6 +136,8 @@ class RolloutLogprobRecorder(LogitsProcessor):
         self.prompt_length: int | None = None
         self.num_calls = 0
         self.logprobs: torch.Tensor | None = None
+        #: Why the recording is unusable (set by `recording_generate`), else ``None``.
+        self.failure: str | None = None
         self._pending: torch.Tensor | None = None  # the latest step's scores; its token comes with the next call
         self._closed: list[tuple[torch.Tensor, torch.Tensor]] = []  # (scores, tokens) not scored yet
         self._closed_bytes = 0
@@ -170,7 +174,10 @@ class RolloutLogprobRecorder(LogitsProcessor):
     def finalize(self, sequences: torch.Tensor) -> torch.Tensor:
         """Close the last step with the final sampled tokens; returns ``[batch, steps]`` fp32 log-probabilities."""
         if self.prompt_length is None:
-            raise RuntimeError("the rollout log-prob recorder was never called: it is not attached to generate")
+            raise RuntimeError(
+                "the rollout log-prob recorder was never called: generate ran no logits-processor loop (a replaced "
+                "or patched generate, or a decoding mode without logits processors)"
+            )
         if self._pending is not None:
             self._close_step(sequences[:, -1])
         self._score_closed()
@@ -308,6 +315,8 @@ def rollout_precision(model: torch.nn.Module, dtype: torch.dtype | None):
     if dtype is None:
         yield
         return
+    from trl_integration.trl_private import mixed_precision_forward
+
     params = [p for p in model.parameters() if p.is_floating_point()]
     if not params:
         yield
@@ -316,12 +325,13 @@ def rollout_precision(model: torch.nn.Module, dtype: torch.dtype | None):
     dtypes = {p.dtype for p in params}
     # Under mixed precision, accelerate wraps `model.forward` in its own autocast (keeping the unwrapped one in
     # `_original_forward`); that inner autocast would override ours, so the rollout runs the unwrapped forward.
-    wrapped = vars(model).get("_original_forward") is not None and "forward" in vars(model)
+    unwrapped_forward = mixed_precision_forward(model)
+    wrapped = unwrapped_forward is not None
     saved_forward = model.forward if wrapped else None
     originals = [(p, p.data) for p in params if p.dtype != torch.float32] if dtype == torch.float32 else []
     try:
         if wrapped:
-            model.forward = model._original_forward
+            model.forward = unwrapped_forward
         if dtypes == {dtype} or dtype == torch.float32:
             for p, data in originals:  # lossless upcast of lower-precision parameters
                 p.data = data.float()
@@ -346,7 +356,8 @@ def recording_generate(
 ):
     """Patch ``model.generate`` for the enclosed block: append ``processors`` (e.g. a
     `LogitNoiseProcessor`) and then ``recorder`` to its logits processors, run it under
-    `rollout_precision` and finalize the recorder with the returned sequences."""
+    `rollout_precision` and finalize the recorder with the returned sequences (a recording that cannot be finalized
+    sets ``recorder.failure`` instead of raising)."""
     processors = list(processors)
     if recorder is None and dtype is None and not processors:
         yield
@@ -362,7 +373,10 @@ def recording_generate(
         with rollout_precision(model, dtype) if dtype is not None else nullcontext():
             out = original(*args, **kwargs)
         if recorder is not None:
-            recorder.finalize(out if isinstance(out, torch.Tensor) else out.sequences)
+            try:
+                recorder.finalize(out if isinstance(out, torch.Tensor) else out.sequences)
+            except RuntimeError as error:  # degrade: the rollout is fine, only its log-probabilities are missing
+                recorder.failure = str(error)
         return out
 
     model.generate = generate

@@ -1,5 +1,8 @@
 """``SafeVocabGRPOTrainer``: trl's ``GRPOTrainer`` with Dynamic Vocabulary Pruning.
 
+trl's private methods are reached through :class:`trl_integration.trl_private.GRPOTrainerBridge` (the fence,
+checked at import against the tested trl range); this module overrides its public hooks.
+
 What changes with respect to ``trl.GRPOTrainer`` (everything else — loss types, rewards, vLLM modes, tools,
 PEFT, logging — is trl's own code):
 
@@ -7,8 +10,10 @@ PEFT, logging — is trl's own code):
    over the safe set ``S`` of ``args.safe_vocab_rule``, computed by :func:`safevocab.fused_safe_logprobs` from the
    backbone's hidden states and the LM-head weight, under the sampler's temperature, softcap and logit scale
    (:func:`trl_integration.lm_head.add_safe_lm_head` replaces trl's fused head behind the same
-   ``model(..., fused_lm_head=True)`` call, so ``_get_per_token_logps_and_entropies`` keeps trl's batching and
-   multimodal handling).
+   ``model(..., fused_lm_head=True)`` call, so trl's scoring method keeps its batching and multimodal handling).
+   The rule is the effective one (``safe_vocab_rule`` & the sampler's own truncation, see
+   :mod:`trl_integration.effective_rule`); with rule ``"none"`` trl's own fused head stays, so that rule ``"none"``
+   with default settings is stock trl bit for bit.
 2. **Out-of-set tokens.** Sampled tokens outside the trainer's ``S`` (possible when the sampler's set differs
    numerically, or the sampler does not prune) are removed from the loss, token-wise or sequence-wise
    (``safe_vocab_out_of_set``), through trl's ``tool_mask`` (the loss-only mask; the attention mask is untouched),
@@ -17,7 +22,9 @@ PEFT, logging — is trl's own code):
    policy of the loss pass, from the loss's own forward (``safe_vocab_scoring``), so no extra forward is run.
 3. **Rollout log-probabilities without vLLM.** On the ``generate`` path a logits processor records each sampled
    token's log-probability during KV-cached decoding in the rollout's own precision (``rollout_dtype``), so
-   ``sampling_per_token_logps`` exists as on the vLLM path.
+   ``sampling_per_token_logps`` exists as on the vLLM path. Where they cannot be recorded (no logits-processor
+   loop, beams, a replaced ``generate``), the batch trains without them: one warning per run, and
+   ``safevocab/rollout_logprobs_frac`` logs the recorded share.
 4. **Importance sampling on both paths.** The ratio ``pi_S,train / pi_S,rollout`` is recomputed after the
    out-of-set masking with trl's ``vllm_importance_sampling_*`` settings; on the ``generate`` path it is applied
    by scaling the advantages per token (exactly what trl's multiplication of the per-token loss does for every
@@ -30,10 +37,11 @@ PEFT, logging — is trl's own code):
 
 from __future__ import annotations
 
+import math
+import warnings
+
 import torch
 from accelerate.utils import is_peft_model
-from trl import GRPOTrainer
-from trl.models.utils import disable_gradient_checkpointing
 
 from safevocab import NoPruning
 from safevocab.schedulers import LengthDecayLR
@@ -48,6 +56,7 @@ from trl_integration.metrics import (
     reduce_gathered,
     safe_set_metrics,
 )
+from trl_integration.trl_private import GRPOTrainerBridge, disable_gradient_checkpointing
 from trl_integration.rollout import (
     ROLLOUT_DTYPES,
     LogitNoiseProcessor,
@@ -60,6 +69,9 @@ __all__ = ["SafeVocabGRPOTrainer", "SafeTokenStats"]
 
 #: Key of a generation batch whose out-of-set masks, importance ratio and metrics come from the loss's forward.
 SCORE_IN_LOSS = "safevocab_score_in_loss"
+
+#: Metric: share of the loss tokens of a generation batch whose rollout log-probability was recorded (public name).
+ROLLOUT_LOGPROBS_FRAC = "safevocab/rollout_logprobs_frac"
 
 #: trl loss types normalised by ``num_items_in_batch`` (the loss tokens of the whole generation batch).
 _COUNT_NORMALISED_LOSSES = ("dapo", "cispo", "vespo")
@@ -102,7 +114,7 @@ class _PendingGeneration:
         self.records: list[dict] = []
 
 
-class SafeVocabGRPOTrainer(GRPOTrainer):
+class SafeVocabGRPOTrainer(GRPOTrainerBridge):
     """GRPO with safe-vocabulary (Dynamic Vocabulary Pruning) log-probabilities.
 
     Takes the same arguments as ``trl.GRPOTrainer``; ``args`` must be a
@@ -129,7 +141,9 @@ class SafeVocabGRPOTrainer(GRPOTrainer):
                 f"args must be a SafeVocabGRPOConfig, got {type(args).__name__}: build it with "
                 "SafeVocabGRPOConfig(...), which accepts every GRPOConfig argument"
             )
-        self._captured_logps: dict | None = None
+        self._captured_logps: list | None = None
+        #: Why rollout log-probabilities were missing, once warned (one warning per run).
+        self._rollout_logprobs_fallback: str | None = None
         self._last_safe_stats: SafeTokenStats | None = None
         # The loss forward run ahead of trl's loss code (on-policy batches), handed back to it once.
         self._replay: tuple | None = None
@@ -139,7 +153,13 @@ class SafeVocabGRPOTrainer(GRPOTrainer):
         super().__init__(model, reward_funcs, args, *pargs, **kwargs)
         self._check_zero3()
 
-        self.safe_vocab_rule = args.rule
+        # The rule the trainer scores with: safe_vocab_rule composed with the sampler's own truncation.
+        self.safe_vocab_rule = args.effective_rule
+        if str(args.effective_rule) != str(args.rule) and self.accelerator.is_main_process:
+            print(
+                f"[safevocab] effective rule {str(args.effective_rule)!r} = safe_vocab_rule {str(args.rule)!r} & the "
+                "sampler's top_k/top_p/min_p: the sampler and the trainer renormalise over it"
+            )
         self._rollout_dtype = ROLLOUT_DTYPES[args.rollout_dtype]
         self._safe_head = SafeHeadState()
         head_kwargs = dict(
@@ -149,9 +169,15 @@ class SafeVocabGRPOTrainer(GRPOTrainer):
             state=self._safe_head,
             max_chunk_bytes=args.safe_vocab_max_chunk_bytes,
         )
-        add_safe_lm_head(self.model.get_base_model() if is_peft_model(self.model) else self.model, **head_kwargs)
-        if self.ref_model is not None:
-            add_safe_lm_head(self.accelerator.unwrap_model(self.ref_model), **head_kwargs)
+        # Rule "none" renormalises over the whole vocabulary: that is trl's own log-softmax, so trl's fused head stays
+        # (bit-for-bit stock trl) and the safe-set statistics are the trivial ones (every token kept, no mass pruned).
+        self._stock_head = isinstance(self.safe_vocab_rule, NoPruning)
+        base = self.model.get_base_model() if is_peft_model(self.model) else self.model
+        self._vocab_size = int(base.get_output_embeddings().weight.shape[0])
+        if not self._stock_head:
+            add_safe_lm_head(base, **head_kwargs)
+            if self.ref_model is not None:
+                add_safe_lm_head(self.accelerator.unwrap_model(self.ref_model), **head_kwargs)
         if self.use_vllm:
             self._require_processed_logprobs()
         #: Global mean completion lengths of training generations not yet seen by the length-decay schedule.
@@ -201,6 +227,12 @@ class SafeVocabGRPOTrainer(GRPOTrainer):
             )
 
     @property
+    def _uses_rollout_logprobs(self) -> bool:
+        """Whether rollout log-probabilities are used: always from vLLM; on the generate path (recorded, or given by
+        a ``rollout_func``) only with ``rollout_logprobs`` (rule ``"none"`` leaves them to trl, which ignores them)."""
+        return bool(self.use_vllm or self.args.rollout_logprobs)
+
+    @property
     def _importance_sampling_active(self) -> bool:
         if self.use_vllm:
             return bool(self.vllm_importance_sampling_correction)
@@ -209,13 +241,13 @@ class SafeVocabGRPOTrainer(GRPOTrainer):
     # ------------------------------------------------------------------------------------------------------
     # log-probabilities
 
-    def _get_per_token_logps_and_entropies(
+    def score_completion_tokens(
         self, model, input_ids, attention_mask, logits_to_keep, batch_size=None, compute_entropy=False, **kwargs
     ):
         """trl's method (its batching and multimodal slicing) over the safe head; also keeps the per-token
         safe-set statistics of the call in ``self._last_safe_stats``.
 
-        When the loss pass was run ahead of trl's loss code (:meth:`_compute_loss`, on-policy batches), trl's own
+        When the loss pass was run ahead of trl's loss code (:meth:`grpo_loss`, on-policy batches), trl's own
         call gets that result back instead of a second forward."""
         if self._replay is not None:
             shape, keep, result = self._replay
@@ -226,9 +258,20 @@ class SafeVocabGRPOTrainer(GRPOTrainer):
                     f"{logits_to_keep}) but the pass run ahead of it scored {shape} (keep {keep})"
                 )
             return result
+        if self._stock_head:
+            logps, entropies, aux_loss = self.stock_score_completion_tokens(
+                model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size,
+                compute_entropy=compute_entropy, **kwargs,
+            )
+            stats = SafeTokenStats(
+                in_safe=torch.ones_like(logps, dtype=torch.bool),
+                log_kept_mass=torch.zeros_like(logps, dtype=torch.float32),
+                safe_size=torch.full(logps.shape, self._vocab_size, dtype=torch.int64, device=logps.device),
+            )
+            return self._keep_stats(logps, entropies, aux_loss, stats)
         self._safe_head.begin(compute_entropy)
         try:
-            logps, entropies, aux_loss = super()._get_per_token_logps_and_entropies(
+            logps, entropies, aux_loss = self.stock_score_completion_tokens(
                 model,
                 input_ids,
                 attention_mask,
@@ -249,9 +292,13 @@ class SafeVocabGRPOTrainer(GRPOTrainer):
             log_kept_mass=torch.cat([r.log_kept_mass[:, -logits_to_keep:] for r in records]),
             safe_size=torch.cat([r.safe_size[:, -logits_to_keep:] for r in records]),
         )
+        return self._keep_stats(logps, entropies, aux_loss, stats)
+
+    def _keep_stats(self, logps, entropies, aux_loss, stats: SafeTokenStats):
+        """Keep the statistics of the latest scoring pass (and of every pass of a generation batch)."""
         self._last_safe_stats = stats
         if self._captured_logps is not None:
-            self._captured_logps[id(logps)] = (logps, stats)
+            self._captured_logps.append((logps, stats))
         return logps, entropies, aux_loss
 
     def _score_generation_batch(self, batch: dict) -> tuple[torch.Tensor, SafeTokenStats]:
@@ -263,7 +310,7 @@ class SafeVocabGRPOTrainer(GRPOTrainer):
         batch_size = self.args.per_device_train_batch_size if mode == "train" else self.args.per_device_eval_batch_size
         extra = {k: batch[k] for k in _FORWARD_KEYS if k in batch}
         with torch.no_grad(), disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs):
-            logps, _, _ = self._get_per_token_logps_and_entropies(
+            logps, _, _ = self.score_completion_tokens(
                 self.model, input_ids, attention_mask, batch["completion_ids"].size(1), batch_size=batch_size, **extra
             )
         return logps, self._last_safe_stats
@@ -271,15 +318,22 @@ class SafeVocabGRPOTrainer(GRPOTrainer):
     # ------------------------------------------------------------------------------------------------------
     # rollouts
 
-    def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+    def generate_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
         if self.use_vllm or self.use_transformers_continuous_batching:
-            return super()._generate_single_turn(
-                prompt_ids, images, multimodal_fields, num_generations, has_tool_images=has_tool_images
-            )
-        recorder = None
+            return self.stock_generate_turn(prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
+        recorder, fallback = None, None
         if self.args.rollout_logprobs:
-            rule, temperature = sampler_rule_from_generation_config(self.generation_config)
-            recorder = RolloutLogprobRecorder(rule, temperature)
+            try:
+                rule, temperature = sampler_rule_from_generation_config(self.generation_config)
+                recorder = RolloutLogprobRecorder(rule, temperature)
+            except ValueError as error:  # a sampling setting the recorder cannot reproduce (beams, typical_p, ...)
+                fallback = str(error)
+            penalty = getattr(self.generation_config, "repetition_penalty", None)
+            if recorder is not None and self._importance_sampling_active and penalty not in (None, 1.0):
+                recorder, fallback = None, (
+                    f"generation repetition_penalty={penalty!r} reshapes the sampling distribution by the context, "
+                    "which the trainer's log-probabilities do not reproduce: no generate-path importance sampling"
+                )
         processors = []
         if self._logit_noise is not None:
             temperature = self.generation_config.temperature
@@ -287,24 +341,41 @@ class SafeVocabGRPOTrainer(GRPOTrainer):
             processors.append(self._logit_noise)  # before the recorder: it records the perturbed distribution
         target = self.accelerator.unwrap_model(self.model_wrapped)
         with recording_generate(target, recorder, self._rollout_dtype, processors):
-            completion_ids, logprobs = super()._generate_single_turn(
-                prompt_ids, images, multimodal_fields, num_generations, has_tool_images=has_tool_images
-            )
-        if recorder is not None:
+            completion_ids, logprobs = self.stock_generate_turn(prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
+        if recorder is not None and recorder.failure is not None:
+            fallback = recorder.failure
+        if recorder is not None and fallback is None:
             logprobs = recorder.per_sequence(completion_ids)
+        elif fallback is not None:
+            # NaN marks "not recorded" (trl's own convention for vLLM tokens without a log-probability);
+            # generate_and_score drops the batch's rollout log-probabilities and logs the recorded share.
+            self._warn_rollout_logprobs_fallback(fallback)
+            logprobs = [[math.nan] * len(ids) for ids in completion_ids]
         return completion_ids, logprobs
 
-    def _generate_and_score_completions(self, inputs):
-        self._captured_logps = {}
+    def _warn_rollout_logprobs_fallback(self, reason: str) -> None:
+        """One warning per run: rollout log-probabilities could not be recorded, the batch trains without them."""
+        if self._rollout_logprobs_fallback is not None:
+            return
+        self._rollout_logprobs_fallback = reason
+        warnings.warn(
+            f"rollout log-probabilities could not be recorded ({reason}); such batches train without generate-path "
+            f"importance sampling and mismatch metrics, and {ROLLOUT_LOGPROBS_FRAC} logs the recorded share",
+            UserWarning,
+            stacklevel=2,
+        )
+
+    def generate_and_score(self, inputs):
+        self._captured_logps = []
         try:
-            output = super()._generate_and_score_completions(inputs)
+            output = self.stock_generate_and_score(inputs)
             captured = self._captured_logps
         finally:
             self._captured_logps = None
         self._apply_safe_vocabulary(output, captured)
         if self.args.length_decay and self.model.training:
             # trl has just logged the gathered (all-process) mean completion length of this generation.
-            lengths = self._metrics["train"].get("completions/mean_length")
+            lengths = self.metric_store["train"].get("completions/mean_length")
             if lengths:
                 self.pending_mean_lengths.append(float(lengths[-1]))
         return output
@@ -328,21 +399,26 @@ class SafeVocabGRPOTrainer(GRPOTrainer):
         self._created_lr_scheduler = True
         return self.lr_scheduler
 
-    def _apply_safe_vocabulary(self, output: dict, captured: dict) -> None:
+    def _apply_safe_vocabulary(self, output: dict, captured: list) -> None:
         """Out-of-set masking, importance ratio and metrics for one generation batch (modifies ``output``).
 
         The trainer's log-probabilities and safe sets of the sampled tokens come from trl's old-policy pass when
         trl ran one; else, for these on-policy batches, from the loss's own forward (the batch is marked with
-        `SCORE_IN_LOSS` and :meth:`_compute_loss` does the rest per micro-batch) or from one more no-grad pass
+        `SCORE_IN_LOSS` and :meth:`grpo_loss` does the rest per micro-batch) or from one more no-grad pass
         (``safe_vocab_scoring``)."""
         mode = "train" if self.model.training else "eval"
+        self._check_rollout_logprobs(output, mode)
         use_is, use_mismatch, zero_mismatch = self._measurement_switches(output)
         if isinstance(self.safe_vocab_rule, NoPruning) and not use_is and not use_mismatch and not zero_mismatch:
             return  # nothing to mask or measure: stay exactly trl (no extra forward pass)
 
+        # trl ran an old-policy pass when the batch carries old_per_token_logps: its safe sets are those of the
+        # first captured policy pass with the same values (trl scores the old policy before the reference).
         old = output.get("old_per_token_logps")
-        entry = captured.get(id(old)) if old is not None else None
-        if entry is not None and entry[0] is old:
+        entry = None
+        if old is not None:
+            entry = next((e for e in captured if e[0].shape == old.shape and torch.equal(e[0], old)), None)
+        if entry is not None:
             train_logps, stats = old, entry[1]
         elif self._score_in_loss(mode):
             output[SCORE_IN_LOSS] = torch.tensor(True)
@@ -354,11 +430,32 @@ class SafeVocabGRPOTrainer(GRPOTrainer):
         self._log_reduced_metrics(mode, [(metrics, counts)])
         self.last_generation = record
 
+    def _check_rollout_logprobs(self, output: dict, mode: str) -> None:
+        """Log the share of loss tokens with a recorded rollout log-probability; on the ``generate`` path a batch
+        with unrecorded tokens (NaN) drops its rollout log-probabilities and trains without generate-path IS."""
+        rollout = output.get("sampling_per_token_logps")
+        if rollout is None or not self._uses_rollout_logprobs:
+            return
+        mask = output["completion_mask"]
+        if output.get("tool_mask") is not None:
+            mask = mask * output["tool_mask"]
+        counted = mask.bool()
+        recorded = counted & ~torch.isnan(rollout)
+        n = counted.sum()
+        frac = (recorded.sum().double() / n).float() if n > 0 else torch.tensor(float("nan"))
+        self._log_reduced_metrics(mode, [({ROLLOUT_LOGPROBS_FRAC: frac}, {ROLLOUT_LOGPROBS_FRAC: n})])
+        # vLLM keeps trl's convention (a NaN token gets ratio 1); a partial generate-path recording is not used.
+        # Decided over all processes: every rank must then log the same metrics (they are gathered together).
+        if not self.use_vllm:
+            gap = (recorded != counted).any().reshape(1).to(self.accelerator.device, torch.float32)
+            if bool(self.accelerator.gather(gap).max() > 0):
+                del output["sampling_per_token_logps"]
+
     def _measurement_switches(self, batch: dict) -> tuple[bool, bool, bool]:
         """``(use_is, use_mismatch, zero_mismatch)`` for a batch: the importance ratio and the mismatch metrics
         need rollout log-probabilities, or the zero-mismatch setting that makes them."""
         zero_mismatch = bool(getattr(self.args, "zero_mismatch", False))
-        has_rollout = batch.get("sampling_per_token_logps") is not None or zero_mismatch
+        has_rollout = (batch.get("sampling_per_token_logps") is not None and self._uses_rollout_logprobs) or zero_mismatch
         use_is = self._importance_sampling_active and has_rollout
         return use_is, self.args.log_mismatch_metrics and has_rollout, zero_mismatch
 
@@ -479,7 +576,7 @@ class SafeVocabGRPOTrainer(GRPOTrainer):
     def _log_reduced_metrics(self, mode: str, rows: list[tuple[dict, dict]]) -> None:
         """Gather local metric rows (``(values, counts)`` of a batch, or of each of its micro-batches) across
         processes in one call and append their reductions (:func:`safevocab.mismatch.reduce_gathered`:
-        count-weighted means, max, min) to trl's ``self._metrics``.
+        count-weighted means, max, min) to trl's metric store (``metric_store``).
 
         Every process ends with the same values, equal to what one process would compute on the whole batch. A
         metric without a count weighs every row equally. NaN (undefined here) values and zero counts are
@@ -501,12 +598,12 @@ class SafeVocabGRPOTrainer(GRPOTrainer):
         reduced = reduce_gathered(names, gathered[:, 0], gathered[:, 1])
         for name in names:
             if name in reduced:
-                self._metrics[mode][name].append(reduced[name])
+                self.metric_store[mode][name].append(reduced[name])
 
     # ------------------------------------------------------------------------------------------------------
     # loss
 
-    def _compute_loss(self, model, inputs):
+    def grpo_loss(self, model, inputs):
         if SCORE_IN_LOSS in inputs:
             inputs = self._loss_forward_first(model, inputs)
         # trl applies the importance ratio only when use_vllm. On the generate path, fold it into the
@@ -520,14 +617,14 @@ class SafeVocabGRPOTrainer(GRPOTrainer):
                 advantages = advantages.unsqueeze(1)
             inputs["advantages"] = advantages * inputs["importance_sampling_ratio"]
         try:
-            return super()._compute_loss(model, inputs)
+            return self.stock_grpo_loss(model, inputs)
         finally:
             self._replay = None
 
     def _loss_forward_first(self, model, inputs: dict) -> dict:
         """On-policy micro-batch: run the loss's forward pass now (with grad, as trl's ``_compute_loss`` calls
         it), apply the safe-vocabulary step to the micro-batch from its safe sets, and hand the forward's result
-        to trl's loss code (:meth:`_get_per_token_logps_and_entropies` replays it), so the batch is scored once.
+        to trl's loss code (:meth:`score_completion_tokens` replays it), so the batch is scored once.
 
         The old policy of an on-policy batch is the policy of this pass (trl itself then takes
         ``old_per_token_logps = per_token_logps.detach()``), so these are the safe sets and log-probabilities
@@ -536,7 +633,7 @@ class SafeVocabGRPOTrainer(GRPOTrainer):
         input_ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
         attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
         logits_to_keep = inputs["completion_ids"].size(1)
-        result = self._get_per_token_logps_and_entropies(
+        result = self.score_completion_tokens(
             model,
             input_ids,
             attention_mask,

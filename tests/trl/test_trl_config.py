@@ -6,6 +6,8 @@ import warnings
 
 import pytest
 
+from trl import GRPOConfig
+
 from safevocab import MinP, MinProb, NoPruning, TopK, TopP, parse_rule
 from trl_integration.config import SafeVocabGRPOConfig
 
@@ -49,6 +51,76 @@ def test_rule_sets_sampler(tmp_path, spec, expected, sampler):
 def test_matching_sampler_value_is_accepted(tmp_path):
     cfg = make(tmp_path, safe_vocab_rule="top_k=20", top_k=20)
     assert cfg.top_k == 20
+    assert cfg.safe_vocab_effective_rule == "top_k=20"
+
+
+# The sampler's truncation composes with the rule (issue 14): the effective rule is rule & sampler rule, each kind of
+# threshold merged into the stricter one, and the sampler is set to it (flags and generation_kwargs alike).
+COMPOSE_CASES = [
+    # (rule, user sampler settings, effective rule, sampler flags after)
+    ("min_p=0.001", dict(top_k=10, top_p=0.9, min_p=0.01), "top_k=10,top_p=0.9,min_p=0.01", dict(top_k=10, top_p=0.9, min_p=0.01)),
+    ("min_p=0.05", dict(top_k=5), "top_k=5,min_p=0.05", dict(top_k=5, min_p=0.05)),
+    ("top_k=5", dict(top_k=6), "top_k=5", dict(top_k=5)),
+    ("top_k=7", dict(top_k=3), "top_k=3", dict(top_k=3)),
+    ("min_p=0.05", dict(min_p=0.1), "min_p=0.1", dict(min_p=0.1)),
+    ("top_p=0.8", dict(top_p=0.95), "top_p=0.8", dict(top_p=0.8)),
+    ("none", dict(top_p=0.9), "top_p=0.9", dict(top_p=0.9)),
+    ("none", dict(top_k=10, top_p=0.9, min_p=0.01), "top_k=10,top_p=0.9,min_p=0.01", dict(top_k=10, top_p=0.9, min_p=0.01)),
+]
+
+
+@pytest.mark.parametrize("rule, user, effective, flags", COMPOSE_CASES)
+def test_sampler_flags_compose_with_rule(tmp_path, rule, user, effective, flags):
+    cfg = make(tmp_path, safe_vocab_rule=rule, **user)
+    assert cfg.safe_vocab_rule == str(parse_rule(rule))  # what the user asked for is kept
+    assert cfg.safe_vocab_effective_rule == effective
+    assert str(cfg.effective_rule) == effective
+    assert cfg.sampler_rule == cfg.effective_rule  # the sampler draws from the effective set
+    for key, value in flags.items():
+        assert getattr(cfg, key) == value, key
+    assert cfg.to_dict()["safe_vocab_effective_rule"] == effective  # logged in the run's config
+    assert cfg.rollout_logprobs  # a pruning effective rule switches the extras on
+
+
+def test_generation_kwargs_compose_with_rule(tmp_path):
+    gk = {"top_k": 50, "min_p": 0.2, "num_beams": 2}
+    cfg = make(tmp_path, safe_vocab_rule="min_p=0.05", generation_kwargs=dict(gk))
+    assert cfg.safe_vocab_effective_rule == "top_k=50,min_p=0.2"
+    assert cfg.generation_kwargs == {"top_k": 50, "min_p": 0.2, "num_beams": 2}  # beams are kept (run-time fallback)
+    cfg = make(tmp_path, safe_vocab_rule="top_k=20", generation_kwargs={"top_k": 50})
+    assert cfg.safe_vocab_effective_rule == "top_k=20"
+    assert cfg.generation_kwargs["top_k"] == 20 and cfg.top_k == 20  # the override now applies the effective rule
+    assert cfg.sampler_rule == TopK(20)
+
+
+def test_rule_none_defaults_are_stock_trl(tmp_path):
+    cfg = make(tmp_path, safe_vocab_rule="none")
+    assert cfg.safe_vocab_effective_rule == "none"
+    assert cfg.rollout_logprobs is False  # nothing recorded: trl's generate path unchanged
+    assert not cfg.generate_path_importance_sampling
+    assert (cfg.top_k, cfg.top_p, cfg.min_p) == (0, 1.0, None)  # trl's defaults
+    assert cfg.vllm_importance_sampling_correction  # trl's own default, untouched (it acts on vLLM only)
+    cfg = make(tmp_path, safe_vocab_rule="none", rollout_logprobs=True)
+    assert cfg.generate_path_importance_sampling  # the user switches the extras on
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(loss_type="vespo"),  # trl checks VESPO's IS mode on vLLM only
+        dict(loss_type="vespo", vllm_importance_sampling_mode="sequence_mask", safe_vocab_rule="none"),
+        dict(generation_kwargs={"typical_p": 0.9}),  # the recorder falls back at run time
+        dict(generation_kwargs={"top_k": 50, "num_beams": 2, "do_sample": True}),
+        dict(vllm_importance_sampling_correction=True, rollout_logprobs=False),
+        dict(use_transformers_continuous_batching=True),
+        dict(top_k=10, top_p=0.9, min_p=0.01, repetition_penalty=1.1),
+        dict(safe_vocab_rule="none", top_k=10, top_p=0.9, min_p=0.01),
+    ],
+)
+def test_configs_stock_trl_accepts_are_accepted(tmp_path, kwargs):
+    GRPOConfig(output_dir=str(tmp_path), bf16=False, use_cpu=True, report_to="none",
+               **{k: v for k, v in kwargs.items() if k != "safe_vocab_rule" and k != "rollout_logprobs"})
+    make(tmp_path, **kwargs)
 
 
 def test_sampler_kept_when_not_in_sampler(tmp_path):
@@ -70,15 +142,10 @@ def test_min_prob_needs_sampler_off(tmp_path):
     "kwargs, match",
     [
         (dict(safe_vocab_rule="min_prob=0.01"), "min_prob"),
-        (dict(safe_vocab_rule="min_p=0.05", top_k=5), "top_k=5 disagrees"),
-        (dict(safe_vocab_rule="top_k=5", top_k=6), "top_k=6 disagrees"),
-        (dict(safe_vocab_rule="min_p=0.05", min_p=0.1), "min_p=0.1 disagrees"),
-        (dict(safe_vocab_rule="none", top_p=0.9), "top_p=0.9 disagrees"),
-        (dict(safe_vocab_rule="min_p=0.05", generation_kwargs={"min_p": 0.2}), "generation_kwargs"),
-        (dict(generation_kwargs={"typical_p": 0.9}), "typical_p"),
-        (dict(vllm_importance_sampling_correction=True, rollout_logprobs=False), "rollout_logprobs"),
+        (dict(safe_vocab_rule="min_p=0.05", safe_vocab_effective_rule="top_k=3"), "safe_vocab_effective_rule"),
+        (dict(vllm_importance_sampling_mode="token_clip"), "vllm_importance_sampling_mode"),
         (dict(use_vllm=True, rollout_dtype="bfloat16"), "rollout_dtype"),
-        (dict(use_transformers_continuous_batching=True), "continuous_batching"),
+        (dict(use_transformers_continuous_batching=True, rollout_logprobs=True), "continuous_batching"),
         (dict(safe_vocab_out_of_set="drop"), "safe_vocab_out_of_set"),
         (dict(rollout_dtype="fp8"), "rollout_dtype"),
         (dict(mismatch_buckets=[0.5, 0.1]), "mismatch_buckets"),
@@ -86,7 +153,6 @@ def test_min_prob_needs_sampler_off(tmp_path):
         (dict(safe_vocab_rule="min_p=0"), "min_p"),
         (dict(safe_vocab_rule="top_q=3"), "unknown"),
         (dict(safe_vocab_max_chunk_bytes=0), "safe_vocab_max_chunk_bytes"),
-        (dict(loss_type="vespo", vllm_importance_sampling_mode="sequence_mask"), "vespo"),
     ],
 )
 def test_incoherent_combinations_raise(tmp_path, kwargs, match):

@@ -64,6 +64,28 @@ def test_recorder_detects_detached():
         recorder.finalize(torch.zeros(2, 3, dtype=torch.long))
 
 
+def test_recording_generate_degrades_when_generate_runs_no_processor(tiny):
+    """A replaced generate (trl's tests patch it) never calls the recorder: the rollout is returned and the recorder
+    says why it has nothing, instead of raising out of generate."""
+    model, tok = tiny
+    recorder = RolloutLogprobRecorder(NoPruning())
+    inputs = tok(["hello", "the cat"], return_tensors="pt", padding=True)
+
+    def fake_generate(input_ids, **kwargs):
+        assert recorder in kwargs["logits_processor"]  # attached, but this generate never runs processors
+        return torch.cat([input_ids, torch.full((input_ids.shape[0], 3), 7)], dim=1)
+
+    model.generate = fake_generate
+    try:
+        with recording_generate(model, recorder, None):
+            out = model.generate(**inputs)
+    finally:
+        del model.generate
+    assert out.shape[1] == inputs["input_ids"].shape[1] + 3
+    assert recorder.failure is not None and "never called" in recorder.failure
+    assert recorder.logprobs is None
+
+
 def test_sampler_rule_neutral_values():
     assert sampler_rule(0, 1.0, None) == NoPruning()
     assert sampler_rule(-1, None, 0.0) == NoPruning()

@@ -61,7 +61,7 @@ RULES = [
     ("top_k=5", {}),
     ("top_p=0.9", {}),
     ("top_k=10,min_p=0.05", {}),
-    ("none", {}),
+    ("none", {"rollout_logprobs": True}),  # rule "none" records (and measures) only when switched on
     ("min_prob=0.02", {"safe_vocab_in_sampler": False}),
 ]
 
@@ -131,27 +131,27 @@ def test_out_of_set_tokens_are_masked(tiny_model_dir, tmp_path, out_of_set):
 
 
 def test_rule_none_matches_stock_grpo(tiny_model_dir, tmp_path):
-    """With rule 'none', no sampler truncation and no IS, training equals trl's GRPOTrainer (same seed)."""
-    common = dict(beta=0.04, max_steps=2, temperature=0.8)
+    """Rule 'none' with default settings is stock trl: in fp32, the same logged loss and rewards and weights equal to
+    1e-6 relative as GRPOTrainer on the same seed, for 6 steps (issue 14). Nothing else is set: no IS switch-off, no
+    sampler setting."""
+    common = dict(beta=0.04, max_steps=6, temperature=0.8)
     stock = make_trainer(
         tiny_model_dir, tmp_path / "stock", trainer_cls=GRPOTrainer, config_cls=GRPOConfig, **common
     )
     stock.train()
-    ours = make_trainer(
-        tiny_model_dir,
-        tmp_path / "ours",
-        safe_vocab_rule="none",
-        vllm_importance_sampling_correction=False,
-        **common,
-    )
+    ours = make_trainer(tiny_model_dir, tmp_path / "ours", safe_vocab_rule="none", **common)
     ours.train()
-    for key in ("loss", "grad_norm", "kl", "entropy", "reward"):
+    for key in ("loss", "grad_norm", "kl", "entropy", "reward", "reward_std"):
         a, b = logged(stock, key), logged(ours, key)
-        assert len(a) == len(b) == 2, key
-        assert a == pytest.approx(b, rel=1e-4, abs=1e-6), key
+        assert len(a) == len(b) == 6, key
+        assert a == pytest.approx(b, rel=1e-6, abs=1e-9), key
     assert logged(stock, "kl")[-1] > 0.01  # the comparison is not vacuous: the policy moved
-    for (name, p), q in zip(stock.model.named_parameters(), ours.model.parameters()):
-        torch.testing.assert_close(p, q, atol=1e-5, rtol=1e-4, msg=name)
+    worst = 0.0
+    for (name, p), q in zip(stock.model.named_parameters(), ours.model.parameters(), strict=True):
+        worst = max(worst, float((p - q).abs().max() / p.abs().max()))
+    assert worst <= 1e-6, worst
+    # and no project extra ran: nothing recorded, no IS, no safevocab/mismatch metric
+    assert not any(k.startswith(("safevocab/", "mismatch/")) for h in ours.state.log_history for k in h)
 
 
 def test_fp32_rollout_ratio_is_one_and_stock_trl_is_offset(tiny_model_dir, tmp_path):

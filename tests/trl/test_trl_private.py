@@ -1,0 +1,277 @@
+"""The private-API fence (trl_integration/trl_private.py): the version/signature check at import, one contract test
+per touchpoint against real trl, and that no other module names a private trl/transformers/accelerate name."""
+
+from __future__ import annotations
+
+import pathlib
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+import trl
+from trl import GRPOConfig, GRPOTrainer
+from trl_helpers import PROMPTS, build_tokenizer, grpo_kwargs, prompt_dataset, vowel_reward
+
+import trl_integration
+from trl_integration import SafeVocabGRPOConfig, SafeVocabGRPOTrainer
+from trl_integration import trl_private
+from trl_integration.trl_private import (
+    REQUIRED_PARAMETERS,
+    SUPPORTED_TRL,
+    GRPOTrainerBridge,
+    check_trl,
+    disable_gradient_checkpointing,
+    maybe_gather_lm_head_ctx,
+    metric_store,
+    mixed_precision_forward,
+)
+
+PACKAGE = pathlib.Path(trl_integration.__file__).parent
+
+
+def stock_trainer(model_dir, tmp_path, **config):
+    return GRPOTrainer(
+        model=model_dir,
+        reward_funcs=vowel_reward,
+        args=GRPOConfig(**grpo_kwargs(tmp_path, **config)),
+        train_dataset=prompt_dataset(),
+        processing_class=build_tokenizer(),
+    )
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the check
+
+
+def test_installed_trl_is_in_the_tested_range():
+    assert SUPPORTED_TRL == "trl>=1.16,<1.17"
+    check_trl(trl.__version__)  # what the import ran; must not raise
+    pyproject = (PACKAGE.parent / "pyproject.toml").read_text()
+    assert f'"{SUPPORTED_TRL}"' in pyproject  # the packaging range is the checked one
+
+
+@pytest.mark.parametrize("version", ["1.17.0", "1.15.3", "2.0.0", "1.17.0.dev0", "not-a-version"])
+def test_version_outside_the_range_fails_in_one_line(version):
+    with pytest.raises(ImportError) as info:
+        check_trl(version)
+    message = str(info.value)
+    assert "\n" not in message
+    assert SUPPORTED_TRL in message and version in message
+
+
+@pytest.mark.parametrize("version", ["1.16.0", "1.16.3", "1.16.1rc1", "1.16.0.post1"])
+def test_versions_inside_the_range_pass(version):
+    check_trl(version)
+
+
+@pytest.mark.parametrize("name", list(REQUIRED_PARAMETERS))
+def test_changed_signature_fails_in_one_line(name):
+    def changed(self, something_else):  # a trl refactor renamed the parameters
+        return None
+
+    fake = type("FakeGRPOTrainer", (GRPOTrainer,), {name: changed})
+    with pytest.raises(ImportError, match=re.escape(SUPPORTED_TRL)) as info:
+        check_trl("1.16.0", fake)
+    assert name in str(info.value) and "\n" not in str(info.value)
+
+
+def test_missing_method_and_helper_fail_in_one_line():
+    fake = type("FakeGRPOTrainer", (GRPOTrainer,), {"_generate_single_turn": None})
+    with pytest.raises(ImportError, match="_generate_single_turn is missing"):
+        check_trl("1.16.0", fake)
+    with pytest.raises(ImportError, match="maybe_gather_lm_head_ctx is missing"):
+        check_trl("1.16.0", GRPOTrainer, modules={"trl.models.utils": trl_private, "trl.trainer.utils": object()})
+
+
+@pytest.mark.parametrize("module", ["trl_integration.trainer", "trl_integration.config"])
+def test_unsupported_trl_fails_at_import(module):
+    """A trl outside the tested range fails when the integration is imported, with one line, not during a step."""
+    code = f"import trl; trl.__version__ = '1.17.0'; import {module}"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=PACKAGE.parent)
+    assert result.returncode != 0
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("ImportError: trl 1.17.0 is not supported") and SUPPORTED_TRL in last
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# contract tests: what the trainer relies on in each touchpoint, checked on stock trl
+
+
+def test_scoring_calls_the_fused_head_protocol(tiny_model_dir, tmp_path):
+    """``_get_per_token_logps_and_entropies`` calls ``model(..., labels=..., fused_lm_head=True)`` and returns the
+    last ``logits_to_keep`` columns of ``outputs.log_probs`` / ``outputs.entropy`` (what lm_head.py patches)."""
+    trainer = stock_trainer(tiny_model_dir, tmp_path)
+    model = trainer.model
+    calls, original = [], model.forward
+
+    def spy(*args, **kwargs):
+        out = original(*args, **kwargs)
+        calls.append((kwargs, out))
+        return out
+
+    model.forward = spy
+    ids = torch.randint(4, 40, (2, 7))
+    with torch.no_grad():
+        logps, entropies, aux = trainer._get_per_token_logps_and_entropies(
+            model, ids, torch.ones_like(ids), 3, compute_entropy=True
+        )
+    del model.forward
+    (kwargs, out), = calls
+    assert kwargs["fused_lm_head"] is True and kwargs["labels"].shape == ids.shape
+    assert torch.equal(logps, out.log_probs[:, -3:]) and torch.equal(entropies, out.entropy[:, -3:])
+    assert aux is None
+
+
+def test_generate_turn_calls_the_unwrapped_models_generate(tiny_model_dir, tmp_path):
+    """The plain path calls ``generate`` on the unwrapped model (where rollout.recording_generate patches it), with
+    trl's generation config and no log-probabilities back."""
+    trainer = stock_trainer(tiny_model_dir, tmp_path)
+    target = trainer.accelerator.unwrap_model(trainer.model_wrapped)
+    seen, original = [], target.generate
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs)
+        return original(*args, **kwargs)
+
+    target.generate = spy
+    tokenizer = build_tokenizer()
+    prompt_ids = [tokenizer(p)["input_ids"] for p in PROMPTS[:2]]
+    completion_ids, logprobs = trainer._generate_single_turn(prompt_ids, None, {}, 1)
+    del target.generate
+    assert len(seen) == 1 and seen[0]["generation_config"] is trainer.generation_config
+    assert len(completion_ids) == 2 and all(isinstance(i, int) for i in completion_ids[0])
+    assert logprobs is None
+
+
+@pytest.mark.parametrize("num_iterations, old_pass", [(1, False), (2, True)])
+def test_generation_batch_carries_old_logps_iff_trl_scored_the_old_policy(tiny_model_dir, tmp_path, num_iterations,
+                                                                        old_pass):
+    """``_generate_and_score_completions`` returns trl's padded batch; ``old_per_token_logps`` is there exactly when
+    trl ran its old-policy pass, and holds that pass's values (the trainer matches it by value)."""
+    trainer = stock_trainer(tiny_model_dir, tmp_path, num_iterations=num_iterations)
+    passes, original = [], trainer._get_per_token_logps_and_entropies
+
+    def spy(*args, **kwargs):
+        out = original(*args, **kwargs)
+        passes.append(out[0])
+        return out
+
+    trainer._get_per_token_logps_and_entropies = spy
+    trainer.model.train()
+    batch = trainer._generate_and_score_completions([{"prompt": p} for p in PROMPTS[:1] for _ in range(4)])
+    for key in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "advantages", "num_items_in_batch"):
+        assert key in batch, key
+    assert ("old_per_token_logps" in batch) is old_pass
+    if old_pass:
+        assert torch.equal(passes[0], batch["old_per_token_logps"])
+    assert "sampling_per_token_logps" not in batch  # the plain path records nothing: the trainer adds it
+
+
+def test_compute_loss_takes_model_and_batch(tiny_model_dir, tmp_path):
+    trainer = stock_trainer(tiny_model_dir, tmp_path)
+    trainer.model.train()
+    batch = trainer._generate_and_score_completions([{"prompt": p} for p in PROMPTS[:1] for _ in range(4)])
+    trainer.current_gradient_accumulation_steps = 1
+    loss = trainer._compute_loss(trainer.model, batch)
+    assert loss.dim() == 0 and torch.isfinite(loss)
+
+
+def test_metric_store_is_trls(tiny_model_dir, tmp_path):
+    trainer = stock_trainer(tiny_model_dir, tmp_path)
+    store = metric_store(trainer)
+    assert set(store) == {"train", "eval"}
+    store["train"]["safevocab/probe"].append(1.0)  # a defaultdict(list) per mode
+    trainer.model.train()
+    trainer._generate_and_score_completions([{"prompt": p} for p in PROMPTS[:1] for _ in range(4)])
+    assert store["train"]["reward"]  # trl logs into the same store
+
+
+def test_helper_context_managers(tiny_model_dir, tmp_path):
+    trainer = stock_trainer(tiny_model_dir, tmp_path)
+    with disable_gradient_checkpointing(trainer.model, None):
+        pass
+    head = trainer.model.get_output_embeddings()
+    with maybe_gather_lm_head_ctx(head.weight, head.bias):  # a no-op without DeepSpeed ZeRO-3
+        assert head.weight.numel() > 0
+
+
+def test_accelerate_keeps_the_unwrapped_forward_under_mixed_precision():
+    """accelerate's prepare_model under mixed precision keeps the forward it wrapped (rollout_precision unwraps it).
+    In a subprocess: accelerate's state is process-wide and the test session already has one."""
+    code = """
+from accelerate import Accelerator
+from transformers import LlamaConfig, LlamaForCausalLM
+from trl_integration.trl_private import mixed_precision_forward
+config = LlamaConfig(vocab_size=16, hidden_size=8, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2,
+                     num_key_value_heads=1)
+model = LlamaForCausalLM(config)
+assert mixed_precision_forward(model) is None
+model = Accelerator(mixed_precision="bf16", cpu=True).prepare_model(model)
+original = mixed_precision_forward(model)
+assert original is not None and original is not model.forward
+print("ok")
+"""
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=PACKAGE.parent)
+    assert result.stdout.strip().endswith("ok"), result.stderr[-2000:]
+
+
+def test_bridge_routes_trls_private_calls_to_the_hooks(tiny_model_dir, tmp_path):
+    """trl's code calls the private names; a SafeVocabGRPOTrainer receives them in its public hooks."""
+    calls = []
+
+    class Spy(SafeVocabGRPOTrainer):
+        def score_completion_tokens(self, *args, **kwargs):
+            calls.append("score")
+            return super().score_completion_tokens(*args, **kwargs)
+
+        def generate_turn(self, *args, **kwargs):
+            calls.append("generate")
+            return super().generate_turn(*args, **kwargs)
+
+        def generate_and_score(self, inputs):
+            calls.append("batch")
+            return super().generate_and_score(inputs)
+
+        def grpo_loss(self, model, inputs):
+            calls.append("loss")
+            return super().grpo_loss(model, inputs)
+
+    args = SafeVocabGRPOConfig(**grpo_kwargs(tmp_path, max_steps=1))
+    trainer = Spy(model=tiny_model_dir, reward_funcs=vowel_reward, args=args, train_dataset=prompt_dataset(),
+                  processing_class=build_tokenizer())
+    assert isinstance(trainer, GRPOTrainerBridge)
+    trainer.train()
+    assert {"score", "generate", "batch", "loss"} <= set(calls)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the fence itself
+
+PRIVATE_NAMES = [
+    r"\._get_per_token_logps_and_entropies\b",
+    r"\._generate_single_turn\b",
+    r"\._generate_and_score_completions\b",
+    r"\._compute_loss\b",
+    r"\._metrics\b",
+    r"_original_forward\b",
+    r"from trl\.trainer\.utils import",
+    r"from trl\.models\.utils import",
+    r"def _get_per_token_logps_and_entropies\b",
+    r"def _generate_single_turn\b",
+    r"def _generate_and_score_completions\b",
+    r"def _compute_loss\b",
+]
+
+
+def test_no_other_module_names_a_private_name():
+    offenders = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if path.name == "trl_private.py":
+            continue
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            code = line.split("#", 1)[0]
+            if any(re.search(p, code) for p in PRIVATE_NAMES) and "``" not in code:
+                offenders.append(f"{path.relative_to(PACKAGE.parent)}:{n}: {line.strip()}")
+    assert not offenders, "\n".join(offenders)

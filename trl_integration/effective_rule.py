@@ -1,0 +1,49 @@
+"""The effective rule: ``safe_vocab_rule`` composed with the sampler's own truncation (``top_k``/``top_p``/``min_p``).
+
+When a user sets sampler truncation next to ``safe_vocab_rule``, the rollout sampler draws from the intersection of
+both sets, so that intersection is the behaviour policy's support; training must renormalise over the same set. HF
+``generate`` and vLLM apply each of ``top_k``, ``top_p`` and ``min_p`` at most once, in that order, each on the
+distribution renormalised over what the previous one kept (the order :class:`safevocab.rules.Intersection` follows).
+Two thresholds of the same kind therefore have to become one that the sampler can apply, and on one distribution
+the intersection of two sets of the same kind is the stricter of the two:
+
+- ``top_k=a`` and ``top_k=b`` keep the ``min(a, b)`` largest logits;
+- ``top_p=p`` and ``top_p=q`` are nested prefixes of the same sorted distribution: ``min(p, q)``;
+- ``min_p=r`` and ``min_p=s`` keep ``p_a >= max(r, s) * p_max``.
+
+So the composed rule is exactly what the sampler applies when given the composed settings.
+"""
+
+from __future__ import annotations
+
+from safevocab import MinP, SafeVocabRule, TopK, TopP
+from safevocab.rules import Intersection
+
+__all__ = ["compose_rules"]
+
+
+def compose_rules(rule: SafeVocabRule, sampler: SafeVocabRule) -> SafeVocabRule:
+    """``rule & sampler`` with same-kind thresholds merged into the stricter one (see the module docstring).
+
+    Args:
+        rule: the trainer's rule (``safe_vocab_rule``); may contain ``min_prob``, which is kept as is.
+        sampler: the sampler's own rule (:func:`trl_integration.rollout.sampler_rule` of the user's settings).
+
+    Returns:
+        The composed rule, in canonical sampler order (``NoPruning`` when neither prunes).
+    """
+    parts = {type(part): part for part in rule.parts}
+    for part in sampler.parts:
+        kind = type(part)
+        mine = parts.get(kind)
+        if mine is None:
+            parts[kind] = part
+        elif kind is TopK:
+            parts[kind] = TopK(min(mine.value, part.value))
+        elif kind is TopP:
+            parts[kind] = TopP(min(mine.value, part.value))
+        elif kind is MinP:
+            parts[kind] = MinP(max(mine.value, part.value))
+        else:  # pragma: no cover - samplers have no other threshold kinds
+            raise TypeError(f"sampler={sampler!s} has a threshold kind {kind.__name__} no sampler applies")
+    return Intersection.of(*parts.values())

@@ -1,0 +1,247 @@
+"""The fence around trl's, transformers' and accelerate's private API: the only module that names it.
+
+`SafeVocabGRPOTrainer` changes four private methods of ``trl.GRPOTrainer`` and leans on a few more private or
+internal names. trl's GRPO file changes every release, so every such name is accessed here, and only here; at import
+this module checks that the installed trl is in the tested range and that each name it relies on is there with the
+parameters it relies on. Outside the range, or when a name moved, the import fails with one line naming the
+supported range, instead of a step failing half way through a run.
+
+Touchpoints (each has a contract test in ``tests/trl/test_trl_private.py``):
+
+==========================================================  ============================================================
+private name                                                what the trainer relies on
+==========================================================  ============================================================
+``GRPOTrainer._get_per_token_logps_and_entropies``          scores completions with ``model(..., labels=...,
+                                                            fused_lm_head=True)`` and reads ``log_probs``/``entropy``
+``GRPOTrainer._generate_single_turn``                       one rollout turn: ``(completion_ids, logprobs)``; the plain
+                                                            ``generate`` path calls the unwrapped model's ``generate``
+``GRPOTrainer._generate_and_score_completions``             one generation batch, a dict with ``old_per_token_logps``
+                                                            when trl scored the old policy
+``GRPOTrainer._compute_loss``                               the loss of one micro-batch
+``GRPOTrainer._metrics``                                    ``{mode: {name: list}}`` of logged values
+``trl.models.utils.disable_gradient_checkpointing``         context manager ``(model, gradient_checkpointing_kwargs)``
+``trl.trainer.utils.maybe_gather_lm_head_ctx``              context manager gathering ZeRO-3 head parameters
+accelerate's ``model._original_forward``                    the forward before mixed-precision autocast wrapping
+==========================================================  ============================================================
+
+The trainer subclasses :class:`GRPOTrainerBridge` and overrides its public hooks (``score_completion_tokens``,
+``generate_turn``, ``generate_and_score``, ``grpo_loss``); trl's own implementations are reached through the
+``stock_*`` methods.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+
+import torch
+import trl
+from packaging.version import Version
+from trl import GRPOTrainer
+
+__all__ = [
+    "SUPPORTED_TRL",
+    "TRL_MIN",
+    "TRL_MAX",
+    "REQUIRED_PARAMETERS",
+    "check_trl",
+    "GRPOTrainerBridge",
+    "disable_gradient_checkpointing",
+    "maybe_gather_lm_head_ctx",
+    "mixed_precision_forward",
+    "metric_store",
+]
+
+#: The trl releases this integration is tested against: ``TRL_MIN <= version < TRL_MAX``.
+TRL_MIN = "1.16"
+TRL_MAX = "1.17"
+SUPPORTED_TRL = f"trl>={TRL_MIN},<{TRL_MAX}"
+
+#: Parameters each overridden trl method must take, in this order, as the first ones after ``self``.
+REQUIRED_PARAMETERS: dict[str, tuple[str, ...]] = {
+    "_get_per_token_logps_and_entropies": (
+        "model",
+        "input_ids",
+        "attention_mask",
+        "logits_to_keep",
+        "batch_size",
+        "compute_entropy",
+    ),
+    "_generate_single_turn": ("prompt_ids", "images", "multimodal_fields", "num_generations", "has_tool_images"),
+    "_generate_and_score_completions": ("inputs",),
+    "_compute_loss": ("model", "inputs"),
+}
+
+#: Keyword parameters trl's scoring method forwards to the model (multimodal and MoE inputs); the bridge passes them on.
+SCORING_KEYWORDS = (
+    "compute_aux_loss",
+    "pixel_values",
+    "image_grid_thw",
+    "num_images",
+    "pixel_attention_mask",
+    "spatial_shapes",
+    "num_tiles",
+    "image_sizes",
+    "token_type_ids",
+    "mm_token_type_ids",
+    "image_position_ids",
+)
+
+
+def _unsupported(version: str, detail: str) -> ImportError:
+    return ImportError(
+        f"trl {version} is not supported by safevocab's trl integration (tested: {SUPPORTED_TRL}): {detail}; "
+        f"install a supported version, e.g. pip install '{SUPPORTED_TRL}'"
+    )
+
+
+def check_trl(version: str, trainer_cls: type = GRPOTrainer, modules: dict[str, object] | None = None) -> None:
+    """Check that ``version`` is in the tested range and that ``trainer_cls`` and ``modules`` have every private name
+    this module relies on, with the parameters it relies on.
+
+    Args:
+        version: the trl version string (``trl.__version__``).
+        trainer_cls: the class whose private methods are overridden (trl's ``GRPOTrainer``).
+        modules: ``{"dotted.module": module}`` holding the private helper functions; defaults to trl's own.
+
+    Raises:
+        ImportError: one line naming what is missing and the supported range :data:`SUPPORTED_TRL`.
+    """
+    try:
+        parsed = Version(version)
+    except Exception:  # noqa: BLE001 - any unparsable version is unsupported
+        raise _unsupported(version, "unparsable version") from None
+    if not Version(TRL_MIN) <= Version(parsed.base_version) < Version(TRL_MAX):
+        raise _unsupported(version, "outside the tested range")
+    for name, params in REQUIRED_PARAMETERS.items():
+        method = getattr(trainer_cls, name, None)
+        if not callable(method):
+            raise _unsupported(version, f"GRPOTrainer.{name} is missing")
+        found = tuple(p for p in inspect.signature(method).parameters if p != "self")
+        if found[: len(params)] != params:
+            raise _unsupported(
+                version, f"GRPOTrainer.{name}{tuple(found)} does not start with the parameters {params}"
+            )
+    scoring = tuple(inspect.signature(trainer_cls._get_per_token_logps_and_entropies).parameters)
+    missing = [k for k in SCORING_KEYWORDS if k not in scoring]
+    if missing:
+        raise _unsupported(version, f"GRPOTrainer._get_per_token_logps_and_entropies has no parameter {missing[0]!r}")
+    if modules is None:
+        import trl.models.utils as model_utils
+        import trl.trainer.utils as trainer_utils
+
+        modules = {"trl.models.utils": model_utils, "trl.trainer.utils": trainer_utils}
+    for dotted, attr, params in (
+        ("trl.models.utils", "disable_gradient_checkpointing", ("model", "gradient_checkpointing_kwargs")),
+        ("trl.trainer.utils", "maybe_gather_lm_head_ctx", ("params",)),
+    ):
+        func = getattr(modules.get(dotted), attr, None)
+        if not callable(func):
+            raise _unsupported(version, f"{dotted}.{attr} is missing")
+        found = tuple(inspect.signature(func).parameters)
+        if found[: len(params)] != params:
+            raise _unsupported(version, f"{dotted}.{attr}{found} does not start with the parameters {params}")
+
+
+check_trl(trl.__version__)
+
+# Checked above: import them only now.
+from trl.models.utils import disable_gradient_checkpointing as _disable_gradient_checkpointing  # noqa: E402
+from trl.trainer.utils import maybe_gather_lm_head_ctx as _maybe_gather_lm_head_ctx  # noqa: E402
+
+
+def disable_gradient_checkpointing(model, gradient_checkpointing_kwargs: dict | None) -> AbstractContextManager:
+    """trl's context manager that switches gradient checkpointing off for a no-grad pass."""
+    return _disable_gradient_checkpointing(model, gradient_checkpointing_kwargs)
+
+
+def maybe_gather_lm_head_ctx(*params: torch.nn.Parameter) -> AbstractContextManager:
+    """trl's context manager that gathers DeepSpeed ZeRO-3 partitioned LM-head parameters (a no-op otherwise)."""
+    return _maybe_gather_lm_head_ctx(*params)
+
+
+def mixed_precision_forward(model: torch.nn.Module) -> Callable | None:
+    """The forward accelerate kept when it wrapped ``model.forward`` in mixed-precision autocast, else ``None``.
+
+    accelerate's ``prepare_model`` stores the unwrapped forward in the instance attribute ``_original_forward`` and
+    sets the wrapped one as the instance's ``forward``; both must be instance attributes for this to apply."""
+    original = vars(model).get("_original_forward")
+    return original if original is not None and "forward" in vars(model) else None
+
+
+def metric_store(trainer: GRPOTrainer) -> dict:
+    """trl's ``{mode: {name: [values]}}`` store of logged metrics (averaged and cleared by ``GRPOTrainer.log``)."""
+    return trainer._metrics
+
+
+class GRPOTrainerBridge(GRPOTrainer):
+    """``trl.GRPOTrainer`` whose four overridden private methods forward to public hooks.
+
+    Subclasses override the hooks; ``stock_*`` runs trl's own implementation. Each hook takes the arguments of the
+    trl method it stands for (see :data:`REQUIRED_PARAMETERS`)."""
+
+    # --- trl -> hooks -------------------------------------------------------------------------------------------
+    def _get_per_token_logps_and_entropies(
+        self, model, input_ids, attention_mask, logits_to_keep, batch_size=None, compute_entropy=False, **kwargs
+    ):
+        return self.score_completion_tokens(
+            model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size, compute_entropy=compute_entropy,
+            **kwargs,
+        )
+
+    def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+        return self.generate_turn(prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
+
+    def _generate_and_score_completions(self, inputs):
+        return self.generate_and_score(inputs)
+
+    def _compute_loss(self, model, inputs):
+        return self.grpo_loss(model, inputs)
+
+    # --- hooks (default: trl's behaviour) -------------------------------------------------------------------------
+    def score_completion_tokens(
+        self, model, input_ids, attention_mask, logits_to_keep, batch_size=None, compute_entropy=False, **kwargs
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """``(logps [B, T], entropies [B, T] | None, aux_loss | None)`` of the last ``logits_to_keep`` tokens."""
+        return self.stock_score_completion_tokens(
+            model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size, compute_entropy=compute_entropy,
+            **kwargs,
+        )
+
+    def generate_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+        """``(completion_ids: list[list[int]], logprobs: list[list[float]] | None)`` of one rollout turn."""
+        return self.stock_generate_turn(prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
+
+    def generate_and_score(self, inputs: list[dict]) -> dict:
+        """One generation batch (trl's dict of padded tensors)."""
+        return self.stock_generate_and_score(inputs)
+
+    def grpo_loss(self, model, inputs: dict) -> torch.Tensor:
+        """The loss of one micro-batch."""
+        return self.stock_grpo_loss(model, inputs)
+
+    # --- trl's implementations ----------------------------------------------------------------------------------
+    def stock_score_completion_tokens(
+        self, model, input_ids, attention_mask, logits_to_keep, batch_size=None, compute_entropy=False, **kwargs
+    ):
+        return GRPOTrainer._get_per_token_logps_and_entropies(
+            self, model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size,
+            compute_entropy=compute_entropy, **kwargs,
+        )
+
+    def stock_generate_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+        return GRPOTrainer._generate_single_turn(
+            self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=has_tool_images
+        )
+
+    def stock_generate_and_score(self, inputs: list[dict]) -> dict:
+        return GRPOTrainer._generate_and_score_completions(self, inputs)
+
+    def stock_grpo_loss(self, model, inputs: dict) -> torch.Tensor:
+        return GRPOTrainer._compute_loss(self, model, inputs)
+
+    @property
+    def metric_store(self) -> dict:
+        """trl's ``{mode: {name: [values]}}`` store of logged metrics."""
+        return metric_store(self)
