@@ -6,7 +6,7 @@ depends on torch alone. Names are imported lazily: ``import trl_integration`` do
 - :class:`SafeVocabGRPOConfig` (``trl_integration.config``): ``GRPOConfig`` + safe-vocabulary settings.
 - :class:`SafeVocabGRPOTrainer` (``trl_integration.trainer``): ``GRPOTrainer`` with safe log-probabilities.
 - ``trl_integration.metrics``: pure mismatch / safe-set metric functions.
-- ``trl_integration.correction``: importance-sampling ratio with raw statistics.
+- importance-sampling ratio with raw statistics: ``safevocab.correction`` (``trl_integration.correction`` is a deprecated alias).
 - ``trl_integration.rollout``: rollout log-probabilities and precision on the ``generate`` path.
 - ``trl_integration.lm_head``: the safe fused LM head patch.
 - ``trl_integration.cli``: the ``safevocab-grpo`` command.

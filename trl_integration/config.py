@@ -13,7 +13,7 @@ import trl_integration.trl_private  # noqa: F401  (fails at import, in one line,
 
 from safevocab import MinProb, NoPruning, SafeVocabRule, parse_rule
 from safevocab.schedulers import SurgeDetector
-from trl_integration.correction import IS_MODES
+from safevocab.correction import IS_MODES
 from trl_integration.effective_rule import compose_rules
 from trl_integration.metrics import DEFAULT_BUCKETS
 from trl_integration.rollout import NOISE_KINDS, ROLLOUT_DTYPES, sampler_rule

@@ -47,7 +47,7 @@ from safevocab import NoPruning
 from safevocab.schedulers import LengthDecayLR
 from trl_integration.callbacks import LengthDecayCallback
 from trl_integration.config import SafeVocabGRPOConfig
-from trl_integration.correction import importance_sampling_ratio
+from safevocab.correction import importance_sampling_ratio
 from trl_integration.lm_head import SafeHeadState, add_safe_lm_head
 from trl_integration.metrics import (
     bucket_mismatch_metrics,

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from trl_integration.correction import importance_sampling_ratio
+from safevocab.correction import importance_sampling_ratio
 from trl_integration.metrics import (
     bucket_mismatch_metrics,
     bucket_names,
