@@ -13,8 +13,6 @@ from dataclasses import dataclass
 
 import torch
 
-from safevocab.mismatch import LOG_RATIO_BOUND  # one bound for every log-ratio (verl's SAFETY_BOUND)
-
 __all__ = ["IS_MODES", "ImportanceRatio", "importance_sampling_ratio"]
 
 IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")

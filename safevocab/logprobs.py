@@ -34,7 +34,9 @@ from dataclasses import dataclass
 
 import torch
 
-from safevocab._chunked import FusedSafeLogProbs, Transform, chunk_rows_for
+from safevocab.chunking import Transform
+from safevocab.fused_backend import get_backend
+from safevocab.fused_op import FusedSafeLogProbs
 from safevocab.rules import SafeVocabRule, parse_rule, stat_float
 from safevocab.validation import integer, real
 
@@ -239,7 +241,7 @@ def safe_log_softmax(
 
 
 # --------------------------------------------------------------------------------------------------
-# Fused version (the autograd function lives in safevocab/_chunked.py)
+# Fused version (the autograd function lives in safevocab/fused_op.py, the backends beside it)
 
 
 def fused_safe_logprobs(
@@ -322,9 +324,9 @@ def fused_safe_logprobs(
     if backend not in _BACKENDS:
         raise ValueError(f"backend={backend!r} is not accepted: accepted one of {_BACKENDS}")
     # backend hook: "auto"/"triton" -> "torch" or "triton"; raises on an unusable "triton"
-    from safevocab.kernels import resolve_backend, triton_chunk_rows
+    from safevocab.kernels import resolve_backend
 
-    backend = resolve_backend(backend, hidden.device)
+    backend_impl = get_backend(resolve_backend(backend, hidden.device))
     rule = _as_rule(rule)
 
     out_shape = targets.shape
@@ -333,10 +335,9 @@ def fused_safe_logprobs(
     if bias is not None:
         bias = bias.to(hidden.dtype)
     transform = Transform(temperature, softcap, logit_scale)
-    rows_for = triton_chunk_rows if backend == "triton" else chunk_rows_for  # the kernels need less scratch
-    chunk_rows = rows_for(hidden2d.shape[0], vocab, rule, hidden.element_size(), max_chunk_bytes)
+    chunk_rows = backend_impl.rows_per_chunk(hidden2d.shape[0], vocab, rule, hidden.element_size(), max_chunk_bytes)
     logprobs, log_kept, entropy, in_safe, safe_size = FusedSafeLogProbs.apply(
-        hidden2d, weight, bias, flat_targets, rule, transform, compute_entropy, chunk_rows, backend, weight_gather
+        hidden2d, weight, bias, flat_targets, rule, transform, compute_entropy, chunk_rows, backend_impl, weight_gather
     )
     return SafeLogProbs(
         logprobs=logprobs.reshape(out_shape),

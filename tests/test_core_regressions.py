@@ -12,8 +12,17 @@ import numpy as np
 import pytest
 import torch
 
-import safevocab._chunked as chunked
-from safevocab import MinP, TopK, TopP, fused_safe_logprobs, parse_rule, safe_log_softmax, transform_logits
+import safevocab.fused_op as fused_op
+from safevocab import (
+    MinP,
+    TopK,
+    TopP,
+    fused_safe_logprobs,
+    parse_rule,
+    safe_log_softmax,
+    transform_logits,
+)
+from safevocab.chunking import ChunkLogits
 from safevocab.schedulers import LengthDecayLR, SurgeDetector
 
 # ---------------------------------------------------------------------------------------------- 1. backward uses the forward's S
@@ -34,7 +43,7 @@ def test_dense_backward_past_the_first_chunk_uses_the_forward_set(rule, dtype, m
     (row slices not 64-byte aligned): the fused gradient equals the materialised one on the same logits.
     Before the fix the backward recomputed the logits on an ``index_select`` copy, MKL returned them one ulp
     apart, the boundary token left S and the gradient was off by up to 100 %."""
-    monkeypatch.setattr(chunked, "SPARSE_MAX_DENSITY", 0.0)
+    monkeypatch.setattr(fused_op, "SPARSE_MAX_DENSITY", 0.0)
     worst = 0.0
     for seed in range(40):
         hidden, weight, targets = _head(seed, dtype=dtype)
@@ -52,10 +61,10 @@ def test_dense_backward_past_the_first_chunk_uses_the_forward_set(rule, dtype, m
 def test_recomputed_set_that_moved_is_repaired_from_the_saved_size(monkeypatch):
     """If a recomputation ever moved a boundary logit by an ulp (a BLAS that is not deterministic), the
     backward still uses |S| logits: the saved size repairs the rebuilt set."""
-    monkeypatch.setattr(chunked, "SPARSE_MAX_DENSITY", 0.0)
+    monkeypatch.setattr(fused_op, "SPARSE_MAX_DENSITY", 0.0)
     hidden, weight, targets = _head(0, n=8, v=50)
     calls = []
-    original = chunked.ChunkLogits.__call__
+    original = ChunkLogits.__call__
 
     def nudged(self, h):
         z = original(self, h)
@@ -65,10 +74,10 @@ def test_recomputed_set_that_moved_is_repaired_from_the_saved_size(monkeypatch):
             z.copy_(torch.where(z == kth, torch.nextafter(z, torch.full_like(z, -math.inf)), z))
         return z
 
-    monkeypatch.setattr(chunked.ChunkLogits, "__call__", nudged)
+    monkeypatch.setattr(ChunkLogits, "__call__", nudged)
     out = fused_safe_logprobs(hidden, weight, targets, "top_k=3")
     (g,) = torch.autograd.grad(-(out.logprobs * out.in_safe).sum(), (hidden,))
-    monkeypatch.setattr(chunked.ChunkLogits, "__call__", original)
+    monkeypatch.setattr(ChunkLogits, "__call__", original)
     h2 = hidden.detach().clone().requires_grad_()
     ref = safe_log_softmax(h2 @ weight.detach().t(), targets, "top_k=3")
     (want,) = torch.autograd.grad(-(ref.logprobs * ref.in_safe).sum(), (h2,))
@@ -78,7 +87,7 @@ def test_recomputed_set_that_moved_is_repaired_from_the_saved_size(monkeypatch):
 def test_out_of_set_targets_in_a_sparse_chunk_keep_the_stored_set(monkeypatch):
     """Unmasked out-of-set targets in chunks whose S was stored: their safe-set part comes from the stored S
     and only the (S-independent) full-softmax part is recomputed."""
-    monkeypatch.setattr(chunked, "SPARSE_MAX_DENSITY", 1.0)
+    monkeypatch.setattr(fused_op, "SPARSE_MAX_DENSITY", 1.0)
     hidden, weight, targets = _head(3)
     out = fused_safe_logprobs(hidden, weight, targets, "top_k=3", max_chunk_bytes=500 * 16 * 5)
     assert not bool(out.in_safe.all())

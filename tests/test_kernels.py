@@ -57,7 +57,7 @@ if not ON_CUDA and kernels._loaded_compiled():
         allow_module_level=True,
     )
 
-import safevocab._chunked as chunked  # noqa: E402
+import safevocab.fused_op as fused_op  # noqa: E402
 from safevocab import fused_safe_logprobs, parse_rule  # noqa: E402
 from safevocab.kernels import MODE_MIN_P, MODE_MIN_PROB, MODE_NONE, resolve_backend  # noqa: E402
 
@@ -95,7 +95,7 @@ def kernel_env(monkeypatch):
 @pytest.fixture(params=["dense", "sparse"])
 def backward_path(request, monkeypatch):
     """Force the dense backward (Triton kernel) or let fp32 chunks store S for the sparse one (torch)."""
-    monkeypatch.setattr(chunked, "SPARSE_MAX_DENSITY", 0.0 if request.param == "dense" else 1.0)
+    monkeypatch.setattr(fused_op, "SPARSE_MAX_DENSITY", 0.0 if request.param == "dense" else 1.0)
     return request.param
 
 
@@ -171,8 +171,8 @@ def test_triton_rl_gradient_dense_and_sparse(rule, transform, backward_path, mon
     hidden, weight, bias, targets = make_inputs(n=40, v=300)
     params = (hidden, weight, bias)
     sparse_calls = []
-    sparse_backward = chunked._sparse_backward
-    monkeypatch.setattr(chunked, "_sparse_backward", lambda *a: sparse_calls.append(1) or sparse_backward(*a))
+    sparse_backward = fused_op.sparse_backward
+    monkeypatch.setattr(fused_op, "sparse_backward", lambda *a: sparse_calls.append(1) or sparse_backward(*a))
     tri = run_backend("triton", rule, params, targets, **transform)
     w = torch.randn(40, generator=torch.Generator().manual_seed(3)).to(DEVICE)
 

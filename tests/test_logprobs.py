@@ -143,7 +143,7 @@ TRANSFORMS = [{}, {"temperature": 0.6}, {"softcap": 2.5, "logit_scale": 1.7, "te
 @pytest.fixture(params=["dense", "sparse", "auto"])
 def backward_path(request, monkeypatch):
     """Force the dense backward (density cap 0), the sparse one (cap 1) or leave the library's choice."""
-    import safevocab._chunked as chunked
+    import safevocab.fused_op as chunked
 
     if request.param != "auto":
         monkeypatch.setattr(chunked, "SPARSE_MAX_DENSITY", 0.0 if request.param == "dense" else 1.0)

@@ -26,10 +26,11 @@ import pytest
 import torch
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
-
-import safevocab._chunked as chunked
-from safevocab import fused_safe_logprobs, parse_rule, safe_log_softmax
 from safevocab_reference import reference
+
+import safevocab.fused_op as fused_op
+from safevocab import fused_safe_logprobs, parse_rule, safe_log_softmax
+from safevocab.torch_backend import chunk_rows_for
 
 EXAMPLES = int(os.environ.get("SAFEVOCAB_FUZZ_EXAMPLES", "2000"))
 EXAMPLES_SLOW = int(os.environ.get("SAFEVOCAB_FUZZ_EXAMPLES_SLOW", "20000"))
@@ -225,8 +226,8 @@ def check_fused(
     limit = torch.finfo(dtype).max / 16
     assume(max(float(g.abs().max()) for g in [grad_z * transform["logit_scale"], *want]) < limit)
 
-    saved = chunked.SPARSE_MAX_DENSITY
-    chunked.SPARSE_MAX_DENSITY = 0.0 if dense else 1.0
+    saved = fused_op.SPARSE_MAX_DENSITY
+    fused_op.SPARSE_MAX_DENSITY = 0.0 if dense else 1.0
     try:
         out = fused_safe_logprobs(
             on_device[0], on_device[1], targets.to(device), rule_string(parts), bias=on_device[2],
@@ -235,7 +236,7 @@ def check_fused(
         params = [p for p in on_device if p is not None]
         got = torch.autograd.grad(loss_of(out, weights, out.in_safe), params)
     finally:
-        chunked.SPARSE_MAX_DENSITY = saved
+        fused_op.SPARSE_MAX_DENSITY = saved
     value_tol = 64 * eps + 4 * delta_z + (8 * eps * math.log(max(2, weight.shape[0])))
     assert_values(out, ref, value_tol)
     grad_rtol = max(1e-4 if eps >= EPS[torch.float32] else 1e-10, 8 * EPS[dtype]) + 16 * delta_z
@@ -341,10 +342,10 @@ def test_fused_matches_materialised_on_boundary_rules_past_the_first_chunk(monke
         q, tau = float(torch.rand(1, generator=rng)) * 0.9 + 0.05, float(torch.rand(1, generator=rng)) * 0.5 + 0.5
         rule = BOUNDARY_RULES[case % len(BOUNDARY_RULES)].format(k=k, k2=k2, q=q, tau=tau)
         dense = bool(case % 2)
-        monkeypatch.setattr(chunked, "SPARSE_MAX_DENSITY", 0.0 if dense else 1.0)
+        monkeypatch.setattr(fused_op, "SPARSE_MAX_DENSITY", 0.0 if dense else 1.0)
         rows = int(torch.randint(2, 6, (1,), generator=rng))
         max_chunk_bytes = rows * v * _per_logit(rule)  # budget for `rows` rows per chunk
-        chunk_rows = chunked.chunk_rows_for(10**6, v, parse_rule(rule), 4, max_chunk_bytes)
+        chunk_rows = chunk_rows_for(10**6, v, parse_rule(rule), 4, max_chunk_bytes)
         n = 3 * chunk_rows + 1
         hidden = (torch.randn(n, h, generator=rng) * 1.5).requires_grad_()
         weight = (torch.randn(v, h, generator=rng) / h**0.5 * 2).requires_grad_()
@@ -368,5 +369,5 @@ def test_fused_matches_materialised_on_boundary_rules_past_the_first_chunk(monke
 
 
 def _per_logit(rule: str) -> int:
-    """fp32 scratch bytes per logit of the torch backend (``safevocab._chunked.chunk_rows_for``)."""
+    """fp32 scratch bytes per logit of the torch backend (``safevocab.torch_backend.chunk_rows_for``)."""
     return 3 * 4 + 2 + parse_rule(rule).scratch_bytes_per_logit

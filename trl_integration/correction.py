@@ -2,7 +2,8 @@
 
 import warnings
 
-from safevocab.correction import IS_MODES, LOG_RATIO_BOUND, ImportanceRatio, importance_sampling_ratio
+from safevocab.correction import IS_MODES, ImportanceRatio, importance_sampling_ratio
+from safevocab.mismatch import LOG_RATIO_BOUND
 
 warnings.warn(
     "trl_integration.correction moved to safevocab.correction; import it from there",

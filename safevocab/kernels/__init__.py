@@ -10,7 +10,7 @@ style, one file per op:
 - :mod:`safevocab.kernels.backward_fold`: turns a recomputed logits chunk into the logits gradient in
   place (the two gradient GEMMs follow in torch).
 - :mod:`safevocab.kernels.fused`: the per-chunk driver the autograd function in
-  :mod:`safevocab._chunked` calls.
+  :mod:`safevocab.fused_op` calls through :class:`safevocab.kernels.fused.TritonBackend`.
 
 Thresholds: ``NoPruning``, ``MinP`` and ``MinProb`` are computed inside the forward kernel. The other
 rules (``TopK``, ``TopP`` and compositions) need a selection or a sort: their per-row threshold is

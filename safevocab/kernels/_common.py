@@ -26,7 +26,7 @@ def transform(z, scale, softcap, temperature, HAS_SCALE: tl.constexpr, HAS_SOFTC
               HAS_TEMPERATURE: tl.constexpr):
     """``logit_scale``, then ``softcap * tanh(z / softcap)``, then ``/ temperature`` (the sampler's order).
 
-    Same operations, in the same order, as ``safevocab._chunked.Transform.apply_``; the identity steps
+    Same operations, in the same order, as ``safevocab.chunking.Transform.apply_``; the identity steps
     are compiled out. The scalars are cast to ``z``'s dtype (a caller may pass fp64 Python floats).
     ``-inf`` stays ``-inf`` through the softcap (a token of probability 0 never enters ``S``).
     """

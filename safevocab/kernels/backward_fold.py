@@ -2,14 +2,14 @@
 
 Per row, with the forward's threshold ``t``, row maximum ``m``, ``log sum_S exp(z - m)``,
 ``log sum_V exp(z - m)``, entropy ``H`` and the per-row coefficients of
-:class:`safevocab._chunked.Coefficients` (``c_S = g_lp 1[y in S] - g_k``, ``c_F = g_lp 1[y not in S] + g_k``)::
+:class:`safevocab.chunking.Coefficients` (``c_S = g_lp 1[y in S] - g_k``, ``c_F = g_lp 1[y not in S] + g_k``)::
 
     grad_z = g_lp 1[a=y] - pi_S (c_S + g_H (log pi_S + H)) - c_F pi
 
 with ``log pi_S = (z - m) - log sum_S exp(z - m)`` (max-shifted, as the forward),
 then the transform's chain rule: times the softcap derivative ``1 - tanh^2`` (``tanh`` recovered from
 ``z`` as ``z * temperature / softcap``, ``tanh^2`` clamped to 1 so ``-inf`` logits get 0) and ``logit_scale / temperature``. The same operations in the
-same order as ``safevocab._chunked._dense_backward``, in fp32 (fp64 for fp64 inputs), for bf16/fp16/fp32
+same order as ``safevocab.torch_backend.dense_backward``, in fp32 (fp64 for fp64 inputs), for bf16/fp16/fp32
 chunks. Grid ``(rows, column blocks)``: every program reads and writes its own block only.
 """
 

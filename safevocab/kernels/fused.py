@@ -1,8 +1,8 @@
-"""Triton backend of :class:`safevocab._chunked.FusedSafeLogProbs`: per-chunk GEMM in torch, fold in Triton.
+"""Triton backend of :class:`safevocab.fused_op.FusedSafeLogProbs`: per-chunk GEMM in torch, fold in Triton.
 
-:func:`triton_forward` and :func:`triton_dense_backward` replace the torch passes of the chunk loop
-(``FusedSafeLogProbs.forward`` and ``_dense_backward``); the autograd bookkeeping, the backward
-coefficients, the sparse backward and the full-softmax part stay in :mod:`safevocab._chunked`. The
+:class:`TritonBackend` implements :class:`safevocab.fused_backend.FusedBackend`: :func:`triton_forward` and
+:func:`triton_dense_backward` replace the torch backend's passes (:mod:`safevocab.torch_backend`); the
+autograd bookkeeping, the sparse backward and the full-softmax part stay in :mod:`safevocab.fused_op`. The
 backward recomputes each chunk on the forward's row slice with the same calls, so ``S = {z >= t}`` is
 rebuilt from bit-identical logits.
 
@@ -26,13 +26,21 @@ import contextlib
 
 import torch
 
-from safevocab._chunked import ChunkLogits, Coefficients, RowStats, SparseChunk, Transform, accumulate_chunk_grads, chunk_slices
-from safevocab.kernels import MODE_GIVEN, kernel_threshold, logger
+from safevocab.chunking import (
+    ChunkLogits,
+    Coefficients,
+    RowStats,
+    SparseChunk,
+    Transform,
+    accumulate_chunk_grads,
+    chunk_slices,
+)
+from safevocab.kernels import MODE_GIVEN, kernel_threshold, logger, triton_chunk_rows
 from safevocab.kernels.backward_fold import backward_fold
 from safevocab.kernels.forward_fold import forward_fold
 from safevocab.rules import SafeVocabRule
 
-__all__ = ["triton_forward", "triton_dense_backward", "addmm_fp32"]
+__all__ = ["TritonBackend", "triton_forward", "triton_dense_backward"]
 
 
 class _ChunkGemm:
@@ -133,24 +141,6 @@ def triton_forward(
     return sparse_chunks
 
 
-def addmm_fp32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """``acc += a @ b`` for an fp32/fp64 ``acc``, without rounding the product to half precision first."""
-    global _OUT_DTYPE_MM
-    if a.dtype == acc.dtype:
-        acc.addmm_(a, b)
-        return
-    if _OUT_DTYPE_MM and acc.device.type == "cuda" and acc.dtype == torch.float32:
-        try:
-            torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
-            return
-        except (TypeError, RuntimeError):  # torch without mixed-dtype addmm: the upcast below
-            _OUT_DTYPE_MM = False
-    acc.addmm_(a.to(acc.dtype), b.to(acc.dtype))
-
-
-_OUT_DTYPE_MM = True
-
-
 def triton_dense_backward(
     chunks: list[slice],
     hidden: torch.Tensor,
@@ -162,7 +152,7 @@ def triton_dense_backward(
     grads: tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None],
     rule: SafeVocabRule,
 ) -> None:
-    """``safevocab._chunked._dense_backward`` with the logits gradient formed by the Triton kernel.
+    """``safevocab.torch_backend.dense_backward`` with the logits gradient formed by the Triton kernel.
 
     Recomputes each chunk's logits exactly as the forward did (same row slice, same GEMM into a buffer of
     the same shape, same transform path), so the saved thresholds select the same ``S``.
@@ -203,3 +193,18 @@ def triton_dense_backward(
             )
             accumulate_chunk_grads(out, h, weight, rows, grads)  # out: the logits gradient, inputs' dtype
             del z, out
+
+
+class TritonBackend:
+    """The Triton kernels fold every chunk (CUDA, or CPU under ``TRITON_INTERPRET=1``)."""
+
+    name = "triton"
+
+    def rows_per_chunk(self, n_rows: int, vocab: int, rule: SafeVocabRule, in_bytes: int, max_chunk_bytes: int) -> int:
+        return triton_chunk_rows(n_rows, vocab, rule, in_bytes, max_chunk_bytes)  # the kernels need less scratch
+
+    def forward(self, hidden, weight, bias, targets, rule, transform, chunk_rows, stats, sparse_max_density):
+        return triton_forward(hidden, weight, bias, targets, rule, transform, chunk_rows, stats, sparse_max_density)
+
+    def dense_backward(self, chunks, hidden, weight, bias, coef, transform, chunk_rows, grads, rule):
+        triton_dense_backward(chunks, hidden, weight, bias, coef, transform, chunk_rows, grads, rule)

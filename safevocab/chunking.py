@@ -1,0 +1,244 @@
+"""Per-chunk building blocks shared by the fused op and its backends: the data that crosses them.
+
+The fused op (:mod:`safevocab.fused_op`) walks ``[N, H]`` hidden states in chunks of rows, never
+materialising ``[N, V]``. A backend (:mod:`safevocab.torch_backend`, the Triton one in
+:mod:`safevocab.kernels.fused`) folds each chunk's logits into per-row statistics and, in backward, turns a
+recomputed chunk into its logits gradient. What they exchange lives here:
+
+- :class:`Transform`: the sampler's logit transform (``logit_scale``, softcap, ``/ temperature``);
+- :func:`chunk_slices` and :class:`ChunkLogits`: the row slices and the chunk GEMM, identical in forward and
+  backward, so a recomputed chunk is bit-identical to the forward's;
+- :class:`RowStats`: the max-shifted per-row outputs of the forward; :class:`SparseChunk`: a chunk's safe
+  sets stored as CSR; :class:`Coefficients`: the per-row backward coefficients;
+- :func:`accumulate_chunk_grads`: a chunk's logits gradient into the input gradients (fp32 weight gradient).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = [
+    "Transform",
+    "chunk_slices",
+    "ChunkLogits",
+    "SparseChunk",
+    "RowStats",
+    "Coefficients",
+    "accumulate_chunk_grads",
+    "addmm_fp32",
+    "log_normalised",
+]
+
+
+@dataclass(frozen=True)
+class Transform:
+    """The sampler's logit transform: ``logit_scale``, then softcap, then ``/ temperature``.
+
+    ``-inf`` logits stay ``-inf`` through the softcap (``c * tanh(-inf / c)`` would be the finite
+    ``-c``): a token of probability 0 never enters ``S``.
+    """
+
+    temperature: float
+    softcap: float | None
+    logit_scale: float
+
+    def apply_(self, z: torch.Tensor, neg_inf_cols: torch.Tensor | None = None) -> torch.Tensor:
+        """In-place transform of a scratch chunk ``[n, V]``; ``neg_inf_cols``: columns whose raw logit is
+        ``-inf`` in every row (a ``-inf`` bias entry), restored to ``-inf`` after a softcap."""
+        if self.logit_scale != 1.0:
+            z.mul_(self.logit_scale)
+        if self.softcap is not None:
+            z.div_(self.softcap).tanh_().mul_(self.softcap)
+            if neg_inf_cols is not None and neg_inf_cols.numel():
+                z.index_fill_(-1, neg_inf_cols, -torch.inf)
+        if self.temperature != 1.0:
+            z.div_(self.temperature)
+        return z
+
+    def backward_(self, grad_z: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        """In-place chain rule from transformed ``z`` back to raw logits.
+
+        The softcap derivative ``1 - tanh^2`` is recovered from ``z`` itself
+        (``tanh = z * temperature / softcap``), so no extra buffer of raw logits is kept. ``tanh^2`` is
+        clamped to 1 (its true range), which makes the derivative 0, not ``-inf``, at ``-inf`` logits.
+        """
+        if self.softcap is not None:
+            tanh_sq = (z * (self.temperature / self.softcap)).square_().clamp_(max=1.0)
+            grad_z.mul_(tanh_sq.neg_().add_(1.0))
+        scale = self.logit_scale / self.temperature
+        if scale != 1.0:
+            grad_z.mul_(scale)
+        return grad_z
+
+
+def chunk_slices(n_rows: int, chunk_rows: int) -> list[slice]:
+    """The row slices of the chunks, identical in forward and backward."""
+    return [slice(start, min(start + chunk_rows, n_rows)) for start in range(0, n_rows, chunk_rows)]
+
+
+class ChunkLogits:
+    """Computes transformed logits of a chunk of rows into one reused buffer (no page faults per chunk).
+
+    Forward and backward build one each with the same ``rows`` and call it on the same row slices of
+    ``hidden``, so a recomputed chunk is bit-identical to the forward's.
+    """
+
+    def __init__(self, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, transform: Transform, rows: int):
+        self.weight_t, self.bias, self.transform = weight.t(), bias, transform
+        stat = torch.float64 if hidden.dtype == torch.float64 else torch.float32
+        vocab = weight.shape[0]
+        self.buf = torch.empty(rows, vocab, device=hidden.device, dtype=stat)
+        self.raw = None if hidden.dtype == stat else torch.empty(rows, vocab, device=hidden.device, dtype=hidden.dtype)
+        self.neg_inf_cols = None
+        if bias is not None and transform.softcap is not None:
+            self.neg_inf_cols = (bias == -torch.inf).nonzero().squeeze(-1)
+
+    def __call__(self, h: torch.Tensor) -> torch.Tensor:
+        n = h.shape[0]
+        out = self.buf[:n] if self.raw is None else self.raw[:n]
+        if self.bias is None:
+            torch.mm(h, self.weight_t, out=out)
+        else:
+            torch.addmm(self.bias, h, self.weight_t, out=out)
+        z = self.buf[:n]
+        if self.raw is not None:
+            z.copy_(out)  # the GEMM rounds to the inputs' dtype, exactly as materialised logits would be
+        return self.transform.apply_(z, self.neg_inf_cols)
+
+
+@dataclass
+class SparseChunk:
+    """The safe sets of one chunk of rows, as CSR: the shifted logits ``z - m`` at the kept columns.
+
+    ``log pi_S = (z - m) - log sum_S exp(z - m)`` and, for the softcap derivative, ``z = (z - m) + m``
+    are both recovered to ``z``'s own precision (storing ``log pi_S`` instead would lose ``z - m`` to
+    the rounding of ``log sum_S``, which dominates when the logits are tiny, e.g. at large temperatures).
+    """
+
+    start: int
+    counts: torch.Tensor  # [n] int64, |S| per row
+    cols: torch.Tensor  # [nnz] int32
+    shifted: torch.Tensor  # [nnz] stats dtype, z - m
+
+
+@dataclass
+class RowStats:
+    """Per-row outputs of the forward (each ``[N]``), written chunk by chunk by a backend.
+
+    Max-shifted: with ``m`` the row maximum of the transformed logits ``z``,
+    ``lse_S = m + log_sum_safe`` and ``lse_V = m + log_sum_full``, but the sums are never formed, so
+    ``z_y - lse_S`` keeps full precision when ``|m|`` is huge.
+    """
+
+    target_shift: torch.Tensor  # z_y - m
+    log_sum_safe: torch.Tensor  # log sum_S exp(z - m)
+    log_sum_full: torch.Tensor  # log sum_V exp(z - m)
+    row_max: torch.Tensor  # m
+    threshold: torch.Tensor  # t: S = {z >= t}
+    entropy: torch.Tensor | None  # H(pi_S)
+    in_safe: torch.Tensor  # bool, z_y >= t
+    safe_size: torch.Tensor  # int64, |S|
+
+    @staticmethod
+    def empty(n_rows: int, device: torch.device, dtype: torch.dtype, compute_entropy: bool) -> RowStats:
+        def new() -> torch.Tensor:
+            return torch.empty(n_rows, device=device, dtype=dtype)
+
+        return RowStats(
+            target_shift=new(),
+            log_sum_safe=new(),
+            log_sum_full=new(),
+            row_max=new(),
+            threshold=new(),
+            entropy=new() if compute_entropy else None,
+            in_safe=torch.empty(n_rows, device=device, dtype=torch.bool),
+            safe_size=torch.empty(n_rows, device=device, dtype=torch.int64),
+        )
+
+    def rows(self, rows: slice) -> dict[str, torch.Tensor | None]:
+        """Views of every field on a row slice (keyword arguments of the forward kernel)."""
+        return {name: (None if t is None else t[rows]) for name, t in vars(self).items()}
+
+
+@dataclass
+class Coefficients:
+    """Per-row backward coefficients (each ``[N]``, stats dtype) and the forward statistics they need.
+
+    ``grad_z = g_lp 1[a=y] - pi_S (c_S + g_H (log pi_S + H)) - c_F pi`` with
+    ``c_S = g_lp 1[y in S] - g_k`` and ``c_F = g_lp 1[y not in S] + g_k`` (``g_k``: the
+    ``log_kept_mass`` gradient); ``g_target_out = g_lp 1[y not in S]`` is the target term of the
+    full-softmax part.
+    """
+
+    g_lp: torch.Tensor
+    g_ent: torch.Tensor | None
+    c_safe: torch.Tensor
+    c_full: torch.Tensor
+    g_target_out: torch.Tensor
+    row_max: torch.Tensor
+    log_sum_safe: torch.Tensor
+    log_sum_full: torch.Tensor
+    entropy: torch.Tensor | None
+    threshold: torch.Tensor
+    safe_size: torch.Tensor
+    targets: torch.Tensor
+
+
+def accumulate_chunk_grads(
+    grad: torch.Tensor,
+    h: torch.Tensor,
+    weight: torch.Tensor,
+    rows: slice | torch.Tensor,
+    grads: tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None],
+) -> None:
+    """Add a chunk's logits gradient ``grad`` ``[n, V]`` to the input gradients: ``grad @ weight`` into
+    ``grad_hidden[rows]``, ``grad.T @ h`` into the fp32 ``grad_weight`` (rounding each chunk's product to
+    bf16 would bias training), column sums into ``grad_bias``."""
+    grad_hidden, grad_weight, grad_bias = grads
+    if grad_bias is not None:
+        grad_bias += grad.sum(0, dtype=grad_bias.dtype)
+    if grad_hidden is not None:
+        product = grad.to(grad_hidden.dtype) @ weight
+        if isinstance(rows, slice):
+            grad_hidden[rows] += product
+        else:
+            grad_hidden.index_add_(0, rows, product)
+    if grad_weight is not None:
+        if grad.dtype == grad_weight.dtype:
+            grad_weight.addmm_(grad.t(), h.to(grad.dtype))
+        else:
+            addmm_fp32(grad_weight, grad.t(), h)
+
+
+def addmm_fp32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``acc += a @ b`` for an fp32/fp64 ``acc``, without rounding the product to half precision first."""
+    global _OUT_DTYPE_MM
+    if a.dtype == acc.dtype:
+        acc.addmm_(a, b)
+        return
+    if _OUT_DTYPE_MM and acc.device.type == "cuda" and acc.dtype == torch.float32:
+        try:
+            torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+            return
+        except (TypeError, RuntimeError):  # torch without mixed-dtype addmm: the upcast below
+            _OUT_DTYPE_MM = False
+    acc.addmm_(a.to(acc.dtype), b.to(acc.dtype))
+
+
+_OUT_DTYPE_MM = True
+
+
+def log_normalised(z: torch.Tensor, row_max: torch.Tensor, log_sum: torch.Tensor) -> torch.Tensor:
+    """``(z - m) - log_sum`` as a new ``[n, V]`` tensor (``row_max``, ``log_sum``: ``[n, 1]``), max-shifted.
+
+    One pass ``z - (m + log_sum)`` when forming ``m + log_sum`` rounds away less than an ulp of ``log_sum``
+    (ordinary temperatures), two passes otherwise: at ``|m| ~ 1e7`` (tiny temperatures) ``m + log(3)`` would
+    lose the ``log 3`` that separates three tied logits.
+    """
+    offset = row_max + log_sum
+    exact = ((offset - row_max) - log_sum).abs() <= torch.finfo(log_sum.dtype).eps * (1 + log_sum.abs())
+    if bool(exact.all()):
+        return z - offset
+    return (z - row_max).sub_(log_sum)

@@ -1,0 +1,79 @@
+"""The protocol a backend of the fused op implements, and the choice of backend.
+
+:class:`safevocab.fused_op.FusedSafeLogProbs` owns the autograd bookkeeping (row statistics, the sparse
+backward, the full-softmax part, the non-finite check); a backend owns the per-chunk arithmetic on dense
+logits. Two implement it: :class:`safevocab.torch_backend.TorchBackend` (torch passes, any device) and
+:class:`safevocab.kernels.fused.TritonBackend` (Triton kernels, CUDA or Triton's interpreter). No backend
+imports the autograd function; the data they exchange lives in :mod:`safevocab.chunking`.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from safevocab.chunking import Coefficients, RowStats, SparseChunk, Transform
+from safevocab.rules import SafeVocabRule
+
+__all__ = ["FusedBackend", "get_backend"]
+
+Grads = tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]
+
+
+class FusedBackend(Protocol):
+    """Per-chunk arithmetic of the fused op: rows per chunk, forward fold, dense backward."""
+
+    #: ``"torch"`` or ``"triton"``.
+    name: str
+
+    def rows_per_chunk(self, n_rows: int, vocab: int, rule: SafeVocabRule, in_bytes: int, max_chunk_bytes: int) -> int:
+        """Rows per chunk so that one chunk's scratch fits ``max_chunk_bytes`` (at least 1)."""
+        ...
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        targets: torch.Tensor,
+        rule: SafeVocabRule,
+        transform: Transform,
+        chunk_rows: int,
+        stats: RowStats,
+        sparse_max_density: float | None,
+    ) -> list[SparseChunk]:
+        """Fill ``stats`` for every chunk of ``chunk_rows`` rows (:func:`safevocab.chunking.chunk_slices`); return
+        the chunks whose safe sets keep at most ``sparse_max_density`` of their logits, as CSR (``None``: never)."""
+        ...
+
+    def dense_backward(
+        self,
+        chunks: list[slice],
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        coef: Coefficients,
+        transform: Transform,
+        chunk_rows: int,
+        grads: Grads,
+        rule: SafeVocabRule,
+    ) -> None:
+        """Add the whole gradient of the forward chunks ``chunks`` to ``grads``, recomputing their logits exactly
+        as the forward did (same row slices, same calls), so ``S = {z >= t}`` is the forward's."""
+        ...
+
+
+def get_backend(name: str) -> FusedBackend:
+    """The backend object for a resolved name (``safevocab.kernels.resolve_backend``): ``"torch"`` or ``"triton"``."""
+    if name == "triton":
+        from safevocab.kernels.fused import (
+            TritonBackend,  # imports Triton: only when asked for
+        )
+
+        return TritonBackend()
+    if name == "torch":
+        from safevocab.torch_backend import TorchBackend
+
+        return TorchBackend()
+    raise ValueError(f"backend={name!r} is not accepted: accepted 'torch' or 'triton'")

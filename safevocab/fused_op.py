@@ -1,0 +1,284 @@
+"""The fused LM head + safe log-softmax as one autograd function over chunks of rows, never ``[N, V]``.
+
+:class:`FusedSafeLogProbs` computes, per row with target ``y``, transformed logits ``z`` (maximum ``m``)
+and safe set ``S = {z >= t}``::
+
+    log pi_S(y) = (z_y - m) - log sum_S exp(z - m)      (max-shifted: huge logits lose no precision)
+
+(the full log-softmax for ``y`` outside ``S``), ``log_kept_mass = log sum_S exp(z - m) - log sum_V exp(z - m)``
+and the entropy of ``pi_S``. A *backend* object (:class:`safevocab.fused_backend.FusedBackend`: the torch
+passes of :mod:`safevocab.torch_backend` or the Triton kernels of :mod:`safevocab.kernels.fused`) folds each
+chunk; this module owns the bookkeeping around it.
+
+Backward forms ``grad_z = g_lp 1[a=y] - pi_S (c_S + g_H (log pi_S + H)) - c_F pi`` (see
+:class:`~safevocab.chunking.Coefficients`) in two parts:
+
+- the **safe-set part** ``-pi_S (...) + g_lp 1[a=y in S]`` depends on ``S``. It must use exactly the
+  forward's ``S``, whatever the layout, dtype, chunking or backend:
+
+  - **sparse** (the common case in RL): when a chunk's safe sets are small (at most
+    ``SPARSE_MAX_DENSITY`` of its logits), forward stores ``S`` itself as CSR (int32 column, fp32
+    ``z - m``: 8 bytes per kept logit), and backward runs two sparse GEMMs whose cost scales with
+    ``|S|``: no recomputation at all (:func:`sparse_backward`).
+  - **dense** (chunks with large safe sets, half-precision inputs): the backend recomputes the chunk's
+    logits with the *same call on the same operands* as the forward (the same row slice of ``hidden``, the
+    same buffer shape: BLAS results depend on layout and alignment, and a boundary token one ulp off would
+    leave ``S``), rebuilds ``S = {z >= t}`` and checks it against the saved ``|S|``.
+- the **full-softmax part** ``-c_F pi + g_lp 1[a=y not in S]`` (targets outside ``S`` with a gradient,
+  or a gradient on ``log_kept_mass``) does not depend on ``S``: rows of sparse chunks that need it
+  recompute only their own logits (:func:`full_softmax_backward`).
+
+Non-finite input is detected from the row statistics (a non-finite ``m`` or ``log sum_V``) and raised as a
+one-line ``ValueError`` naming the argument (:func:`raise_on_non_finite_rows`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+
+import torch
+
+from safevocab.chunking import (
+    ChunkLogits,
+    Coefficients,
+    RowStats,
+    SparseChunk,
+    Transform,
+    accumulate_chunk_grads,
+    chunk_slices,
+    log_normalised,
+)
+from safevocab.fused_backend import FusedBackend
+from safevocab.rules import SafeVocabRule
+
+__all__ = ["FusedSafeLogProbs", "SPARSE_MAX_DENSITY", "sparse_backward", "full_softmax_backward", "raise_on_non_finite_rows"]
+
+#: Largest fraction of a chunk's logits kept in ``S`` for which the sparse backward is used.
+SPARSE_MAX_DENSITY = 1.0 / 16
+
+
+class FusedSafeLogProbs(torch.autograd.Function):
+    """``[N, H] x [V, H] -> [N]`` safe log-probabilities; see the module docstring."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        targets: torch.Tensor,
+        rule: SafeVocabRule,
+        transform: Transform,
+        compute_entropy: bool,
+        chunk_rows: int,
+        backend: FusedBackend,  # the per-chunk implementation (safevocab.fused_backend.get_backend)
+        weight_gather=None,  # sharded-weight hook: zero-arg factory of a context manager, or None
+    ):
+        ctx.set_materialize_grads(False)
+        ctx.weight_gather = weight_gather
+        n_rows = hidden.shape[0]
+        stat_dtype = torch.float64 if hidden.dtype == torch.float64 else torch.float32
+        stats = RowStats.empty(n_rows, hidden.device, stat_dtype, compute_entropy)
+        # MKL/cuSPARSE sparse GEMMs take fp32/fp64 only; half inputs use the dense backward.
+        density = SPARSE_MAX_DENSITY if hidden.dtype in (torch.float32, torch.float64) else None
+        sparse_chunks = backend.forward(hidden, weight, bias, targets, rule, transform, chunk_rows, stats, density)
+        raise_on_non_finite_rows(stats, hidden, weight, bias, transform)
+        logprobs = torch.where(
+            stats.in_safe, stats.target_shift - stats.log_sum_safe, stats.target_shift - stats.log_sum_full
+        )
+        log_kept = stats.log_sum_safe - stats.log_sum_full
+
+        ctx.save_for_backward(
+            hidden, weight, bias, targets, stats.threshold, stats.row_max, stats.log_sum_safe, stats.log_sum_full,
+            stats.in_safe, stats.safe_size, stats.entropy,
+        )
+        ctx.sparse_chunks = sparse_chunks
+        ctx.transform = transform
+        ctx.chunk_rows = chunk_rows
+        ctx.backend, ctx.rule = backend, rule
+        ctx.mark_non_differentiable(stats.in_safe, stats.safe_size)
+        return logprobs, log_kept, stats.entropy, stats.in_safe, stats.safe_size
+
+    @staticmethod
+    def backward(ctx, grad_logprobs, grad_log_kept, grad_entropy, _grad_in_safe, _grad_safe_size):  # type: ignore[override]
+        if grad_logprobs is None and grad_log_kept is None and grad_entropy is None:
+            return (None,) * 10
+        # ---- sharded-weight hook: the backward re-reads the weight (sparse GEMMs and the dense
+        # recomputation), so a weight gathered only for the forward (DeepSpeed ZeRO-3) is gathered again here.
+        gather = contextlib.nullcontext() if ctx.weight_gather is None else ctx.weight_gather()
+        with gather:
+            return FusedSafeLogProbs._backward(ctx, grad_logprobs, grad_log_kept, grad_entropy)
+
+    @staticmethod
+    def _backward(ctx, grad_logprobs, grad_log_kept, grad_entropy):
+        (hidden, weight, bias, targets, threshold, row_max, log_sum_safe, log_sum_full, in_safe, safe_size,
+         entropy) = ctx.saved_tensors
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        n_rows, stat = hidden.shape[0], log_sum_safe.dtype
+
+        # contiguous: autograd may hand over expanded (stride-0) gradients, and the kernels index rows directly
+        zeros = torch.zeros(n_rows, device=hidden.device, dtype=stat)
+        g_lp = grad_logprobs.to(stat).contiguous() if grad_logprobs is not None else zeros
+        g_k = grad_log_kept.to(stat).contiguous() if grad_log_kept is not None else zeros
+        g_ent = grad_entropy.to(stat).contiguous() if grad_entropy is not None else None
+        coef = Coefficients(
+            g_lp=g_lp,
+            g_ent=g_ent,
+            c_safe=torch.where(in_safe, g_lp, 0.0) - g_k,
+            c_full=torch.where(in_safe, 0.0, g_lp) + g_k,
+            g_target_out=torch.where(in_safe, 0.0, g_lp),
+            row_max=row_max,
+            log_sum_safe=log_sum_safe,
+            log_sum_full=log_sum_full,
+            entropy=entropy,
+            threshold=threshold,
+            safe_size=safe_size,
+            targets=targets,
+        )
+
+        grad_hidden = torch.zeros_like(hidden) if need_h else None
+        grad_weight = torch.zeros(weight.shape, device=weight.device, dtype=stat) if need_w else None
+        grad_bias = torch.zeros(weight.shape[0], device=weight.device, dtype=stat) if need_b else None
+        grads = (grad_hidden, grad_weight, grad_bias)
+
+        # Safe-set part: the stored S of sparse chunks, or an exact recomputation of the other chunks.
+        sparse_starts = set()
+        in_sparse = torch.zeros(n_rows, device=hidden.device, dtype=torch.bool)
+        for chunk in ctx.sparse_chunks:
+            sparse_backward(chunk, hidden, weight, coef, ctx.transform, grads)
+            sparse_starts.add(chunk.start)
+            in_sparse[chunk.start : chunk.start + chunk.counts.shape[0]] = True
+        dense_chunks = [rows for rows in chunk_slices(n_rows, ctx.chunk_rows) if rows.start not in sparse_starts]
+        if dense_chunks:
+            ctx.backend.dense_backward(dense_chunks, hidden, weight, bias, coef, ctx.transform, ctx.chunk_rows, grads, ctx.rule)
+        # Full-softmax part of sparse-chunk rows whose gradient leaves S (the dense chunks include it).
+        leaves = in_sparse & ((coef.c_full != 0) | (coef.g_target_out != 0))
+        full_idx = leaves.nonzero().squeeze(-1)
+        if full_idx.numel():
+            full_softmax_backward(full_idx, hidden, weight, bias, coef, ctx.transform, ctx.chunk_rows, grads)
+
+        return (
+            grad_hidden,
+            grad_weight.to(weight.dtype) if need_w else None,
+            grad_bias.to(bias.dtype) if need_b else None,
+            None,
+            None,
+            None,
+            None,
+            None,
+            None,  # backend
+            None,  # weight_gather
+        )
+
+
+def raise_on_non_finite_rows(
+    stats: RowStats, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, transform: Transform
+) -> None:
+    """Raise a one-line ``ValueError`` naming the argument when a row's statistics are not finite.
+
+    A NaN or ``+inf`` logit, an all ``-inf`` row or an overflowing GEMM or transform make the row maximum
+    or ``log sum_V exp(z - m)`` non-finite; checking those ``[N]`` statistics costs nothing next to a pass
+    over ``[N, V]``. Finding *which* argument caused it runs only here, on the error path.
+    """
+    bad = ~(torch.isfinite(stats.row_max) & torch.isfinite(stats.log_sum_full))
+    if not bool(bad.any()):
+        return
+    row = int(bad.nonzero()[0])
+    h = hidden[row]
+    where = f"(row {row} of {hidden.shape[0]})"
+    if not bool(torch.isfinite(h).all()):
+        raise ValueError(f"hidden has a non-finite value (NaN or inf) {where}: accepted finite hidden states")
+    finite_weight = torch.isfinite(weight).all(dim=-1)
+    if not bool(finite_weight.all()):
+        token = int((~finite_weight).nonzero()[0])
+        raise ValueError(f"weight has a non-finite value (NaN or inf) in row {token} (token id): accepted finite weights")
+    raw = h.double() @ weight.double().t()
+    if bias is not None:
+        raw = raw + bias.double()
+        if not bool((bias != -torch.inf).any()):
+            raise ValueError("bias is -inf for every token: no token has a probability > 0")
+    limit = torch.finfo(hidden.dtype).max
+    peak = float(raw[torch.isfinite(raw)].abs().max()) if bool(torch.isfinite(raw).any()) else 0.0
+    if peak > limit:
+        raise ValueError(
+            f"hidden @ weight.T overflows {hidden.dtype} {where}: |logit| up to {peak:.4g} > {limit:.4g}; "
+            "use bfloat16/float32 inputs (an fp32 LM head) for this model"
+        )
+    raise ValueError(
+        f"temperature={transform.temperature!r} with logit_scale={transform.logit_scale!r} makes the logits overflow "
+        f"{stats.row_max.dtype} {where}: |logit| up to {peak:.4g} gives |logit| * logit_scale / temperature > "
+        f"{torch.finfo(stats.row_max.dtype).max:.4g}; accepted a larger temperature"
+    )
+
+
+def sparse_backward(
+    chunk: SparseChunk,
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    coef: Coefficients,
+    transform: Transform,
+    grads: tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None],
+) -> None:
+    """Safe-set part of the gradient of a chunk whose ``S`` was stored: two sparse GEMMs."""
+    grad_hidden, grad_weight, grad_bias = grads
+    n = chunk.counts.shape[0]
+    rows = slice(chunk.start, chunk.start + n)
+    vocab = weight.shape[0]
+    row_of = torch.repeat_interleave(torch.arange(n, device=hidden.device), chunk.counts)
+    log_p = chunk.shifted - coef.log_sum_safe[rows][row_of]  # log pi_S
+    # -pi_S (c_S + g_H (log pi_S + H)) on S, then + g_lp at the target when it is in S
+    per_entry = coef.c_safe[rows][row_of]
+    if coef.g_ent is not None:
+        per_entry = per_entry + coef.g_ent[rows][row_of] * (log_p + coef.entropy[rows][row_of])
+    vals = log_p.exp_().mul_(per_entry).neg_()
+    is_target = chunk.cols == coef.targets[rows][row_of]
+    vals += torch.where(is_target, coef.g_lp[rows][row_of], 0.0)
+    # The softcap derivative needs the transformed logits at the kept entries: (z - m) + m.
+    z = chunk.shifted + coef.row_max[rows][row_of] if transform.softcap is not None else vals
+    vals = transform.backward_(vals, z)
+
+    crow = torch.zeros(n + 1, device=hidden.device, dtype=torch.int32)
+    torch.cumsum(chunk.counts, 0, out=crow[1:])
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*[Ss]parse.*")
+        if grad_hidden is not None:
+            g = torch.sparse_csr_tensor(crow, chunk.cols, vals, size=(n, vocab), check_invariants=False)
+            grad_hidden[rows] += torch.sparse.mm(g, weight)
+        if grad_weight is not None:
+            # G^T as CSR: entries sorted by column (a stable sort keeps rows ascending within a column)
+            order = torch.argsort(chunk.cols, stable=True)
+            crow_t = torch.zeros(vocab + 1, device=hidden.device, dtype=torch.int32)
+            torch.cumsum(torch.bincount(chunk.cols, minlength=vocab), 0, out=crow_t[1:])
+            g_t = torch.sparse_csr_tensor(
+                crow_t, row_of[order].to(torch.int32), vals[order], size=(vocab, n), check_invariants=False
+            )
+            grad_weight.addmm_(g_t, hidden[rows])
+    if grad_bias is not None:
+        grad_bias.index_add_(0, chunk.cols.long(), vals)
+
+
+def full_softmax_backward(
+    idx: torch.Tensor,
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    coef: Coefficients,
+    transform: Transform,
+    chunk_rows: int,
+    grads: tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None],
+) -> None:
+    """``-c_F pi + g_lp 1[a=y not in S]`` for the rows ``idx`` (their safe-set part comes from the sparse
+    path). Independent of ``S``, so the recomputed logits need not be bit-identical to the forward's."""
+    logits_of = ChunkLogits(hidden, weight, bias, transform, min(chunk_rows, idx.numel()))
+    for start in range(0, idx.numel(), chunk_rows):
+        rows = idx[start : start + chunk_rows]
+        h = hidden.index_select(0, rows)
+        z = logits_of(h)
+        grad = log_normalised(z, coef.row_max[rows].unsqueeze(-1), coef.log_sum_full[rows].unsqueeze(-1)).exp_()
+        grad.mul_(coef.c_full[rows].neg().unsqueeze(-1))
+        grad.scatter_add_(-1, coef.targets[rows].unsqueeze(-1), coef.g_target_out[rows].unsqueeze(-1))
+        grad = transform.backward_(grad, z)
+        del z
+        accumulate_chunk_grads(grad, h, weight, rows, grads)
+        del grad

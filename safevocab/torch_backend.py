@@ -1,0 +1,157 @@
+"""The torch backend of the fused op: each chunk's statistics and logits gradient with torch passes.
+
+Implements :class:`safevocab.fused_backend.FusedBackend`. Forward, per chunk: the transformed logits
+(:class:`~safevocab.chunking.ChunkLogits`), the rule's threshold ``t`` and row maximum ``m``,
+``S = {z >= t}``, then the max-shifted sums ``log sum_S exp(z - m)`` and ``log sum_V exp(z - m)`` and the
+entropy ``H(pi_S) = log sum_S e - sum_S e log e / sum_S e`` with ``e = exp(z - m)``. Chunks whose safe sets
+are small are returned as CSR (:class:`~safevocab.chunking.SparseChunk`) for the sparse backward.
+
+Dense backward, per chunk: recompute the logits on the forward's own row slice (bit-identical), rebuild
+``S`` from the saved threshold, check it against the saved ``|S|`` (a row whose count moved is repaired from
+its ``|S|`` largest logits), and form ``grad_z = g_lp 1[a=y] - pi_S (c_S + g_H (log pi_S + H)) - c_F pi``
+in place before the two gradient GEMMs.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from safevocab.chunking import (
+    ChunkLogits,
+    Coefficients,
+    RowStats,
+    SparseChunk,
+    Transform,
+    accumulate_chunk_grads,
+    chunk_slices,
+    log_normalised,
+)
+from safevocab.rules import SafeVocabRule
+
+__all__ = ["TorchBackend", "chunk_rows_for"]
+
+
+def chunk_rows_for(n_rows: int, vocab: int, rule: SafeVocabRule, in_bytes: int, max_chunk_bytes: int) -> int:
+    """Rows per chunk so that one chunk's scratch fits ``max_chunk_bytes``."""
+    # Live scratch per logit in the dense backward (the larger pass): fp32 z, fp32 probabilities or
+    # gradient, fp32 entropy/softcap temporary, two bool masks, a cast copy for half inputs, the rule's own.
+    per_logit = 3 * 4 + 2 + (in_bytes if in_bytes < 4 else 0) + rule.scratch_bytes_per_logit
+    return max(1, min(n_rows, max_chunk_bytes // max(1, vocab * per_logit)))
+
+
+def torch_forward(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    targets: torch.Tensor,
+    rule: SafeVocabRule,
+    transform: Transform,
+    chunk_rows: int,
+    stats: RowStats,
+    density: float | None,
+) -> list[SparseChunk]:
+    """Fill ``stats`` chunk by chunk with torch passes; return the chunks whose safe sets are stored
+    sparsely (at most ``density`` of a chunk's logits kept; ``None``: never)."""
+    n_rows, vocab = hidden.shape[0], weight.shape[0]
+    sparse_chunks: list[SparseChunk] = []
+    if not n_rows:
+        return sparse_chunks
+    logits_of = ChunkLogits(hidden, weight, bias, transform, min(chunk_rows, n_rows))
+    drop_buf = torch.empty(min(chunk_rows, n_rows), vocab, device=hidden.device, dtype=torch.bool)
+    for rows in chunk_slices(n_rows, chunk_rows):
+        n = rows.stop - rows.start
+        z = logits_of(hidden[rows])
+        t, z_max = rule.threshold_and_max(z)  # [n, 1] each
+        z_y = z.gather(-1, targets[rows].unsqueeze(-1))
+        stats.in_safe[rows] = (z_y >= t).squeeze(-1)
+        stats.threshold[rows] = t.squeeze(-1)
+        stats.row_max[rows] = z_max.squeeze(-1)
+        stats.target_shift[rows] = (z_y - z_max).squeeze(-1)
+        # S = {z >= t} on the unshifted logits, as the backward and in_safe decide it (z - m < t - m
+        # could round a boundary token the other way).
+        dropped = torch.lt(z, t, out=drop_buf[:n])
+        kept_per_row = vocab - dropped.sum(-1)
+        stats.safe_size[rows] = kept_per_row
+        z.sub_(z_max)  # z now holds z - m
+        store_sparse = density is not None and int(kept_per_row.sum()) <= density * n * vocab
+        if store_sparse:
+            r, c = torch.logical_not(dropped).nonzero(as_tuple=True)
+            shifted_kept = z[r, c]
+        e = z.exp_()  # z now holds exp(z - m)
+        sum_full = e.sum(-1)
+        e.masked_fill_(dropped, 0.0)
+        sum_safe = e.sum(-1)
+        log_sum_safe = sum_safe.log()
+        stats.log_sum_safe[rows] = log_sum_safe
+        stats.log_sum_full[rows] = sum_full.log()
+        if stats.entropy is not None:
+            # H(pi_S) = log sum_S e - sum_S e log e / sum_S e, with e = exp(z - m); xlogy(0, 0) = 0
+            stats.entropy[rows] = log_sum_safe - torch.special.xlogy(e, e).sum(-1) / sum_safe
+        if store_sparse:
+            sparse_chunks.append(SparseChunk(rows.start, kept_per_row, c.to(torch.int32), shifted_kept))
+        del z, e, dropped
+    return sparse_chunks
+
+
+def _repair_safe_sets(z: torch.Tensor, dropped: torch.Tensor, saved_size: torch.Tensor) -> None:
+    """Make each row of ``dropped`` drop exactly ``V - saved_size`` logits when a recomputation moved a
+    boundary logit across the threshold: keep the ``|S|`` largest logits of such rows instead."""
+    kept = dropped.shape[-1] - dropped.sum(-1)
+    for row in (kept != saved_size).nonzero().squeeze(-1).tolist():
+        size = int(saved_size[row])
+        t = torch.topk(z[row], size, sorted=False).values.amin()
+        torch.lt(z[row], t, out=dropped[row])
+
+
+def dense_backward(
+    chunks: list[slice],
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    coef: Coefficients,
+    transform: Transform,
+    chunk_rows: int,
+    grads: tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None],
+) -> None:
+    """The whole gradient of the given forward chunks, recomputing their logits exactly as the forward did."""
+    logits_of = ChunkLogits(hidden, weight, bias, transform, min(chunk_rows, hidden.shape[0]))
+    for rows in chunks:
+        h = hidden[rows]  # the forward's operand: same slice, same layout
+        z = logits_of(h)
+        dropped = z < coef.threshold[rows].unsqueeze(-1)
+        _repair_safe_sets(z, dropped, coef.safe_size[rows])
+        m = coef.row_max[rows].unsqueeze(-1)
+        grad = log_normalised(z, m, coef.log_sum_safe[rows].unsqueeze(-1))  # log pi_S on S
+        c_safe = coef.c_safe[rows].unsqueeze(-1)
+        if coef.g_ent is not None:
+            per_logit = (grad + coef.entropy[rows].unsqueeze(-1)).mul_(coef.g_ent[rows].unsqueeze(-1))
+            per_logit.add_(c_safe).masked_fill_(dropped, 0.0)  # no 0 * -inf below
+            grad.exp_().masked_fill_(dropped, 0.0).mul_(per_logit).neg_()
+            del per_logit
+        else:
+            grad.exp_().masked_fill_(dropped, 0.0).mul_(c_safe.neg())
+        c_full = coef.c_full[rows]
+        if bool((c_full != 0).any()):
+            p_full = log_normalised(z, m, coef.log_sum_full[rows].unsqueeze(-1)).exp_()
+            grad.sub_(p_full.mul_(c_full.unsqueeze(-1)))
+            del p_full
+        grad.scatter_add_(-1, coef.targets[rows].unsqueeze(-1), coef.g_lp[rows].unsqueeze(-1))
+        grad = transform.backward_(grad, z)
+        del z, dropped
+        accumulate_chunk_grads(grad, h, weight, rows, grads)
+        del grad
+
+
+class TorchBackend:
+    """torch passes for every chunk (CPU, or CUDA without Triton)."""
+
+    name = "torch"
+
+    def rows_per_chunk(self, n_rows: int, vocab: int, rule: SafeVocabRule, in_bytes: int, max_chunk_bytes: int) -> int:
+        return chunk_rows_for(n_rows, vocab, rule, in_bytes, max_chunk_bytes)
+
+    def forward(self, hidden, weight, bias, targets, rule, transform, chunk_rows, stats, sparse_max_density):
+        return torch_forward(hidden, weight, bias, targets, rule, transform, chunk_rows, stats, sparse_max_density)
+
+    def dense_backward(self, chunks, hidden, weight, bias, coef, transform, chunk_rows, grads, rule):
+        dense_backward(chunks, hidden, weight, bias, coef, transform, chunk_rows, grads)
