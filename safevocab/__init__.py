@@ -5,6 +5,7 @@ Core package: depends on torch only. See :mod:`safevocab.rules`, :mod:`safevocab
 """
 
 from safevocab.logprobs import SafeLogProbs, fused_safe_logprobs, safe_log_softmax, transform_logits
+from safevocab.support import SafeSupport
 from safevocab.rules import (
     Intersection,
     MinP,
@@ -31,4 +32,5 @@ __all__ = [
     "TopP",
     "Intersection",
     "parse_rule",
+    "SafeSupport",
 ]

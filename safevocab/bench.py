@@ -10,6 +10,8 @@ same seeded inputs, in one fresh subprocess:
   Triton fold kernels);
 - ``fused_torch`` (CUDA default): the fused path forced to ``backend="torch"``, so ``fused / fused_torch`` is
   what the Triton kernels buy (``fused`` uses ``--backend``, default ``auto``: Triton on CUDA);
+- ``fused_replay``: the fused path with a replayed :class:`~safevocab.support.SafeSupport` (the sets ``--rule``
+  keeps on these logits, built once outside the timing) and no rule: what exact support replay costs;
 - ``liger`` (CUDA default, when ``liger_kernel`` imports): Liger-Kernel's ``LigerFusedLinearGRPOLoss``
   (temperature only, no pruning; ``beta=0``, on-policy) on the same rows viewed as ``[N / T, T]`` sequences.
 
@@ -43,7 +45,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-VARIANTS = ("floor", "fused", "fused_torch", "naive", "trl", "liger")
+VARIANTS = ("floor", "fused", "fused_torch", "fused_replay", "naive", "trl", "liger")
 #: Variants run when ``--variants`` is not given, per device type.
 DEFAULT_VARIANTS = {
     "cpu": ("floor", "fused", "naive", "trl"),
@@ -87,6 +89,22 @@ def _sample_targets(hidden: torch.Tensor, weight: torch.Tensor, rule: str, gen: 
     return torch.cat(out)
 
 
+@torch.no_grad()
+def _replay_support(hidden: torch.Tensor, weight: torch.Tensor, rule: str):
+    """The sets ``rule`` keeps on these logits, as a :class:`~safevocab.support.SafeSupport` (``fused_replay``)."""
+    from safevocab.rules import parse_rule
+    from safevocab.support import SafeSupport
+
+    keep_rule = parse_rule(rule)
+    ids, sizes = [], []
+    for h in hidden.split(256):
+        keep = keep_rule.keep_mask((h @ weight.t()).float())
+        ids.append(keep.nonzero()[:, 1])
+        sizes.append(keep.sum(-1))
+    offsets = torch.cat([torch.zeros(1, dtype=torch.long, device=hidden.device), torch.cat(sizes).cumsum(0)])
+    return SafeSupport(torch.cat(ids), offsets)
+
+
 def _make_step(variant: str, args: argparse.Namespace, device: torch.device) -> Callable[[], None]:
     from safevocab.logprobs import fused_safe_logprobs, safe_log_softmax
 
@@ -107,6 +125,17 @@ def _make_step(variant: str, args: argparse.Namespace, device: torch.device) -> 
         def step() -> None:
             out = fused_safe_logprobs(
                 hidden, weight, targets, args.rule, max_chunk_bytes=args.max_chunk_bytes, backend=backend
+            ).logprobs
+            out.backward(grad_out)
+
+        return step
+    if variant == "fused_replay":
+        # The engine's kept ids replayed (here: the rule's own sets, built once outside the timing) with no rule.
+        support = _replay_support(hidden.detach(), weight.detach(), args.rule)
+
+        def step() -> None:
+            out = fused_safe_logprobs(
+                hidden, weight, targets, None, max_chunk_bytes=args.max_chunk_bytes, support=support
             ).logprobs
             out.backward(grad_out)
 

@@ -41,6 +41,8 @@ from typing import Union
 
 import torch
 
+from safevocab.support import SafeSupport
+
 __all__ = [
     "logprob_mismatch_bound",
     "logprob_mismatch_bound_first_order",
@@ -236,7 +238,7 @@ def logprob_mismatch_bound_first_order(p: TensorLike, eps: TensorLike) -> torch.
     return _result(2.0 * et * (1.0 - pt), p, eps)
 
 
-def pruned_mass(probs: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+def pruned_mass(probs: torch.Tensor, keep: torch.Tensor | SafeSupport) -> torch.Tensor:
     """Pruned mass ``m = sum_{a not in S} p_a`` per position.
 
     Summed directly over the dropped tokens (not as ``1 - sum_{a in S} p_a``), so a tiny ``m`` keeps its
@@ -244,7 +246,9 @@ def pruned_mass(probs: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
 
     Args:
         probs: the full distribution ``p``, ``[..., V]``, floating point, entries ``>= 0``.
-        keep: the safe set ``S`` as a bool mask of the same shape ``[..., V]`` (e.g. ``rule.keep_mask(z)``).
+        keep: the safe set ``S`` as a bool mask of the same shape ``[..., V]`` (e.g. ``rule.keep_mask(z)``), or a
+            replayed :class:`~safevocab.support.SafeSupport` with one row per position (flattened order): its
+            kept mass feeds :func:`pruning_tv`, :func:`pruning_kl` and the sequence bounds like a rule's.
 
     Returns:
         ``m`` of shape ``[...]`` (dtype of ``probs``, at least float32).
@@ -256,6 +260,8 @@ def pruned_mass(probs: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
     if not isinstance(probs, torch.Tensor) or not probs.dtype.is_floating_point:
         got = probs.dtype if isinstance(probs, torch.Tensor) else type(probs).__name__
         raise TypeError(f"probs must be a floating-point tensor [..., V], got {got}")
+    if isinstance(keep, SafeSupport):
+        keep = _support_mask(keep, probs)
     if not isinstance(keep, torch.Tensor) or keep.dtype != torch.bool:
         got = keep.dtype if isinstance(keep, torch.Tensor) else type(keep).__name__
         raise TypeError(f"keep must be a bool tensor [..., V], got {got}")
@@ -266,6 +272,19 @@ def pruned_mass(probs: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
     _first_bad("probs", probs, ~((probs >= 0) & torch.isfinite(probs)), "finite probs >= 0")
     dtype = torch.promote_types(probs.dtype, torch.float32)
     return probs.to(dtype).masked_fill(keep, 0.0).sum(dim=-1)
+
+
+def _support_mask(support: SafeSupport, probs: torch.Tensor) -> torch.Tensor:
+    """The bool mask ``[..., V]`` of a replayed support laid out like ``probs``."""
+    if not isinstance(probs, torch.Tensor) or probs.dim() == 0:
+        raise TypeError("probs must be a floating-point tensor [..., V]")
+    positions = probs.numel() // max(1, probs.shape[-1])
+    if support.num_rows != positions:
+        raise ValueError(
+            f"keep: the support has {support.num_rows} rows but probs {tuple(probs.shape)} has {positions} "
+            "positions: accepted one row per position"
+        )
+    return support.to(probs.device).to_dense(probs.shape[-1]).view(probs.shape)
 
 
 def pruning_tv(kept_mass: TensorLike) -> torch.Tensor | float:

@@ -230,15 +230,19 @@ def addmm_fp32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
 _OUT_DTYPE_MM = True
 
 
-def log_normalised(z: torch.Tensor, row_max: torch.Tensor, log_sum: torch.Tensor) -> torch.Tensor:
+def log_normalised(z: torch.Tensor, row_max: torch.Tensor, log_sum: torch.Tensor, one_pass: bool = True) -> torch.Tensor:
     """``(z - m) - log_sum`` as a new ``[n, V]`` tensor (``row_max``, ``log_sum``: ``[n, 1]``), max-shifted.
 
-    One pass ``z - (m + log_sum)`` when forming ``m + log_sum`` rounds away less than an ulp of ``log_sum``
-    (ordinary temperatures), two passes otherwise: at ``|m| ~ 1e7`` (tiny temperatures) ``m + log(3)`` would
-    lose the ``log 3`` that separates three tied logits.
+    The forward forms ``log_sum`` from ``fl(z - m)``; two passes reproduce that rounding exactly. With
+    ``one_pass`` (sets that hold the argmax, so ``0 <= log_sum <= log V``), ``z - fl(m + log_sum)`` is used
+    instead when forming ``m + log_sum`` rounds away less than an ulp of ``log_sum`` (ordinary temperatures):
+    one pass over ``[n, V]`` instead of two, equal to fp32 rounding. At ``|m| ~ 1e7`` (tiny temperatures)
+    ``m + log 3`` would lose the ``log 3`` that separates three tied logits, and a replayed set far below the
+    maximum (``log_sum`` very negative) needs the forward's own rounding of ``z - m``: two passes then.
     """
-    offset = row_max + log_sum
-    exact = ((offset - row_max) - log_sum).abs() <= torch.finfo(log_sum.dtype).eps * (1 + log_sum.abs())
-    if bool(exact.all()):
-        return z - offset
+    if one_pass:
+        offset = row_max + log_sum
+        exact = ((offset - row_max) - log_sum).abs() <= torch.finfo(log_sum.dtype).eps * (1 + log_sum.abs())
+        if bool(exact.all()):
+            return z - offset
     return (z - row_max).sub_(log_sum)

@@ -15,6 +15,7 @@ import torch
 
 from safevocab.chunking import Coefficients, RowStats, SparseChunk, Transform
 from safevocab.rules import SafeVocabRule
+from safevocab.support import SafeSupport
 
 __all__ = ["FusedBackend", "get_backend"]
 
@@ -26,6 +27,8 @@ class FusedBackend(Protocol):
 
     #: ``"torch"`` or ``"triton"``.
     name: str
+    #: Whether :meth:`forward` and :meth:`dense_backward` take a replayed ``support`` (``SafeSupport``).
+    supports_replay: bool
 
     def rows_per_chunk(self, n_rows: int, vocab: int, rule: SafeVocabRule, in_bytes: int, max_chunk_bytes: int) -> int:
         """Rows per chunk so that one chunk's scratch fits ``max_chunk_bytes`` (at least 1)."""
@@ -42,9 +45,11 @@ class FusedBackend(Protocol):
         chunk_rows: int,
         stats: RowStats,
         sparse_max_density: float | None,
+        support: SafeSupport | None = None,
     ) -> list[SparseChunk]:
         """Fill ``stats`` for every chunk of ``chunk_rows`` rows (:func:`safevocab.chunking.chunk_slices`); return
-        the chunks whose safe sets keep at most ``sparse_max_density`` of their logits, as CSR (``None``: never)."""
+        the chunks whose safe sets keep at most ``sparse_max_density`` of their logits, as CSR (``None``: never).
+        With a ``support`` (only when :attr:`supports_replay`), ``S`` is its ids intersected with the rule's set."""
         ...
 
     def dense_backward(
@@ -58,6 +63,7 @@ class FusedBackend(Protocol):
         chunk_rows: int,
         grads: Grads,
         rule: SafeVocabRule,
+        support: SafeSupport | None = None,
     ) -> None:
         """Add the whole gradient of the forward chunks ``chunks`` to ``grads``, recomputing their logits exactly
         as the forward did (same row slices, same calls), so ``S = {z >= t}`` is the forward's."""

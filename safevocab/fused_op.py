@@ -51,6 +51,7 @@ from safevocab.chunking import (
 )
 from safevocab.fused_backend import FusedBackend
 from safevocab.rules import SafeVocabRule
+from safevocab.support import SafeSupport
 
 __all__ = ["FusedSafeLogProbs", "SPARSE_MAX_DENSITY", "sparse_backward", "full_softmax_backward", "raise_on_non_finite_rows"]
 
@@ -74,6 +75,7 @@ class FusedSafeLogProbs(torch.autograd.Function):
         chunk_rows: int,
         backend: FusedBackend,  # the per-chunk implementation (safevocab.fused_backend.get_backend)
         weight_gather=None,  # sharded-weight hook: zero-arg factory of a context manager, or None
+        support: SafeSupport | None = None,  # replayed kept ids per row (torch backend only)
     ):
         ctx.set_materialize_grads(False)
         ctx.weight_gather = weight_gather
@@ -82,8 +84,13 @@ class FusedSafeLogProbs(torch.autograd.Function):
         stats = RowStats.empty(n_rows, hidden.device, stat_dtype, compute_entropy)
         # MKL/cuSPARSE sparse GEMMs take fp32/fp64 only; half inputs use the dense backward.
         density = SPARSE_MAX_DENSITY if hidden.dtype in (torch.float32, torch.float64) else None
-        sparse_chunks = backend.forward(hidden, weight, bias, targets, rule, transform, chunk_rows, stats, density)
+        if support is None:
+            sparse_chunks = backend.forward(hidden, weight, bias, targets, rule, transform, chunk_rows, stats, density)
+        else:
+            sparse_chunks = backend.forward(hidden, weight, bias, targets, rule, transform, chunk_rows, stats, density, support)
         raise_on_non_finite_rows(stats, hidden, weight, bias, transform)
+        if support is not None:
+            raise_on_empty_support(stats.safe_size, rule)
         logprobs = torch.where(
             stats.in_safe, stats.target_shift - stats.log_sum_safe, stats.target_shift - stats.log_sum_full
         )
@@ -96,14 +103,14 @@ class FusedSafeLogProbs(torch.autograd.Function):
         ctx.sparse_chunks = sparse_chunks
         ctx.transform = transform
         ctx.chunk_rows = chunk_rows
-        ctx.backend, ctx.rule = backend, rule
+        ctx.backend, ctx.rule, ctx.support = backend, rule, support
         ctx.mark_non_differentiable(stats.in_safe, stats.safe_size)
         return logprobs, log_kept, stats.entropy, stats.in_safe, stats.safe_size
 
     @staticmethod
     def backward(ctx, grad_logprobs, grad_log_kept, grad_entropy, _grad_in_safe, _grad_safe_size):  # type: ignore[override]
         if grad_logprobs is None and grad_log_kept is None and grad_entropy is None:
-            return (None,) * 10
+            return (None,) * 11
         # ---- sharded-weight hook: the backward re-reads the weight (sparse GEMMs and the dense
         # recomputation), so a weight gathered only for the forward (DeepSpeed ZeRO-3) is gathered again here.
         gather = contextlib.nullcontext() if ctx.weight_gather is None else ctx.weight_gather()
@@ -151,7 +158,11 @@ class FusedSafeLogProbs(torch.autograd.Function):
             in_sparse[chunk.start : chunk.start + chunk.counts.shape[0]] = True
         dense_chunks = [rows for rows in chunk_slices(n_rows, ctx.chunk_rows) if rows.start not in sparse_starts]
         if dense_chunks:
-            ctx.backend.dense_backward(dense_chunks, hidden, weight, bias, coef, ctx.transform, ctx.chunk_rows, grads, ctx.rule)
+            args = (dense_chunks, hidden, weight, bias, coef, ctx.transform, ctx.chunk_rows, grads, ctx.rule)
+            if ctx.support is None:
+                ctx.backend.dense_backward(*args)
+            else:
+                ctx.backend.dense_backward(*args, ctx.support)
         # Full-softmax part of sparse-chunk rows whose gradient leaves S (the dense chunks include it).
         leaves = in_sparse & ((coef.c_full != 0) | (coef.g_target_out != 0))
         full_idx = leaves.nonzero().squeeze(-1)
@@ -169,6 +180,18 @@ class FusedSafeLogProbs(torch.autograd.Function):
             None,
             None,  # backend
             None,  # weight_gather
+            None,  # support
+        )
+
+
+def raise_on_empty_support(safe_size: torch.Tensor, rule: SafeVocabRule) -> None:
+    """One-line ``ValueError`` naming the first row whose replayed support keeps nothing (after the rule and
+    the tokens of probability 0)."""
+    empty = safe_size == 0
+    if bool(empty.any()):
+        raise ValueError(
+            f"support row {int(empty.nonzero()[0])} keeps no token of nonzero probability under rule {str(rule)!r}: "
+            "accepted a support that meets the rule's set"
         )
 
 

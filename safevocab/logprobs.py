@@ -36,8 +36,9 @@ import torch
 
 from safevocab.chunking import Transform
 from safevocab.fused_backend import get_backend
-from safevocab.fused_op import FusedSafeLogProbs
+from safevocab.fused_op import FusedSafeLogProbs, raise_on_empty_support
 from safevocab.rules import SafeVocabRule, parse_rule, stat_float
+from safevocab.support import SafeSupport
 from safevocab.validation import integer, real
 
 __all__ = [
@@ -146,6 +147,15 @@ def _as_rule(rule: SafeVocabRule | str | None) -> SafeVocabRule:
     return parse_rule(rule)
 
 
+def _check_support(support: object, n_targets: int, vocab_size: int, device: torch.device) -> None:
+    if support is None:
+        return
+    if not isinstance(support, SafeSupport):
+        raise TypeError(f"support must be a safevocab.SafeSupport or None, got {type(support).__name__}")
+    support.check(vocab_size, n_targets)
+
+
+
 # --------------------------------------------------------------------------------------------------
 # Logit transform (the sampler's order)
 
@@ -190,6 +200,7 @@ def safe_log_softmax(
     softcap: float | None = None,
     logit_scale: float = 1.0,
     compute_entropy: bool = False,
+    support: SafeSupport | None = None,
 ) -> SafeLogProbs:
     """Safe-vocabulary log-probabilities of ``targets`` on materialised logits.
 
@@ -202,6 +213,9 @@ def safe_log_softmax(
         softcap: final-logit softcap ``c`` (> 0) or ``None``.
         logit_scale: multiplies the logits first (> 0).
         compute_entropy: also return the entropy of ``pi_S``.
+        support: a replayed :class:`~safevocab.support.SafeSupport` with one row per target (in the targets'
+            flattened order): ``S`` is exactly its ids, intersected with ``rule``'s set when a rule is given
+            too, and with the tokens of nonzero probability.
 
     Returns:
         :class:`SafeLogProbs` with tensors of shape ``[...]``. ``logprobs``, ``log_kept_mass`` and
@@ -213,15 +227,20 @@ def safe_log_softmax(
     _check_targets(targets, logits.shape[:-1], logits.shape[-1], "logits.shape[:-1]")
     temperature, softcap, logit_scale = _check_transform(temperature, softcap, logit_scale)
     rule = _as_rule(rule)
+    _check_support(support, targets.numel(), logits.shape[-1], logits.device)
 
     z = transform_logits(logits, temperature, softcap, logit_scale)
     threshold, row_max = rule.threshold_and_max(z.detach())  # S is a selection: no gradient flows through it
     keep = z >= threshold
+    if support is not None:
+        keep &= support.to(logits.device).to_dense(logits.shape[-1]).view(logits.shape)
     # Max-shifted: (z - m) keeps full precision where m + log(sum) would round log(sum) away. m is a
     # constant shift (detached), which leaves every log-softmax value and gradient unchanged.
     shifted = z - row_max
     lse_full = torch.logsumexp(shifted, dim=-1)
     _raise_on_non_finite_logits(logits, z, row_max.squeeze(-1), lse_full, temperature, logit_scale)
+    if support is not None:
+        raise_on_empty_support(keep.reshape(-1, keep.shape[-1]).sum(-1), rule)
     idx = targets.long().unsqueeze(-1)
     shifted_y = shifted.gather(-1, idx).squeeze(-1)
     in_safe = keep.gather(-1, idx).squeeze(-1)
@@ -257,6 +276,7 @@ def fused_safe_logprobs(
     max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
     backend: str = "auto",
     weight_gather: Callable[[], AbstractContextManager] | None = None,
+    support: SafeSupport | None = None,
 ) -> SafeLogProbs:
     """Safe-vocabulary log-probabilities of ``targets`` under ``hidden @ weight.T (+ bias)``, fused.
 
@@ -289,6 +309,11 @@ def fused_safe_logprobs(
             storing them), enters ``weight_gather()`` again. ``None`` (the default) enters nothing. An FSDP2
             ``DTensor`` weight needs no hook: pass ``weight.full_tensor()``, whose backward reduce-scatters the
             gradient.
+        support: a replayed :class:`~safevocab.support.SafeSupport` (one row per target, flattened order): ``S`` is
+            exactly its ids, intersected with ``rule``'s set and the tokens of nonzero probability. Same outputs,
+            same memory class (the kept ids become a boolean mask one chunk at a time, never ``[N, V]``), the
+            sparse backward whenever the sets are small. Runs on the torch backend (the Triton kernels take
+            threshold rules only).
 
     Returns:
         :class:`SafeLogProbs` of shape ``[...]`` (the targets' shape). ``logprobs``, ``log_kept_mass``
@@ -328,6 +353,9 @@ def fused_safe_logprobs(
 
     backend_impl = get_backend(resolve_backend(backend, hidden.device))
     rule = _as_rule(rule)
+    _check_support(support, targets.numel(), vocab, hidden.device)
+    if support is not None and not backend_impl.supports_replay:
+        backend_impl = get_backend("torch")
 
     out_shape = targets.shape
     hidden2d = hidden.reshape(-1, hidden.shape[-1])
@@ -337,7 +365,8 @@ def fused_safe_logprobs(
     transform = Transform(temperature, softcap, logit_scale)
     chunk_rows = backend_impl.rows_per_chunk(hidden2d.shape[0], vocab, rule, hidden.element_size(), max_chunk_bytes)
     logprobs, log_kept, entropy, in_safe, safe_size = FusedSafeLogProbs.apply(
-        hidden2d, weight, bias, flat_targets, rule, transform, compute_entropy, chunk_rows, backend_impl, weight_gather
+        hidden2d, weight, bias, flat_targets, rule, transform, compute_entropy, chunk_rows, backend_impl, weight_gather,
+        None if support is None else support.to(hidden.device),
     )
     return SafeLogProbs(
         logprobs=logprobs.reshape(out_shape),

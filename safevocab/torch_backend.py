@@ -27,6 +27,7 @@ from safevocab.chunking import (
     log_normalised,
 )
 from safevocab.rules import SafeVocabRule
+from safevocab.support import SafeSupport
 
 __all__ = ["TorchBackend", "chunk_rows_for"]
 
@@ -49,48 +50,71 @@ def torch_forward(
     chunk_rows: int,
     stats: RowStats,
     density: float | None,
+    support: SafeSupport | None = None,
 ) -> list[SparseChunk]:
     """Fill ``stats`` chunk by chunk with torch passes; return the chunks whose safe sets are stored
-    sparsely (at most ``density`` of a chunk's logits kept; ``None``: never)."""
+    sparsely (at most ``density`` of a chunk's logits kept; ``None``: never). With a ``support``, ``S`` is
+    its ids intersected with the rule's set (``{z >= t}``, which also drops ``-inf`` logits)."""
     n_rows, vocab = hidden.shape[0], weight.shape[0]
     sparse_chunks: list[SparseChunk] = []
     if not n_rows:
         return sparse_chunks
     logits_of = ChunkLogits(hidden, weight, bias, transform, min(chunk_rows, n_rows))
     drop_buf = torch.empty(min(chunk_rows, n_rows), vocab, device=hidden.device, dtype=torch.bool)
+    support_buf = None if support is None else torch.empty_like(drop_buf)
     for rows in chunk_slices(n_rows, chunk_rows):
         n = rows.stop - rows.start
         z = logits_of(hidden[rows])
         t, z_max = rule.threshold_and_max(z)  # [n, 1] each
-        z_y = z.gather(-1, targets[rows].unsqueeze(-1))
-        stats.in_safe[rows] = (z_y >= t).squeeze(-1)
         stats.threshold[rows] = t.squeeze(-1)
         stats.row_max[rows] = z_max.squeeze(-1)
-        stats.target_shift[rows] = (z_y - z_max).squeeze(-1)
-        # S = {z >= t} on the unshifted logits, as the backward and in_safe decide it (z - m < t - m
-        # could round a boundary token the other way).
+        target_col = targets[rows].unsqueeze(-1)
+        stats.target_shift[rows] = (z.gather(-1, target_col) - z_max).squeeze(-1)
+        # S = {z >= t} on the unshifted logits, as the backward decides it (z - m < t - m could round a
+        # boundary token the other way).
         dropped = torch.lt(z, t, out=drop_buf[:n])
+        if support is not None:
+            dropped |= support.dropped_mask_(rows, support_buf[:n])
+        stats.in_safe[rows] = ~dropped.gather(-1, target_col).squeeze(-1)
         kept_per_row = vocab - dropped.sum(-1)
         stats.safe_size[rows] = kept_per_row
         z.sub_(z_max)  # z now holds z - m
         store_sparse = density is not None and int(kept_per_row.sum()) <= density * n * vocab
-        if store_sparse:
+        if store_sparse or support is not None:
             r, c = torch.logical_not(dropped).nonzero(as_tuple=True)
             shifted_kept = z[r, c]
         e = z.exp_()  # z now holds exp(z - m)
-        sum_full = e.sum(-1)
-        e.masked_fill_(dropped, 0.0)
-        sum_safe = e.sum(-1)
-        log_sum_safe = sum_safe.log()
-        stats.log_sum_safe[rows] = log_sum_safe
-        stats.log_sum_full[rows] = sum_full.log()
-        if stats.entropy is not None:
-            # H(pi_S) = log sum_S e - sum_S e log e / sum_S e, with e = exp(z - m); xlogy(0, 0) = 0
-            stats.entropy[rows] = log_sum_safe - torch.special.xlogy(e, e).sum(-1) / sum_safe
+        stats.log_sum_full[rows] = e.sum(-1).log()
+        if support is None:  # S holds the argmax: sum_S e >= 1, no underflow
+            e.masked_fill_(dropped, 0.0)
+            sum_safe = e.sum(-1)
+            log_sum_safe = sum_safe.log()
+            stats.log_sum_safe[rows] = log_sum_safe
+            if stats.entropy is not None:
+                # H(pi_S) = log sum_S e - sum_S e log e / sum_S e, with e = exp(z - m); xlogy(0, 0) = 0
+                stats.entropy[rows] = log_sum_safe - torch.special.xlogy(e, e).sum(-1) / sum_safe
+        else:  # a replayed S may sit far below the row maximum: shift by its own maximum
+            _replayed_set_stats(shifted_kept, r, n, stats, rows)
         if store_sparse:
             sparse_chunks.append(SparseChunk(rows.start, kept_per_row, c.to(torch.int32), shifted_kept))
         del z, e, dropped
     return sparse_chunks
+
+
+def _replayed_set_stats(shifted_kept: torch.Tensor, row: torch.Tensor, n: int, stats: RowStats, rows: slice) -> None:
+    """``log sum_S exp(z - m)`` and ``H(pi_S)`` from the kept entries ``z - m`` of a chunk (CSR order), shifted by
+    each row's maximum over ``S``: a replayed set need not hold the argmax, and ``exp(z - m)`` could underflow
+    to 0 on all of it. ``O(|S|)`` work."""
+    set_max = torch.full((n,), -torch.inf, dtype=shifted_kept.dtype, device=shifted_kept.device)
+    set_max.scatter_reduce_(0, row, shifted_kept, reduce="amax")
+    x = shifted_kept - set_max[row]  # <= 0, and 0 at each row's maximum over S
+    e = x.exp()
+    total = torch.zeros(n, dtype=e.dtype, device=e.device).index_add_(0, row, e)
+    log_total = total.log()
+    stats.log_sum_safe[rows] = set_max + log_total
+    if stats.entropy is not None:
+        weighted = torch.zeros(n, dtype=e.dtype, device=e.device).index_add_(0, row, e * x)
+        stats.entropy[rows] = log_total - weighted / total
 
 
 def _repair_safe_sets(z: torch.Tensor, dropped: torch.Tensor, saved_size: torch.Tensor) -> None:
@@ -112,16 +136,23 @@ def dense_backward(
     transform: Transform,
     chunk_rows: int,
     grads: tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None],
+    support: SafeSupport | None = None,
 ) -> None:
     """The whole gradient of the given forward chunks, recomputing their logits exactly as the forward did."""
     logits_of = ChunkLogits(hidden, weight, bias, transform, min(chunk_rows, hidden.shape[0]))
+    support_buf = None
     for rows in chunks:
         h = hidden[rows]  # the forward's operand: same slice, same layout
         z = logits_of(h)
         dropped = z < coef.threshold[rows].unsqueeze(-1)
-        _repair_safe_sets(z, dropped, coef.safe_size[rows])
+        if support is None:
+            _repair_safe_sets(z, dropped, coef.safe_size[rows])
+        else:  # the replayed ids are exact; the threshold runs on bit-identical logits
+            if support_buf is None:
+                support_buf = torch.empty(min(chunk_rows, hidden.shape[0]), z.shape[-1], dtype=torch.bool, device=z.device)
+            dropped |= support.dropped_mask_(rows, support_buf[: rows.stop - rows.start])
         m = coef.row_max[rows].unsqueeze(-1)
-        grad = log_normalised(z, m, coef.log_sum_safe[rows].unsqueeze(-1))  # log pi_S on S
+        grad = log_normalised(z, m, coef.log_sum_safe[rows].unsqueeze(-1), one_pass=support is None)  # log pi_S on S
         c_safe = coef.c_safe[rows].unsqueeze(-1)
         if coef.g_ent is not None:
             per_logit = (grad + coef.entropy[rows].unsqueeze(-1)).mul_(coef.g_ent[rows].unsqueeze(-1))
@@ -150,8 +181,10 @@ class TorchBackend:
     def rows_per_chunk(self, n_rows: int, vocab: int, rule: SafeVocabRule, in_bytes: int, max_chunk_bytes: int) -> int:
         return chunk_rows_for(n_rows, vocab, rule, in_bytes, max_chunk_bytes)
 
-    def forward(self, hidden, weight, bias, targets, rule, transform, chunk_rows, stats, sparse_max_density):
-        return torch_forward(hidden, weight, bias, targets, rule, transform, chunk_rows, stats, sparse_max_density)
+    supports_replay = True
 
-    def dense_backward(self, chunks, hidden, weight, bias, coef, transform, chunk_rows, grads, rule):
-        dense_backward(chunks, hidden, weight, bias, coef, transform, chunk_rows, grads)
+    def forward(self, hidden, weight, bias, targets, rule, transform, chunk_rows, stats, sparse_max_density, support=None):
+        return torch_forward(hidden, weight, bias, targets, rule, transform, chunk_rows, stats, sparse_max_density, support)
+
+    def dense_backward(self, chunks, hidden, weight, bias, coef, transform, chunk_rows, grads, rule, support=None):
+        dense_backward(chunks, hidden, weight, bias, coef, transform, chunk_rows, grads, support)

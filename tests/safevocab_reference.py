@@ -102,11 +102,21 @@ def reference(
     logit_scale: float = 1.0,
     tol_z: float = 0.0,
     tol_p: float = 0.0,
+    support: list[list[int]] | None = None,
 ) -> Reference:
-    """Reference outputs for raw logits ``raw`` [N, V] (float64; may require grad) and ``targets`` [N]."""
+    """Reference outputs for raw logits ``raw`` [N, V] (float64; may require grad) and ``targets`` [N].
+
+    ``support``: replayed kept ids per row; ``S`` is then those ids, intersected with the rules' set (computed on
+    the full distribution) and with the tokens of nonzero probability.
+    """
     z = transform(raw, temperature, softcap, logit_scale)
     rows = [safe_set(row, parts, tol_z, tol_p) for row in z]
     keep = torch.stack([k for k, _ in rows]) if rows else torch.zeros(z.shape, dtype=torch.bool)
+    if support is not None:
+        replayed = torch.zeros_like(keep)
+        for i, ids in enumerate(support):
+            replayed[i, list(ids)] = True
+        keep = keep & replayed
     ambiguous = any(a for _, a in rows)
     out = {name: [] for name in ("logprobs", "log_kept_mass", "entropy")}
     for i in range(z.shape[0]):

@@ -29,7 +29,7 @@ from hypothesis import strategies as st
 from safevocab_reference import reference
 
 import safevocab.fused_op as fused_op
-from safevocab import fused_safe_logprobs, parse_rule, safe_log_softmax
+from safevocab import SafeSupport, fused_safe_logprobs, parse_rule, safe_log_softmax
 from safevocab.torch_backend import chunk_rows_for
 
 EXAMPLES = int(os.environ.get("SAFEVOCAB_FUZZ_EXAMPLES", "2000"))
@@ -188,9 +188,11 @@ def gradient_atol(eps: float, transform: dict, *operands: torch.Tensor) -> float
 
 
 def check_fused(
-    inputs: dict, parts, transform: dict, max_chunk_bytes: int, dense: bool, backend: str, device: str = "cpu"
+    inputs: dict, parts, transform: dict, max_chunk_bytes: int, dense: bool, backend: str, device: str = "cpu",
+    support: list[list[int]] | None = None,
 ) -> None:
-    """One example: the library on ``device`` with ``backend`` against the reference (on the CPU)."""
+    """One example: the library on ``device`` with ``backend`` against the reference (on the CPU); with a
+    replayed ``support`` (kept ids per row) when given."""
     dtype, exact = inputs["dtype"], inputs["exact"]
     stat = stat_dtype(dtype)
     hidden = inputs["hidden"].to(dtype).requires_grad_()
@@ -216,8 +218,9 @@ def check_fused(
     if backend == "triton":  # the kernels take the transform's scalars as fp32 (Triton's Python-float type)
         eps = max(eps, EPS[torch.float32])
     tol_z = 8 * eps * (1 + zmag) + 4 * delta_z
-    ref = reference(z, targets, parts, tol_z=tol_z, tol_p=1e-4 if eps >= EPS[torch.float32] else 1e-9)
+    ref = reference(z, targets, parts, tol_z=tol_z, tol_p=1e-4 if eps >= EPS[torch.float32] else 1e-9, support=support)
     assume(not ref.ambiguous)
+    assume(bool((ref.safe_size > 0).all()))  # a support that misses the rule's set raises instead (tested apart)
     weights = loss_weights(targets.numel(), inputs["loss_seed"], masked=False)
     ref_params = [p for p in (h64, w64, b64) if p is not None]
     grad_z, *want = torch.autograd.grad(loss_of(ref, weights, ref.in_safe), [z, *ref_params])
@@ -232,6 +235,7 @@ def check_fused(
         out = fused_safe_logprobs(
             on_device[0], on_device[1], targets.to(device), rule_string(parts), bias=on_device[2],
             compute_entropy=True, max_chunk_bytes=max_chunk_bytes, backend=backend, **transform,
+            support=None if support is None else SafeSupport.from_lists(support),
         )
         params = [p for p in on_device if p is not None]
         got = torch.autograd.grad(loss_of(out, weights, out.in_safe), params)
@@ -276,10 +280,48 @@ def test_fused_matches_reference_20k(inputs, data, max_chunk_bytes, dense):
     _fused_property(inputs, data, max_chunk_bytes, dense)
 
 
+# ---------------------------------------------------------------------------------------------- replayed supports
+
+
+@st.composite
+def supports(draw, inputs: dict) -> list[list[int]]:
+    """Kept ids per row: random subsets (the argmax need not be in them), sizes 1..V, any order."""
+    n, v = inputs["targets"].numel(), inputs["weight"].shape[0]
+    rows = []
+    for _ in range(n):
+        size = draw(st.integers(1, v))
+        rows.append(draw(st.permutations(range(v)))[:size])
+    return rows
+
+
+def _support_property(inputs, data, max_chunk_bytes, dense):
+    parts = data.draw(st.one_of(st.just([]), st.just([]), rule_parts(inputs["weight"].shape[0])))
+    transform = data.draw(transforms(inputs["exact"]))
+    support = data.draw(supports(inputs))
+    if data.draw(st.booleans()):
+        check_fused(inputs, parts, transform, max_chunk_bytes, dense, "torch", support=support)
+    else:
+        check_materialised(inputs, parts, data.draw(transforms(exact=True)), support=support)
+
+
+@fuzz_settings(EXAMPLES)
+@given(**fused_cases)
+def test_fused_with_support_matches_reference(inputs, data, max_chunk_bytes, dense):
+    """``support=...`` (fused and materialised): S is exactly the replayed ids (with a rule: their intersection)."""
+    _support_property(inputs, data, max_chunk_bytes, dense)
+
+
+@pytest.mark.slow
+@fuzz_settings(EXAMPLES_SLOW)
+@given(**fused_cases)
+def test_fused_with_support_matches_reference_20k(inputs, data, max_chunk_bytes, dense):
+    _support_property(inputs, data, max_chunk_bytes, dense)
+
+
 # ---------------------------------------------------------------------------------------------- materialised op
 
 
-def check_materialised(inputs: dict, parts, transform: dict) -> None:
+def check_materialised(inputs: dict, parts, transform: dict, support: list[list[int]] | None = None) -> None:
     dtype = inputs["dtype"]
     stat = stat_dtype(dtype)
     raw_values = inputs["hidden"] @ inputs["weight"].t() + (0 if inputs["bias"] is None else inputs["bias"])
@@ -290,12 +332,18 @@ def check_materialised(inputs: dict, parts, transform: dict) -> None:
     finite = z.detach()[torch.isfinite(z.detach())]
     zmag = float(finite.abs().max()) if finite.numel() else 0.0
     eps = EPS[stat]
-    ref = reference(z, targets, parts, tol_z=8 * eps * (1 + zmag), tol_p=1e-4 if stat == torch.float32 else 1e-9)
+    ref = reference(
+        z, targets, parts, tol_z=8 * eps * (1 + zmag), tol_p=1e-4 if stat == torch.float32 else 1e-9, support=support
+    )
     assume(not ref.ambiguous)
+    assume(bool((ref.safe_size > 0).all()))
     weights = loss_weights(targets.numel(), inputs["loss_seed"], masked=False)
     (want,) = torch.autograd.grad(loss_of(ref, weights, ref.in_safe), [raw64])
     assume(float(want.abs().max()) < torch.finfo(dtype).max / 16)  # beyond a half dtype's range: says nothing
-    out = safe_log_softmax(logits, targets, rule_string(parts), compute_entropy=True, **transform)
+    out = safe_log_softmax(
+        logits, targets, rule_string(parts), compute_entropy=True,
+        support=None if support is None else SafeSupport.from_lists(support), **transform,
+    )
     (got,) = torch.autograd.grad(loss_of(out, weights, out.in_safe), [logits])
     assert_values(out, ref, 64 * eps + 8 * eps * math.log(max(2, logits.shape[-1])))
     rtol = max(1e-4 if stat == torch.float32 else 1e-10, 8 * EPS[dtype])

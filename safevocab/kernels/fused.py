@@ -199,6 +199,8 @@ class TritonBackend:
     """The Triton kernels fold every chunk (CUDA, or CPU under ``TRITON_INTERPRET=1``)."""
 
     name = "triton"
+    #: Replayed supports are not threshold sets: ``fused_safe_logprobs`` uses the torch backend for them.
+    supports_replay = False
 
     def rows_per_chunk(self, n_rows: int, vocab: int, rule: SafeVocabRule, in_bytes: int, max_chunk_bytes: int) -> int:
         return triton_chunk_rows(n_rows, vocab, rule, in_bytes, max_chunk_bytes)  # the kernels need less scratch
