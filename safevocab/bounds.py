@@ -37,11 +37,23 @@ the offending value and the accepted range. Functions that take "tensors or floa
 
 from __future__ import annotations
 
-from typing import Union
-
 import torch
 
 from safevocab.support import SafeSupport
+from safevocab.tensor_args import (
+    TensorLike,
+    as_tensor,
+    broadcast,
+    check_eps,
+    check_kept_mass,
+    check_probability,
+    check_type,
+    compute_dtype,
+    device_of,
+    first_bad,
+    rounding_tol,
+    result_like,
+)
 
 __all__ = [
     "logprob_mismatch_bound",
@@ -56,110 +68,6 @@ __all__ = [
     "sequence_kl",
     "sequence_tv_upper_bound",
 ]
-
-TensorLike = Union[torch.Tensor, int, float]
-
-# Probabilities and kept masses computed in floating point can land a few ulps above 1 (a softmax sum,
-# ``exp`` of a rounded log). Values within this many machine epsilons of the limit are accepted and
-# clamped; anything further out is an error.
-_ROUNDING_ULPS = 16
-
-
-# ----------------------------------------------------------------------------------------------------
-# validation helpers
-# ----------------------------------------------------------------------------------------------------
-
-
-def _is_number(x: object) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
-
-
-def _check_type(name: str, x: object, *, integer: bool = False) -> None:
-    """Tensors must be floating (or integer when ``integer``); scalars must be real numbers (no bool)."""
-    if isinstance(x, torch.Tensor):
-        ok = (not x.dtype.is_floating_point and not x.dtype.is_complex and x.dtype != torch.bool) if integer \
-            else x.dtype.is_floating_point
-        if not ok:
-            kind = "an integer" if integer else "a floating-point"
-            raise TypeError(f"{name} must be {kind} tensor, got dtype {x.dtype}")
-        return
-    if integer:
-        if not (isinstance(x, int) and not isinstance(x, bool)):
-            raise TypeError(f"{name} must be an int or an integer tensor, got {type(x).__name__}: {x!r}")
-        return
-    if not _is_number(x):
-        raise TypeError(f"{name} must be a float or a floating-point tensor, got {type(x).__name__}: {x!r}")
-
-
-def _first_bad(name: str, x: torch.Tensor, bad: torch.Tensor, accepted: str) -> None:
-    """Raise ``ValueError`` naming the first element of ``x`` where ``bad`` is True, if any."""
-    if bool(bad.any()):
-        flat = int(torch.nonzero(bad.reshape(-1))[0])
-        value = x.reshape(-1)[flat].item()
-        if x.dim() == 0:
-            raise ValueError(f"{name}={value!r} is out of range: accepted {accepted}")
-        index = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), x.shape))
-        raise ValueError(f"{name} has value {value!r} at index {index}, out of range: accepted {accepted}")
-
-
-def _tol(dtype: torch.dtype) -> float:
-    return _ROUNDING_ULPS * torch.finfo(dtype).eps
-
-
-def _compute_dtype(*xs: object) -> torch.dtype:
-    """The promoted floating dtype of the tensor arguments, at least float32 (float64 for all-scalars)."""
-    tensors = [x for x in xs if isinstance(x, torch.Tensor) and x.dtype.is_floating_point]
-    if not tensors:
-        return torch.float64
-    dtype = tensors[0].dtype
-    for t in tensors[1:]:
-        dtype = torch.promote_types(dtype, t.dtype)
-    return torch.promote_types(dtype, torch.float32)
-
-
-def _device(*xs: object) -> torch.device:
-    for x in xs:
-        if isinstance(x, torch.Tensor):
-            return x.device
-    return torch.device("cpu")
-
-
-def _as(x: TensorLike, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    if isinstance(x, torch.Tensor):
-        return x.to(dtype=dtype, device=device)
-    return torch.tensor(x, dtype=dtype, device=device)
-
-
-def _broadcast(names: tuple[str, ...], *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    try:
-        return tuple(torch.broadcast_tensors(*xs))
-    except RuntimeError:
-        shapes = ", ".join(f"{n} {tuple(x.shape)}" for n, x in zip(names, xs))
-        raise ValueError(f"shapes do not broadcast: {shapes}") from None
-
-
-def _check_probability(name: str, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``0 <= x <= 1`` (up to rounding above 1, which is clamped away)."""
-    _first_bad(name, x, ~((x >= 0) & (x <= 1 + _tol(dtype))), f"0 <= {name} <= 1")
-    return x.clamp(max=1.0)
-
-
-def _check_kept_mass(name: str, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``0 < x <= 1`` (up to rounding above 1, which is clamped away)."""
-    _first_bad(name, x, ~((x > 0) & (x <= 1 + _tol(dtype))), f"0 < {name} <= 1")
-    return x.clamp(max=1.0)
-
-
-def _check_eps(name: str, x: torch.Tensor) -> torch.Tensor:
-    _first_bad(name, x, ~((x >= 0) & torch.isfinite(x)), f"finite {name} >= 0")
-    return x
-
-
-def _result(out: torch.Tensor, *inputs: object) -> torch.Tensor | float:
-    if all(not isinstance(x, torch.Tensor) for x in inputs):
-        return float(out.item())
-    return out
-
 
 # ----------------------------------------------------------------------------------------------------
 # per-position statements
@@ -193,19 +101,19 @@ def logprob_mismatch_bound(p: TensorLike, eps: TensorLike) -> torch.Tensor | flo
         ValueError: when ``p`` is outside ``[0, 1]``, ``eps`` is negative or not finite, or the shapes do
             not broadcast.
     """
-    _check_type("p", p)
-    _check_type("eps", eps)
-    dtype, device = _compute_dtype(p, eps), _device(p, eps)
-    pt, et = _broadcast(("p", "eps"), _as(p, dtype, device), _as(eps, dtype, device))
-    pt = _check_probability("p", pt, dtype)
-    et = _check_eps("eps", et)
+    check_type("p", p)
+    check_type("eps", eps)
+    dtype, device = compute_dtype(p, eps), device_of(p, eps)
+    pt, et = broadcast(("p", "eps"), as_tensor(p, dtype, device), as_tensor(eps, dtype, device))
+    pt = check_probability("p", pt, dtype)
+    et = check_eps("eps", et)
 
     q = 1.0 - pt
     small = torch.log1p(q * torch.expm1(2.0 * et))
     # exp(2 eps) overflowed (or 0 * inf at p = 1): log(p + q e^{2 eps}) = logaddexp(log p, log q + 2 eps).
     large = torch.logaddexp(torch.log(pt), torch.log(q) + 2.0 * et)
     out = torch.where(torch.isfinite(small), small, large)
-    return _result(out, p, eps)
+    return result_like(out, p, eps)
 
 
 def logprob_mismatch_bound_first_order(p: TensorLike, eps: TensorLike) -> torch.Tensor | float:
@@ -229,13 +137,13 @@ def logprob_mismatch_bound_first_order(p: TensorLike, eps: TensorLike) -> torch.
         TypeError: when an input is not a float or a floating-point tensor.
         ValueError: when ``p`` is outside ``[0, 1]`` or ``eps`` is negative or not finite.
     """
-    _check_type("p", p)
-    _check_type("eps", eps)
-    dtype, device = _compute_dtype(p, eps), _device(p, eps)
-    pt, et = _broadcast(("p", "eps"), _as(p, dtype, device), _as(eps, dtype, device))
-    pt = _check_probability("p", pt, dtype)
-    et = _check_eps("eps", et)
-    return _result(2.0 * et * (1.0 - pt), p, eps)
+    check_type("p", p)
+    check_type("eps", eps)
+    dtype, device = compute_dtype(p, eps), device_of(p, eps)
+    pt, et = broadcast(("p", "eps"), as_tensor(p, dtype, device), as_tensor(eps, dtype, device))
+    pt = check_probability("p", pt, dtype)
+    et = check_eps("eps", et)
+    return result_like(2.0 * et * (1.0 - pt), p, eps)
 
 
 def pruned_mass(probs: torch.Tensor, keep: torch.Tensor | SafeSupport) -> torch.Tensor:
@@ -269,7 +177,7 @@ def pruned_mass(probs: torch.Tensor, keep: torch.Tensor | SafeSupport) -> torch.
         raise ValueError(
             f"probs {tuple(probs.shape)} and keep {tuple(keep.shape)}: accepted the same shape [..., V]"
         )
-    _first_bad("probs", probs, ~((probs >= 0) & torch.isfinite(probs)), "finite probs >= 0")
+    first_bad("probs", probs, ~((probs >= 0) & torch.isfinite(probs)), "finite probs >= 0")
     dtype = torch.promote_types(probs.dtype, torch.float32)
     return probs.to(dtype).masked_fill(keep, 0.0).sum(dim=-1)
 
@@ -304,10 +212,10 @@ def pruning_tv(kept_mass: TensorLike) -> torch.Tensor | float:
         TypeError: when ``kept_mass`` is not a float or a floating-point tensor.
         ValueError: when ``kept_mass`` is outside ``(0, 1]``.
     """
-    _check_type("kept_mass", kept_mass)
-    dtype, device = _compute_dtype(kept_mass), _device(kept_mass)
-    k = _check_kept_mass("kept_mass", _as(kept_mass, dtype, device), dtype)
-    return _result(1.0 - k, kept_mass)
+    check_type("kept_mass", kept_mass)
+    dtype, device = compute_dtype(kept_mass), device_of(kept_mass)
+    k = check_kept_mass("kept_mass", as_tensor(kept_mass, dtype, device), dtype)
+    return result_like(1.0 - k, kept_mass)
 
 
 def pruning_kl(kept_mass: TensorLike) -> torch.Tensor | float:
@@ -329,10 +237,10 @@ def pruning_kl(kept_mass: TensorLike) -> torch.Tensor | float:
         TypeError: when ``kept_mass`` is not a float or a floating-point tensor.
         ValueError: when ``kept_mass`` is outside ``(0, 1]``.
     """
-    _check_type("kept_mass", kept_mass)
-    dtype, device = _compute_dtype(kept_mass), _device(kept_mass)
-    k = _check_kept_mass("kept_mass", _as(kept_mass, dtype, device), dtype)
-    return _result(-torch.log(k), kept_mass)
+    check_type("kept_mass", kept_mass)
+    dtype, device = compute_dtype(kept_mass), device_of(kept_mass)
+    k = check_kept_mass("kept_mass", as_tensor(kept_mass, dtype, device), dtype)
+    return result_like(-torch.log(k), kept_mass)
 
 
 def pruned_logprob_mismatch_bound(
@@ -362,20 +270,20 @@ def pruned_logprob_mismatch_bound(
             than the kept mass), ``kept_mass`` is outside ``(0, 1]``, ``eps`` is invalid, or the shapes do
             not broadcast.
     """
-    _check_type("p", p)
-    _check_type("kept_mass", kept_mass)
-    _check_type("eps", eps)
-    dtype, device = _compute_dtype(p, kept_mass, eps), _device(p, kept_mass, eps)
-    pt, kt, et = _broadcast(
-        ("p", "kept_mass", "eps"), _as(p, dtype, device), _as(kept_mass, dtype, device), _as(eps, dtype, device)
+    check_type("p", p)
+    check_type("kept_mass", kept_mass)
+    check_type("eps", eps)
+    dtype, device = compute_dtype(p, kept_mass, eps), device_of(p, kept_mass, eps)
+    pt, kt, et = broadcast(
+        ("p", "kept_mass", "eps"), as_tensor(p, dtype, device), as_tensor(kept_mass, dtype, device), as_tensor(eps, dtype, device)
     )
-    pt = _check_probability("p", pt, dtype)
-    kt = _check_kept_mass("kept_mass", kt, dtype)
-    _check_eps("eps", et)
+    pt = check_probability("p", pt, dtype)
+    kt = check_kept_mass("kept_mass", kt, dtype)
+    check_eps("eps", et)
     p_s = pt / kt
-    _first_bad("p", pt, p_s > 1 + _tol(dtype), "0 <= p <= kept_mass (p of a kept token)")
+    first_bad("p", pt, p_s > 1 + rounding_tol(dtype), "0 <= p <= kept_mass (p of a kept token)")
     out = logprob_mismatch_bound(p_s.clamp(max=1.0), et)
-    return _result(out, p, kept_mass, eps)  # type: ignore[arg-type]
+    return result_like(out, p, kept_mass, eps)  # type: ignore[arg-type]
 
 
 def min_p_pruned_mass_bound(
@@ -400,23 +308,23 @@ def min_p_pruned_mass_bound(
         TypeError: on a wrong input type (e.g. a float ``safe_size`` or ``vocab_size``).
         ValueError: when an input is out of range or the shapes do not broadcast.
     """
-    _check_type("p_max", p_max)
-    _check_type("safe_size", safe_size, integer=True)
-    _check_type("rho", rho)
+    check_type("p_max", p_max)
+    check_type("safe_size", safe_size, integer=True)
+    check_type("rho", rho)
     if not (isinstance(vocab_size, int) and not isinstance(vocab_size, bool)):
         raise TypeError(f"vocab_size must be an int, got {type(vocab_size).__name__}: {vocab_size!r}")
     if vocab_size < 1:
         raise ValueError(f"vocab_size={vocab_size!r} is out of range: accepted vocab_size >= 1")
-    dtype, device = _compute_dtype(p_max, rho), _device(p_max, safe_size, rho)
+    dtype, device = compute_dtype(p_max, rho), device_of(p_max, safe_size, rho)
     size = safe_size.to(device) if isinstance(safe_size, torch.Tensor) else torch.tensor(safe_size, device=device)
-    _first_bad("safe_size", size, ~((size >= 1) & (size <= vocab_size)), f"1 <= safe_size <= vocab_size={vocab_size}")
-    pt, st, rt = _broadcast(
-        ("p_max", "safe_size", "rho"), _as(p_max, dtype, device), size.to(dtype), _as(rho, dtype, device)
+    first_bad("safe_size", size, ~((size >= 1) & (size <= vocab_size)), f"1 <= safe_size <= vocab_size={vocab_size}")
+    pt, st, rt = broadcast(
+        ("p_max", "safe_size", "rho"), as_tensor(p_max, dtype, device), size.to(dtype), as_tensor(rho, dtype, device)
     )
-    pt = _check_probability("p_max", pt, dtype)
-    _first_bad("rho", rt, ~((rt > 0) & (rt <= 1)), "0 < rho <= 1")
+    pt = check_probability("p_max", pt, dtype)
+    first_bad("rho", rt, ~((rt > 0) & (rt <= 1)), "0 < rho <= 1")
     out = torch.minimum(1.0 - pt, (vocab_size - st) * rt * pt)
-    return _result(out, p_max, safe_size, rho)
+    return result_like(out, p_max, safe_size, rho)
 
 
 def objective_bias_bound(tv: TensorLike, r_min: TensorLike, r_max: TensorLike) -> torch.Tensor | float:
@@ -438,22 +346,22 @@ def objective_bias_bound(tv: TensorLike, r_min: TensorLike, r_max: TensorLike) -
         TypeError: when an input is not a float or a floating-point tensor.
         ValueError: when ``tv`` is outside ``[0, 1]``, a reward end is not finite, or ``r_max < r_min``.
     """
-    _check_type("tv", tv)
-    _check_type("r_min", r_min)
-    _check_type("r_max", r_max)
-    dtype, device = _compute_dtype(tv, r_min, r_max), _device(tv, r_min, r_max)
-    tt, lo, hi = _broadcast(
-        ("tv", "r_min", "r_max"), _as(tv, dtype, device), _as(r_min, dtype, device), _as(r_max, dtype, device)
+    check_type("tv", tv)
+    check_type("r_min", r_min)
+    check_type("r_max", r_max)
+    dtype, device = compute_dtype(tv, r_min, r_max), device_of(tv, r_min, r_max)
+    tt, lo, hi = broadcast(
+        ("tv", "r_min", "r_max"), as_tensor(tv, dtype, device), as_tensor(r_min, dtype, device), as_tensor(r_max, dtype, device)
     )
-    tt = _check_probability("tv", tt, dtype)
-    _first_bad("r_min", lo, ~torch.isfinite(lo), "a finite r_min")
-    _first_bad("r_max", hi, ~torch.isfinite(hi), "a finite r_max")
+    tt = check_probability("tv", tt, dtype)
+    first_bad("r_min", lo, ~torch.isfinite(lo), "a finite r_min")
+    first_bad("r_max", hi, ~torch.isfinite(hi), "a finite r_max")
     if bool((hi < lo).any()):
         i = int(torch.nonzero((hi < lo).reshape(-1))[0])
         raise ValueError(
             f"r_max={hi.reshape(-1)[i].item()!r} is below r_min={lo.reshape(-1)[i].item()!r}: accepted r_max >= r_min"
         )
-    return _result((hi - lo) * tt, tv, r_min, r_max)
+    return result_like((hi - lo) * tt, tv, r_min, r_max)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -485,11 +393,11 @@ def _sequence_inputs(
         elif mask.dtype.is_complex:
             raise TypeError(f"mask must be a bool (or 0/1) tensor [B, T], got dtype {mask.dtype}")
         else:
-            _first_bad("mask", mask, ~((mask == 0) | (mask == 1)), "mask values in {0, 1} (or a bool mask)")
+            first_bad("mask", mask, ~((mask == 0) | (mask == 1)), "mask values in {0, 1} (or a bool mask)")
             real = (mask != 0).to(kept_mass.device)
     # Padding is ignored: treated as kept mass 1 (its value may be anything, e.g. a 0 fill).
     k = torch.where(real, kept_mass.to(torch.float64), torch.ones((), dtype=torch.float64, device=kept_mass.device))
-    _first_bad("kept_mass", torch.where(real, kept_mass, 1.0), ~((k > 0) & (k <= 1 + _tol(kept_mass.dtype))),
+    first_bad("kept_mass", torch.where(real, kept_mass, 1.0), ~((k > 0) & (k <= 1 + rounding_tol(kept_mass.dtype))),
                "0 < kept_mass <= 1 at real (mask=True) positions")
     log_kept = torch.log(k.clamp(max=1.0))
 
@@ -502,7 +410,7 @@ def _sequence_inputs(
         if weights.shape != (batch,):
             raise ValueError(f"weights has shape {tuple(weights.shape)}: accepted [B] = ({batch},)")
         w = weights.to(dtype=torch.float64, device=kept_mass.device)
-        _first_bad("weights", w, ~((w >= 0) & torch.isfinite(w)), "finite weights >= 0")
+        first_bad("weights", w, ~((w >= 0) & torch.isfinite(w)), "finite weights >= 0")
         total = w.sum()
         if not bool(total > 0):
             raise ValueError(f"weights sum to {total.item()!r}: accepted a positive sum")

@@ -1,0 +1,83 @@
+"""Constants and masked-reduction helpers shared by the mismatch formulas and metric dictionaries."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+#: Default edges of the probability buckets of `bucket_mismatch` / `bucket_mismatch_metrics`.
+DEFAULT_BUCKETS: tuple[float, ...] = (1e-3, 1e-2, 1e-1, 0.5)
+
+#: Log-ratios are clamped to +-this before exponentiation in chi^2, k3 and raw-ratio statistics (verl's SAFETY_BOUND).
+LOG_RATIO_BOUND = 20.0
+
+NAN = float("nan")
+
+
+def as_scalar(x: torch.Tensor | float) -> torch.Tensor:
+    return torch.as_tensor(x, dtype=torch.float32).detach().reshape(())
+
+
+def item_count(n: torch.Tensor | int) -> torch.Tensor:
+    """A count as a 0-dim float64 tensor (what `reduce_gathered` weighs a process's value by)."""
+    return torch.as_tensor(n, dtype=torch.float64).detach().reshape(())
+
+
+# The metrics run every training step on small tensors, where each torch call costs more than its arithmetic:
+# the helpers below are branch-free (no host sync on a GPU) and compute several statistics per call.
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean of ``x`` over the 0/1 weights ``mask``; NaN (0/0) when nothing counts."""
+    return as_scalar((x.double() * mask).sum() / mask.sum())
+
+
+def masked_extreme(x: torch.Tensor, mask: torch.Tensor, largest: bool) -> torch.Tensor:
+    """Max (``largest``) or min of ``x`` over ``mask``; NaN when nothing counts."""
+    if x.numel() == 0:
+        return as_scalar(NAN)
+    mask = mask.bool()
+    fill = -math.inf if largest else math.inf
+    vals = torch.where(mask, x, fill)
+    extreme = vals.amax() if largest else vals.amin()
+    return as_scalar(torch.where(mask.any(), extreme, NAN))
+
+
+def check_mask(mask: torch.Tensor, *tensors: torch.Tensor) -> torch.Tensor:
+    for t in tensors:
+        if t.shape != mask.shape:
+            raise ValueError(f"tensor of shape {tuple(t.shape)} does not match mask shape {tuple(mask.shape)}")
+    if mask.dim() != 2:
+        raise ValueError(f"mask has shape {tuple(mask.shape)}: expected [B, T]")
+    return mask.to(torch.bool)
+
+
+def paired_log_ratio(train_logps: torch.Tensor, rollout_logps: torch.Tensor, mask: torch.Tensor):
+    """Validated float64 ``(train, rollout, log_r, mask)`` with NaN tokens removed from the mask and zeroed."""
+    mask = check_mask(mask, train_logps, rollout_logps)
+    mask = mask & ~torch.isnan(rollout_logps) & ~torch.isnan(train_logps)
+    train = torch.where(mask, train_logps.double(), 0.0)
+    rollout = torch.where(mask, rollout_logps.double(), 0.0)
+    return train, rollout, train - rollout, mask
+
+
+def check_edges(edges: Sequence[float]) -> list[float]:
+    edges = [float(e) for e in edges]
+    if any(not (0.0 < e < 1.0) for e in edges) or any(a >= b for a, b in zip(edges[:-1], edges[1:])):
+        raise ValueError(f"edges={edges}: accepted strictly increasing values in (0, 1)")
+    return edges
+
+
+def bucket_names(edges: Sequence[float]) -> list[str]:
+    """Labels of the probability buckets ``[0, e_1), [e_1, e_2), ..., [e_k, 1]``.
+
+    Args:
+        edges: the inner bucket edges, strictly increasing in ``(0, 1)``.
+
+    Returns:
+        ``["p=0-e_1", "p=e_1-e_2", ..., "p=e_k-1"]``, the edges printed with ``%g``.
+    """
+    bounds = [0.0, *edges, 1.0]
+    return [f"p={lo:g}-{hi:g}" for lo, hi in zip(bounds[:-1], bounds[1:])]

@@ -1,0 +1,238 @@
+"""The metric dictionaries the trainer logs (``{name: 0-dim fp32 tensor}``, optionally with item counts)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from safevocab.bounds import sequence_kl, sequence_tv
+from safevocab.mismatch.common import (
+    DEFAULT_BUCKETS,
+    LOG_RATIO_BOUND,
+    NAN,
+    as_scalar,
+    check_mask,
+    item_count,
+    masked_extreme,
+    masked_mean,
+    paired_log_ratio,
+)
+from safevocab.mismatch.formulas import bucket_mismatch, chi2_terms, k3_terms, sequence_chi2
+
+_SEQ_KEYS = (
+    "mismatch/training_ppl",
+    "mismatch/rollout_ppl",
+    "mismatch/log_ppl_diff",
+    "mismatch/log_ppl_abs_diff",
+    "mismatch/log_ppl_diff_max",
+    "mismatch/log_ppl_diff_min",
+    "mismatch/ppl_ratio",
+    "mismatch/chi2_seq",
+)
+
+
+@torch.no_grad()  # diagnostics: logged, never differentiated
+def mismatch_metrics(
+    train_logps: torch.Tensor, rollout_logps: torch.Tensor, mask: torch.Tensor, return_counts: bool = False
+) -> dict[str, torch.Tensor] | tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Training–inference mismatch on the sampled tokens (verl's definitions, prefix ``mismatch/``).
+
+    With ``log r_t = log pi(y_t) - log mu(y_t)`` and ``gap_b`` of `log_ppl_gap`:
+
+    - ``kl`` = ``mean_M (log mu - log pi)`` (k1 estimate of ``KL(mu || pi)``);
+      ``k3_kl`` (`k3_kl`); ``chi2_token`` (`chi2_token`); ``chi2_seq`` (`chi2_sequence`);
+    - ``training_ppl`` = ``mean_b exp(-mean_t log pi)``, ``rollout_ppl`` = ``mean_b exp(-mean_t log mu)``;
+    - ``log_ppl_diff`` = ``mean_b gap_b``, ``log_ppl_abs_diff`` = ``mean_b |gap_b|``, ``log_ppl_diff_max`` /
+      ``_min`` = ``max_b`` / ``min_b gap_b``, ``ppl_ratio`` = ``mean_b exp(gap_b)``;
+    - ``abs_logp_diff_mean`` / ``_max`` = mean / max of ``|log r_t|`` over ``M``.
+
+    Tokens whose rollout (or training) log-probability is NaN are left out.
+
+    Args:
+        train_logps: ``[B, T]`` training log-probabilities of the sampled tokens.
+        rollout_logps: ``[B, T]`` rollout log-probabilities.
+        mask: ``[B, T]`` bool or 0/1, the counted tokens.
+        return_counts: also return the counts for `reduce_gathered`.
+
+    Returns:
+        ``{"mismatch/<key>": 0-dim fp32 tensor}`` for the keys above; with ``return_counts``, the pair
+        ``(metrics, counts)`` where ``counts[key]`` is the number of tokens (token keys) or sequences (sequence
+        keys) the value is computed over.
+    """
+    train, rollout, log_r, mask = paired_log_ratio(train_logps, rollout_logps, mask)
+    m = mask.double()
+    # Token statistics (kl, k3_kl, chi2_token, mean |log r|), summed in one call.
+    token_terms = torch.stack([rollout - train, k3_terms(log_r), chi2_terms(log_r), log_r.abs()])
+    token_means = ((token_terms * m).sum(dim=(1, 2)) / m.sum()).float()
+    # Sequence statistics over the rows with a counted token; gap_b as in log_ppl_gap.
+    mean_train, mean_rollout, gap = (torch.stack([train, rollout, rollout - train]) * m).sum(-1) / m.sum(-1)
+    rows = mask.any(-1)
+    n_seq = rows.sum()
+    per_row = torch.stack([torch.exp(-mean_train), torch.exp(-mean_rollout), gap, gap.abs(), torch.exp(gap)])
+    seq_means = (torch.where(rows, per_row, 0.0).sum(-1) / n_seq).float()
+    out = {
+        "mismatch/kl": token_means[0],
+        "mismatch/k3_kl": token_means[1],
+        "mismatch/chi2_token": token_means[2] - 1.0,
+        "mismatch/abs_logp_diff_mean": token_means[3],
+        "mismatch/abs_logp_diff_max": masked_extreme(log_r.abs(), mask, largest=True),
+        "mismatch/training_ppl": seq_means[0],
+        "mismatch/rollout_ppl": seq_means[1],
+        "mismatch/log_ppl_diff": seq_means[2],
+        "mismatch/log_ppl_abs_diff": seq_means[3],
+        "mismatch/log_ppl_diff_max": masked_extreme(gap, rows, largest=True),
+        "mismatch/log_ppl_diff_min": masked_extreme(gap, rows, largest=False),
+        "mismatch/ppl_ratio": seq_means[4],
+        "mismatch/chi2_seq": as_scalar(sequence_chi2(log_r, m)),
+    }
+    if not return_counts:
+        return out
+    n_tok, n_seq = item_count(mask.sum()), item_count(n_seq)
+    return out, {k: n_seq if k in _SEQ_KEYS else n_tok for k in out}
+
+
+@torch.no_grad()  # diagnostics: logged, never differentiated
+def bucket_mismatch_metrics(
+    train_logps: torch.Tensor,
+    rollout_logps: torch.Tensor,
+    mask: torch.Tensor,
+    edges: Sequence[float] = DEFAULT_BUCKETS,
+    return_counts: bool = False,
+) -> dict[str, torch.Tensor] | tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """`bucket_mismatch` as a metric dictionary.
+
+    For each bucket ``p=lo-hi``: ``mismatch/abs_diff/p=lo-hi`` (mean ``|log r|``), ``mismatch/diff/p=lo-hi``
+    (mean signed ``log r``: its sign shows the direction of the bias) and ``mismatch/token_frac/p=lo-hi``
+    (share of the counted tokens in the bucket). Empty buckets give NaN for the first two.
+
+    Args:
+        train_logps: ``[B, T]`` training log-probabilities of the sampled tokens.
+        rollout_logps: ``[B, T]`` rollout log-probabilities (NaN where the engine reported none).
+        mask: ``[B, T]`` bool or 0/1, the counted tokens.
+        edges: inner bucket edges, strictly increasing in ``(0, 1)``.
+        return_counts: also return the counts for `reduce_gathered`.
+
+    Returns:
+        ``{key: 0-dim fp32 tensor}``; with ``return_counts``, the pair ``(metrics, counts)``: the bucket's token
+        count for ``abs_diff``/``diff``, all counted tokens for ``token_frac``.
+    """
+    b = bucket_mismatch(train_logps, rollout_logps, mask, edges)
+    # One conversion of each [K] vector, then views of it (one tensor per key costs more than the statistics).
+    abs_diff, diff, frac = torch.stack([b.abs_diff_mean, b.diff_mean, b.frac]).float()
+    bucket_counts = b.count.double()
+    out: dict[str, torch.Tensor] = {}
+    counts: dict[str, torch.Tensor] = {}
+    total = item_count(b.count.sum())
+    for j, name in enumerate(b.names):
+        out[f"mismatch/abs_diff/{name}"] = abs_diff[j]
+        out[f"mismatch/diff/{name}"] = diff[j]
+        out[f"mismatch/token_frac/{name}"] = frac[j]
+        counts[f"mismatch/abs_diff/{name}"] = counts[f"mismatch/diff/{name}"] = bucket_counts[j]
+        counts[f"mismatch/token_frac/{name}"] = total
+    return (out, counts) if return_counts else out
+
+
+@torch.no_grad()  # diagnostics: logged, never differentiated
+def safe_set_metrics(
+    in_safe: torch.Tensor,
+    log_kept_mass: torch.Tensor,
+    safe_size: torch.Tensor,
+    mask: torch.Tensor,
+    return_counts: bool = False,
+) -> dict[str, torch.Tensor] | tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Statistics of the trainer's safe set at the sampled positions (prefix ``safevocab/``).
+
+    With ``m_t = 1 - exp(log_kept_mass_t)`` the pruned mass:
+
+    - ``out_of_set_frac`` = ``mean_M 1[y_t not in S_t]``;
+    - ``pruned_mass_mean`` / ``_max`` = mean / max of ``m_t`` over ``M``; ``safe_size_mean`` = ``mean_M |S_t|``;
+    - ``seq_tv_estimate`` = ``1 - mean_b prod_t (1 - m_t)`` (unbiased for ``TV(P, Q)`` when rows are drawn from
+      the pruned sampler ``Q``); ``seq_kl_estimate`` = ``mean_b sum_t -log(1 - m_t)`` (for ``KL(Q || P)``).
+
+    Args:
+        in_safe: ``[B, T]`` bool, the sampled token is in the trainer's safe set.
+        log_kept_mass: ``[B, T]`` ``log(1 - m_t)``.
+        safe_size: ``[B, T]`` ``|S_t|``.
+        mask: ``[B, T]`` the completion tokens (before any out-of-set masking).
+        return_counts: also return the counts for `reduce_gathered`.
+
+    Returns:
+        ``{"safevocab/<key>": 0-dim fp32 tensor}`` for the keys above; with ``return_counts``, the pair
+        ``(metrics, counts)``: counted tokens for the token keys, rows ``B`` for the two sequence estimates.
+    """
+    mask = check_mask(mask, in_safe, log_kept_mass, safe_size)
+    m = mask.double()
+    log_kept = log_kept_mass.double().clamp(max=0.0) * m
+    pruned = -torch.expm1(log_kept)  # m_t, exactly 0 at padding
+    if mask.shape[0] == 0:
+        seq_tv = seq_kl = as_scalar(NAN)
+    else:
+        # Padding counts as kept mass 1 (DESIGN section 4).
+        kept = log_kept.exp()
+        seq_tv = as_scalar(sequence_tv(kept, mask))
+        seq_kl = as_scalar(sequence_kl(kept, mask))
+    out = {
+        "safevocab/out_of_set_frac": masked_mean((~in_safe.bool()).double(), m),
+        "safevocab/pruned_mass_mean": masked_mean(pruned, m),
+        "safevocab/pruned_mass_max": masked_extreme(pruned, mask, largest=True),
+        "safevocab/safe_size_mean": masked_mean(safe_size.double(), m),
+        "safevocab/seq_tv_estimate": seq_tv,
+        "safevocab/seq_kl_estimate": seq_kl,
+    }
+    if not return_counts:
+        return out
+    n_tok, n_seq = item_count(mask.sum()), item_count(mask.shape[0])
+    return out, {k: n_seq if k.startswith("safevocab/seq_") else n_tok for k in out}
+
+
+@torch.no_grad()  # diagnostics: logged, never differentiated
+def importance_ratio_metrics(
+    log_raw: torch.Tensor, ratio: torch.Tensor, clipped: torch.Tensor, mask: torch.Tensor, return_counts: bool = False
+) -> dict[str, torch.Tensor] | tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Statistics of an importance-sampling correction, before and after truncation/masking.
+
+    With raw ratios ``w_raw = exp(clamp(log_raw, ±LOG_RATIO_BOUND))`` and applied ratios ``w``:
+    ``is_raw_mean``/``_min``/``_max`` (of ``w_raw``), ``is_mean``/``_min``/``_max`` (of ``w``),
+    ``is_clipped_frac`` (share of entries truncated or masked) and ``is_ess`` = ``(sum w)^2 / (n sum w^2)``,
+    the normalised effective sample size, all over the counted entries.
+
+    Args:
+        log_raw: raw log-ratio ``[B, T]`` (token level) or ``[B, 1]`` (sequence level).
+        ratio: the corrected ratio, same shape.
+        clipped: bool, same shape, the entry was truncated or masked.
+        mask: ``[B, T]`` the tokens that count (a sequence counts when it has one).
+        return_counts: also return the counts for `reduce_gathered` (the number of counted entries, for every key;
+            ``is_ess`` is combined from its sums, see `reduce_gathered`).
+
+    Returns:
+        ``{"mismatch/<key>": 0-dim fp32 tensor}`` for the keys above; with ``return_counts``, the pair
+        ``(metrics, counts)``.
+    """
+    mask = mask.to(torch.bool)
+    valid = mask if log_raw.shape == mask.shape else mask.any(dim=-1, keepdim=True)
+    if log_raw.shape != valid.shape or ratio.shape != valid.shape or clipped.shape != valid.shape:
+        raise ValueError(
+            f"log_raw {tuple(log_raw.shape)}, ratio {tuple(ratio.shape)} and clipped {tuple(clipped.shape)} must be "
+            f"[B, T] or [B, 1] for mask {tuple(mask.shape)}"
+        )
+    raw = torch.exp(log_raw.double().clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND))
+    w = ratio.double()
+    v = valid.double()
+    n = v.sum()
+    sum_w = (w * v).sum()
+    sum_w2 = (w.square() * v).sum()
+    ess = as_scalar(sum_w.square() / (n * sum_w2)) if n > 0 and sum_w2 > 0 else as_scalar(NAN)
+    out = {
+        "mismatch/is_raw_mean": masked_mean(raw, v),
+        "mismatch/is_raw_min": masked_extreme(raw, valid, largest=False),
+        "mismatch/is_raw_max": masked_extreme(raw, valid, largest=True),
+        "mismatch/is_mean": masked_mean(w, v),
+        "mismatch/is_min": masked_extreme(w, valid, largest=False),
+        "mismatch/is_max": masked_extreme(w, valid, largest=True),
+        "mismatch/is_clipped_frac": masked_mean(clipped.double(), v),
+        "mismatch/is_ess": ess,
+    }
+    if not return_counts:
+        return out
+    return out, dict.fromkeys(out, item_count(n))
