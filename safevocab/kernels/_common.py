@@ -17,8 +17,18 @@ INTERPRETED = interpreter_on()
 
 @triton.jit
 def tanh(x):
-    """``tanh`` as ``2 / (1 + exp(-2x)) - 1``: exact limits at ``+-inf``, absolute error of a few ulps of 1."""
-    return 2.0 / (1.0 + tl.exp(-2.0 * x)) - 1.0
+    """``tanh`` to a few ulps, relative (torch's own is ~1 ulp), so both backends see the same softcapped logits.
+
+    ``sign(x) (1 - e) / (1 + e)`` with ``e = exp(-2|x|)`` for ``|x| >= 1/4`` (no cancellation there; exact
+    limits at ``+-inf``), and the odd Taylor series to ``x^9`` below (its next term is under an ulp), where
+    ``2 / (1 + exp(-2x)) - 1`` would lose the small result to the rounding of 1.
+    """
+    ax = tl.abs(x)
+    e = tl.exp(-2.0 * ax)
+    big = (1.0 - e) / (1.0 + e)
+    x2 = x * x
+    small = x * (1.0 + x2 * (-1.0 / 3.0 + x2 * (2.0 / 15.0 + x2 * (-17.0 / 315.0 + x2 * (62.0 / 2835.0)))))
+    return tl.where(ax < 0.25, small, tl.where(x < 0, -big, big))
 
 
 @triton.jit

@@ -1,0 +1,135 @@
+"""Keeps docs/architecture.md true: layers, import direction, no circles, no oversized product file.
+
+The import graph is read from the source (``ast``: every ``import``/``from ... import`` in a module, also
+those inside functions), so a lazy import that would close a circle counts too.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import pkgutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PRODUCT = ("safevocab", "trl_integration")
+#: Third-party packages the core must never import (it depends on torch only).
+NOT_IN_CORE = ("trl", "transformers", "accelerate", "datasets", "vllm", "peft", "trl_integration")
+MAX_LINES = 500
+
+
+def _modules() -> dict[str, Path]:
+    found = {}
+    for package in PRODUCT:
+        for path in (ROOT / package).rglob("*.py"):
+            rel = path.relative_to(ROOT).with_suffix("")
+            parts = list(rel.parts)
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            found[".".join(parts)] = path
+    return found
+
+
+def _imports(path: Path, module: str, known: set[str]) -> set[str]:
+    """Product modules imported by ``module`` (resolved to the longest known module name)."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")
+                anchor = anchor[: len(anchor) - (node.level - 1)]
+                base = ".".join(anchor + ([base] if base else []))
+            names.add(base)
+            names.update(f"{base}.{alias.name}" for alias in node.names)
+    resolved = set()
+    for name in names:
+        while name and name not in known:
+            name = name.rpartition(".")[0]
+        if name and name != module:
+            resolved.add(name)
+    return resolved
+
+
+def _third_party(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text(), filename=str(path))
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            out.add(node.module.split(".")[0])
+    return out
+
+
+def test_every_product_module_imports():
+    for package in PRODUCT:
+        mod = importlib.import_module(package)
+        for info in pkgutil.walk_packages(mod.__path__, prefix=f"{package}."):
+            if info.name.startswith("safevocab.kernels.") or ".__main__" in info.name:
+                continue  # the kernel modules need Triton's interpreter or CUDA (tests/test_kernels.py)
+            importlib.import_module(info.name)
+
+
+def test_core_never_imports_trl_or_its_stack():
+    offenders = {
+        module: sorted(_third_party(path) & set(NOT_IN_CORE))
+        for module, path in _modules().items()
+        if module.split(".")[0] == "safevocab"
+    }
+    assert not {m: bad for m, bad in offenders.items() if bad}
+    code = "import sys, safevocab, safevocab.mismatch, safevocab.bounds, safevocab.support; " \
+        f"print(sorted(m for m in {NOT_IN_CORE!r} if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def test_the_import_graph_has_no_cycle():
+    modules = _modules()
+    known = set(modules)
+    graph = {m: _imports(p, m, known) for m, p in modules.items()}
+    # a package's __init__ re-exporting its submodules is not a circle: drop edges from a package to its own children
+    graph = {m: {d for d in deps if not d.startswith(m + ".")} for m, deps in graph.items()}
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(node: str) -> None:
+        state[node] = 1
+        stack.append(node)
+        for dep in sorted(graph[node]):
+            if state.get(dep) == 1:
+                cycle = stack[stack.index(dep):] + [dep]
+                pytest.fail("import cycle: " + " -> ".join(cycle))
+            if dep not in state:
+                visit(dep)
+        stack.pop()
+        state[node] = 2
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node)
+
+
+def test_core_never_imports_the_integration_layer():
+    modules = _modules()
+    known = set(modules)
+    for module, path in modules.items():
+        if module.split(".")[0] == "safevocab":
+            assert not [d for d in _imports(path, module, known) if d.startswith("trl_integration")], module
+
+
+def test_no_product_file_over_500_lines():
+    long = {
+        str(path.relative_to(ROOT)): n
+        for path in _modules().values()
+        if (n := len(path.read_text().splitlines())) > MAX_LINES
+    }
+    assert not long, long
