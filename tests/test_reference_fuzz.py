@@ -33,6 +33,8 @@ from safevocab import SafeSupport, fused_safe_logprobs, parse_rule, safe_log_sof
 from safevocab.torch_backend import chunk_rows_for
 
 EXAMPLES = int(os.environ.get("SAFEVOCAB_FUZZ_EXAMPLES", "2000"))
+#: Device of the fused op in the properties (the reference always runs on the CPU): ``cuda`` on a GPU machine.
+DEVICE = os.environ.get("SAFEVOCAB_TEST_DEVICE", "cpu")
 EXAMPLES_SLOW = int(os.environ.get("SAFEVOCAB_FUZZ_EXAMPLES_SLOW", "20000"))
 EPS = {torch.float64: 2.0**-52, torch.float32: 2.0**-23, torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10}
 
@@ -264,7 +266,7 @@ def _fused_property(inputs, data, max_chunk_bytes, dense, backend="torch"):
     vocab = inputs["weight"].shape[0]
     parts = data.draw(rule_parts(vocab))
     transform = data.draw(transforms(inputs["exact"]))
-    check_fused(inputs, parts, transform, max_chunk_bytes, dense, backend)
+    check_fused(inputs, parts, transform, max_chunk_bytes, dense, backend, device=DEVICE)
 
 
 @fuzz_settings(EXAMPLES)
@@ -299,7 +301,7 @@ def _support_property(inputs, data, max_chunk_bytes, dense):
     transform = data.draw(transforms(inputs["exact"]))
     support = data.draw(supports(inputs))
     if data.draw(st.booleans()):
-        check_fused(inputs, parts, transform, max_chunk_bytes, dense, "torch", support=support)
+        check_fused(inputs, parts, transform, max_chunk_bytes, dense, "torch", device=DEVICE, support=support)
     else:
         check_materialised(inputs, parts, data.draw(transforms(exact=True)), support=support)
 

@@ -1,0 +1,255 @@
+"""GPU truth in one run: correctness on CUDA, the fused op against trl's kernel, and a real GRPO step.
+
+Writes one results file (JSON, plus the same as Markdown beside it) with:
+
+1. **correctness**: the reference tests (``tests/test_core_regressions.py``, ``tests/test_reference_fuzz.py``,
+   ``tests/test_support.py``, ``tests/test_kernels.py``) on the device, both backends, every dtype, rule and
+   support replay (``SAFEVOCAB_TEST_DEVICE``; the Triton kernels compiled, not interpreted);
+2. **op**: ``python -m safevocab.bench`` per rule at N=16384, H=4096, V=151936, bf16 (``--preset gpu``):
+   fused vs trl's ``ChunkedLogProbFunction`` vs the floor, time (forward + backward) and peak memory, and
+   support replay at ``|S| = 64``;
+3. **grpo**: ``SafeVocabGRPOTrainer`` vs stock ``GRPOTrainer`` on a locally built Qwen2-shaped model of about
+   0.5 B parameters (random weights, Qwen2.5's vocabulary size), step time and peak memory, bf16 and fp16
+   with loss scaling.
+
+Usage (the GPU machine has no trl/datasets: carry their wheels, see ``scripts/gpu_bench.sh``)::
+
+    bash scripts/gpu_bench.sh                      # on a CUDA machine, about 10 minutes
+    python scripts/gpu_bench.py --small --out /tmp/gpu_results.json   # CPU, small shapes: tests the script
+
+This is tooling, not product code: it drives the public API and the test suite.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RULES = ("none", "min_p=0.001", "min_prob=0.001", "top_k=50", "top_p=0.9", "top_k=50,min_p=0.01")
+TEST_FILES = (
+    "tests/test_core_regressions.py",
+    "tests/test_reference_fuzz.py",
+    "tests/test_support.py",
+    "tests/test_kernels.py",
+)
+
+
+def _run(cmd: list[str], env: dict[str, str] | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
+    full_env = {**os.environ, **(env or {})}
+    return subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
+
+
+def environment() -> dict:
+    import torch
+
+    info = {"torch": torch.__version__, "cuda": torch.cuda.is_available()}
+    if torch.cuda.is_available():
+        info["device"] = torch.cuda.get_device_name(0)
+    for name in ("triton", "trl", "transformers"):
+        try:
+            info[name] = __import__(name).__version__
+        except Exception as err:  # absent on the machine: say so in the results
+            info[name] = f"absent ({type(err).__name__})"
+    return info
+
+
+def correctness(device: str, small: bool) -> dict:
+    """The reference tests on ``device``; returns pytest's closing line and return code."""
+    examples = "200" if small else "500"
+    env = {
+        "SAFEVOCAB_TEST_DEVICE": device,
+        "SAFEVOCAB_FUZZ_EXAMPLES": examples,
+        "SAFEVOCAB_FUZZ_EXAMPLES_TRITON": examples,
+        "SAFEVOCAB_BOUNDARY_CASES": "300" if small else "2000",
+    }
+    started = time.perf_counter()
+    proc = _run([sys.executable, "-m", "pytest", "-q", "-m", "not slow", "-p", "no:cacheprovider", *TEST_FILES], env, 900)
+    lines = [line for line in proc.stdout.splitlines() if " passed" in line or " failed" in line]
+    return {"returncode": proc.returncode, "summary": lines[-1] if lines else proc.stdout[-500:],
+            "seconds": round(time.perf_counter() - started, 1)}
+
+
+def op_bench(small: bool) -> list[dict]:
+    """``python -m safevocab.bench`` per rule, plus support replay at |S| = 64."""
+    size = ["--device", "cpu", "--n", "256", "--h", "64", "--v", "3000", "--dtype", "float32", "--repeats", "1"] if small \
+        else ["--preset", "gpu", "--repeats", "3"]
+    variants = "floor,fused,naive,trl" if small else "floor,fused,fused_torch,trl"
+    runs = [(rule, variants) for rule in RULES] + [("top_k=64", "floor,fused,fused_replay")]
+    rows = []
+    for rule, chosen in runs:
+        with tempfile.NamedTemporaryFile(suffix=".json") as f:
+            proc = _run([sys.executable, "-m", "safevocab.bench", *size, "--rule", rule, "--variants", chosen,
+                         "--json", f.name], timeout=600)
+            if proc.returncode != 0:
+                rows.append({"rule": rule, "error": proc.stderr[-400:]})
+                continue
+            rows.append({"rule": rule, **json.load(open(f.name))})
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------- GRPO step
+
+
+def _tokenizer(vocab_size: int):
+    """A word-level tokenizer of ``vocab_size`` synthetic tokens ``t0 .. t{V-1}`` plus specials (no download)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<pad>", "<eos>", "<bos>", "<unk>"]
+    vocab = {tok: i for i, tok in enumerate(specials + [f"t{i}" for i in range(vocab_size - len(specials))])}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", bos_token="<bos>",
+                                   unk_token="<unk>", padding_side="left")
+
+
+def _model_dir(small: bool):
+    """A Qwen2-shaped causal LM with random weights, saved to a temporary directory (trl loads the model by
+    path), and its tokenizer object (passed as ``processing_class``: loaded by path, ``AutoTokenizer`` would
+    take the Qwen2 BPE class from the model type)."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    vocab = 2000 if small else 151936
+    tokenizer = _tokenizer(vocab)
+    shape = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4) if small else \
+        dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14)  # Qwen2.5-0.5B
+    config = Qwen2Config(vocab_size=vocab, num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=True,
+                         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+                         bos_token_id=tokenizer.bos_token_id, **shape)
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(config)
+    path = tempfile.mkdtemp(prefix="safevocab-qwen2-")
+    model.save_pretrained(path)
+    return path, tokenizer
+
+
+def grpo_step(model_path: str, tokenizer, trainer_kind: str, precision: str, small: bool, steps: int = 3) -> dict:
+    """Median step time (after the first) and peak memory of ``steps`` GRPO steps."""
+    import torch
+    from datasets import Dataset
+    from transformers import TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from trl_integration import SafeVocabGRPOConfig, SafeVocabGRPOTrainer
+
+    cuda = torch.cuda.is_available() and not small
+    prompts = [" ".join(f"t{(7 * i + j) % 1000}" for j in range(16)) for i in range(64)]
+    dataset = Dataset.from_dict({"prompt": prompts})
+
+    def reward(completions, **_):
+        return [float(len(c) % 7) for c in completions]
+
+    common = dict(
+        output_dir=tempfile.mkdtemp(prefix="safevocab-grpo-"), per_device_train_batch_size=8, num_generations=8,
+        max_completion_length=16 if small else 64, max_steps=steps, learning_rate=1e-6, logging_steps=1,
+        report_to=[], save_strategy="no", seed=0, use_cpu=not cuda,
+        bf16=cuda and precision == "bf16", fp16=cuda and precision == "fp16",
+    )
+    if trainer_kind == "stock":
+        args, trainer_cls = GRPOConfig(**common), GRPOTrainer
+    else:
+        args, trainer_cls = SafeVocabGRPOConfig(**common, safe_vocab_rule="min_p=0.001"), SafeVocabGRPOTrainer
+
+    class StepTimer(TrainerCallback):
+        def __init__(self):
+            self.times, self.start = [], None
+
+        def on_step_begin(self, *a, **k):
+            if cuda:
+                torch.cuda.synchronize()
+            self.start = time.perf_counter()
+
+        def on_step_end(self, *a, **k):
+            if cuda:
+                torch.cuda.synchronize()
+            self.times.append(time.perf_counter() - self.start)
+
+    timer = StepTimer()
+    if cuda:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    trainer = trainer_cls(model=model_path, reward_funcs=reward, args=args, train_dataset=dataset,
+                          processing_class=tokenizer, callbacks=[timer])
+    trainer.train()
+    out = {"trainer": trainer_kind, "precision": precision if cuda else "fp32 (cpu)",
+           "step_seconds": round(statistics.median(timer.times[1:] or timer.times), 4), "steps": len(timer.times)}
+    if cuda:
+        out["peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 3)
+    del trainer
+    return out
+
+
+def grpo(small: bool) -> list[dict]:
+    path, tokenizer = _model_dir(small)
+    rows = []
+    for precision in (("fp32",) if small else ("bf16", "fp16")):
+        for kind in ("stock", "safevocab"):
+            try:
+                rows.append(grpo_step(path, tokenizer, kind, precision, small))
+            except Exception as err:  # record and go on: one failure must not hide the other measurements
+                rows.append({"trainer": kind, "precision": precision, "error": f"{type(err).__name__}: {err}"[:400]})
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------- report
+
+
+def markdown(results: dict) -> str:
+    lines = ["# safevocab GPU results", "", "```", json.dumps(results["environment"], indent=1), "```", "",
+             f"Correctness: `{results['correctness'].get('summary', 'skipped')}`", "",
+             "| rule | variant | time (s) | peak (MiB) | / floor | / trl |", "|---|---|---:|---:|---:|---:|"]
+    for row in results.get("op", []):
+        if "error" in row:
+            lines.append(f"| {row['rule']} | error | {row['error'][:80]} | | | |")
+            continue
+        res = row["results"]
+        floor, trl = res.get("floor", {}).get("seconds"), res.get("trl", {}).get("seconds")
+        for variant, r in res.items():
+            if "seconds" not in r:
+                lines.append(f"| {row['rule']} | {variant} | {r.get('error', '')[:60]} | | | |")
+                continue
+            ratio = lambda d: f"{r['seconds'] / d:.2f}" if d else ""  # noqa: E731
+            lines.append(f"| {row['rule']} | {variant} | {r['seconds']:.4f} | {r['peak_bytes'] / 2**20:.0f} | "
+                         f"{ratio(floor)} | {ratio(trl)} |")
+    lines += ["", "| trainer | precision | step (s) | peak (GiB) |", "|---|---|---:|---:|"]
+    for row in results.get("grpo", []):
+        lines.append(f"| {row['trainer']} | {row['precision']} | {row.get('step_seconds', row.get('error', ''))} | "
+                     f"{row.get('peak_gib', '')} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--small", action="store_true", help="CPU-sized shapes (tests the script without a GPU)")
+    parser.add_argument("--out", default="gpu_results.json", help="results file (JSON; Markdown beside it)")
+    parser.add_argument("--skip", default="", help="comma list of sections to skip: correctness,op,grpo")
+    args = parser.parse_args(argv)
+    skip = set(filter(None, args.skip.split(",")))
+    device = "cpu" if args.small else "cuda"
+    results: dict = {"environment": environment(), "small": args.small, "correctness": {}}
+    started = time.perf_counter()
+    for name, run in (("correctness", lambda: correctness(device, args.small)), ("op", lambda: op_bench(args.small)),
+                      ("grpo", lambda: grpo(args.small))):
+        if name in skip:
+            continue
+        print(f"[gpu_bench] {name} ...", file=sys.stderr, flush=True)
+        results[name] = run()
+        Path(args.out).write_text(json.dumps(results, indent=2))  # what is done so far is never lost
+    results["seconds"] = round(time.perf_counter() - started, 1)
+    Path(args.out).write_text(json.dumps(results, indent=2))
+    Path(args.out).with_suffix(".md").write_text(markdown(results))
+    print(markdown(results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
