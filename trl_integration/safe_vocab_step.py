@@ -112,7 +112,9 @@ class StepSettings:
         importance_sampling: compute the importance ratio (needs rollout log-probabilities or ``zero_mismatch``).
         mismatch_metrics: log the ``mismatch/*`` metrics (same requirement).
         zero_mismatch: replace the rollout log-probabilities by the training ones (mismatch lab).
-        is_mode, is_clip_min, is_clip_max: trl's ``vllm_importance_sampling_mode`` and clips.
+        is_mode: trl's ``vllm_importance_sampling_mode``, one of :data:`~safevocab.correction.IS_MODES`.
+        is_clip_min: trl's ``vllm_importance_sampling_clip_min`` (``None``: unbounded below).
+        is_clip_max: trl's ``vllm_importance_sampling_clip_max`` (``None``: unbounded above).
         mismatch_buckets: edges of the ``mismatch/*/p=lo-hi`` buckets.
         sampling_metrics: also log trl's ``sampling/*`` ratio metrics (trl logs them itself on the vLLM path only).
     """
@@ -198,7 +200,8 @@ def step_metrics(
     Args:
         stats: the safe-set statistics of the scoring pass.
         masks: the batch's :func:`out_of_set_masks`.
-        train_logps, rollout_logps: ``[B, T]`` training and rollout log-probabilities (rollout ``None``: none).
+        train_logps: ``[B, T]`` the training log-probabilities of the sampled tokens.
+        rollout_logps: ``[B, T]`` the rollout log-probabilities, or ``None`` (none recorded).
         ratio: the batch's importance ratio, or ``None``.
         settings: which groups of metrics to compute.
         measured_rollout_logps: zero-mismatch setting: the rollout log-probabilities before the replacement, whose
@@ -234,7 +237,8 @@ class StepResult:
         entries: the batch entries to set (``tool_mask``; ``importance_sampling_ratio`` with importance sampling;
             ``sampling_per_token_logps`` in the zero-mismatch setting).
         loss_mask: ``[B, T]`` the loss tokens after the out-of-set masking (``num_items_in_batch`` counts them).
-        metrics, counts: the local metric row (empty when not measured).
+        metrics: the local metric values (empty when not measured).
+        counts: the number of items each value averages over.
         record: the tensors of ``trainer.last_generation``.
     """
 

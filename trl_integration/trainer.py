@@ -69,7 +69,7 @@ from trl_integration.safe_vocab_step import (
     safe_vocabulary_step,
     score_in_loss,
 )
-from trl_integration.trl_private import GRPOTrainerBridge, disable_gradient_checkpointing
+from trl_integration.trl_private import GRPOTrainerBridge, disable_gradient_checkpointing, mark_scheduler_created
 
 __all__ = ["SafeVocabGRPOTrainer", "SafeTokenStats"]
 
@@ -336,7 +336,7 @@ class SafeVocabGRPOTrainer(GRPOTrainerBridge):
             detector=args.make_surge_detector() if args.length_decay_start == "on_surge" else None,
             auto_period=auto,
         )
-        self._created_lr_scheduler = True
+        mark_scheduler_created(self)
         return self.lr_scheduler
 
     def _apply_safe_vocabulary(self, output: dict, captured: list) -> None:
