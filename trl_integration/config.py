@@ -1,32 +1,39 @@
-"""``SafeVocabGRPOConfig``: trl's ``GRPOConfig`` plus the safe-vocabulary, rollout and mismatch settings."""
+"""``SafeVocabGRPOConfig``: trl's ``GRPOConfig`` plus the safe-vocabulary, rollout and mismatch settings.
+
+A leaf: the values it accepts come from :mod:`trl_integration.enums` (``OUT_OF_SET_MODES`` and ``SCORING_MODES``
+stay importable from here), numeric checks from :mod:`safevocab.validation`; it imports no implementation module.
+"""
 
 from __future__ import annotations
 
 import json
-import math
 import warnings
 from dataclasses import dataclass, field
 
+import torch
 from trl import GRPOConfig
 
 import trl_integration.trl_private  # noqa: F401  (fails at import, in one line, outside the tested trl range)
 
 from safevocab import MinProb, NoPruning, SafeVocabRule, parse_rule
 from safevocab.schedulers import SurgeDetector
-from safevocab.correction import IS_MODES
-from trl_integration.effective_rule import compose_rules
-from trl_integration.metrics import DEFAULT_BUCKETS
-from trl_integration.rollout import NOISE_KINDS, ROLLOUT_DTYPES, sampler_rule
+from safevocab.validation import integer, real
+from trl_integration.effective_rule import compose_rules, sampler_rule
+from trl_integration.enums import (
+    DEFAULT_BUCKETS,
+    DEFAULT_MAX_CHUNK_BYTES,
+    IS_MODES,
+    LENGTH_DECAY_STARTS,
+    NOISE_KINDS,
+    OUT_OF_SET_MODES,
+    ROLLOUT_DTYPES,
+    SCORING_MODES,
+)
 
 __all__ = ["SafeVocabGRPOConfig", "OUT_OF_SET_MODES", "SCORING_MODES", "DEFAULT_RULE"]
 
 #: Default safe-vocabulary rule (see docs/trl.md, "Choosing the rule", for why).
 DEFAULT_RULE = "min_p=0.001"
-
-OUT_OF_SET_MODES = ("mask_token", "mask_sequence")
-
-#: Where the safe-set masks, importance ratio and metrics of an on-policy generation batch come from.
-SCORING_MODES = ("auto", "loss_forward", "separate")
 
 
 @dataclass
@@ -162,7 +169,7 @@ class SafeVocabGRPOConfig(GRPOConfig):
         },
     )
     safe_vocab_max_chunk_bytes: int = field(
-        default=64 * 2**20,
+        default=DEFAULT_MAX_CHUNK_BYTES,
         metadata={"help": "Scratch memory budget (bytes) of one chunk of the fused safe log-softmax."},
     )
     safe_vocab_scoring: str = field(
@@ -229,7 +236,7 @@ class SafeVocabGRPOConfig(GRPOConfig):
         metadata={
             "help": "'on_surge': hold the LR until the surge detector fires; 'step0': halve from the first step "
             "(Algorithm 1; needs an integer length_decay_period).",
-            "choices": ["on_surge", "step0"],
+            "choices": list(LENGTH_DECAY_STARTS),
         },
     )
     length_surge_window: int = field(
@@ -254,15 +261,8 @@ class SafeVocabGRPOConfig(GRPOConfig):
         rule = parse_rule(self.safe_vocab_rule)
         self.safe_vocab_rule = str(rule)
         self._rule = rule
-        if self.safe_vocab_out_of_set not in OUT_OF_SET_MODES:
-            raise ValueError(
-                f"safe_vocab_out_of_set={self.safe_vocab_out_of_set!r} is not accepted: accepted one of "
-                f"{OUT_OF_SET_MODES}"
-            )
-        if self.rollout_dtype not in ROLLOUT_DTYPES:
-            raise ValueError(
-                f"rollout_dtype={self.rollout_dtype!r} is not accepted: accepted one of {tuple(ROLLOUT_DTYPES)}"
-            )
+        _one_of("safe_vocab_out_of_set", self.safe_vocab_out_of_set, OUT_OF_SET_MODES)
+        _one_of("rollout_dtype", self.rollout_dtype, tuple(ROLLOUT_DTYPES))
         if isinstance(self.mismatch_buckets, (int, float)):
             self.mismatch_buckets = [self.mismatch_buckets]
         edges = [float(e) for e in (self.mismatch_buckets or [])]
@@ -272,15 +272,10 @@ class SafeVocabGRPOConfig(GRPOConfig):
                 "in (0, 1)"
             )
         self.mismatch_buckets = edges
-        if not isinstance(self.safe_vocab_max_chunk_bytes, int) or self.safe_vocab_max_chunk_bytes <= 0:
-            raise ValueError(
-                f"safe_vocab_max_chunk_bytes={self.safe_vocab_max_chunk_bytes!r} is out of range: accepted an "
-                "integer > 0"
-            )
-        if self.safe_vocab_scoring not in SCORING_MODES:
-            raise ValueError(
-                f"safe_vocab_scoring={self.safe_vocab_scoring!r} is not accepted: accepted one of {SCORING_MODES}"
-            )
+        self.safe_vocab_max_chunk_bytes = integer(
+            "safe_vocab_max_chunk_bytes", self.safe_vocab_max_chunk_bytes, lambda n: n > 0, "an integer > 0"
+        )
+        _one_of("safe_vocab_scoring", self.safe_vocab_scoring, SCORING_MODES)
         if isinstance(self.generation_kwargs, str):
             self.generation_kwargs = json.loads(self.generation_kwargs)
         effective = self._compose_with_sampler(rule) if self.safe_vocab_in_sampler else rule
@@ -323,10 +318,7 @@ class SafeVocabGRPOConfig(GRPOConfig):
                 )
             period = str(value)
         self.length_decay_period = period
-        if self.length_decay_start not in ("on_surge", "step0"):
-            raise ValueError(
-                f"length_decay_start={self.length_decay_start!r} is not accepted: accepted 'on_surge' or 'step0'"
-            )
+        _one_of("length_decay_start", self.length_decay_start, LENGTH_DECAY_STARTS, "'on_surge' or 'step0'")
         if self.length_decay and self.length_decay_start == "step0" and self.length_decay_auto_period:
             raise ValueError(
                 "length_decay_start='step0' needs an integer length_decay_period (no surge is detected to derive "
@@ -334,10 +326,9 @@ class SafeVocabGRPOConfig(GRPOConfig):
             )
         # Build the scheduler's pieces once here, so a bad value fails at construction, not at step 0.
         self.make_surge_detector()
-        if not 0.0 <= self.length_decay_min_lr_ratio <= 1.0:
-            raise ValueError(
-                f"length_decay_min_lr_ratio={self.length_decay_min_lr_ratio!r} is out of range: accepted 0 <= ratio <= 1"
-            )
+        self.length_decay_min_lr_ratio = real(
+            "length_decay_min_lr_ratio", self.length_decay_min_lr_ratio, lambda r: 0.0 <= r <= 1.0, "0 <= ratio <= 1"
+        )
 
     def make_surge_detector(self) -> SurgeDetector:
         """A fresh :class:`~safevocab.schedulers.SurgeDetector` with the ``length_surge_*`` settings."""
@@ -352,19 +343,19 @@ class SafeVocabGRPOConfig(GRPOConfig):
     @property
     def rule(self) -> SafeVocabRule:
         """The parsed :attr:`safe_vocab_rule`."""
-        rule = getattr(self, "_rule", None)
-        if rule is None or str(rule) != self.safe_vocab_rule:
-            rule = parse_rule(self.safe_vocab_rule)
-            self._rule = rule
-        return rule
+        return self._parsed("_rule", self.safe_vocab_rule)
 
     @property
     def effective_rule(self) -> SafeVocabRule:
         """The rule the trainer scores with (:attr:`safe_vocab_effective_rule`, parsed)."""
-        rule = getattr(self, "_effective_rule", None)
-        if rule is None or str(rule) != self.safe_vocab_effective_rule:
-            rule = parse_rule(self.safe_vocab_effective_rule or self.safe_vocab_rule)
-            self._effective_rule = rule
+        return self._parsed("_effective_rule", self.safe_vocab_effective_rule or self.safe_vocab_rule)
+
+    def _parsed(self, cache: str, text: str) -> SafeVocabRule:
+        """``parse_rule(text)``, cached in attribute ``cache`` while the field keeps the same text."""
+        rule = getattr(self, cache, None)
+        if rule is None or str(rule) != text:
+            rule = parse_rule(text)
+            setattr(self, cache, rule)
         return rule
 
     @property
@@ -437,17 +428,10 @@ class SafeVocabGRPOConfig(GRPOConfig):
 
     def _check_mismatch_lab(self) -> None:
         """Controlled-mismatch settings (``rollout_logit_noise*``, ``zero_mismatch``) and fp16 on CPU."""
-        noise = self.rollout_logit_noise
-        if isinstance(noise, bool) or not isinstance(noise, (int, float)) or not math.isfinite(noise) or noise < 0:
-            raise ValueError(f"rollout_logit_noise={noise!r} is out of range: accepted a finite float >= 0")
-        self.rollout_logit_noise = float(noise)
-        if self.rollout_logit_noise_kind not in NOISE_KINDS:
-            raise ValueError(
-                f"rollout_logit_noise_kind={self.rollout_logit_noise_kind!r} is not accepted: accepted one of "
-                f"{NOISE_KINDS}"
-            )
-        if not isinstance(self.rollout_noise_seed, int) or isinstance(self.rollout_noise_seed, bool):
-            raise ValueError(f"rollout_noise_seed={self.rollout_noise_seed!r} is not accepted: accepted an integer")
+        noise = self.rollout_logit_noise  # as given, for the messages below
+        self.rollout_logit_noise = real("rollout_logit_noise", noise, lambda eps: eps >= 0, "a finite float >= 0")
+        _one_of("rollout_logit_noise_kind", self.rollout_logit_noise_kind, NOISE_KINDS)
+        self.rollout_noise_seed = integer("rollout_noise_seed", self.rollout_noise_seed)
         other_path = (
             "use_vllm=True" if self.use_vllm else
             "use_transformers_continuous_batching=True" if self.use_transformers_continuous_batching else None
@@ -501,16 +485,15 @@ class SafeVocabGRPOConfig(GRPOConfig):
             )
 
 
+def _one_of(name: str, value: object, accepted: tuple, in_words: str | None = None) -> None:
+    """``ValueError`` naming the field, the value and the accepted values, unless ``value`` is one of them."""
+    if value not in accepted:
+        raise ValueError(f"{name}={value!r} is not accepted: accepted {in_words or f'one of {accepted}'}")
+
+
 def _has_fp16_amp_device(args) -> bool:
     """Whether accelerate can run fp16 mixed precision (autocast + GradScaler) here: any non-CPU device."""
-    import torch
-
     if getattr(args, "use_cpu", False):
         return False
-    xpu = getattr(torch, "xpu", None)
-    mps = getattr(torch.backends, "mps", None)
-    return bool(
-        torch.cuda.is_available()
-        or (xpu is not None and xpu.is_available())
-        or (mps is not None and mps.is_available())
-    )
+    xpu, mps = getattr(torch, "xpu", None), getattr(torch.backends, "mps", None)
+    return bool(torch.cuda.is_available() or (xpu and xpu.is_available()) or (mps and mps.is_available()))

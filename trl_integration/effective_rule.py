@@ -16,10 +16,26 @@ So the composed rule is exactly what the sampler applies when given the composed
 
 from __future__ import annotations
 
-from safevocab import MinP, SafeVocabRule, TopK, TopP
+from safevocab import MinP, NoPruning, SafeVocabRule, TopK, TopP
 from safevocab.rules import Intersection
 
-__all__ = ["compose_rules"]
+__all__ = ["compose_rules", "sampler_rule"]
+
+
+def sampler_rule(top_k: int | None = None, top_p: float | None = None, min_p: float | None = None) -> SafeVocabRule:
+    """The rule HF/vLLM sampling with these (trl-style) settings applies; neutral values prune nothing.
+
+    ``top_k`` of ``None``/``0``/``-1``, ``top_p`` of ``None``/``1.0`` and ``min_p`` of ``None``/``0.0`` are off.
+    (Also importable from :mod:`trl_integration.rollout`, its former home.)
+    """
+    parts: list[SafeVocabRule] = []
+    if top_k is not None and top_k > 0:
+        parts.append(TopK(int(top_k)))
+    if top_p is not None and top_p < 1.0:
+        parts.append(TopP(float(top_p)))
+    if min_p is not None and min_p > 0.0:
+        parts.append(MinP(float(min_p)))
+    return Intersection.of(*parts) if parts else NoPruning()
 
 
 def compose_rules(rule: SafeVocabRule, sampler: SafeVocabRule) -> SafeVocabRule:
@@ -27,7 +43,7 @@ def compose_rules(rule: SafeVocabRule, sampler: SafeVocabRule) -> SafeVocabRule:
 
     Args:
         rule: the trainer's rule (``safe_vocab_rule``); may contain ``min_prob``, which is kept as is.
-        sampler: the sampler's own rule (:func:`trl_integration.rollout.sampler_rule` of the user's settings).
+        sampler: the sampler's own rule (:func:`sampler_rule` of the user's settings).
 
     Returns:
         The composed rule, in canonical sampler order (``NoPruning`` when neither prunes).

@@ -12,7 +12,8 @@ log-probability of every sampled token under the distribution the sampler actual
   renormalised over the sampler's kept set — the same quantity vLLM returns with
   ``logprobs_mode="processed_logprobs"``.
 
-Steps are scored in batches of up to ``max_buffer_bytes`` of fp32 scores (default 64 MiB; a large-vocabulary
+Steps are scored in batches of up to ``max_buffer_bytes`` of fp32 scores (default
+:data:`safevocab.logprobs.DEFAULT_MAX_CHUNK_BYTES`, 64 MiB, the fused log-softmax's chunk budget; a large-vocabulary
 model scores every step as it comes, a small one its whole rollout in one call), never the
 ``[batch, steps, vocab]`` of ``output_scores=True``.
 
@@ -35,8 +36,10 @@ from contextlib import contextmanager, nullcontext
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
-from safevocab import MinP, NoPruning, SafeVocabRule, TopK, TopP, safe_log_softmax
-from safevocab.rules import Intersection
+from safevocab import SafeVocabRule, safe_log_softmax
+from safevocab.logprobs import DEFAULT_MAX_CHUNK_BYTES
+from trl_integration.effective_rule import sampler_rule
+from trl_integration.enums import NOISE_KINDS, ROLLOUT_DTYPES
 
 __all__ = [
     "ROLLOUT_DTYPES",
@@ -47,20 +50,12 @@ __all__ = [
     "logit_noise",
     "sampler_rule",
     "sampler_rule_from_generation_config",
+    "rollout_recorder",
     "rollout_precision",
     "recording_generate",
 ]
 
-#: ``rollout_dtype`` values and the torch dtype each selects (``None``: the model's own dtype, trl's behaviour).
-ROLLOUT_DTYPES: dict[str, torch.dtype | None] = {
-    "auto": None,
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-}
-
-#: Distributions of the injected logit noise (`LogitNoiseProcessor`).
-NOISE_KINDS = ("uniform", "clipped_gaussian")
+# ROLLOUT_DTYPES and NOISE_KINDS live in the config's leaf (trl_integration.enums); they stay importable from here.
 
 #: Sampling settings that change the distribution after the recorder sees the scores and that it cannot
 #: reproduce, with the value that disables each.
@@ -74,21 +69,6 @@ UNSUPPORTED_SAMPLING_KWARGS: dict[str, object] = {
     "guidance_scale": None,
     "watermarking_config": None,
 }
-
-
-def sampler_rule(top_k: int | None = None, top_p: float | None = None, min_p: float | None = None) -> SafeVocabRule:
-    """The rule HF/vLLM sampling with these (trl-style) settings applies; neutral values prune nothing.
-
-    ``top_k`` of ``None``/``0``/``-1``, ``top_p`` of ``None``/``1.0`` and ``min_p`` of ``None``/``0.0`` are off.
-    """
-    parts: list[SafeVocabRule] = []
-    if top_k is not None and top_k > 0:
-        parts.append(TopK(int(top_k)))
-    if top_p is not None and top_p < 1.0:
-        parts.append(TopP(float(top_p)))
-    if min_p is not None and min_p > 0.0:
-        parts.append(MinP(float(min_p)))
-    return Intersection.of(*parts) if parts else NoPruning()
 
 
 def sampler_rule_from_generation_config(generation_config) -> tuple[SafeVocabRule, float]:
@@ -113,6 +93,24 @@ def sampler_rule_from_generation_config(generation_config) -> tuple[SafeVocabRul
     return rule, temperature
 
 
+def rollout_recorder(generation_config, importance_sampling: bool) -> tuple[RolloutLogprobRecorder | None, str | None]:
+    """``(recorder, None)`` that records the rollout log-probabilities of ``generation_config``'s sampling, or
+    ``(None, reason)`` when they cannot be recorded faithfully (a setting :func:`sampler_rule_from_generation_config`
+    refuses; with ``importance_sampling``, a ``repetition_penalty``, which reshapes the distribution by the context
+    in a way the trainer's log-probabilities do not reproduce)."""
+    try:
+        rule, temperature = sampler_rule_from_generation_config(generation_config)
+    except ValueError as error:  # a sampling setting the recorder cannot reproduce (beams, typical_p, ...)
+        return None, str(error)
+    penalty = getattr(generation_config, "repetition_penalty", None)
+    if importance_sampling and penalty not in (None, 1.0):
+        return None, (
+            f"generation repetition_penalty={penalty!r} reshapes the sampling distribution by the context, "
+            "which the trainer's log-probabilities do not reproduce: no generate-path importance sampling"
+        )
+    return RolloutLogprobRecorder(rule, temperature), None
+
+
 class RolloutLogprobRecorder(LogitsProcessor):
     """Record ``log pi_S(y_t)`` of each sampled token during ``generate`` (append it last to ``logits_processor``).
 
@@ -129,7 +127,7 @@ class RolloutLogprobRecorder(LogitsProcessor):
     raising, so that the rollout goes on without log-probabilities.
     """
 
-    def __init__(self, rule: SafeVocabRule, temperature: float = 1.0, max_buffer_bytes: int = 64 * 2**20):
+    def __init__(self, rule: SafeVocabRule, temperature: float = 1.0, max_buffer_bytes: int = DEFAULT_MAX_CHUNK_BYTES):
         self.rule = rule
         self.temperature = float(temperature)
         self.max_buffer_bytes = int(max_buffer_bytes)

@@ -1,7 +1,10 @@
 """``SafeVocabGRPOTrainer``: trl's ``GRPOTrainer`` with Dynamic Vocabulary Pruning.
 
 trl's private methods are reached through :class:`trl_integration.trl_private.GRPOTrainerBridge` (the fence,
-checked at import against the tested trl range); this module overrides its public hooks.
+checked at import against the tested trl range); this module overrides its public hooks with thin methods that
+collect trl's tensors and delegate the safe-vocabulary step to the pure, trl-free functions of
+:mod:`trl_integration.safe_vocab_step` (out-of-set masks, importance ratio, metric rows). The state the overrides hand
+each other within a generation batch is one :class:`~trl_integration.safe_vocab_step.BatchState`.
 
 What changes with respect to ``trl.GRPOTrainer`` (everything else — loss types, rewards, vLLM modes, tools,
 PEFT, logging — is trl's own code):
@@ -44,37 +47,34 @@ import torch
 from accelerate.utils import is_peft_model
 
 from safevocab import NoPruning
+from safevocab.mismatch import reduce_gathered
 from safevocab.schedulers import LengthDecayLR
 from trl_integration.callbacks import LengthDecayCallback
 from trl_integration.config import SafeVocabGRPOConfig
-from safevocab.correction import importance_sampling_ratio
+from trl_integration.enums import ROLLOUT_DTYPES
 from trl_integration.lm_head import SafeHeadState, add_safe_lm_head
-from trl_integration.metrics import (
-    bucket_mismatch_metrics,
-    importance_ratio_metrics,
-    mismatch_metrics,
-    reduce_gathered,
-    safe_set_metrics,
+from trl_integration.rollout import LogitNoiseProcessor, recording_generate, rollout_recorder
+from trl_integration.safe_vocab_step import (
+    ROLLOUT_LOGPROBS_FRAC,
+    BatchState,
+    LossReplay,
+    PendingGeneration,
+    SafeTokenStats,
+    StepResult,
+    StepSettings,
+    concat_records,
+    metric_rows,
+    old_policy_stats,
+    rollout_logprobs_coverage,
+    safe_vocabulary_step,
+    score_in_loss,
 )
-from trl_integration.trl_private import GRPOTrainerBridge, disable_gradient_checkpointing
-from trl_integration.rollout import (
-    ROLLOUT_DTYPES,
-    LogitNoiseProcessor,
-    RolloutLogprobRecorder,
-    recording_generate,
-    sampler_rule_from_generation_config,
-)
+from trl_integration.trl_private import GRPOTrainerBridge, disable_gradient_checkpointing, mark_scheduler_created
 
 __all__ = ["SafeVocabGRPOTrainer", "SafeTokenStats"]
 
 #: Key of a generation batch whose out-of-set masks, importance ratio and metrics come from the loss's forward.
 SCORE_IN_LOSS = "safevocab_score_in_loss"
-
-#: Metric: share of the loss tokens of a generation batch whose rollout log-probability was recorded (public name).
-ROLLOUT_LOGPROBS_FRAC = "safevocab/rollout_logprobs_frac"
-
-#: trl loss types normalised by ``num_items_in_batch`` (the loss tokens of the whole generation batch).
-_COUNT_NORMALISED_LOSSES = ("dapo", "cispo", "vespo")
 
 # Keys of a generation batch that the forward pass needs besides ids and masks (multimodal inputs).
 _FORWARD_KEYS = (
@@ -89,29 +89,6 @@ _FORWARD_KEYS = (
     "mm_token_type_ids",
     "image_position_ids",
 )
-
-
-class SafeTokenStats:
-    """Per-token safe-set statistics of one scoring pass, each ``[B, T]`` (completion positions)."""
-
-    __slots__ = ("in_safe", "log_kept_mass", "safe_size")
-
-    def __init__(self, in_safe: torch.Tensor, log_kept_mass: torch.Tensor, safe_size: torch.Tensor):
-        self.in_safe = in_safe
-        self.log_kept_mass = log_kept_mass
-        self.safe_size = safe_size
-
-
-class _PendingGeneration:
-    """Metric rows and tensors of the micro-batches of one on-policy generation batch whose safe-vocabulary step
-    runs in the loss (``safe_vocab_scoring``); logged once all ``expected`` micro-batches have been seen."""
-
-    __slots__ = ("expected", "rows", "records")
-
-    def __init__(self, expected: int):
-        self.expected = expected
-        self.rows: list[tuple[dict, dict]] = []
-        self.records: list[dict] = []
 
 
 class SafeVocabGRPOTrainer(GRPOTrainerBridge):
@@ -141,13 +118,10 @@ class SafeVocabGRPOTrainer(GRPOTrainerBridge):
                 f"args must be a SafeVocabGRPOConfig, got {type(args).__name__}: build it with "
                 "SafeVocabGRPOConfig(...), which accepts every GRPOConfig argument"
             )
-        self._captured_logps: list | None = None
+        #: What the overrides hand each other within a generation batch (scoring passes, replay, pending metrics).
+        self._batch = BatchState()
         #: Why rollout log-probabilities were missing, once warned (one warning per run).
         self._rollout_logprobs_fallback: str | None = None
-        self._last_safe_stats: SafeTokenStats | None = None
-        # The loss forward run ahead of trl's loss code (on-policy batches), handed back to it once.
-        self._replay: tuple | None = None
-        self._pending: dict[str, _PendingGeneration] = {}
         #: Tensors of the latest generation batch (train/rollout log-probs, masks, ratios), for inspection.
         self.last_generation: dict[str, torch.Tensor] | None = None
         super().__init__(model, reward_funcs, args, *pargs, **kwargs)
@@ -245,40 +219,25 @@ class SafeVocabGRPOTrainer(GRPOTrainerBridge):
         self, model, input_ids, attention_mask, logits_to_keep, batch_size=None, compute_entropy=False, **kwargs
     ):
         """trl's method (its batching and multimodal slicing) over the safe head; also keeps the per-token
-        safe-set statistics of the call in ``self._last_safe_stats``.
+        safe-set statistics of the call in the batch state (``self._batch.last_stats``).
 
         When the loss pass was run ahead of trl's loss code (:meth:`grpo_loss`, on-policy batches), trl's own
         call gets that result back instead of a second forward."""
-        if self._replay is not None:
-            shape, keep, result = self._replay
-            self._replay = None
-            if tuple(input_ids.shape) != shape or logits_to_keep != keep:
-                raise RuntimeError(
-                    f"trl's loss pass asked for log-probabilities of a {tuple(input_ids.shape)} batch (keep "
-                    f"{logits_to_keep}) but the pass run ahead of it scored {shape} (keep {keep})"
-                )
-            return result
+        if self._batch.replay is not None:
+            replay, self._batch.replay = self._batch.replay, None
+            return replay.take(tuple(input_ids.shape), logits_to_keep)
         if self._stock_head:
             logps, entropies, aux_loss = self.stock_score_completion_tokens(
                 model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size,
                 compute_entropy=compute_entropy, **kwargs,
             )
-            stats = SafeTokenStats(
-                in_safe=torch.ones_like(logps, dtype=torch.bool),
-                log_kept_mass=torch.zeros_like(logps, dtype=torch.float32),
-                safe_size=torch.full(logps.shape, self._vocab_size, dtype=torch.int64, device=logps.device),
-            )
-            return self._keep_stats(logps, entropies, aux_loss, stats)
+            self._batch.keep(logps, SafeTokenStats.whole_vocabulary(logps, self._vocab_size))
+            return logps, entropies, aux_loss
         self._safe_head.begin(compute_entropy)
         try:
             logps, entropies, aux_loss = self.stock_score_completion_tokens(
-                model,
-                input_ids,
-                attention_mask,
-                logits_to_keep,
-                batch_size=batch_size,
-                compute_entropy=compute_entropy,
-                **kwargs,
+                model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size,
+                compute_entropy=compute_entropy, **kwargs,
             )
         finally:
             records = self._safe_head.end()
@@ -287,18 +246,7 @@ class SafeVocabGRPOTrainer(GRPOTrainerBridge):
                 "the safe-vocabulary LM head was not called: the model's forward is not the one "
                 "SafeVocabGRPOTrainer patched (was the model re-wrapped or its forward replaced?)"
             )
-        stats = SafeTokenStats(
-            in_safe=torch.cat([r.in_safe[:, -logits_to_keep:] for r in records]),
-            log_kept_mass=torch.cat([r.log_kept_mass[:, -logits_to_keep:] for r in records]),
-            safe_size=torch.cat([r.safe_size[:, -logits_to_keep:] for r in records]),
-        )
-        return self._keep_stats(logps, entropies, aux_loss, stats)
-
-    def _keep_stats(self, logps, entropies, aux_loss, stats: SafeTokenStats):
-        """Keep the statistics of the latest scoring pass (and of every pass of a generation batch)."""
-        self._last_safe_stats = stats
-        if self._captured_logps is not None:
-            self._captured_logps.append((logps, stats))
+        self._batch.keep(logps, SafeTokenStats.from_head_outputs(records, logits_to_keep))
         return logps, entropies, aux_loss
 
     def _score_generation_batch(self, batch: dict) -> tuple[torch.Tensor, SafeTokenStats]:
@@ -313,7 +261,7 @@ class SafeVocabGRPOTrainer(GRPOTrainerBridge):
             logps, _, _ = self.score_completion_tokens(
                 self.model, input_ids, attention_mask, batch["completion_ids"].size(1), batch_size=batch_size, **extra
             )
-        return logps, self._last_safe_stats
+        return logps, self._batch.last_stats
 
     # ------------------------------------------------------------------------------------------------------
     # rollouts
@@ -323,17 +271,7 @@ class SafeVocabGRPOTrainer(GRPOTrainerBridge):
             return self.stock_generate_turn(prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
         recorder, fallback = None, None
         if self.args.rollout_logprobs:
-            try:
-                rule, temperature = sampler_rule_from_generation_config(self.generation_config)
-                recorder = RolloutLogprobRecorder(rule, temperature)
-            except ValueError as error:  # a sampling setting the recorder cannot reproduce (beams, typical_p, ...)
-                fallback = str(error)
-            penalty = getattr(self.generation_config, "repetition_penalty", None)
-            if recorder is not None and self._importance_sampling_active and penalty not in (None, 1.0):
-                recorder, fallback = None, (
-                    f"generation repetition_penalty={penalty!r} reshapes the sampling distribution by the context, "
-                    "which the trainer's log-probabilities do not reproduce: no generate-path importance sampling"
-                )
+            recorder, fallback = rollout_recorder(self.generation_config, self._importance_sampling_active)
         processors = []
         if self._logit_noise is not None:
             temperature = self.generation_config.temperature
@@ -341,7 +279,9 @@ class SafeVocabGRPOTrainer(GRPOTrainerBridge):
             processors.append(self._logit_noise)  # before the recorder: it records the perturbed distribution
         target = self.accelerator.unwrap_model(self.model_wrapped)
         with recording_generate(target, recorder, self._rollout_dtype, processors):
-            completion_ids, logprobs = self.stock_generate_turn(prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
+            completion_ids, logprobs = self.stock_generate_turn(
+                prompt_ids, images, multimodal_fields, num_generations, has_tool_images
+            )
         if recorder is not None and recorder.failure is not None:
             fallback = recorder.failure
         if recorder is not None and fallback is None:
@@ -366,12 +306,12 @@ class SafeVocabGRPOTrainer(GRPOTrainerBridge):
         )
 
     def generate_and_score(self, inputs):
-        self._captured_logps = []
+        self._batch.captured = []
         try:
             output = self.stock_generate_and_score(inputs)
-            captured = self._captured_logps
+            captured = self._batch.captured
         finally:
-            self._captured_logps = None
+            self._batch.captured = None
         self._apply_safe_vocabulary(output, captured)
         if self.args.length_decay and self.model.training:
             # trl has just logged the gathered (all-process) mean completion length of this generation.
@@ -396,7 +336,7 @@ class SafeVocabGRPOTrainer(GRPOTrainerBridge):
             detector=args.make_surge_detector() if args.length_decay_start == "on_surge" else None,
             auto_period=auto,
         )
-        self._created_lr_scheduler = True
+        mark_scheduler_created(self)
         return self.lr_scheduler
 
     def _apply_safe_vocabulary(self, output: dict, captured: list) -> None:
@@ -408,27 +348,23 @@ class SafeVocabGRPOTrainer(GRPOTrainerBridge):
         (``safe_vocab_scoring``)."""
         mode = "train" if self.model.training else "eval"
         self._check_rollout_logprobs(output, mode)
-        use_is, use_mismatch, zero_mismatch = self._measurement_switches(output)
-        if isinstance(self.safe_vocab_rule, NoPruning) and not use_is and not use_mismatch and not zero_mismatch:
+        if isinstance(self.safe_vocab_rule, NoPruning) and not self._step_settings(output).measures:
             return  # nothing to mask or measure: stay exactly trl (no extra forward pass)
 
-        # trl ran an old-policy pass when the batch carries old_per_token_logps: its safe sets are those of the
-        # first captured policy pass with the same values (trl scores the old policy before the reference).
+        # trl ran an old-policy pass when the batch carries old_per_token_logps.
         old = output.get("old_per_token_logps")
-        entry = None
-        if old is not None:
-            entry = next((e for e in captured if e[0].shape == old.shape and torch.equal(e[0], old)), None)
-        if entry is not None:
-            train_logps, stats = old, entry[1]
-        elif self._score_in_loss(mode):
+        stats = None if old is None else old_policy_stats(captured, old)
+        if stats is not None:
+            train_logps = old
+        elif score_in_loss(self.args.safe_vocab_scoring, self._micro_batches_per_generation(mode), self.loss_type):
             output[SCORE_IN_LOSS] = torch.tensor(True)
-            self._pending[mode] = _PendingGeneration(self._micro_batches_per_generation(mode))
+            self._batch.pending[mode] = PendingGeneration(self._micro_batches_per_generation(mode))
             return
         else:
             train_logps, stats = self._score_generation_batch(output)
-        metrics, counts, record = self._safe_vocabulary_step(output, train_logps, stats, whole_batch=True)
-        self._log_reduced_metrics(mode, [(metrics, counts)])
-        self.last_generation = record
+        result = self._apply_step(output, train_logps, stats, whole_batch=True)
+        self._log_reduced_metrics(mode, [(result.metrics, result.counts)])
+        self.last_generation = result.record
 
     def _check_rollout_logprobs(self, output: dict, mode: str) -> None:
         """Log the share of loss tokens with a recorded rollout log-probability; on the ``generate`` path a batch
@@ -436,141 +372,47 @@ class SafeVocabGRPOTrainer(GRPOTrainerBridge):
         rollout = output.get("sampling_per_token_logps")
         if rollout is None or not self._uses_rollout_logprobs:
             return
-        mask = output["completion_mask"]
-        if output.get("tool_mask") is not None:
-            mask = mask * output["tool_mask"]
-        counted = mask.bool()
-        recorded = counted & ~torch.isnan(rollout)
-        n = counted.sum()
-        frac = (recorded.sum().double() / n).float() if n > 0 else torch.tensor(float("nan"))
+        frac, n, gap = rollout_logprobs_coverage(rollout, output["completion_mask"], output.get("tool_mask"))
         self._log_reduced_metrics(mode, [({ROLLOUT_LOGPROBS_FRAC: frac}, {ROLLOUT_LOGPROBS_FRAC: n})])
         # vLLM keeps trl's convention (a NaN token gets ratio 1); a partial generate-path recording is not used.
         # Decided over all processes: every rank must then log the same metrics (they are gathered together).
         if not self.use_vllm:
-            gap = (recorded != counted).any().reshape(1).to(self.accelerator.device, torch.float32)
-            if bool(self.accelerator.gather(gap).max() > 0):
+            if bool(self.accelerator.gather(gap.reshape(1).to(self.accelerator.device, torch.float32)).max() > 0):
                 del output["sampling_per_token_logps"]
 
-    def _measurement_switches(self, batch: dict) -> tuple[bool, bool, bool]:
-        """``(use_is, use_mismatch, zero_mismatch)`` for a batch: the importance ratio and the mismatch metrics
-        need rollout log-probabilities, or the zero-mismatch setting that makes them."""
-        zero_mismatch = bool(getattr(self.args, "zero_mismatch", False))
+    def _step_settings(self, batch: dict) -> StepSettings:
+        """The :class:`~trl_integration.safe_vocab_step.StepSettings` of a batch: the importance ratio and the
+        mismatch metrics need rollout log-probabilities, or the zero-mismatch setting that makes them."""
+        args = self.args
+        zero_mismatch = bool(getattr(args, "zero_mismatch", False))
         has_rollout = (batch.get("sampling_per_token_logps") is not None and self._uses_rollout_logprobs) or zero_mismatch
-        use_is = self._importance_sampling_active and has_rollout
-        return use_is, self.args.log_mismatch_metrics and has_rollout, zero_mismatch
+        return StepSettings(
+            out_of_set=args.safe_vocab_out_of_set,
+            importance_sampling=self._importance_sampling_active and has_rollout,
+            mismatch_metrics=args.log_mismatch_metrics and has_rollout,
+            zero_mismatch=zero_mismatch,
+            is_mode=args.vllm_importance_sampling_mode,
+            is_clip_min=args.vllm_importance_sampling_clip_min,
+            is_clip_max=args.vllm_importance_sampling_clip_max,
+            mismatch_buckets=tuple(args.mismatch_buckets),
+            sampling_metrics=not self.use_vllm,  # trl logs its sampling/* metrics itself on the vLLM path
+        )
 
     def _micro_batches_per_generation(self, mode: str) -> int:
         """How many micro-batches trl splits a (per-process) generation batch into."""
         return self.args.steps_per_generation if mode == "train" else 1
 
-    def _score_in_loss(self, mode: str) -> bool:
-        """Whether an on-policy generation batch takes its safe sets from the loss's forward
-        (``safe_vocab_scoring``; see :class:`~trl_integration.config.SafeVocabGRPOConfig`)."""
-        choice = self.args.safe_vocab_scoring
-        if choice != "auto":
-            return choice == "loss_forward"
-        return self._micro_batches_per_generation(mode) == 1 or self.loss_type not in _COUNT_NORMALISED_LOSSES
-
-    @torch.no_grad()
-    def _safe_vocabulary_step(
+    def _apply_step(
         self, batch: dict, train_logps: torch.Tensor, stats: SafeTokenStats, whole_batch: bool, measure: bool = True
-    ) -> tuple[dict, dict, dict]:
-        """Mask out-of-set tokens, set the importance ratio and measure, on a generation batch or one of its
-        micro-batches (modifies ``batch``).
-
-        Args:
-            batch: the generation batch (or a micro-batch of it) as trl passes it to the loss.
-            train_logps: ``[B, T]`` the trainer's safe log-probabilities of the sampled tokens (no grad).
-            stats: the safe-set statistics of the same pass.
-            whole_batch: whether ``batch`` is the whole (per-process) generation batch; only then is
-                ``num_items_in_batch`` recounted after the out-of-set masking (it spans the generation batch).
-            measure: compute the metrics (``False``: masks and ratio only, empty metric dicts).
-
-        Returns:
-            ``(metrics, counts, record)``: local metric values with the number of items each averages over, and
-            the tensors of :attr:`last_generation`.
-        """
-        args = self.args
-        completion_mask = batch["completion_mask"]
-        tool_mask = batch.get("tool_mask")
-        base_mask = completion_mask if tool_mask is None else completion_mask * tool_mask
-        rollout_logps = batch.get("sampling_per_token_logps")
-        use_is, use_mismatch, zero_mismatch = self._measurement_switches(batch)
-
-        # 0. Zero-mismatch lab setting: the rollout log-probabilities become the training engine's own scoring
-        # of the sampled tokens (bit-identical); the gap measured by the recorder is kept to log what was removed.
-        measured_rollout_logps = None
-        if zero_mismatch:
-            measured_rollout_logps = rollout_logps
-            rollout_logps = train_logps.detach().clone()
-            batch["sampling_per_token_logps"] = rollout_logps
-
-        # 1. Tokens outside S leave the loss (through the loss-only tool_mask; attention is unchanged).
-        counted = base_mask.bool()
-        keep = stats.in_safe.bool() | ~counted
-        if args.safe_vocab_out_of_set == "mask_sequence":
-            keep = keep.all(dim=-1, keepdim=True).expand_as(keep)
-        new_tool_mask = (tool_mask if tool_mask is not None else torch.ones_like(completion_mask)) * keep.to(
-            completion_mask.dtype
-        )
-        batch["tool_mask"] = new_tool_mask
-        loss_mask = completion_mask * new_tool_mask
+    ) -> StepResult:
+        """Run :func:`~trl_integration.safe_vocab_step.safe_vocabulary_step` on a generation batch or one of its
+        micro-batches and apply its entries to ``batch``; with ``whole_batch`` (the whole per-process generation
+        batch) also recount ``num_items_in_batch``, which spans the generation batch, after the out-of-set masking."""
+        result = safe_vocabulary_step(batch, train_logps.detach(), stats, self._step_settings(batch), measure=measure)
+        batch.update(result.entries)
         if whole_batch:
-            batch["num_items_in_batch"] = self.accelerator.gather(loss_mask.sum()).sum()
-
-        # 2. Importance ratio over the final mask, on both rollout paths.
-        ratio = None
-        if use_is:
-            ratio = importance_sampling_ratio(
-                train_logps,
-                rollout_logps,
-                loss_mask,
-                mode=args.vllm_importance_sampling_mode,
-                clip_min=args.vllm_importance_sampling_clip_min,
-                clip_max=args.vllm_importance_sampling_clip_max,
-            )
-            batch["importance_sampling_ratio"] = ratio.ratio
-
-        # 3. Metrics. Every metric comes with the number of items it averages over, so that the reduction over
-        # processes and micro-batches is the value of the whole batch, not a mean of means. Inference mode: the
-        # values are only logged, and dozens of small ops per step run about twice as fast without autograd.
-        metrics, counts = {}, {}
-        if measure:
-            with torch.inference_mode():
-                metrics, counts = safe_set_metrics(
-                    stats.in_safe, stats.log_kept_mass, stats.safe_size, base_mask, return_counts=True
-                )
-                metrics["safevocab/masked_token_frac"] = _frac(counted & ~keep, counted)
-                counts["safevocab/masked_token_frac"] = counted.sum()
-                if ratio is not None:
-                    ratio_metrics = importance_ratio_metrics(ratio.log_raw, ratio.ratio, ratio.clipped, loss_mask, True)
-                    _merge(metrics, counts, ratio_metrics)
-                    if not self.use_vllm:  # trl logs these itself on the vLLM path
-                        _merge(metrics, counts, _trl_sampling_metrics(train_logps, rollout_logps, ratio, loss_mask))
-                if use_mismatch:
-                    _merge(metrics, counts, mismatch_metrics(train_logps, rollout_logps, loss_mask, return_counts=True))
-                    _merge(
-                        metrics,
-                        counts,
-                        bucket_mismatch_metrics(train_logps, rollout_logps, loss_mask, args.mismatch_buckets, True),
-                    )
-                if measured_rollout_logps is not None:
-                    _merge(metrics, counts, _removed_mismatch_metrics(train_logps, measured_rollout_logps, loss_mask))
-
-        record = {
-            "train_logps": train_logps.detach(),
-            "rollout_logps": None if rollout_logps is None else rollout_logps.detach(),
-            "completion_mask": completion_mask,
-            "loss_mask": loss_mask,
-            "in_safe": stats.in_safe,
-            "log_kept_mass": stats.log_kept_mass,
-            "safe_size": stats.safe_size,
-            "importance_sampling_ratio": None if ratio is None else ratio.ratio,
-            "log_raw_ratio": None if ratio is None else ratio.log_raw,
-            # zero_mismatch: the recorder's rollout log-probabilities before the replacement (else None).
-            "measured_rollout_logps": None if measured_rollout_logps is None else measured_rollout_logps.detach(),
-        }
-        return metrics, counts, record
+            batch["num_items_in_batch"] = self.accelerator.gather(result.loss_mask.sum()).sum()
+        return result
 
     @torch.no_grad()
     def _log_reduced_metrics(self, mode: str, rows: list[tuple[dict, dict]]) -> None:
@@ -581,20 +423,13 @@ class SafeVocabGRPOTrainer(GRPOTrainerBridge):
         Every process ends with the same values, equal to what one process would compute on the whole batch. A
         metric without a count weighs every row equally. NaN (undefined here) values and zero counts are
         ignored; a metric undefined everywhere is skipped."""
-        names = list(dict.fromkeys(name for metrics, _ in rows for name in metrics))
+        names, table = metric_rows(rows)
         if not names:
             return
         device = self.accelerator.device
         # float64 (exact counts, full-precision weighted sums), except where the device has none (MPS).
         dtype = torch.float32 if device.type == "mps" else torch.float64
-        nan = float("nan")
-        local = torch.stack(
-            [
-                _float64_row([metrics.get(n, nan) for n in names] + [counts.get(n, 1.0) for n in names])
-                for metrics, counts in rows
-            ]
-        ).to(device=device, dtype=dtype)
-        gathered = self.accelerator.gather(local).reshape(-1, 2, len(names))
+        gathered = self.accelerator.gather(table.to(device=device, dtype=dtype))
         reduced = reduce_gathered(names, gathered[:, 0], gathered[:, 1])
         for name in names:
             if name in reduced:
@@ -619,7 +454,7 @@ class SafeVocabGRPOTrainer(GRPOTrainerBridge):
         try:
             return self.stock_grpo_loss(model, inputs)
         finally:
-            self._replay = None
+            self._batch.replay = None
 
     def _loss_forward_first(self, model, inputs: dict) -> dict:
         """On-policy micro-batch: run the loss's forward pass now (with grad, as trl's ``_compute_loss`` calls
@@ -634,92 +469,19 @@ class SafeVocabGRPOTrainer(GRPOTrainerBridge):
         attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
         logits_to_keep = inputs["completion_ids"].size(1)
         result = self.score_completion_tokens(
-            model,
-            input_ids,
-            attention_mask,
-            logits_to_keep,
-            compute_entropy=True,
-            compute_aux_loss=self.aux_loss_enabled,
-            **{key: inputs.get(key) for key in _FORWARD_KEYS},
-        )
-        self._replay = (tuple(input_ids.shape), logits_to_keep, result)
+            model, input_ids, attention_mask, logits_to_keep, compute_entropy=True,
+            compute_aux_loss=self.aux_loss_enabled, **{key: inputs.get(key) for key in _FORWARD_KEYS},
+        )  # fmt: skip
+        self._batch.replay = LossReplay(tuple(input_ids.shape), logits_to_keep, result)
         mode = "train" if self.model.training else "eval"
-        pending = self._pending.get(mode)
+        pending = self._batch.pending.get(mode)
         # Every pass over the batch (num_iterations > 1 repeats them) applies the same masks and count.
         whole_batch = self._micro_batches_per_generation(mode) == 1
         # Log once per generation batch, over all its micro-batches: later iterations over the same batch (with
         # num_iterations > 1) only apply the masks.
-        metrics, counts, record = self._safe_vocabulary_step(
-            inputs, result[0].detach(), self._last_safe_stats, whole_batch=whole_batch, measure=pending is not None
-        )
-        if pending is not None:
-            pending.rows.append((metrics, counts))
-            pending.records.append(record)
-            if len(pending.rows) == pending.expected:
-                del self._pending[mode]
-                self._log_reduced_metrics(mode, pending.rows)
-                self.last_generation = _concat_records(pending.records)
+        step = self._apply_step(inputs, result[0], self._batch.last_stats, whole_batch, measure=pending is not None)
+        if pending is not None and pending.add(step):
+            del self._batch.pending[mode]
+            self._log_reduced_metrics(mode, pending.rows)
+            self.last_generation = concat_records(pending.records)
         return inputs
-
-
-def _float64_row(values: list) -> torch.Tensor:
-    """A CPU float64 row from 0-dim tensors and Python numbers, built with the fewest torch calls: on CPU, reading
-    a scalar costs a fraction of a microsecond while stacking mixed dtypes costs a few per entry; on an
-    accelerator, one stack (one transfer) instead of one host sync per value."""
-    at = [i for i, v in enumerate(values) if isinstance(v, torch.Tensor)]
-    if all(values[i].device.type == "cpu" for i in at):
-        return torch.tensor([float(v) for v in values], dtype=torch.float64)
-    row = torch.tensor([0.0 if isinstance(v, torch.Tensor) else float(v) for v in values], dtype=torch.float64)
-    row[at] = torch.stack([values[i].reshape(()).to(torch.float64) for i in at]).cpu()
-    return row
-
-
-def _concat_records(records: list[dict]) -> dict:
-    """The :attr:`last_generation` tensors of a generation batch from those of its micro-batches."""
-    if len(records) == 1:
-        return records[0]
-    return {
-        key: None if records[0][key] is None else torch.cat([record[key] for record in records]) for key in records[0]
-    }
-
-
-def _merge(metrics: dict, counts: dict, result: tuple[dict, dict]) -> None:
-    """Add a ``(metrics, counts)`` pair (a ``*_metrics(..., return_counts=True)`` result) to the running dicts."""
-    metrics.update(result[0])
-    counts.update(result[1])
-
-
-def _frac(selected: torch.Tensor, among: torch.Tensor) -> torch.Tensor:
-    n = among.sum()
-    if n == 0:
-        return torch.tensor(float("nan"))
-    return (selected.sum().double() / n).float()
-
-
-#: Keys of :func:`mismatch_metrics` re-logged under ``mismatch/removed/`` in the zero-mismatch setting.
-_REMOVED_KEYS = ("abs_logp_diff_mean", "abs_logp_diff_max", "k3_kl", "log_ppl_abs_diff", "chi2_token")
-
-
-def _removed_mismatch_metrics(train_logps, measured_rollout_logps, mask) -> tuple[dict, dict]:
-    """zero_mismatch: the gap between the training and the *measured* rollout log-probabilities that the
-    replacement removed, as ``mismatch/removed/<key>``, with the counts of each value."""
-    full, counts = mismatch_metrics(train_logps, measured_rollout_logps, mask, return_counts=True)
-    keys = {f"mismatch/removed/{k}": f"mismatch/{k}" for k in _REMOVED_KEYS}
-    return {k: full[v] for k, v in keys.items()}, {k: counts[v] for k, v in keys.items()}
-
-
-def _trl_sampling_metrics(train_logps, rollout_logps, ratio, mask) -> tuple[dict, dict]:
-    """trl's ``sampling/*`` metrics (post-truncation), which trl logs only on the vLLM path, with their counts."""
-    m = mask.bool() & ~torch.isnan(rollout_logps)
-    delta = (train_logps - rollout_logps).abs()[m]
-    flat = ratio.ratio.flatten() if ratio.sequence_level else ratio.ratio[mask.bool()]
-    nan = torch.tensor(float("nan"))
-    metrics = {
-        "sampling/sampling_logp_difference/mean": delta.mean() if delta.numel() else nan,
-        "sampling/sampling_logp_difference/max": delta.max() if delta.numel() else nan,
-        "sampling/importance_sampling_ratio/min": flat.min() if flat.numel() else nan,
-        "sampling/importance_sampling_ratio/mean": flat.mean() if flat.numel() else nan,
-        "sampling/importance_sampling_ratio/max": flat.max() if flat.numel() else nan,
-    }
-    counts = {k: float(delta.numel() if "logp_difference" in k else flat.numel()) for k in metrics}
-    return metrics, counts

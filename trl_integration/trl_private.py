@@ -22,6 +22,9 @@ private name                                                what the trainer rel
 ``trl.models.utils.disable_gradient_checkpointing``         context manager ``(model, gradient_checkpointing_kwargs)``
 ``trl.trainer.utils.maybe_gather_lm_head_ctx``              context manager gathering ZeRO-3 head parameters
 accelerate's ``model._original_forward``                    the forward before mixed-precision autocast wrapping
+transformers' ``Trainer._created_lr_scheduler``             set, as ``create_scheduler`` sets it, so that a later
+                                                            ``train()`` rebuilds a scheduler the trainer built (only
+                                                            set: harmless should transformers drop it)
 ==========================================================  ============================================================
 
 The trainer subclasses :class:`GRPOTrainerBridge` and overrides its public hooks (``score_completion_tokens``,
@@ -51,6 +54,7 @@ __all__ = [
     "maybe_gather_lm_head_ctx",
     "mixed_precision_forward",
     "metric_store",
+    "mark_scheduler_created",
 ]
 
 #: The trl releases this integration is tested against: ``TRL_MIN <= version < TRL_MAX``.
@@ -173,6 +177,12 @@ def mixed_precision_forward(model: torch.nn.Module) -> Callable | None:
 def metric_store(trainer: GRPOTrainer) -> dict:
     """trl's ``{mode: {name: [values]}}`` store of logged metrics (averaged and cleared by ``GRPOTrainer.log``)."""
     return trainer._metrics
+
+
+def mark_scheduler_created(trainer) -> None:
+    """Tell transformers' ``Trainer`` that ``create_scheduler`` built ``trainer.lr_scheduler`` (its own
+    ``create_scheduler`` sets the same flag), so that a later ``train()`` call rebuilds it instead of reusing it."""
+    trainer._created_lr_scheduler = True
 
 
 class GRPOTrainerBridge(GRPOTrainer):

@@ -160,6 +160,51 @@ def test_incoherent_combinations_raise(tmp_path, kwargs, match):
         make(tmp_path, **kwargs)
 
 
+@pytest.mark.parametrize(
+    "kwargs, error, message",
+    [
+        (dict(safe_vocab_max_chunk_bytes=0), ValueError, "safe_vocab_max_chunk_bytes=0 is out of range: accepted an integer > 0"),
+        (dict(safe_vocab_max_chunk_bytes=1.5), TypeError, "safe_vocab_max_chunk_bytes must be an integer, got float: 1.5"),
+        (dict(rollout_logit_noise=-0.1), ValueError, "rollout_logit_noise=-0.1 is out of range: accepted a finite float >= 0"),
+        (dict(rollout_logit_noise=True), TypeError, "rollout_logit_noise must be a real number, got bool: True"),
+        (dict(rollout_noise_seed="7"), TypeError, "rollout_noise_seed must be an integer, got str: '7'"),
+        (dict(length_decay_min_lr_ratio=2.0), ValueError, "length_decay_min_lr_ratio=2.0 is out of range: accepted 0 <= ratio <= 1"),
+        (dict(length_decay_start="later"), ValueError, "length_decay_start='later' is not accepted: accepted 'on_surge' or 'step0'"),
+        (dict(safe_vocab_scoring="twice"), ValueError, "safe_vocab_scoring='twice' is not accepted: accepted one of ('auto', 'loss_forward', 'separate')"),
+    ],
+)  # fmt: skip
+def test_field_errors_are_one_line_naming_the_field(tmp_path, kwargs, error, message):
+    with pytest.raises(error) as err:
+        make(tmp_path, **kwargs)
+    assert str(err.value) == message
+
+
+def test_numeric_fields_are_stored_as_python_numbers(tmp_path):
+    import numpy as np
+
+    cfg = make(tmp_path, safe_vocab_max_chunk_bytes=np.int64(4096), rollout_logit_noise=np.float32(0.5), zero_mismatch=False)
+    assert type(cfg.safe_vocab_max_chunk_bytes) is int and type(cfg.rollout_logit_noise) is float
+    assert cfg.rollout_logit_noise == 0.5
+
+
+def test_enumerations_have_one_home():
+    import trl_integration.config as config
+    import trl_integration.enums as enums
+    import trl_integration.rollout as rollout
+    from safevocab.correction import IS_MODES
+    from safevocab.logprobs import DEFAULT_MAX_CHUNK_BYTES
+    from trl_integration.effective_rule import sampler_rule
+
+    assert config.OUT_OF_SET_MODES is enums.OUT_OF_SET_MODES and config.SCORING_MODES is enums.SCORING_MODES
+    assert rollout.NOISE_KINDS is enums.NOISE_KINDS and rollout.ROLLOUT_DTYPES is enums.ROLLOUT_DTYPES
+    assert rollout.sampler_rule is sampler_rule and enums.IS_MODES is IS_MODES
+    fields = SafeVocabGRPOConfig.__dataclass_fields__
+    assert fields["safe_vocab_max_chunk_bytes"].default == DEFAULT_MAX_CHUNK_BYTES == 64 * 2**20
+    assert fields["safe_vocab_rule"].default == config.DEFAULT_RULE == "min_p=0.001"
+    assert fields["rollout_logit_noise_kind"].metadata["choices"] == list(enums.NOISE_KINDS)
+    assert fields["length_decay_start"].metadata["choices"] == list(enums.LENGTH_DECAY_STARTS)
+
+
 def test_no_correction_without_rollout_logprobs_is_fine(tmp_path):
     cfg = make(tmp_path, vllm_importance_sampling_correction=False, rollout_logprobs=False)
     assert not cfg.generate_path_importance_sampling

@@ -23,6 +23,7 @@ from trl_integration.trl_private import (
     GRPOTrainerBridge,
     check_trl,
     disable_gradient_checkpointing,
+    mark_scheduler_created,
     maybe_gather_lm_head_ctx,
     metric_store,
     mixed_precision_forward,
@@ -246,6 +247,27 @@ def test_bridge_routes_trls_private_calls_to_the_hooks(tiny_model_dir, tmp_path)
     assert {"score", "generate", "batch", "loss"} <= set(calls)
 
 
+def test_transformers_rebuilds_a_scheduler_marked_as_created(tiny_model_dir, tmp_path):
+    """``Trainer._prepare_for_training`` drops ``lr_scheduler`` when ``_created_lr_scheduler`` is set, so that a second
+    ``train()`` builds a fresh one; the length-decay scheduler is marked the same way."""
+    import inspect
+
+    from transformers import Trainer
+
+    from safevocab.schedulers import LengthDecayLR
+
+    assert "_created_lr_scheduler" in inspect.getsource(Trainer.create_scheduler)
+    assert "if self._created_lr_scheduler:" in inspect.getsource(Trainer._prepare_for_training)
+    args = SafeVocabGRPOConfig(**grpo_kwargs(tmp_path, length_decay=True, length_decay_period="3"))
+    trainer = SafeVocabGRPOTrainer(model=tiny_model_dir, reward_funcs=vowel_reward, args=args,
+                                   train_dataset=prompt_dataset(), processing_class=build_tokenizer())
+    trainer.create_optimizer_and_scheduler(num_training_steps=4)
+    assert isinstance(trainer.lr_scheduler, LengthDecayLR) and trainer._created_lr_scheduler is True
+    trainer._created_lr_scheduler = False
+    mark_scheduler_created(trainer)
+    assert trainer._created_lr_scheduler is True
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # the fence itself
 
@@ -256,6 +278,7 @@ PRIVATE_NAMES = [
     r"\._compute_loss\b",
     r"\._metrics\b",
     r"_original_forward\b",
+    r"_created_lr_scheduler\b",
     r"from trl\.trainer\.utils import",
     r"from trl\.models\.utils import",
     r"def _get_per_token_logps_and_entropies\b",

@@ -14,6 +14,7 @@ from trl_integration.rollout import (
     rollout_precision,
     sampler_rule,
     sampler_rule_from_generation_config,
+    rollout_recorder,
 )
 
 
@@ -94,6 +95,18 @@ def test_sampler_rule_neutral_values():
         sampler_rule_from_generation_config(GenerationConfig(do_sample=True, typical_p=0.5))
     with pytest.raises(ValueError, match="do_sample"):
         sampler_rule_from_generation_config(GenerationConfig(do_sample=False))
+
+
+def test_rollout_recorder_or_the_reason_there_is_none():
+    recorder, reason = rollout_recorder(GenerationConfig(do_sample=True, top_k=5, temperature=0.7), True)
+    assert reason is None and recorder.rule == TopK(5) and recorder.temperature == pytest.approx(0.7)
+    recorder, reason = rollout_recorder(GenerationConfig(do_sample=True, num_beams=2), False)
+    assert recorder is None and "num_beams" in reason
+    penalised = GenerationConfig(do_sample=True, repetition_penalty=1.2)
+    recorder, reason = rollout_recorder(penalised, True)  # the ratio would miss the context-dependent penalty
+    assert recorder is None and "repetition_penalty=1.2" in reason
+    recorder, reason = rollout_recorder(penalised, False)  # recorded for the mismatch metrics all the same
+    assert isinstance(recorder, RolloutLogprobRecorder) and reason is None
 
 
 def test_rollout_precision_keeps_master_weights(tiny):

@@ -1,0 +1,52 @@
+"""The enumerations and defaults that :class:`~trl_integration.config.SafeVocabGRPOConfig` validates against.
+
+A leaf: it imports no implementation module of ``trl_integration`` (and not trl), so that the config and the
+modules implementing each setting (``rollout``, ``safe_vocab_step``, the trainer) share one definition without the
+config importing them. The old homes keep every name (``trl_integration.config.OUT_OF_SET_MODES``,
+``trl_integration.rollout.NOISE_KINDS`` and ``ROLLOUT_DTYPES``) as the same objects.
+
+The importance-sampling modes are the core's (:data:`safevocab.correction.IS_MODES`, which implements them; the
+core cannot import this package) and the default chunk budget is the fused log-softmax's own
+(:data:`safevocab.logprobs.DEFAULT_MAX_CHUNK_BYTES`); both are re-exported here so the config reads every accepted
+value from one module.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from safevocab.correction import IS_MODES
+from safevocab.logprobs import DEFAULT_MAX_CHUNK_BYTES
+from safevocab.mismatch import DEFAULT_BUCKETS
+
+__all__ = [
+    "OUT_OF_SET_MODES",
+    "SCORING_MODES",
+    "ROLLOUT_DTYPES",
+    "NOISE_KINDS",
+    "LENGTH_DECAY_STARTS",
+    "IS_MODES",
+    "DEFAULT_MAX_CHUNK_BYTES",
+    "DEFAULT_BUCKETS",
+]
+
+#: ``safe_vocab_out_of_set``: drop a sampled token outside the trainer's safe set, or its whole sequence.
+OUT_OF_SET_MODES = ("mask_token", "mask_sequence")
+
+#: ``safe_vocab_scoring``: where the safe-set masks, importance ratio and metrics of an on-policy generation batch
+#: come from.
+SCORING_MODES = ("auto", "loss_forward", "separate")
+
+#: ``rollout_dtype`` values and the torch dtype each selects (``None``: the model's own dtype, trl's behaviour).
+ROLLOUT_DTYPES: dict[str, torch.dtype | None] = {
+    "auto": None,
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+
+#: ``rollout_logit_noise_kind``: distributions of the injected logit noise (``rollout.LogitNoiseProcessor``).
+NOISE_KINDS = ("uniform", "clipped_gaussian")
+
+#: ``length_decay_start``: hold the LR until the length surge, or halve it from the first step.
+LENGTH_DECAY_STARTS = ("on_surge", "step0")
