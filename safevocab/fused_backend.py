@@ -23,7 +23,7 @@ Grads = tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]
 
 
 class FusedBackend(Protocol):
-    """Per-chunk arithmetic of the fused op: rows per chunk, forward fold, dense backward."""
+    """Per-chunk arithmetic of the fused op: rows per chunk, forward fold, dense backward, full-softmax part."""
 
     #: ``"torch"`` or ``"triton"``.
     name: str
@@ -67,6 +67,23 @@ class FusedBackend(Protocol):
     ) -> None:
         """Add the whole gradient of the forward chunks ``chunks`` to ``grads``, recomputing their logits exactly
         as the forward did (same row slices, same calls), so ``S = {z >= t}`` is the forward's."""
+        ...
+
+
+    def full_softmax_backward(
+        self,
+        idx: torch.Tensor,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        coef: Coefficients,
+        transform: Transform,
+        chunk_rows: int,
+        grads: Grads,
+        rule: SafeVocabRule,
+    ) -> None:
+        """Add ``-c_F pi + g_lp 1[a=y not in S]`` of the rows ``idx`` (rows of sparse chunks whose gradient leaves
+        ``S``) to ``grads``, computing their logits through the same path as :meth:`forward`."""
         ...
 
 

@@ -26,7 +26,8 @@ Backward forms ``grad_z = g_lp 1[a=y] - pi_S (c_S + g_H (log pi_S + H)) - c_F pi
     leave ``S``), rebuilds ``S = {z >= t}`` and checks it against the saved ``|S|``.
 - the **full-softmax part** ``-c_F pi + g_lp 1[a=y not in S]`` (targets outside ``S`` with a gradient,
   or a gradient on ``log_kept_mass``) does not depend on ``S``: rows of sparse chunks that need it
-  recompute only their own logits (:func:`full_softmax_backward`).
+  recompute only their own logits (the backend's ``full_softmax_backward``, through the same logits path as
+  its forward).
 
 Non-finite input is detected from the row statistics (a non-finite ``m`` or ``log sum_V``) and raised as a
 one-line ``ValueError`` naming the argument (:func:`raise_on_non_finite_rows`).
@@ -40,20 +41,17 @@ import warnings
 import torch
 
 from safevocab.chunking import (
-    ChunkLogits,
     Coefficients,
     RowStats,
     SparseChunk,
     Transform,
-    accumulate_chunk_grads,
     chunk_slices,
-    log_normalised,
 )
 from safevocab.fused_backend import FusedBackend
 from safevocab.rules import SafeVocabRule
 from safevocab.support import SafeSupport
 
-__all__ = ["FusedSafeLogProbs", "SPARSE_MAX_DENSITY", "sparse_backward", "full_softmax_backward", "raise_on_non_finite_rows"]
+__all__ = ["FusedSafeLogProbs", "SPARSE_MAX_DENSITY", "sparse_backward", "raise_on_empty_support", "raise_on_non_finite_rows"]
 
 #: Largest fraction of a chunk's logits kept in ``S`` for which the sparse backward is used.
 SPARSE_MAX_DENSITY = 1.0 / 16
@@ -167,7 +165,7 @@ class FusedSafeLogProbs(torch.autograd.Function):
         leaves = in_sparse & ((coef.c_full != 0) | (coef.g_target_out != 0))
         full_idx = leaves.nonzero().squeeze(-1)
         if full_idx.numel():
-            full_softmax_backward(full_idx, hidden, weight, bias, coef, ctx.transform, ctx.chunk_rows, grads)
+            ctx.backend.full_softmax_backward(full_idx, hidden, weight, bias, coef, ctx.transform, ctx.chunk_rows, grads, ctx.rule)
 
         return (
             grad_hidden,
@@ -279,29 +277,3 @@ def sparse_backward(
             grad_weight.addmm_(g_t, hidden[rows])
     if grad_bias is not None:
         grad_bias.index_add_(0, chunk.cols.long(), vals)
-
-
-def full_softmax_backward(
-    idx: torch.Tensor,
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    coef: Coefficients,
-    transform: Transform,
-    chunk_rows: int,
-    grads: tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None],
-) -> None:
-    """``-c_F pi + g_lp 1[a=y not in S]`` for the rows ``idx`` (their safe-set part comes from the sparse
-    path). Independent of ``S``, so the recomputed logits need not be bit-identical to the forward's."""
-    logits_of = ChunkLogits(hidden, weight, bias, transform, min(chunk_rows, idx.numel()))
-    for start in range(0, idx.numel(), chunk_rows):
-        rows = idx[start : start + chunk_rows]
-        h = hidden.index_select(0, rows)
-        z = logits_of(h)
-        grad = log_normalised(z, coef.row_max[rows].unsqueeze(-1), coef.log_sum_full[rows].unsqueeze(-1)).exp_()
-        grad.mul_(coef.c_full[rows].neg().unsqueeze(-1))
-        grad.scatter_add_(-1, coef.targets[rows].unsqueeze(-1), coef.g_target_out[rows].unsqueeze(-1))
-        grad = transform.backward_(grad, z)
-        del z
-        accumulate_chunk_grads(grad, h, weight, rows, grads)
-        del grad

@@ -29,7 +29,7 @@ from safevocab.chunking import (
 from safevocab.rules import SafeVocabRule
 from safevocab.support import SafeSupport
 
-__all__ = ["TorchBackend", "chunk_rows_for"]
+__all__ = ["TorchBackend", "chunk_rows_for", "torch_forward", "dense_backward", "full_softmax_backward"]
 
 
 def chunk_rows_for(n_rows: int, vocab: int, rule: SafeVocabRule, in_bytes: int, max_chunk_bytes: int) -> int:
@@ -67,9 +67,8 @@ def torch_forward(
         z = logits_of(hidden[rows])
         t, z_max = rule.threshold_and_max(z)  # [n, 1] each
         stats.threshold[rows] = t.squeeze(-1)
-        stats.row_max[rows] = z_max.squeeze(-1)
         target_col = targets[rows].unsqueeze(-1)
-        stats.target_shift[rows] = (z.gather(-1, target_col) - z_max).squeeze(-1)
+        z_y = z.gather(-1, target_col).squeeze(-1)
         # S = {z >= t} on the unshifted logits, as the backward decides it (z - m < t - m could round a
         # boundary token the other way).
         dropped = torch.lt(z, t, out=drop_buf[:n])
@@ -78,14 +77,29 @@ def torch_forward(
         stats.in_safe[rows] = ~dropped.gather(-1, target_col).squeeze(-1)
         kept_per_row = vocab - dropped.sum(-1)
         stats.safe_size[rows] = kept_per_row
-        z.sub_(z_max)  # z now holds z - m
         store_sparse = density is not None and int(kept_per_row.sum()) <= density * n * vocab
-        if store_sparse or support is not None:
+        if support is not None:
+            # A replayed S need not hold the argmax and may sit far below it: the row's shift m is the maximum
+            # over S, so (z - m) - log sum_S exp(z - m) keeps full precision on S (ties give exactly -log 2).
             r, c = torch.logical_not(dropped).nonzero(as_tuple=True)
-            shifted_kept = z[r, c]
-        e = z.exp_()  # z now holds exp(z - m)
-        stats.log_sum_full[rows] = e.sum(-1).log()
-        if support is None:  # S holds the argmax: sum_S e >= 1, no underflow
+            kept = z[r, c]
+            m = torch.full((n,), -torch.inf, dtype=z.dtype, device=z.device).scatter_reduce_(0, r, kept, reduce="amax")
+            shifted_kept = kept.sub_(m[r])
+            stats.row_max[rows] = m
+            stats.target_shift[rows] = z_y - m
+            # the full sum is shifted by the row's own maximum (no overflow), then re-expressed relative to m
+            log_sum_full = z.sub_(z_max).exp_().sum(-1).log_()
+            stats.log_sum_full[rows] = log_sum_full.add_(z_max.squeeze(-1) - m)
+            _replayed_set_stats(shifted_kept, r, n, stats, rows)
+        else:  # S holds the argmax: shift by the row maximum, sum_S exp(z - m) >= 1
+            stats.row_max[rows] = z_max.squeeze(-1)
+            stats.target_shift[rows] = z_y - z_max.squeeze(-1)
+            z.sub_(z_max)  # z now holds z - m
+            if store_sparse:
+                r, c = torch.logical_not(dropped).nonzero(as_tuple=True)
+                shifted_kept = z[r, c]
+            e = z.exp_()  # z now holds exp(z - m)
+            stats.log_sum_full[rows] = e.sum(-1).log()
             e.masked_fill_(dropped, 0.0)
             sum_safe = e.sum(-1)
             log_sum_safe = sum_safe.log()
@@ -93,27 +107,22 @@ def torch_forward(
             if stats.entropy is not None:
                 # H(pi_S) = log sum_S e - sum_S e log e / sum_S e, with e = exp(z - m); xlogy(0, 0) = 0
                 stats.entropy[rows] = log_sum_safe - torch.special.xlogy(e, e).sum(-1) / sum_safe
-        else:  # a replayed S may sit far below the row maximum: shift by its own maximum
-            _replayed_set_stats(shifted_kept, r, n, stats, rows)
+            del e
         if store_sparse:
             sparse_chunks.append(SparseChunk(rows.start, kept_per_row, c.to(torch.int32), shifted_kept))
-        del z, e, dropped
+        del z, dropped
     return sparse_chunks
 
 
 def _replayed_set_stats(shifted_kept: torch.Tensor, row: torch.Tensor, n: int, stats: RowStats, rows: slice) -> None:
-    """``log sum_S exp(z - m)`` and ``H(pi_S)`` from the kept entries ``z - m`` of a chunk (CSR order), shifted by
-    each row's maximum over ``S``: a replayed set need not hold the argmax, and ``exp(z - m)`` could underflow
-    to 0 on all of it. ``O(|S|)`` work."""
-    set_max = torch.full((n,), -torch.inf, dtype=shifted_kept.dtype, device=shifted_kept.device)
-    set_max.scatter_reduce_(0, row, shifted_kept, reduce="amax")
-    x = shifted_kept - set_max[row]  # <= 0, and 0 at each row's maximum over S
-    e = x.exp()
+    """``log sum_S exp(z - m)`` and ``H(pi_S)`` from a chunk's kept entries ``x = z - m`` (CSR order, ``m`` the
+    maximum over ``S``, so ``x <= 0`` and one ``x = 0`` per row). ``O(|S|)`` work."""
+    e = shifted_kept.exp()
     total = torch.zeros(n, dtype=e.dtype, device=e.device).index_add_(0, row, e)
     log_total = total.log()
-    stats.log_sum_safe[rows] = set_max + log_total
+    stats.log_sum_safe[rows] = log_total
     if stats.entropy is not None:
-        weighted = torch.zeros(n, dtype=e.dtype, device=e.device).index_add_(0, row, e * x)
+        weighted = torch.zeros(n, dtype=e.dtype, device=e.device).index_add_(0, row, e * shifted_kept)
         stats.entropy[rows] = log_total - weighted / total
 
 
@@ -173,6 +182,32 @@ def dense_backward(
         del grad
 
 
+def full_softmax_backward(
+    idx: torch.Tensor,
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    coef: Coefficients,
+    transform: Transform,
+    chunk_rows: int,
+    grads: tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None],
+) -> None:
+    """``-c_F pi + g_lp 1[a=y not in S]`` for the rows ``idx`` (their safe-set part comes from the sparse
+    path). Independent of ``S``, so the recomputed logits need not be bit-identical to the forward's."""
+    logits_of = ChunkLogits(hidden, weight, bias, transform, min(chunk_rows, idx.numel()))
+    for start in range(0, idx.numel(), chunk_rows):
+        rows = idx[start : start + chunk_rows]
+        h = hidden.index_select(0, rows)
+        z = logits_of(h)
+        grad = log_normalised(z, coef.row_max[rows].unsqueeze(-1), coef.log_sum_full[rows].unsqueeze(-1)).exp_()
+        grad.mul_(coef.c_full[rows].neg().unsqueeze(-1))
+        grad.scatter_add_(-1, coef.targets[rows].unsqueeze(-1), coef.g_target_out[rows].unsqueeze(-1))
+        grad = transform.backward_(grad, z)
+        del z
+        accumulate_chunk_grads(grad, h, weight, rows, grads)
+        del grad
+
+
 class TorchBackend:
     """torch passes for every chunk (CPU, or CUDA without Triton)."""
 
@@ -188,3 +223,6 @@ class TorchBackend:
 
     def dense_backward(self, chunks, hidden, weight, bias, coef, transform, chunk_rows, grads, rule, support=None):
         dense_backward(chunks, hidden, weight, bias, coef, transform, chunk_rows, grads, support)
+
+    def full_softmax_backward(self, idx, hidden, weight, bias, coef, transform, chunk_rows, grads, rule):
+        full_softmax_backward(idx, hidden, weight, bias, coef, transform, chunk_rows, grads)

@@ -73,8 +73,9 @@ def correctness(device: str, small: bool) -> dict:
     started = time.perf_counter()
     proc = _run([sys.executable, "-m", "pytest", "-q", "-m", "not slow", "-p", "no:cacheprovider", *TEST_FILES], env, 900)
     lines = [line for line in proc.stdout.splitlines() if " passed" in line or " failed" in line]
+    failed = [line for line in proc.stdout.splitlines() if line.startswith(("FAILED", "ERROR"))]
     return {"returncode": proc.returncode, "summary": lines[-1] if lines else proc.stdout[-500:],
-            "seconds": round(time.perf_counter() - started, 1)}
+            "failed": failed[:50], "seconds": round(time.perf_counter() - started, 1)}
 
 
 def op_bench(small: bool) -> list[dict]:
@@ -206,6 +207,7 @@ def grpo(small: bool) -> list[dict]:
 def markdown(results: dict) -> str:
     lines = ["# safevocab GPU results", "", "```", json.dumps(results["environment"], indent=1), "```", "",
              f"Correctness: `{results['correctness'].get('summary', 'skipped')}`", "",
+             *[f"- {line}" for line in results["correctness"].get("failed", [])], "",
              "| rule | variant | time (s) | peak (MiB) | / floor | / trl |", "|---|---|---:|---:|---:|---:|"]
     for row in results.get("op", []):
         if "error" in row:

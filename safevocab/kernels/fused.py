@@ -195,6 +195,49 @@ def triton_dense_backward(
             del z, out
 
 
+def triton_full_softmax_backward(
+    idx: torch.Tensor,
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    coef: Coefficients,
+    transform: Transform,
+    chunk_rows: int,
+    grads: tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None],
+    rule: SafeVocabRule,
+) -> None:
+    """The full-softmax part ``-c_F pi + g_lp 1[a=y not in S]`` of the rows ``idx`` (of sparse chunks) through the
+    same logits path as the forward (in-kernel transform), so it cancels exactly against the stored safe-set part
+    when ``S`` is the whole vocabulary: at tiny temperatures a one-ulp difference between two tanh
+    implementations would be amplified by ``1 / T``."""
+    in_kernel = kernel_threshold(rule) is not None
+    rows_buf = min(chunk_rows, idx.numel())
+    if in_kernel:
+        gemm = _ChunkGemm(hidden, weight, bias, rows_buf)
+    else:
+        logits_of = ChunkLogits(hidden, weight, bias, transform, rows_buf)
+    with _device_guard(hidden.device):
+        for start in range(0, idx.numel(), chunk_rows):
+            rows = idx[start : start + chunk_rows]
+            n = rows.numel()
+            h = hidden.index_select(0, rows)
+            if in_kernel:
+                z = out = gemm(h)
+            else:
+                z = logits_of(h)
+                out = logits_of.raw[:n] if logits_of.raw is not None else z
+            pick = lambda t: t.index_select(0, rows)  # noqa: E731
+            backward_fold(
+                z, out, pick(coef.targets).contiguous(), pick(coef.threshold), pick(coef.row_max), pick(coef.log_sum_safe),
+                pick(coef.log_sum_full), torch.zeros(n, device=h.device, dtype=coef.c_full.dtype), pick(coef.c_full),
+                pick(coef.g_target_out), None, None,
+                temperature=transform.temperature, softcap=transform.softcap, logit_scale=transform.logit_scale,
+                transform_in_kernel=in_kernel,
+            )
+            accumulate_chunk_grads(out, h, weight, rows, grads)
+            del z, out
+
+
 class TritonBackend:
     """The Triton kernels fold every chunk (CUDA, or CPU under ``TRITON_INTERPRET=1``)."""
 
@@ -210,3 +253,6 @@ class TritonBackend:
 
     def dense_backward(self, chunks, hidden, weight, bias, coef, transform, chunk_rows, grads, rule):
         triton_dense_backward(chunks, hidden, weight, bias, coef, transform, chunk_rows, grads, rule)
+
+    def full_softmax_backward(self, idx, hidden, weight, bias, coef, transform, chunk_rows, grads, rule):
+        triton_full_softmax_backward(idx, hidden, weight, bias, coef, transform, chunk_rows, grads, rule)
