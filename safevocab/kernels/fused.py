@@ -141,6 +141,24 @@ def triton_forward(
     return sparse_chunks
 
 
+class _BackwardLogits:
+    """A backward chunk's logits exactly as the forward made them: the raw GEMM output for rules whose threshold
+    the kernel computes (the kernel transforms it), else the torch-transformed fp32 copy. Returns ``(z, out)``:
+    what the backward kernel reads, and the inputs'-dtype buffer it writes the logits gradient into."""
+
+    def __init__(self, hidden, weight, bias, transform: Transform, rows: int, rule: SafeVocabRule):
+        self.in_kernel = kernel_threshold(rule) is not None
+        self.gemm = _ChunkGemm(hidden, weight, bias, rows) if self.in_kernel else None
+        self.logits = None if self.in_kernel else ChunkLogits(hidden, weight, bias, transform, rows)
+
+    def __call__(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.in_kernel:
+            out = self.gemm(h)
+            return out, out
+        z = self.logits(h)
+        return z, (self.logits.raw[: h.shape[0]] if self.logits.raw is not None else z)
+
+
 def triton_dense_backward(
     chunks: list[slice],
     hidden: torch.Tensor,
@@ -157,22 +175,12 @@ def triton_dense_backward(
     Recomputes each chunk's logits exactly as the forward did (same row slice, same GEMM into a buffer of
     the same shape, same transform path), so the saved thresholds select the same ``S``.
     """
-    in_kernel = kernel_threshold(rule) is not None
-    rows_buf = min(chunk_rows, hidden.shape[0])
-    if in_kernel:
-        gemm = _ChunkGemm(hidden, weight, bias, rows_buf)
-    else:
-        logits_of = ChunkLogits(hidden, weight, bias, transform, rows_buf)
+    logits_of = _BackwardLogits(hidden, weight, bias, transform, min(chunk_rows, hidden.shape[0]), rule)
     has_ent = coef.g_ent is not None
     with _device_guard(hidden.device):
         for rows in chunks:
-            n = rows.stop - rows.start
             h = hidden[rows]
-            if in_kernel:
-                z = out = gemm(h)
-            else:
-                z = logits_of(h)
-                out = logits_of.raw[:n] if logits_of.raw is not None else z
+            z, out = logits_of(h)
             backward_fold(
                 z,
                 out,
@@ -189,7 +197,7 @@ def triton_dense_backward(
                 temperature=transform.temperature,
                 softcap=transform.softcap,
                 logit_scale=transform.logit_scale,
-                transform_in_kernel=in_kernel,
+                transform_in_kernel=logits_of.in_kernel,
             )
             accumulate_chunk_grads(out, h, weight, rows, grads)  # out: the logits gradient, inputs' dtype
             del z, out
@@ -210,29 +218,20 @@ def triton_full_softmax_backward(
     same logits path as the forward (in-kernel transform), so it cancels exactly against the stored safe-set part
     when ``S`` is the whole vocabulary: at tiny temperatures a one-ulp difference between two tanh
     implementations would be amplified by ``1 / T``."""
-    in_kernel = kernel_threshold(rule) is not None
-    rows_buf = min(chunk_rows, idx.numel())
-    if in_kernel:
-        gemm = _ChunkGemm(hidden, weight, bias, rows_buf)
-    else:
-        logits_of = ChunkLogits(hidden, weight, bias, transform, rows_buf)
+    logits_of = _BackwardLogits(hidden, weight, bias, transform, min(chunk_rows, idx.numel()), rule)
     with _device_guard(hidden.device):
         for start in range(0, idx.numel(), chunk_rows):
             rows = idx[start : start + chunk_rows]
             n = rows.numel()
             h = hidden.index_select(0, rows)
-            if in_kernel:
-                z = out = gemm(h)
-            else:
-                z = logits_of(h)
-                out = logits_of.raw[:n] if logits_of.raw is not None else z
+            z, out = logits_of(h)
             pick = lambda t: t.index_select(0, rows)  # noqa: E731
             backward_fold(
                 z, out, pick(coef.targets).contiguous(), pick(coef.threshold), pick(coef.row_max), pick(coef.log_sum_safe),
                 pick(coef.log_sum_full), torch.zeros(n, device=h.device, dtype=coef.c_full.dtype), pick(coef.c_full),
                 pick(coef.g_target_out), None, None,
                 temperature=transform.temperature, softcap=transform.softcap, logit_scale=transform.logit_scale,
-                transform_in_kernel=in_kernel,
+                transform_in_kernel=logits_of.in_kernel,
             )
             accumulate_chunk_grads(out, h, weight, rows, grads)
             del z, out
