@@ -26,7 +26,7 @@ from safevocab.chunking import (
     chunk_slices,
     log_normalised,
 )
-from safevocab.rules import SafeVocabRule
+from safevocab.rules import NoPruning, SafeVocabRule
 from safevocab.support import SafeSupport
 
 __all__ = ["TorchBackend", "chunk_rows_for", "torch_forward", "dense_backward", "full_softmax_backward"]
@@ -146,8 +146,13 @@ def dense_backward(
     chunk_rows: int,
     grads: tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None],
     support: SafeSupport | None = None,
+    check_sizes: bool = True,
 ) -> None:
-    """The whole gradient of the given forward chunks, recomputing their logits exactly as the forward did."""
+    """The whole gradient of the given forward chunks, recomputing their logits exactly as the forward did.
+
+    ``check_sizes``: compare each rebuilt set with the saved ``|S|`` (one pass over a bool chunk); pointless when
+    the threshold is the finite floor (``NoPruning``: every finite logit is kept, no boundary can move).
+    """
     logits_of = ChunkLogits(hidden, weight, bias, transform, min(chunk_rows, hidden.shape[0]))
     support_buf = None
     for rows in chunks:
@@ -155,7 +160,8 @@ def dense_backward(
         z = logits_of(h)
         dropped = z < coef.threshold[rows].unsqueeze(-1)
         if support is None:
-            _repair_safe_sets(z, dropped, coef.safe_size[rows])
+            if check_sizes:
+                _repair_safe_sets(z, dropped, coef.safe_size[rows])
         else:  # the replayed ids are exact; the threshold runs on bit-identical logits
             if support_buf is None:
                 support_buf = torch.empty(min(chunk_rows, hidden.shape[0]), z.shape[-1], dtype=torch.bool, device=z.device)
@@ -222,7 +228,8 @@ class TorchBackend:
         return torch_forward(hidden, weight, bias, targets, rule, transform, chunk_rows, stats, sparse_max_density, support)
 
     def dense_backward(self, chunks, hidden, weight, bias, coef, transform, chunk_rows, grads, rule, support=None):
-        dense_backward(chunks, hidden, weight, bias, coef, transform, chunk_rows, grads, support)
+        check_sizes = not isinstance(rule, NoPruning)
+        dense_backward(chunks, hidden, weight, bias, coef, transform, chunk_rows, grads, support, check_sizes)
 
     def full_softmax_backward(self, idx, hidden, weight, bias, coef, transform, chunk_rows, grads, rule):
         full_softmax_backward(idx, hidden, weight, bias, coef, transform, chunk_rows, grads)
