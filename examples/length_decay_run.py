@@ -43,34 +43,22 @@ def main(argv: list[str] | None = None) -> dict:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from datasets import Dataset
 
-    from trl_integration import SafeVocabGRPOConfig, SafeVocabGRPOTrainer
+    from trl_integration import SafeVocabGRPOTrainer
+    from trl_integration.demo import make_dataset, tiny_grpo_config, tiny_model_path
 
-    model = args.model
-    if model is None:
-        from trl_integration.assets import tiny_model_path
-
-        model = str(tiny_model_path())
-    try:
-        from trl_integration.tasks.arithmetic import make_dataset
-
-        dataset = make_dataset(256, seed=args.seed, split="train").select_columns(["prompt"])
-    except ImportError:  # a model of your own: any short prompts do
-        dataset = Dataset.from_dict({"prompt": ["12+34=", "7+8=", "45+19=", "3+60="] * 64})
+    model = str(tiny_model_path()) if args.model is None else args.model
+    dataset = make_dataset(256, seed=args.seed, split="train").select_columns(["prompt"])
 
     with tempfile.TemporaryDirectory() as tmp:
-        config = SafeVocabGRPOConfig(
+        # the tiny demo job, one prompt x 8 completions per step, logged every step
+        config = tiny_grpo_config(
             output_dir=tmp,
             max_steps=args.steps,
             per_device_train_batch_size=8,
-            num_generations=8,
             max_completion_length=args.max_completion_length,
             learning_rate=args.learning_rate,
-            beta=0.0,
             logging_steps=1,
-            save_strategy="no",
-            report_to="none",
             bf16=False,
             use_cpu=True,
             gradient_checkpointing=False,

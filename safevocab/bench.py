@@ -303,8 +303,9 @@ def _run_worker(variants: list[str], argv: list[str]) -> dict[str, dict]:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m safevocab.bench", description=__doc__.split("\n\n")[0])
+def make_parser(prog: str = "python -m safevocab.bench") -> argparse.ArgumentParser:
+    """The benchmark's argument parser (also ``safevocab bench``'s)."""
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     p.add_argument("--n", type=int, default=4096, help="tokens (rows), default 4096")
     p.add_argument("--h", type=int, default=512, help="hidden size, default 512")
     p.add_argument("--v", type=int, default=32000, help="vocabulary size, default 32000")
@@ -367,8 +368,8 @@ def _device_name(device: str) -> str:
     return device
 
 
-def _parse_args(argv: list[str]) -> argparse.Namespace:
-    parser = _parser()
+def _parse_args(argv: list[str], prog: str) -> argparse.Namespace:
+    parser = make_parser(prog)
     preset = parser.parse_args(argv).preset
     if preset is not None:
         parser.set_defaults(**PRESETS[preset])  # explicit flags still override these
@@ -378,9 +379,10 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
     return args
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, prog: str = "python -m safevocab.bench") -> int:
+    """Run the benchmark (``argv``: default ``sys.argv[1:]``; ``prog`` names it in ``--help``). Returns 0."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = _parse_args(argv)
+    args = _parse_args(argv, prog)
     if args.max_chunk_bytes is None:
         from safevocab.logprobs import DEFAULT_MAX_CHUNK_BYTES
 

@@ -29,20 +29,18 @@ import time
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
-_JOB_KEYS = ("per_device_train_batch_size", "num_generations", "max_completion_length", "beta")
-
 
 def _make_trainer(trainer_cls, config_cls, model: str, dataset, reward, output_dir: str, steps: int, extra: dict):
-    """A trainer ready for manual steps: optimizer, scheduler and an iterator over its generation batches."""
-    from trl_integration.cli import BUNDLED_JOB_DEFAULTS
+    """A trainer ready for manual steps: optimizer, scheduler and an iterator over its generation batches.
 
-    kwargs = dict(
+    Both trainers get the main job's batch (``tiny_grpo_config_kwargs``), so the overhead is measured on the job
+    users run; stock trl's ``GRPOConfig`` takes the same keyword arguments minus the safe-vocabulary ones.
+    """
+    from trl_integration.demo.config import tiny_grpo_config_kwargs
+
+    kwargs = tiny_grpo_config_kwargs(
         output_dir=output_dir,
         max_steps=steps,
-        # the main job's batch settings, so the overhead is measured on the job users run
-        **{key: BUNDLED_JOB_DEFAULTS[key] for key in _JOB_KEYS},
-        save_strategy="no",
-        report_to="none",
         bf16=False,
         use_cpu=True,
         gradient_checkpointing=False,
@@ -72,11 +70,11 @@ def _timed_step(trainer, batches, seed: int) -> float:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    from trl_integration.config import SCORING_MODES
+    from trl_integration.config import DEFAULT_RULE, SCORING_MODES
 
     parser = argparse.ArgumentParser(prog="python -m trl_integration.bench_overhead", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=None, help="model path (default: the bundled tiny model)")
-    parser.add_argument("--rule", default="min_p=0.001", help="min_p rule used by both samplers (default min_p=0.001)")
+    parser.add_argument("--rule", default=DEFAULT_RULE, help=f"min_p rule used by both samplers (default {DEFAULT_RULE})")
     parser.add_argument("--steps", type=int, default=200, help="paired optimizer steps (default 200)")
     parser.add_argument("--skip", type=int, default=5, help="warm-up pairs not counted (default 5)")
     parser.add_argument("--seed", type=int, default=0)
@@ -103,7 +101,7 @@ def main(argv: list[str] | None = None) -> dict:
     from safevocab import parse_rule
     from trl_integration import SafeVocabGRPOConfig, SafeVocabGRPOTrainer
     from trl_integration.trl_private import metric_store
-    from trl_integration.tasks.arithmetic import arithmetic_reward, make_dataset
+    from trl_integration.demo.arithmetic import arithmetic_reward, make_dataset
 
     if not 0 <= args.skip < args.steps:
         parser.error(f"--skip={args.skip} must be in [0, --steps={args.steps})")
@@ -112,7 +110,7 @@ def main(argv: list[str] | None = None) -> dict:
         parser.error(f"--rule={args.rule!r}: give a single min_p rule, which stock trl's sampler takes as min_p")
     model = args.model
     if model is None:
-        from trl_integration.assets import tiny_model_path
+        from trl_integration.demo.model import tiny_model_path
 
         model = str(tiny_model_path())
     dataset = make_dataset(2048, seed=0, split="train")

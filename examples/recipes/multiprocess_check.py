@@ -77,7 +77,7 @@ NUM_GENERATIONS = 4
 def length_reward(prompts, completions, answer, **kwargs) -> list[float]:
     """Arithmetic correctness plus a small bonus per character (dense, so groups rarely tie; it also makes the
     completions grow, which the ``on_surge`` schedule's detector picks up)."""
-    from trl_integration.tasks.arithmetic import arithmetic_reward
+    from trl_integration.demo.arithmetic import arithmetic_reward
 
     correct = arithmetic_reward(prompts, completions, answer)
     return [c + 0.05 * len(text) for c, text in zip(correct, completions)]
@@ -186,26 +186,22 @@ def run_schedule(schedule: str, args, output_dir: str) -> dict:
     from accelerate import PartialState
     from transformers import TrainerCallback
 
-    from trl_integration import SafeVocabGRPOConfig, SafeVocabGRPOTrainer
-    from trl_integration.assets import tiny_model_path
-    from trl_integration.tasks.arithmetic import make_dataset
+    from trl_integration import SafeVocabGRPOTrainer
+    from trl_integration.demo import make_dataset, tiny_grpo_config, tiny_model_path
 
     state = PartialState()
     if args.global_batch_size % state.num_processes:
         raise ValueError(
             f"--global_batch_size {args.global_batch_size} is not divisible by {state.num_processes} processes"
         )
-    config = SafeVocabGRPOConfig(
+    config = tiny_grpo_config(
         output_dir=output_dir,
         per_device_train_batch_size=args.global_batch_size // state.num_processes,
         num_generations=NUM_GENERATIONS,
         max_completion_length=6,
         max_steps=args.max_steps,
         learning_rate=args.learning_rate,
-        beta=0.0,
         logging_steps=1,
-        save_strategy="no",
-        report_to="none",
         bf16=False,
         use_cpu=args.use_cpu,
         seed=0,

@@ -161,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import trl_integration.lm_head as lm_head_module
     from safevocab import parse_rule
-    from trl_integration.assets import tiny_model_path
+    from trl_integration.demo.model import tiny_model_path
     from trl_integration.lm_head import add_safe_lm_head
 
     # Count which sharded-head path ran: DTensor gathers (FSDP2, head in its own group) and backward re-gathers

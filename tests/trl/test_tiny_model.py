@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from trl_integration import assets
-from trl_integration.assets import tiny_model_path
-from trl_integration.tasks.arithmetic import (
+from trl_integration.demo import model as model_module
+from trl_integration.demo.model import tiny_model_path
+from trl_integration.demo.arithmetic import (
     MAX_ANSWER_CHARS,
     OPERATIONS,
     accuracy,
@@ -58,10 +58,47 @@ def test_total_asset_size_at_most_10_mb():
     assert total <= 10 * 2**20, f"bundled model is {total / 2**20:.2f} MiB"
 
 
-def test_missing_weights_raise_a_helpful_error(monkeypatch):
-    monkeypatch.setattr(assets, "TINY_MODEL_NAME", "no-such-model")
+def test_missing_weights_raise_a_helpful_error(monkeypatch, tmp_path):
+    monkeypatch.setattr(model_module, "TINY_MODEL_DIR", tmp_path / "no-such-model")
     with pytest.raises(FileNotFoundError, match="scripts/train_tiny_model.py"):
         tiny_model_path()
+
+
+def test_the_model_ships_as_package_data_of_the_demo():
+    from pathlib import Path
+
+    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+    root = Path(__file__).resolve().parents[2]
+    package_data = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+    folder = Path(model_module.__file__).parent
+    shipped = {p for pattern in package_data["trl_integration.demo"] for p in folder.glob(pattern)}
+    assert {tiny_model_path() / name for name in model_module.TINY_MODEL_FILES} <= shipped
+
+
+def test_the_tokenizer_built_in_code_is_the_shipped_one(tokenizer):
+    from trl_integration.demo.tokenizer import build_tokenizer
+
+    built = build_tokenizer()
+    assert built.get_vocab() == tokenizer.get_vocab()
+    text = "587-926=-339"
+    assert built(text)["input_ids"] == tokenizer(text)["input_ids"]
+    assert (built.pad_token, built.bos_token, built.eos_token) == (tokenizer.pad_token, tokenizer.bos_token,
+                                                                   tokenizer.eos_token)
+
+
+def test_training_script_is_a_thin_wrapper_of_the_demo():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.run([sys.executable, str(root / "scripts" / "train_tiny_model.py"), "--help"],
+                          capture_output=True, text=True, timeout=300, cwd=root)
+    assert proc.returncode == 0, proc.stderr
+    assert "--stop-at" in proc.stdout and "--output-dir" in proc.stdout
+    from trl_integration.demo import train
+
+    assert train.DEFAULT_OUTPUT == tiny_model_path()  # it writes where the package reads
 
 
 # --- tokenizer ----------------------------------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""``safevocab-grpo``: flags and YAML into the config, help, errors, and two steps end to end."""
+"""``safevocab`` and ``safevocab-grpo``: the dispatcher and its subcommands, the old import paths, flags and YAML
+into the config, help, errors, and two steps end to end."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import os
 import pytest
 
 from safevocab import MinP, TopK, TopP
-from trl_integration.cli import main, make_parser, run
+from trl_integration.commands.grpo import main, make_parser, run
 
 SMALL = [
     "--per_device_train_batch_size", "4",
@@ -112,8 +113,8 @@ def test_config_without_model_says_what_to_pass(tmp_path, capsys):
 
 
 def test_no_arguments_selects_the_bundled_job():
-    from trl_integration.assets import tiny_model_path
-    from trl_integration.cli import BUNDLED_JOB_DEFAULTS, bundled_job_requested
+    from trl_integration.commands.grpo import BUNDLED_JOB_DEFAULTS, bundled_job_requested
+    from trl_integration.demo.model import tiny_model_path
 
     assert bundled_job_requested([]) and bundled_job_requested(["--max_steps", "3"])
     assert not bundled_job_requested(["--model_name_or_path", "x"]) and not bundled_job_requested(["--config=a.yaml"])
@@ -182,4 +183,154 @@ def test_dataset_without_prompt_column_is_rejected(tiny_model_dir, tmp_path, cap
         main(["--model_name_or_path", tiny_model_dir, "--dataset_name", str(data_dir),
               "--reward_funcs", "repeat_char_reward", "--output_dir", str(tmp_path / "run"), *SMALL])  # fmt: skip
     assert exit_info.value.code == 2
-    assert "'prompt' column" in capsys.readouterr().err
+    last = capsys.readouterr().err.strip().splitlines()[-1]  # after datasets' progress bars: one line
+    assert last.startswith("safevocab-grpo: error: ") and "'prompt' column" in last
+
+
+# --- the `safevocab` dispatcher ------------------------------------------------------------------------------
+
+SUBCOMMANDS = ("grpo", "diagnose", "study", "bench")
+
+
+def test_safevocab_help_lists_the_four_subcommands(capsys):
+    from trl_integration.commands import main as safevocab
+
+    assert safevocab(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: safevocab")
+    listed = [line.split()[0] for line in out.splitlines() if line.startswith("    ") and line[4] != " "]
+    assert tuple(listed) == SUBCOMMANDS
+    assert safevocab([]) == 2  # no command: the help, on stderr
+    assert "grpo" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", SUBCOMMANDS)
+def test_every_subcommand_has_its_help(name, capsys):
+    from trl_integration.commands import main as safevocab
+
+    with pytest.raises(SystemExit) as exit_info:
+        safevocab([name, "--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    prog = "safevocab-grpo" if name == "grpo" else f"safevocab {name}"
+    assert out.startswith(f"usage: {prog} ")
+    assert {"grpo": "--safe_vocab_rule", "diagnose": "--compare", "study": "--arms", "bench": "--variants"}[name] in out
+
+
+def test_safevocab_grpo_help_equals_safevocab_grpo_subcommand_help(capsys):
+    from trl_integration.commands import main as safevocab
+
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    alias = capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        safevocab(["grpo", "--help"])
+    assert capsys.readouterr().out == alias and "--safe_vocab_rule" in alias
+
+
+def test_unknown_subcommand_is_one_line_and_exit_2(capsys):
+    from trl_integration.commands import main as safevocab
+
+    assert safevocab(["nope", "--help"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    (line,) = captured.err.strip().splitlines()
+    assert line.startswith("safevocab: error: unknown command 'nope'") and all(n in line for n in SUBCOMMANDS)
+
+
+def test_console_scripts_point_at_the_dispatcher_and_grpo():
+    import importlib
+    from pathlib import Path
+
+    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+    scripts = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())["project"]["scripts"]
+    resolved = {}
+    for name, target in scripts.items():
+        module, attr = target.split(":")
+        resolved[name] = getattr(importlib.import_module(module), attr)
+    from trl_integration.commands import main as safevocab
+
+    assert resolved == {"safevocab": safevocab, "safevocab-grpo": main}
+
+
+def test_safevocab_bench_imports_no_trl():
+    """``safevocab bench`` (and the dispatcher) stay torch-only: subcommands are imported when they run."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "from trl_integration.commands import main\n"
+        "try:\n    main(['bench', '--help'])\nexcept SystemExit as e:\n    assert e.code == 0\n"
+        "print(sorted(m for m in ('trl', 'transformers', 'datasets') if m in sys.modules))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip().splitlines()[-1] == "[]"
+
+
+@pytest.mark.parametrize(
+    "old, name, new",
+    [
+        ("trl_integration.cli", "main", "trl_integration.commands.grpo"),
+        ("trl_integration.cli", "make_parser", "trl_integration.commands.grpo"),
+        ("trl_integration.cli", "BUNDLED_JOB_DEFAULTS", "trl_integration.commands.grpo"),
+        ("trl_integration.diagnose", "main", "trl_integration.commands"),
+        ("trl_integration.diagnose", "run_diagnose", "trl_integration.lab"),
+        ("trl_integration.diagnose", "parse_compare", "trl_integration.lab"),
+        ("trl_integration.diagnose", "write_outputs", "trl_integration.lab"),
+        ("trl_integration.diagnose", "DEFAULT_RULE", "trl_integration.config"),
+        ("trl_integration.study", "main", "trl_integration.commands.study"),
+        ("trl_integration.assets", "tiny_model_path", "trl_integration.demo.model"),
+        ("trl_integration.tasks", "arithmetic_reward", "trl_integration.demo.arithmetic"),
+        ("trl_integration.tasks.arithmetic", "make_dataset", "trl_integration.demo.arithmetic"),
+        ("trl_integration.data", "synthetic_dataset", "trl_integration.demo.data"),
+    ],
+)
+def test_old_import_paths_still_work_and_warn(old, name, new):
+    import importlib
+
+    module = importlib.import_module(old)
+    with pytest.warns(FutureWarning, match=f"{old}.{name} moved to {new}"):
+        value = getattr(module, name)
+    assert value is getattr(importlib.import_module(new), name)
+
+
+def test_old_parsers_still_parse_their_subcommand():
+    with pytest.warns(FutureWarning):
+        from trl_integration.diagnose import build_parser as diagnose_parser
+    with pytest.warns(FutureWarning):
+        from trl_integration.study import add_study_subparser, build_parser as study_parser
+    from trl_integration.commands.diagnose import run_parsed
+
+    args = diagnose_parser().parse_args(["diagnose", "--noise", "0.1", "--rule", "top_k=5"])
+    assert (args.command, args.noise, args.rule, args.func) == ("diagnose", 0.1, "top_k=5", run_parsed)
+    assert study_parser().parse_args(["study", "--steps", "4"]).steps == 4
+    import argparse
+
+    sub = argparse.ArgumentParser(prog="x").add_subparsers()
+    assert add_study_subparser(sub).parse_args(["--seeds", "3", "4"]).seeds == [3, 4]
+
+
+def test_python_m_old_cli_module_runs_grpo_without_a_warning():
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-W", "error::FutureWarning", "-m", "trl_integration.cli", "--help"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.startswith("usage: safevocab-grpo") and "--safe_vocab_rule" in proc.stdout
+
+
+def test_tiny_grpo_config_is_the_main_jobs_and_takes_overrides(tmp_path):
+    from trl_integration.commands.grpo import BUNDLED_JOB_DEFAULTS
+    from trl_integration.config import SafeVocabGRPOConfig
+    from trl_integration.demo.config import TINY_GRPO_DEFAULTS, tiny_grpo_config
+
+    assert BUNDLED_JOB_DEFAULTS == {"dataset_name": "arithmetic", **TINY_GRPO_DEFAULTS}
+    config = tiny_grpo_config(output_dir=str(tmp_path), max_steps=7, safe_vocab_rule="min_p=0.05")
+    assert isinstance(config, SafeVocabGRPOConfig)
+    assert config.max_steps == 7 and str(config.rule) == "min_p=0.05"
+    for key in ("per_device_train_batch_size", "num_generations", "max_completion_length", "learning_rate", "beta",
+                "save_strategy", "seed"):
+        assert getattr(config, key) == TINY_GRPO_DEFAULTS[key], key

@@ -11,7 +11,8 @@ import torch
 from trl_helpers import build_model, build_tokenizer
 
 from safevocab.bounds import logprob_mismatch_bound
-from trl_integration.diagnose import main, parse_compare, run_diagnose
+from trl_integration.commands import main
+from trl_integration.lab import parse_compare, run_diagnose
 
 TEXTS = ["hello world.", "the cat sat on the mat", "1+1=2, 2+2=4", "abc", "go!"]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -138,9 +139,10 @@ def test_sampling_mode_scores_the_sampled_tokens(model_dir, tmp_path):
 
 
 def test_bundled_model_and_default_inputs(tmp_path):
-    assets = pytest.importorskip("trl_integration.assets")
+    from trl_integration.demo.model import tiny_model_path
+
     try:
-        assets.tiny_model_path()
+        tiny_model_path()
     except FileNotFoundError:
         pytest.skip("the bundled tiny model is not built in this checkout")
     s = run(["--no_plots"], tmp_path)

@@ -1,6 +1,6 @@
 """``safevocab study`` end to end on a few steps, and the main job (``safevocab-grpo`` with no model) on three.
 
-The study tests run the real command through ``safevocab``'s entry point (``trl_integration.diagnose.main``), on the
+The study tests run the real command through ``safevocab``'s entry point (``trl_integration.commands.main``), on the
 bundled tiny model with a small batch, and check that the report folder is complete and well formed.
 """
 
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from trl_integration.diagnose import main as safevocab_main
+from trl_integration.commands import main as safevocab_main
 from trl_integration.study import ARM_NAMES, PLOTS, StudySettings, arm_overrides, run_study
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -150,7 +150,7 @@ def test_a_crashing_arm_is_reported_as_failed(tmp_path):
 
 
 def test_a_run_crashing_mid_training_keeps_what_it_logged(tmp_path, monkeypatch):
-    import trl_integration.tasks.arithmetic as arithmetic
+    import trl_integration.demo.arithmetic as arithmetic
 
     calls = []
     real_reward = arithmetic.arithmetic_reward
@@ -208,7 +208,7 @@ def test_bad_flags_exit_2_before_any_work(argv, message, tmp_path, capsys):
 
 def test_main_job_writes_its_summary(tmp_path):
     """The default main job (bundled model and task, every bundled default) for 3 steps."""
-    from trl_integration.cli import run
+    from trl_integration.commands.grpo import run
 
     out = tmp_path / "main-job"
     trainer = run(["--max_steps", "3", "--eval_num_prompts", "20", "--output_dir", str(out)])

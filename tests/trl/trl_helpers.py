@@ -88,23 +88,22 @@ def vowel_reward(completions, **kwargs):
 
 
 def grpo_kwargs(output_dir, **overrides):
-    """Small, fast, deterministic GRPO settings for CPU tests."""
+    """Small, fast, deterministic GRPO settings for CPU tests: the tiny demo job (``tiny_grpo_config_kwargs``) at
+    4 prompts x 4 completions for 2 steps, logged every step."""
+    from trl_integration.demo.config import tiny_grpo_config_kwargs
+
     kwargs = dict(
         output_dir=str(output_dir),
         per_device_train_batch_size=4,
         num_generations=4,
-        max_completion_length=8,
         max_steps=2,
         learning_rate=1e-2,
         logging_steps=1,
-        save_strategy="no",
-        report_to="none",
         bf16=False,
         gradient_checkpointing=False,
         use_cpu=True,
-        seed=0,
         dataloader_num_workers=0,
         disable_tqdm=True,
     )
     kwargs.update(overrides)
-    return kwargs
+    return tiny_grpo_config_kwargs(**kwargs)

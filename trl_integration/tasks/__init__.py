@@ -1,10 +1,8 @@
-"""Verifiable synthetic tasks for GRPO runs that need no download.
+"""Moved to :mod:`trl_integration.demo.arithmetic` (the bundled demo's task); importing a name from here warns,
+and this alias goes away in the next release."""
 
-- ``trl_integration.tasks.arithmetic``: integer arithmetic (``"37+48="`` -> ``"85"``) with an exact-match
-  reward, deterministic disjoint train/test datasets and a generation-based accuracy helper; the bundled tiny
-  model (:func:`trl_integration.assets.tiny_model_path`) is trained on it.
-"""
-
-from trl_integration.tasks.arithmetic import accuracy, arithmetic_reward, make_dataset, parse_answer
+from trl_integration._moved import moved
 
 __all__ = ["accuracy", "arithmetic_reward", "make_dataset", "parse_answer"]
+
+__getattr__ = moved(__name__, {name: "trl_integration.demo.arithmetic" for name in __all__})

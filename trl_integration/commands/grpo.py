@@ -1,0 +1,284 @@
+"""``safevocab grpo`` (alias ``safevocab-grpo``): GRPO with safe-vocabulary log-probabilities from the command line.
+
+Built on ``trl.TrlParser`` like trl's own ``trl grpo`` script: every field of
+:class:`~trl_integration.config.SafeVocabGRPOConfig` (trl's ``GRPOConfig`` included), of ``trl.ModelConfig`` and
+of :class:`SafeVocabScriptArguments` is a ``--flag``; ``--config file.yaml`` sets defaults that flags override.
+
+Examples::
+
+    safevocab-grpo          # the main job: DVP on the bundled tiny model and the arithmetic task
+    safevocab-grpo --model_name_or_path ./my-model --dataset_name synthetic \\
+        --safe_vocab_rule min_p=0.05 --max_steps 2 --output_dir /tmp/run
+    safevocab-grpo --config run.yaml --safe_vocab_rule "top_k=50,min_p=0.01"
+    safevocab-grpo --help
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+from dataclasses import dataclass, field
+
+from trl import ModelConfig, ScriptArguments, TrlParser
+
+from trl_integration.commands.errors import fail
+from trl_integration.config import SafeVocabGRPOConfig
+from trl_integration.demo.config import TINY_GRPO_DEFAULTS, tiny_grpo_config_kwargs
+from trl_integration.demo.data import SYNTHETIC_DATASET_NAME, repeat_char_reward, synthetic_dataset
+
+#: The command's name in messages and ``--help`` (the same for ``safevocab grpo``).
+PROG = "safevocab-grpo"
+
+#: ``--dataset_name arithmetic``: the bundled model's task (``trl_integration.demo.arithmetic``).
+ARITHMETIC_DATASET_NAME = "arithmetic"
+
+#: Settings of the main job (no ``--model_name_or_path`` and no ``--config``): GRPO with DVP on the bundled
+#: tiny model and the arithmetic task, with the tiny job's settings (``trl_integration.demo.config``: 200 steps of
+#: 8 prompts x 8 completions). Every flag still overrides them.
+BUNDLED_JOB_DEFAULTS = dict(dataset_name=ARITHMETIC_DATASET_NAME, **TINY_GRPO_DEFAULTS)
+
+__all__ = [
+    "SafeVocabScriptArguments",
+    "BUNDLED_JOB_DEFAULTS",
+    "make_parser",
+    "main",
+    "run",
+    "load_train_dataset",
+    "resolve_reward_funcs",
+    "bundled_job_requested",
+]
+
+MISSING_MODEL_MESSAGE = (
+    "--model_name_or_path is required: pass a local model directory saved with save_pretrained (e.g. "
+    "--model_name_or_path ./my-tiny-model) or a Hugging Face Hub id (e.g. --model_name_or_path "
+    "Qwen/Qwen2.5-0.5B-Instruct). For a smoke run on CPU, add --dataset_name synthetic --max_steps 2."
+)
+
+
+@dataclass
+class SafeVocabScriptArguments(ScriptArguments):
+    """Script arguments of ``safevocab-grpo`` (trl's ``ScriptArguments`` plus rewards and the synthetic data)."""
+
+    reward_funcs: list[str] | None = field(
+        default=None,
+        metadata={
+            "help": "Reward functions: 'repeat_char_reward' (the synthetic task's reward, the default with "
+            "--dataset_name synthetic), trl's 'accuracy_reward', 'reasoning_accuracy_reward', 'think_format_reward', "
+            "or any dotted import path ('my_pkg.rewards.my_reward')."
+        },
+    )
+    reward_model_name_or_path: str | None = field(
+        default=None,
+        metadata={"help": "Reward model (local directory or Hub id), used in addition to --reward_funcs."},
+    )
+    synthetic_num_prompts: int = field(
+        default=64,
+        metadata={"help": f"Number of prompts of the built-in dataset (--dataset_name {SYNTHETIC_DATASET_NAME})."},
+    )
+    arithmetic_num_prompts: int = field(
+        default=4096,
+        metadata={"help": f"Training prompts of the arithmetic task (--dataset_name {ARITHMETIC_DATASET_NAME})."},
+    )
+    eval_num_prompts: int = field(
+        default=300,
+        metadata={
+            "help": "Held-out arithmetic problems scored (greedy) before and after training for the summary; "
+            "0 skips the evaluation."
+        },
+    )
+
+
+def make_parser(prog: str | None = PROG) -> TrlParser:
+    """The ``TrlParser`` over ``(SafeVocabScriptArguments, SafeVocabGRPOConfig, ModelConfig)``.
+
+    On a machine without a GPU, ``--bf16`` defaults to false (trl's default of true needs a GPU or
+    ``--use_cpu``); a YAML config or the flag still overrides it.
+    """
+    import torch
+
+    parser = TrlParser((SafeVocabScriptArguments, SafeVocabGRPOConfig, ModelConfig), prog=prog)
+    if not torch.cuda.is_available():
+        parser.set_defaults(bf16=False)
+    return parser
+
+
+def bundled_job_requested(argv: list[str]) -> bool:
+    """No model and no config file given: run the main job on the bundled tiny model."""
+    return not any(a.split("=")[0] in ("--model_name_or_path", "--config") for a in argv)
+
+
+def load_train_dataset(script_args: SafeVocabScriptArguments):
+    """``(train, eval-or-None)`` datasets for ``--dataset_name``.
+
+    ``synthetic`` (the default when ``--dataset_name`` is not given) is the built-in task; a local directory
+    written by ``save_to_disk`` is loaded with ``load_from_disk``; a local ``.json/.jsonl/.csv/.parquet`` file with
+    the matching ``datasets`` builder; anything else (a directory of data files, a Hub id) goes to
+    ``datasets.load_dataset``.
+    """
+    import datasets
+
+    name = script_args.dataset_name
+    if name == SYNTHETIC_DATASET_NAME:
+        return synthetic_dataset(script_args.synthetic_num_prompts), None
+    if name == ARITHMETIC_DATASET_NAME:
+        from trl_integration.demo.arithmetic import make_dataset
+
+        return make_dataset(script_args.arithmetic_num_prompts, seed=0, split="train"), None
+    builders = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
+    if os.path.isdir(name) and any(
+        os.path.exists(os.path.join(name, f)) for f in ("dataset_info.json", "state.json", "dataset_dict.json")
+    ):
+        dataset = datasets.load_from_disk(name)
+    elif os.path.isfile(name) and os.path.splitext(name)[1] in builders:
+        dataset = datasets.load_dataset(builders[os.path.splitext(name)[1]], data_files=name)
+    else:
+        dataset = datasets.load_dataset(name, name=script_args.dataset_config, streaming=script_args.dataset_streaming)
+    if isinstance(dataset, (datasets.DatasetDict, datasets.IterableDatasetDict)):
+        if script_args.dataset_train_split not in dataset:
+            raise ValueError(
+                f"dataset {name!r} has no split {script_args.dataset_train_split!r} (--dataset_train_split): "
+                f"it has {list(dataset)}"
+            )
+        train = dataset[script_args.dataset_train_split]
+        test = dataset.get(script_args.dataset_test_split)
+    else:
+        train, test = dataset, None
+    columns = train.column_names or []
+    if "prompt" not in columns:
+        raise ValueError(f"dataset {name!r} needs a 'prompt' column; it has {columns}")
+    return train, test
+
+
+def resolve_reward_funcs(script_args: SafeVocabScriptArguments) -> list:
+    """Reward functions from ``--reward_funcs`` / ``--reward_model_name_or_path``."""
+    names = list(script_args.reward_funcs or [])
+    if not names and script_args.reward_model_name_or_path is None:
+        if script_args.dataset_name == SYNTHETIC_DATASET_NAME:
+            names = ["repeat_char_reward"]
+        elif script_args.dataset_name == ARITHMETIC_DATASET_NAME:
+            names = ["arithmetic_reward"]
+        else:
+            raise ValueError(
+                "--reward_funcs is required (e.g. --reward_funcs accuracy_reward, or a dotted path "
+                "my_pkg.rewards.my_reward), or --reward_model_name_or_path"
+            )
+    funcs: list = []
+    if script_args.reward_model_name_or_path:
+        funcs.append(script_args.reward_model_name_or_path)
+    for name in names:
+        if name == "repeat_char_reward":
+            funcs.append(repeat_char_reward)
+        elif name == "arithmetic_reward":
+            from trl_integration.demo.arithmetic import arithmetic_reward
+
+            funcs.append(arithmetic_reward)
+        elif name in ("accuracy_reward", "reasoning_accuracy_reward", "think_format_reward"):
+            funcs.append(getattr(importlib.import_module("trl.rewards"), name))
+        elif "." in name:
+            module_path, attr = name.rsplit(".", 1)
+            sys.path.insert(0, os.getcwd())
+            funcs.append(getattr(importlib.import_module(module_path), attr))
+        else:
+            raise ValueError(
+                f"unknown reward function {name!r}: accepted 'repeat_char_reward', 'accuracy_reward', "
+                "'reasoning_accuracy_reward', 'think_format_reward' or a dotted import path"
+            )
+    return funcs
+
+
+def _bundled_model_hint() -> str:
+    """A pointer to the bundled tiny model when this install ships it (empty otherwise)."""
+    try:
+        from trl_integration.demo.model import tiny_model_path
+
+        return f" The bundled tiny model is at --model_name_or_path {tiny_model_path()}"
+    except Exception:  # not shipped (yet), or incomplete: the generic message stands
+        return ""
+
+
+def run(argv: list[str] | None = None):
+    """Parse ``argv`` (default: ``sys.argv[1:]``), train, save, and return the trainer."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = make_parser()
+    bundled = bundled_job_requested(argv)
+    if bundled:
+        from trl_integration.demo.model import tiny_model_path
+
+        parser.set_defaults(
+            model_name_or_path=str(tiny_model_path()), dataset_name=ARITHMETIC_DATASET_NAME, **tiny_grpo_config_kwargs()
+        )
+    script_args, training_args, model_args = parser.parse_args_and_config(args=argv)
+    if not model_args.model_name_or_path:
+        raise SystemExit(fail(PROG, MISSING_MODEL_MESSAGE + _bundled_model_hint()))
+    if script_args.dataset_name is None:
+        script_args.dataset_name = SYNTHETIC_DATASET_NAME
+        print(
+            f"{PROG}: no --dataset_name given, using the built-in '{SYNTHETIC_DATASET_NAME}' smoke-test "
+            "dataset (pass --dataset_name <local dir, file or Hub id> to train on your data)",
+            file=sys.stderr,
+        )
+
+    from trl import get_peft_config, get_quantization_config
+
+    from trl_integration.trainer import SafeVocabGRPOTrainer
+
+    try:
+        train_dataset, eval_dataset = load_train_dataset(script_args)
+        reward_funcs = resolve_reward_funcs(script_args)
+    except ValueError as err:
+        raise SystemExit(fail(PROG, str(err)))
+
+    model_init_kwargs = dict(
+        revision=model_args.model_revision,
+        trust_remote_code=training_args.trust_remote_code,
+        attn_implementation=model_args.attn_implementation,
+        dtype=model_args.dtype,
+    )
+    model_init_kwargs = {k: v for k, v in model_init_kwargs.items() if v is not None}
+    model_init_kwargs.update(training_args.model_init_kwargs or {})
+    training_args.model_init_kwargs = model_init_kwargs
+
+    trainer = SafeVocabGRPOTrainer(
+        model=model_args.model_name_or_path,
+        reward_funcs=reward_funcs,
+        args=training_args,
+        train_dataset=train_dataset,
+        eval_dataset=eval_dataset if training_args.eval_strategy != "no" else None,
+        quantization_config=get_quantization_config(model_args),
+        peft_config=get_peft_config(model_args),
+    )
+    evaluate = _arithmetic_evaluator(script_args, trainer)
+    before = evaluate() if evaluate else None
+    trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+    after = evaluate() if evaluate else None
+    trainer.save_model(training_args.output_dir)
+    if trainer.accelerator.is_main_process:
+        from trl_integration.summary import print_run_summary
+
+        print_run_summary(trainer, accuracy_before=before, accuracy_after=after)
+    return trainer
+
+
+def _arithmetic_evaluator(script_args: SafeVocabScriptArguments, trainer):
+    """Greedy held-out accuracy on the arithmetic task (``None`` for other datasets or with 0 prompts)."""
+    if script_args.dataset_name != ARITHMETIC_DATASET_NAME or script_args.eval_num_prompts <= 0:
+        return None
+    from trl_integration.demo.arithmetic import accuracy, make_dataset
+
+    test = make_dataset(script_args.eval_num_prompts, seed=1, split="test")
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    return lambda: accuracy(model, trainer.processing_class, test)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``safevocab grpo ARGS`` and the ``safevocab-grpo`` console script (``argv``: default ``sys.argv[1:]``).
+
+    Returns the exit status (0); a bad command line exits with status 2 and a one-line message.
+    """
+    run(argv)
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

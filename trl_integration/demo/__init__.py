@@ -1,0 +1,61 @@
+"""The bundled demo: a tiny arithmetic model, its tokenizer, its task and data, and the tiny GRPO job.
+
+Everything needed to run GRPO out of the box, offline, on a CPU:
+
+- :mod:`~trl_integration.demo.model`: ``tiny_model_path()``, the bundled 497K-parameter Llama (package data in
+  ``demo/assets/tiny-arith``);
+- :mod:`~trl_integration.demo.tokenizer`: its character-level tokenizer, built in code;
+- :mod:`~trl_integration.demo.arithmetic`: the task it is trained on (``"37+48="`` -> ``"85"``), its exact-match
+  reward, disjoint train/test datasets and a greedy-accuracy helper;
+- :mod:`~trl_integration.demo.data`: the ``synthetic`` smoke-test task (repeat a character), any tokenizer;
+- :mod:`~trl_integration.demo.config`: ``tiny_grpo_config()``, the GRPO settings every demo run starts from;
+- :mod:`~trl_integration.demo.train`: the supervised training that produced the weights
+  (``python scripts/train_tiny_model.py``).
+
+Names are imported lazily: ``import trl_integration.demo`` imports neither trl nor transformers.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+__all__ = [
+    "TINY_MODEL_NAME",
+    "TINY_MODEL_FILES",
+    "tiny_model_path",
+    "build_tokenizer",
+    "tiny_grpo_config",
+    "tiny_grpo_config_kwargs",
+    "arithmetic_reward",
+    "make_dataset",
+    "accuracy",
+    "synthetic_dataset",
+    "repeat_char_reward",
+]
+
+_LAZY = {
+    "TINY_MODEL_NAME": "model",
+    "TINY_MODEL_FILES": "model",
+    "tiny_model_path": "model",
+    "build_tokenizer": "tokenizer",
+    "tiny_grpo_config": "config",
+    "tiny_grpo_config_kwargs": "config",
+    "arithmetic_reward": "arithmetic",
+    "make_dataset": "arithmetic",
+    "accuracy": "arithmetic",
+    "synthetic_dataset": "data",
+    "repeat_char_reward": "data",
+}
+
+
+def __getattr__(name: str):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'trl_integration.demo' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"trl_integration.demo.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -1,0 +1,47 @@
+"""The bundled tiny model: where it lives and which files it needs.
+
+``tiny_model_path()`` is the folder to pass to ``AutoModelForCausalLM.from_pretrained`` /
+``AutoTokenizer.from_pretrained`` (or as ``model_name_or_path`` to ``safevocab-grpo``); it loads offline. The
+weights (a 497K-parameter Llama trained on :mod:`trl_integration.demo.arithmetic`) are produced by
+:mod:`trl_integration.demo.train` (``python scripts/train_tiny_model.py``; see ``docs/tiny_model.md``) and ship
+as package data in ``trl_integration/demo/assets/tiny-arith``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+__all__ = ["TINY_MODEL_NAME", "TINY_MODEL_FILES", "TINY_MODEL_DIR", "tiny_model_path"]
+
+TINY_MODEL_NAME = "tiny-arith"
+
+#: Files that must be present for the bundled model to load.
+TINY_MODEL_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
+
+#: Where the bundled model's files live (and where ``scripts/train_tiny_model.py`` writes them by default).
+TINY_MODEL_DIR = Path(__file__).resolve().parent / "assets" / TINY_MODEL_NAME
+
+
+def tiny_model_path() -> Path:
+    """Path of the bundled tiny arithmetic model (a folder loadable with ``from_pretrained``).
+
+    Raises:
+        FileNotFoundError: if the folder or one of :data:`TINY_MODEL_FILES` is missing (e.g. an install that
+            did not ship the package data); the message says how to rebuild it.
+    """
+    missing = [name for name in TINY_MODEL_FILES if not (TINY_MODEL_DIR / name).is_file()]
+    if missing:
+        raise FileNotFoundError(
+            f"the bundled tiny model is missing from {TINY_MODEL_DIR} (missing: {', '.join(missing)}). "
+            "Rebuild it from a source checkout with `python scripts/train_tiny_model.py` "
+            "(about 10 minutes on a CPU; see docs/tiny_model.md), or reinstall safevocab with its package data."
+        )
+    return TINY_MODEL_DIR
+
+
+def is_tiny_model(path: str | Path) -> bool:
+    """Whether ``path`` is the bundled model's folder (for reports that name it instead of printing a path)."""
+    try:
+        return Path(path).resolve() == TINY_MODEL_DIR
+    except (OSError, RuntimeError):
+        return False

@@ -1,0 +1,403 @@
+"""The mismatch lab's engine: score the same tokens on a training and a rollout side and check the exact bound.
+
+Two "engines" score the same tokens by teacher forcing:
+
+- the *training* side: the model in ``compare``'s first dtype (default ``float32``);
+- the *rollout* side: the model in the second dtype (default ``bfloat16``), optionally with an injected logit
+  perturbation ``delta`` (``noise=EPS``: ``|delta_i| <= EPS`` on the transformed logits, seeded).
+
+For every scored token ``y`` with training probability ``p = pi(y)`` it records ``log r = log pi(y) - log mu(y)``
+and the size of the logit perturbation at that position, ``eps_t = (max_i delta_i - min_i delta_i) / 2``
+(`safevocab.mismatch.logit_perturbation_eps`, shift-invariant), and reports:
+
+- ``eps_max``: the largest ``eps_t`` (the empirical ε of the logit gap);
+- ``frac_within_bound``: the share of tokens with ``|log r| <= log(p + (1 - p) e^{2 eps})``
+  (`safevocab.bounds.logprob_mismatch_bound`) for the reference ``eps``: ``eps`` if given, else the
+  injected ``noise`` when it is the only source of mismatch (then it must be 100%), else ``eps_max``;
+- mean ``|log r|`` and signed ``log r`` by training-probability bucket;
+- with a ``rule``: how often the two sides pick different safe sets, and how much the renormalised
+  ``log pi_S`` shrinks the mismatch on the tokens both sides keep;
+- verl's sequence statistics (k3 KL, chi², log-ppl gap) with each text as a sequence.
+
+The command ``safevocab diagnose`` (:mod:`trl_integration.commands.diagnose`) runs it on texts or prompts; with
+``max_new_tokens > 0`` the inputs are prompts: the rollout side samples continuations (``num_samples`` each, full
+distribution, with the noise when given) and only the sampled tokens are scored.
+
+What it does not include: both sides here are full (teacher-forced) forwards, so the KV-cache and kernel
+differences of a real sampler are not part of the measured gap (the trainer's ``mismatch/*`` metrics measure
+those); and in sampling mode the rollout side's noise used for scoring is a fresh draw of the same
+distribution, not the exact draw used while sampling.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from safevocab.bounds import logprob_mismatch_bound
+from safevocab.mismatch import (
+    DEFAULT_BUCKETS,
+    bucket_mismatch,
+    logit_perturbation_eps,
+    mismatch_metrics,
+    safe_set_disagreement,
+)
+from safevocab.rules import NoPruning, parse_rule
+from trl_integration.config import DEFAULT_RULE
+from trl_integration.rollout import NOISE_KINDS
+
+__all__ = ["BOUND_TOLERANCE", "DiagnoseResult", "run_diagnose"]
+
+#: Absolute slack (nats) in the bound checks, for float64 rounding of the two log-softmaxes.
+BOUND_TOLERANCE = 1e-9
+
+
+@dataclass
+class DiagnoseResult:
+    """Result of `run_diagnose`.
+
+    Attributes:
+        summary: the JSON-serialisable summary (what ``summary.json`` holds).
+        tokens: per scored token, 1-D float64/bool CPU tensors: ``p`` (training probability), ``train_logp``,
+            ``rollout_logp``, ``log_r`` (``train - rollout``), ``eps_t`` and ``bound`` (at the reference eps);
+            with a rule also ``kept`` (both sides keep the token), ``same_set``, ``pruned_log_r``.
+    """
+
+    summary: dict
+    tokens: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+def _forward_logits(model, ids: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+    # Explicit positions: correct under left padding (sampling mode) as well as right padding.
+    pos = (attn.long().cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        return model(input_ids=ids, attention_mask=attn, position_ids=pos).logits
+
+
+def _model_in(base, dtype: torch.dtype, cache: dict):
+    """The model with its floating parameters in ``dtype`` (a copy unless they already are). Buffers keep their
+    dtype, as ``from_pretrained(..., dtype=dtype)`` leaves them (e.g. RoPE's fp32 ``inv_freq``)."""
+    if dtype not in cache:
+        params = [p for p in base.parameters() if p.is_floating_point()]
+        if all(p.dtype == dtype for p in params):
+            model = base
+        else:
+            model = copy.deepcopy(base)
+            for p in model.parameters():
+                if p.is_floating_point():
+                    p.data = p.data.to(dtype)
+        cache[dtype] = model.eval()
+    return cache[dtype]
+
+
+def _sample(model, tokenizer, prompts, *, max_new_tokens, num_samples, temperature, noise, noise_kind, seed, device):
+    """Sample continuations on the rollout side; returns ``(ids, attn, counted)`` with ``counted`` marking the
+    sampled tokens as targets (``[B, L-1]``, aligned with ``ids[:, 1:]``)."""
+    from transformers import LogitsProcessorList
+
+    from trl_integration.rollout import LogitNoiseProcessor
+
+    enc = tokenizer(prompts, return_tensors="pt", padding=True, padding_side="left").to(device)
+    processors = LogitsProcessorList()
+    if noise > 0:
+        processors.append(LogitNoiseProcessor(noise, noise_kind, seed=seed, temperature=temperature))
+    with torch.random.fork_rng(devices=[] if device.type == "cpu" else [device]):
+        torch.manual_seed(seed)
+        out = model.generate(
+            **enc,
+            do_sample=True,
+            temperature=temperature,
+            top_k=0,
+            top_p=1.0,
+            min_p=None,
+            max_new_tokens=max_new_tokens,
+            num_return_sequences=num_samples,
+            logits_processor=processors,
+            pad_token_id=tokenizer.pad_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+        )
+    prompt_len = enc["input_ids"].shape[1]
+    prompt_mask = enc["attention_mask"].repeat_interleave(num_samples, dim=0)
+    gen = out[:, prompt_len:]
+    if tokenizer.eos_token_id is not None:
+        is_eos = gen == tokenizer.eos_token_id
+        # keep tokens up to and including the first EOS
+        after = (is_eos.long().cumsum(-1) - is_eos.long()) > 0
+        gen_mask = ~after
+    else:
+        gen_mask = torch.ones_like(gen, dtype=torch.bool)
+    attn = torch.cat([prompt_mask.bool(), gen_mask], dim=1).long()
+    counted = torch.zeros(out.shape[0], out.shape[1] - 1, dtype=torch.bool, device=out.device)
+    counted[:, prompt_len - 1 :] = gen_mask
+    return out, attn, counted
+
+
+def _batches(n: int, size: int):
+    for start in range(0, n, size):
+        yield start, min(n, start + size)
+
+
+def run_diagnose(
+    model: torch.nn.Module,
+    tokenizer: Any,
+    texts: Sequence[str],
+    *,
+    compare: tuple[torch.dtype, torch.dtype] = (torch.float32, torch.bfloat16),
+    noise: float = 0.0,
+    noise_kind: str = "uniform",
+    seed: int = 0,
+    temperature: float = 1.0,
+    rule: str | None = DEFAULT_RULE,
+    buckets: Sequence[float] = DEFAULT_BUCKETS,
+    eps: float | None = None,
+    batch_size: int = 16,
+    max_length: int = 512,
+    max_new_tokens: int = 0,
+    num_samples: int = 1,
+    progress: bool = True,
+) -> DiagnoseResult:
+    """Score ``texts`` on the training and rollout sides and summarise the mismatch (the command's engine).
+
+    Args:
+        model: a transformers causal LM (its weights are copied for each dtype of ``compare``; not modified).
+        tokenizer: its tokenizer (a transformers ``PreTrainedTokenizerBase``).
+        texts: texts to score by teacher forcing (or prompts, with ``max_new_tokens > 0``).
+        compare: ``(training dtype, rollout dtype)``.
+        noise: hard bound ε of the injected logit perturbation on the rollout side (0: none).
+        noise_kind: ``"uniform"`` or ``"clipped_gaussian"``.
+        seed: seeds the noise and the sampling.
+        temperature: divides the logits on both sides (as a sampler and the trainer do).
+        rule: safe-vocabulary rule string for the pruning analysis (``None``/``"none"``: skipped).
+        buckets: inner edges of the probability buckets.
+        eps: reference ε of ``frac_within_bound`` (default: ``noise`` when it is the only mismatch source,
+            else the measured ``eps_max``).
+        batch_size: texts per forward pass.
+        max_length: texts are truncated to this many tokens.
+        max_new_tokens: when > 0, sample this many tokens per prompt on the rollout side and score those.
+        num_samples: continuations per prompt (sampling mode).
+        progress: show a progress bar (tqdm) when there is more than one batch.
+
+    Returns:
+        A `DiagnoseResult`.
+    """
+    import numpy as np
+    from tqdm.auto import tqdm
+
+    from trl_integration.rollout import logit_noise
+
+    if not texts:
+        raise ValueError("no texts to score")
+    if not (math.isfinite(noise) and noise >= 0):
+        raise ValueError(f"noise={noise!r} is out of range: accepted a finite float >= 0")
+    if noise_kind not in NOISE_KINDS:
+        raise ValueError(f"noise_kind={noise_kind!r} is not accepted: accepted one of {NOISE_KINDS}")
+    if not temperature > 0:
+        raise ValueError(f"temperature={temperature!r} is out of range: accepted > 0")
+    if eps is not None and not (math.isfinite(eps) and eps >= 0):
+        raise ValueError(f"eps={eps!r} is out of range: accepted a finite float >= 0")
+    rule_obj = parse_rule(rule)
+    use_rule = not isinstance(rule_obj, NoPruning)
+    train_dtype, rollout_dtype = compare
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    device = next(model.parameters()).device
+    cache: dict = {}
+    model_a = _model_in(model, train_dtype, cache)
+    model_b = _model_in(model, rollout_dtype, cache)
+    same_engine = model_a is model_b
+    gen = torch.Generator(device=device).manual_seed(seed)
+
+    cols: dict[str, list[torch.Tensor]] = {k: [] for k in ("train_logp", "rollout_logp", "eps_t", "eps_raw", "seq")}
+    if use_rule:
+        for k in ("kept", "same_set", "pruned_log_r", "jaccard", "train_logp_s"):
+            cols[k] = []
+    n_seq = 0
+    chunk_elems = 2**22  # float64 elements per chunk of [positions, V]
+    batches = list(_batches(len(texts), batch_size))
+    bar = tqdm(total=len(batches), desc="scoring", unit="batch", disable=not progress or len(batches) < 2)
+    for start, stop in batches:
+        chunk_texts = list(texts[start:stop])
+        if max_new_tokens > 0:
+            ids, attn, counted = _sample(
+                model_b, tokenizer, chunk_texts, max_new_tokens=max_new_tokens, num_samples=num_samples,
+                temperature=temperature, noise=noise, noise_kind=noise_kind, seed=seed + start, device=device,
+            )
+        else:
+            enc = tokenizer(
+                chunk_texts, return_tensors="pt", padding=True, padding_side="right", truncation=True,
+                max_length=max_length,
+            ).to(device)
+            ids, attn = enc["input_ids"], enc["attention_mask"]
+            counted = (attn[:, 1:] * attn[:, :-1]).bool()
+        logits_a = _forward_logits(model_a, ids, attn)[:, :-1]
+        logits_b = logits_a if same_engine else _forward_logits(model_b, ids, attn)[:, :-1]
+        targets = ids[:, 1:]
+        rows = torch.arange(ids.shape[0], device=ids.device).unsqueeze(1).expand_as(targets)
+        za_all, zb_all, y_all, seq_all = logits_a[counted], logits_b[counted], targets[counted], rows[counted]
+        vocab = za_all.shape[-1]
+        step = max(1, chunk_elems // max(1, vocab))
+        for i in range(0, za_all.shape[0], step):
+            za = za_all[i : i + step].double() / temperature
+            zb = zb_all[i : i + step].double() / temperature
+            if noise > 0:
+                zb = zb + logit_noise(zb.shape, noise, noise_kind, generator=gen, device=zb.device, dtype=torch.float64)
+            y = y_all[i : i + step].unsqueeze(-1)
+            la = za.log_softmax(-1).gather(-1, y).squeeze(-1)
+            lb = zb.log_softmax(-1).gather(-1, y).squeeze(-1)
+            cols["train_logp"].append(la.cpu())
+            cols["rollout_logp"].append(lb.cpu())
+            cols["eps_t"].append(logit_perturbation_eps(za, zb).cpu())
+            cols["eps_raw"].append(logit_perturbation_eps(za, zb, centered=False).cpu())
+            cols["seq"].append((seq_all[i : i + step] + n_seq).cpu())
+            if use_rule:
+                from safevocab import safe_log_softmax
+
+                sa = safe_log_softmax(za, y.squeeze(-1), rule_obj)
+                sb = safe_log_softmax(zb, y.squeeze(-1), rule_obj)
+                dis = safe_set_disagreement(za, zb, rule_obj)
+                cols["kept"].append((sa.in_safe & sb.in_safe).cpu())
+                cols["same_set"].append((~dis.differs).cpu())
+                cols["jaccard"].append(dis.jaccard.cpu())
+                cols["pruned_log_r"].append((sa.logprobs - sb.logprobs).double().cpu())
+                cols["train_logp_s"].append(sa.logprobs.double().cpu())
+        n_seq += ids.shape[0]
+        bar.update(1)
+    bar.close()
+
+    tok = {k: torch.cat(v) if v else torch.zeros(0) for k, v in cols.items()}
+    n_tokens = int(tok["train_logp"].numel())
+    if n_tokens == 0:
+        raise ValueError("no token was scored (texts of a single token? empty continuations?)")
+    train_logp, rollout_logp = tok["train_logp"], tok["rollout_logp"]
+    log_r = train_logp - rollout_logp
+    p = train_logp.exp()
+    eps_t = tok["eps_t"]
+    eps_max = float(eps_t.max())
+    noise_only = noise > 0 and same_engine
+    if eps is not None:
+        eps_ref, eps_source = float(eps), "--eps"
+    elif noise_only:
+        eps_ref, eps_source = float(noise), "injected --noise"
+    else:
+        eps_ref, eps_source = eps_max, "measured eps_max"
+    bound = logprob_mismatch_bound(p.clamp(0.0, 1.0), torch.tensor(eps_ref, dtype=torch.float64))
+    local_bound = logprob_mismatch_bound(p.clamp(0.0, 1.0), eps_t)
+    within = log_r.abs() <= bound + BOUND_TOLERANCE
+    within_local = log_r.abs() <= local_bound + BOUND_TOLERANCE
+    tightness = torch.where(bound > 0, log_r.abs() / bound, torch.zeros_like(bound))
+
+    # Sequence-level statistics (verl's): each text (or sample) is one sequence.
+    seq = tok["seq"].long()
+    lengths = torch.bincount(seq, minlength=n_seq)
+    width = int(lengths.max())
+    pos = torch.arange(n_tokens) - torch.repeat_interleave(torch.cumsum(lengths, 0) - lengths, lengths)
+    dense_t = torch.zeros(n_seq, width, dtype=torch.float64)
+    dense_r = torch.zeros(n_seq, width, dtype=torch.float64)
+    mask = torch.zeros(n_seq, width, dtype=torch.bool)
+    dense_t[seq, pos], dense_r[seq, pos], mask[seq, pos] = train_logp, rollout_logp, True
+    seq_metrics = {k.split("/", 1)[1]: _num(v) for k, v in mismatch_metrics(dense_t, dense_r, mask).items()}
+
+    flat_mask = torch.ones(1, n_tokens, dtype=torch.bool)
+    b = bucket_mismatch(train_logp.unsqueeze(0), rollout_logp.unsqueeze(0), flat_mask, buckets)
+    bucket_rows = []
+    for j, name in enumerate(b.names):
+        lo, hi = float(b.lo[j]), float(b.hi[j])
+        in_b = (p >= lo) & ((p < hi) if j < len(b.names) - 1 else torch.ones_like(p, dtype=torch.bool))
+        bucket_rows.append(
+            {
+                "name": name,
+                "lo": lo,
+                "hi": hi,
+                "n": int(b.count[j]),
+                "frac": _num(b.frac[j]),
+                "abs_diff_mean": _num(b.abs_diff_mean[j]),
+                "diff_mean": _num(b.diff_mean[j]),
+                "abs_diff_max": _num(log_r.abs()[in_b].max()) if bool(in_b.any()) else None,
+                "bound_at_lo": _num(logprob_mismatch_bound(lo, eps_ref)),
+                "local_bound_mean": _num(local_bound[in_b].mean()) if bool(in_b.any()) else None,
+            }
+        )
+
+    summary: dict = {
+        "model": getattr(getattr(model, "config", None), "_name_or_path", None),
+        "mode": "sample" if max_new_tokens > 0 else "teacher_forcing",
+        "train_dtype": _dtype_name(train_dtype),
+        "rollout_dtype": _dtype_name(rollout_dtype),
+        "noise": float(noise),
+        "noise_kind": noise_kind if noise > 0 else None,
+        "seed": int(seed),
+        "temperature": float(temperature),
+        "n_texts": len(texts),
+        "n_sequences": int(n_seq),
+        "n_tokens": n_tokens,
+        "eps_max": eps_max,
+        "eps_raw_max": float(tok["eps_raw"].max()),
+        "eps_quantiles": {f"p{q}": float(np.quantile(eps_t.numpy(), q / 100)) for q in (50, 90, 99)},
+        "eps_ref": eps_ref,
+        "eps_ref_source": eps_source,
+        "frac_within_bound": float(within.double().mean()),
+        "frac_within_local_bound": float(within_local.double().mean()),
+        "bound_tolerance": BOUND_TOLERANCE,
+        "abs_diff_mean": float(log_r.abs().mean()),
+        "abs_diff_max": float(log_r.abs().max()),
+        "bound_tightness_median": float(tightness.median()),
+        "sequence_metrics": seq_metrics,
+        "buckets": bucket_rows,
+        "rule": None,
+    }
+    tokens = {"p": p, "train_logp": train_logp, "rollout_logp": rollout_logp, "log_r": log_r, "eps_t": eps_t,
+              "bound": bound}
+    if use_rule:
+        kept, same = tok["kept"], tok["same_set"]
+        pruned = tok["pruned_log_r"]
+        p_s = tok["train_logp_s"].exp().clamp(0.0, 1.0)
+        pruned_bound = logprob_mismatch_bound(p_s, torch.tensor(eps_ref, dtype=torch.float64))
+        both = kept & same
+        summary["rule"] = {
+            "rule": str(rule_obj),
+            "kept_frac": float(kept.double().mean()),
+            "set_differ_frac": float((~same).double().mean()),
+            "jaccard_mean": float(tok["jaccard"].mean()),
+            "abs_diff_mean_all": float(log_r.abs().mean()),
+            "abs_diff_mean_kept_full": _mean(log_r.abs(), kept),
+            "abs_diff_mean_kept_pruned": _mean(pruned.abs(), kept),
+            "abs_diff_mean_dropped": _mean(log_r.abs(), ~kept),
+            "abs_diff_max_kept_pruned": _max(pruned.abs(), kept),
+            "shrink_vs_all": _ratio(_mean(pruned.abs(), kept), float(log_r.abs().mean())),
+            "frac_within_pruned_bound": _mean(
+                (pruned.abs() <= pruned_bound + BOUND_TOLERANCE).double(), both
+            ),
+            "bucket_abs_diff_mean_kept_pruned": [
+                _mean(pruned.abs(), kept & (p >= r["lo"]) & ((p < r["hi"]) if r["hi"] < 1 else (p <= 2.0)))
+                for r in bucket_rows
+            ],
+        }
+        tokens.update(kept=kept, same_set=same, pruned_log_r=pruned)
+    return DiagnoseResult(summary=summary, tokens=tokens)
+
+
+def _num(x) -> float | None:
+    v = float(x)
+    return None if math.isnan(v) else v
+
+
+def _mean(x: torch.Tensor, m: torch.Tensor) -> float | None:
+    return float(x[m].mean()) if bool(m.any()) else None
+
+
+def _max(x: torch.Tensor, m: torch.Tensor) -> float | None:
+    return float(x[m].max()) if bool(m.any()) else None
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return None if a is None or not b else a / b
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+

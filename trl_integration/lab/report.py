@@ -1,0 +1,92 @@
+"""Outputs of the mismatch lab: ``summary.json``, the figures, and the summary table printed on the console."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from trl_integration.demo.model import TINY_MODEL_NAME, is_tiny_model
+from trl_integration.lab.engine import DiagnoseResult
+
+__all__ = ["write_outputs", "print_summary"]
+
+
+def write_outputs(result: DiagnoseResult, output_dir: str | os.PathLike, plots: bool = True,
+                  max_points: int = 20000) -> list[Path]:
+    """Write ``summary.json`` and (``plots=True``) ``mismatch_vs_p.png`` and ``bucket_means.png``.
+
+    Args:
+        result: the `DiagnoseResult` to write.
+        output_dir: created if needed.
+        plots: also draw the PNG plots (needs matplotlib).
+        max_points: the scatter plot shows a seeded random subset of at most this many tokens.
+
+    Returns:
+        The written paths (``summary.json`` first).
+    """
+    out = Path(output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    files = [out / "summary.json"]
+    if plots:
+        files += [out / "mismatch_vs_p.png", out / "bucket_means.png"]
+    result.summary["files"] = [f.name for f in files]
+    files[0].write_text(json.dumps(result.summary, indent=2, allow_nan=False) + "\n", encoding="utf-8")
+    if plots:
+        from trl_integration.lab.figures import plot_bucket_means, plot_mismatch_vs_p
+
+        plot_mismatch_vs_p(result, files[1], max_points)
+        plot_bucket_means(result, files[2])
+    return files
+
+
+def _fmt(x: float | None) -> str:
+    return "-" if x is None else f"{x:.3g}"
+
+
+def print_summary(summary: dict, files: list[Path]) -> None:
+    """Print the summary as a table (rich when available), ending with the written ``files``."""
+    model = str(summary["model"])
+    if is_tiny_model(model):
+        model = f"{TINY_MODEL_NAME} (bundled)"
+    lines = [
+        ("model", model),
+        ("compare (train:rollout)", f"{summary['train_dtype']}:{summary['rollout_dtype']}"),
+        ("injected noise", f"{summary['noise']:g} ({summary['noise_kind']})" if summary["noise"] else "none"),
+        ("tokens scored", f"{summary['n_tokens']} in {summary['n_sequences']} sequences ({summary['mode']})"),
+        ("eps_max (logit gap)", f"{summary['eps_max']:.4g}  (p50 {summary['eps_quantiles']['p50']:.3g}, "
+                                f"p99 {summary['eps_quantiles']['p99']:.3g})"),
+        ("within bound", f"{summary['frac_within_bound'] * 100:.2f}% at eps={summary['eps_ref']:.4g} "
+                         f"({summary['eps_ref_source']})"),
+        ("|Δ log p| mean / max", f"{summary['abs_diff_mean']:.3g} / {summary['abs_diff_max']:.3g}"),
+        ("k3 KL / chi2 token", f"{summary['sequence_metrics']['k3_kl']:.3g} / "
+                               f"{summary['sequence_metrics']['chi2_token']:.3g}"),
+    ]
+    for r in summary["buckets"]:
+        mean = "-" if r["abs_diff_mean"] is None else f"{r['abs_diff_mean']:.3g}"
+        lines.append((f"  bucket {r['name']}", f"n={r['n']:<6d} mean |Δ|={mean}  bound≤{r['bound_at_lo']:.3g}"))
+    rule = summary["rule"]
+    if rule:
+        kept = rule["abs_diff_mean_kept_pruned"]
+        lines += [
+            (f"rule {rule['rule']}", f"keeps {rule['kept_frac'] * 100:.1f}% of tokens, sets differ at "
+                                     f"{rule['set_differ_frac'] * 100:.2f}% of positions"),
+            ("  mean |Δ| on kept tokens", f"{_fmt(rule['abs_diff_mean_kept_full'])} full softmax -> "
+                                          f"{_fmt(kept)} renormalised π_S (all tokens: "
+                                          f"{rule['abs_diff_mean_all']:.3g})"),
+        ]
+    lines.append(("wrote", ", ".join(str(f) for f in files)))
+    try:
+        from rich.console import Console
+        from rich.table import Table
+
+        table = Table(title="safevocab diagnose", show_header=False)
+        table.add_column(style="bold")
+        table.add_column()
+        for k, v in lines:
+            table.add_row(k, v)
+        Console().print(table)
+    except ImportError:  # pragma: no cover - rich is part of the trl extra
+        width = max(len(k) for k, _ in lines)
+        for k, v in lines:
+            print(f"{k:<{width}}  {v}")

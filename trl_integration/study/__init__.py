@@ -1,0 +1,44 @@
+"""``safevocab study``: remedies for training–inference mismatch compared arm by arm, over several seeds.
+
+- :mod:`~trl_integration.study.arms`: the arms (``ARM_NAMES``, ``arm_overrides``) and ``StudySettings``;
+- :mod:`~trl_integration.study.run`: ``run_study``, every (arm, seed) trained in-process with held-out evaluations;
+- :mod:`~trl_integration.study.aggregate`: ``summarize``, mean ± std over seeds per arm;
+- :mod:`~trl_integration.study.report`: ``report.md`` and ``results.json`` (``render_report``, ``write_report``);
+- :mod:`~trl_integration.study.plots`: one PNG per metric (``PLOTS``).
+
+The command line is :mod:`trl_integration.commands.study` (``add_study_subparser``, ``build_parser`` and ``main``
+still import from here, with a ``FutureWarning``). See ``docs/results.md``.
+"""
+
+from trl_integration._moved import moved
+from trl_integration.study.aggregate import summarize
+from trl_integration.study.arms import ARM_DESCRIPTIONS, ARM_NAMES, StudySettings, arm_overrides
+from trl_integration.study.plots import PLOTS
+from trl_integration.study.report import render_report, write_report
+from trl_integration.study.run import HeldOutAccuracyCallback, run_study, settings_command
+
+__all__ = [
+    "ARM_NAMES",
+    "ARM_DESCRIPTIONS",
+    "PLOTS",
+    "StudySettings",
+    "arm_overrides",
+    "HeldOutAccuracyCallback",
+    "run_study",
+    "settings_command",
+    "summarize",
+    "render_report",
+    "write_report",
+    "add_study_subparser",
+    "build_parser",
+    "main",
+]
+
+__getattr__ = moved(
+    __name__,
+    {
+        "add_study_subparser": "trl_integration.commands._legacy",
+        "build_parser": "trl_integration.commands._legacy:study_parser",
+        "main": "trl_integration.commands.study",
+    },
+)

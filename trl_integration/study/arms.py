@@ -1,0 +1,193 @@
+"""The arms of ``safevocab study`` and the settings every run shares (:class:`StudySettings`).
+
+The arms (each a set of ``SafeVocabGRPOConfig`` overrides, :func:`arm_overrides`):
+
+- ``no_remedy``: ``safe_vocab_rule=none`` (full vocabulary), no importance-sampling correction;
+- ``tis``: ``none`` + truncated IS (``token_truncate``, the ratio clipped above at ``is_clip_max``);
+- ``mis``: ``none`` + masked IS (``mis_mode`` ``token_mask`` or ``sequence_mask``; ratios outside
+  ``[is_clip_min, is_clip_max]`` are zeroed);
+- ``dvp``: ``dvp_rule`` (default ``min_p=0.01``) in the sampler and the trainer, no IS;
+- ``dvp_length_decay``: ``dvp`` + ``length_decay`` with ``length_decay_period="auto"`` (the LR is held until the
+  response length surges, then halved every ``round(1.8 x surge step)`` steps).
+
+Every arm shares the rest (:func:`shared_config`: the tiny GRPO job of :func:`trl_integration.demo.tiny_grpo_config`
+with the study's batch, steps, learning-rate schedule and injected mismatch); runs of the same seed share the data
+order, the sampling seed and the noise seed.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from trl_integration.demo.config import tiny_grpo_config_kwargs
+from trl_integration.rollout import NOISE_KINDS, ROLLOUT_DTYPES
+
+__all__ = ["ARM_NAMES", "ARM_DESCRIPTIONS", "MIS_MODES", "StudySettings", "arm_overrides", "shared_config"]
+
+#: The arms, in report order.
+ARM_NAMES: tuple[str, ...] = ("no_remedy", "tis", "mis", "dvp", "dvp_length_decay")
+
+#: One line per arm for the report.
+ARM_DESCRIPTIONS: dict[str, str] = {
+    "no_remedy": "full vocabulary (rule none), no IS correction",
+    "tis": "rule none + token-level truncated IS (token_truncate)",
+    "mis": "rule none + masked IS",
+    "dvp": "DVP: safe-vocabulary rule in sampler and trainer, no IS",
+    "dvp_length_decay": "DVP + length-decay LR (period auto)",
+}
+
+#: Modes of the ``mis`` arm (trl's masked importance sampling).
+MIS_MODES = ("token_mask", "sequence_mask")
+
+
+@dataclass
+class StudySettings:
+    """Everything a study run depends on (the command-line flags of ``safevocab study``).
+
+    Attributes:
+        arms: arm names, a subset of `ARM_NAMES`, in the order they run.
+        seeds: training seeds; each arm runs once per seed (sampling, data order and noise seeds).
+        steps: optimizer steps per run.
+        eval_every: held-out evaluation every this many steps (and at step 0 and at the last step).
+        eval_num_prompts: size of the fixed held-out set (test split, seed 1, as ``safevocab-grpo``'s summary).
+        noise: bound ε of the injected rollout logit noise (``rollout_logit_noise``); 0 disables it.
+        noise_kind: ``uniform`` or ``clipped_gaussian``.
+        rollout_dtype: precision of the ``generate`` rollouts (``auto`` = the model's, float32 here).
+        dvp_rule: safe-vocabulary rule of the ``dvp`` arms.
+        mis_mode: ``token_mask`` or ``sequence_mask`` for the ``mis`` arm.
+        is_clip_min: lower IS bound of the ``mis`` arm (ratios below it are masked).
+        is_clip_max: upper IS bound of ``tis`` (truncation) and ``mis`` (masking).
+        learning_rate: initial learning rate.
+        lr_scheduler_type: the Trainer's schedule for every arm but ``dvp_length_decay``.
+        num_prompts_per_step: prompts per optimizer step (the batch is this times ``num_generations``).
+        num_generations: completions per prompt (the GRPO group size).
+        max_completion_length: longest completion in tokens.
+        train_num_prompts: size of the training prompt pool (train split, seed 0).
+        model: model folder; ``None`` = the bundled tiny arithmetic model.
+        smooth: trailing moving-average window (steps) of the per-step training metrics in the plots.
+        threads: torch intra-op threads during the study (``torch.set_num_threads``). The default 1 is the fastest
+            for the tiny model on a shared CPU: 2 threads were ~6x slower per step when other jobs loaded the cores.
+        output_dir: where the report, the plots and ``results.json`` go.
+    """
+
+    arms: list[str] = field(default_factory=lambda: list(ARM_NAMES))
+    seeds: list[int] = field(default_factory=lambda: [0, 1, 2])
+    steps: int = 150
+    eval_every: int = 25
+    eval_num_prompts: int = 200
+    noise: float = 0.5
+    noise_kind: str = "uniform"
+    rollout_dtype: str = "auto"
+    dvp_rule: str = "min_p=0.01"
+    mis_mode: str = "token_mask"
+    is_clip_min: float = 0.5
+    is_clip_max: float = 2.0
+    learning_rate: float = 1e-4
+    lr_scheduler_type: str = "constant"
+    num_prompts_per_step: int = 8
+    num_generations: int = 8
+    max_completion_length: int = 8
+    train_num_prompts: int = 4096
+    model: str | None = None
+    smooth: int = 10
+    threads: int = 1
+    output_dir: str = "runs/safevocab-study"
+
+    def validate(self) -> None:
+        """Raise ``ValueError`` naming the flag on any out-of-range value."""
+        unknown = [a for a in self.arms if a not in ARM_NAMES]
+        if unknown or not self.arms:
+            raise ValueError(f"--arms {self.arms!r} is not accepted: accepted a non-empty subset of {list(ARM_NAMES)}")
+        if len(set(self.arms)) != len(self.arms):
+            raise ValueError(f"--arms {self.arms!r} repeats an arm")
+        if not self.seeds or len(set(self.seeds)) != len(self.seeds):
+            raise ValueError(f"--seeds {self.seeds!r} is not accepted: accepted distinct integers")
+        for name in ("steps", "eval_every", "eval_num_prompts", "num_prompts_per_step", "num_generations",
+                     "max_completion_length", "train_num_prompts", "smooth", "threads"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"--{name} {value!r} is out of range: accepted an integer >= 1")
+        if self.num_generations < 2:
+            raise ValueError(f"--num_generations {self.num_generations!r} is out of range: GRPO needs >= 2")
+        if not (math.isfinite(self.noise) and self.noise >= 0):
+            raise ValueError(f"--noise {self.noise!r} is out of range: accepted a finite float >= 0")
+        if self.noise_kind not in NOISE_KINDS:
+            raise ValueError(f"--noise_kind {self.noise_kind!r} is not accepted: accepted one of {NOISE_KINDS}")
+        if self.rollout_dtype not in ROLLOUT_DTYPES:
+            raise ValueError(
+                f"--rollout_dtype {self.rollout_dtype!r} is not accepted: accepted one of {tuple(ROLLOUT_DTYPES)}"
+            )
+        if self.mis_mode not in MIS_MODES:
+            raise ValueError(f"--mis_mode {self.mis_mode!r} is not accepted: accepted one of {MIS_MODES}")
+        if not (0 <= self.is_clip_min < self.is_clip_max):
+            raise ValueError(
+                f"--is_clip_min {self.is_clip_min!r} / --is_clip_max {self.is_clip_max!r} are out of range: "
+                "accepted 0 <= min < max"
+            )
+        if not (math.isfinite(self.learning_rate) and self.learning_rate > 0):
+            raise ValueError(f"--learning_rate {self.learning_rate!r} is out of range: accepted a float > 0")
+        from safevocab import parse_rule
+
+        parse_rule(self.dvp_rule)  # raises ValueError naming the rule
+
+
+# ----------------------------------------------------------------------------------------------------
+# arms and runs
+# ----------------------------------------------------------------------------------------------------
+
+
+def arm_overrides(arm: str, settings: StudySettings) -> dict[str, Any]:
+    """The ``SafeVocabGRPOConfig`` fields that define ``arm`` (on top of the shared settings)."""
+    no_is = dict(vllm_importance_sampling_correction=False)
+    if arm == "no_remedy":
+        return dict(safe_vocab_rule="none", **no_is)
+    if arm == "tis":
+        return dict(
+            safe_vocab_rule="none",
+            vllm_importance_sampling_correction=True,
+            vllm_importance_sampling_mode="token_truncate",
+            vllm_importance_sampling_clip_min=None,
+            vllm_importance_sampling_clip_max=settings.is_clip_max,
+        )
+    if arm == "mis":
+        return dict(
+            safe_vocab_rule="none",
+            vllm_importance_sampling_correction=True,
+            vllm_importance_sampling_mode=settings.mis_mode,
+            vllm_importance_sampling_clip_min=settings.is_clip_min,
+            vllm_importance_sampling_clip_max=settings.is_clip_max,
+        )
+    if arm == "dvp":
+        return dict(safe_vocab_rule=settings.dvp_rule, safe_vocab_in_sampler=True, **no_is)
+    if arm == "dvp_length_decay":
+        return dict(
+            safe_vocab_rule=settings.dvp_rule, safe_vocab_in_sampler=True, length_decay=True,
+            length_decay_period="auto", **no_is,
+        )
+    raise ValueError(f"unknown arm {arm!r}: accepted one of {list(ARM_NAMES)}")
+
+def shared_config(settings: StudySettings, seed: int, output_dir: str) -> dict[str, Any]:
+    """The ``SafeVocabGRPOConfig`` fields every arm shares: the tiny job with the study's batch, schedule and
+    injected mismatch, logging every step, without gradient checkpointing or a progress bar of its own."""
+    return tiny_grpo_config_kwargs(
+        output_dir=output_dir,
+        max_steps=settings.steps,
+        per_device_train_batch_size=settings.num_prompts_per_step * settings.num_generations,
+        num_generations=settings.num_generations,
+        max_completion_length=settings.max_completion_length,
+        learning_rate=settings.learning_rate,
+        lr_scheduler_type=settings.lr_scheduler_type,
+        logging_steps=1,
+        bf16=False,
+        gradient_checkpointing=False,
+        disable_tqdm=True,
+        seed=seed,
+        rollout_noise_seed=seed,
+        rollout_logit_noise=settings.noise,
+        rollout_logit_noise_kind=settings.noise_kind,
+        rollout_dtype=settings.rollout_dtype,
+        rollout_logprobs=True,
+        log_mismatch_metrics=True,
+    )

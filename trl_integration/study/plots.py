@@ -1,0 +1,106 @@
+"""Figures of ``safevocab study``: one PNG per metric, one line per arm (the mean over seeds) with a min..max band.
+
+Training metrics are smoothed with a trailing moving average of ``settings["smooth"]`` steps; the held-out accuracy
+and the learning rate are drawn as logged.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from pathlib import Path
+
+__all__ = ["PLOTS", "plot_metric"]
+
+#: The figures: file stem -> (series key, y-axis label, smoothed?). ``eval/accuracy`` is the held-out accuracy.
+PLOTS: dict[str, tuple[str, str, bool]] = {
+    "reward": ("reward", "mean reward of the training batch", True),
+    "heldout_accuracy": ("eval/accuracy", "held-out greedy accuracy", False),
+    "log_ppl_gap": ("mismatch/log_ppl_abs_diff", "log-ppl gap |log ppl_rollout - log ppl_train|", True),
+    "grad_norm": ("grad_norm", "gradient norm (before clipping)", True),
+    "out_of_set_frac": ("safevocab/out_of_set_frac", "sampled tokens outside the trainer's safe set", True),
+    "response_length": ("completions/mean_length", "mean response length (tokens)", True),
+    "learning_rate": ("learning_rate", "learning rate", False),
+}
+
+
+def _smooth(values: list[float], window: int) -> list[float]:
+    out = []
+    for i in range(len(values)):
+        part = [v for v in values[max(0, i - window + 1) : i + 1] if v is not None and math.isfinite(v)]
+        out.append(sum(part) / len(part) if part else float("nan"))
+    return out
+
+
+def _arm_curves(results: dict, arm: str, key: str, smooth: int) -> tuple[list[int], list[list[float]]] | None:
+    """Steps and one curve per successful seed of ``key`` (``eval/accuracy`` for the held-out accuracy)."""
+    curves: list[dict[int, float]] = []
+    for r in results["runs"]:
+        if r["arm"] != arm or r["status"] != "ok":
+            continue
+        if key == "eval/accuracy":
+            steps, vals = r["eval"]["step"], r["eval"]["accuracy"]
+        else:
+            steps, vals = r["series"].get("step", []), r["series"].get(key)
+            if vals is None:
+                continue
+            vals = [float("nan") if v is None else v for v in vals]
+            if smooth > 1:
+                vals = _smooth(vals, smooth)
+        curves.append(dict(zip(steps, vals)))
+    if not curves:
+        return None
+    steps = sorted(set().union(*curves))
+    return steps, [[c.get(st, float("nan")) for st in steps] for c in curves]
+
+
+def plot_metric(results: dict, stem: str, path: Path) -> None:
+    """Draw the figure ``stem`` (a key of `PLOTS`) of ``results`` to ``path``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    key, label, smoothed = PLOTS[stem]
+    s = results["settings"]
+    window = s["smooth"] if smoothed else 1
+    fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=110)
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    drawn = 0
+    for i, arm in enumerate(results["arms"]):
+        color = colors[i % len(colors)]
+        curves = _arm_curves(results, arm, key, window)
+        entry = results["summary"].get(arm, {})
+        if curves is None:
+            reason = "failed" if entry.get("failed") else "no data"
+            ax.plot([], [], color=color, ls=":", label=f"{arm} ({reason})")
+            continue
+        steps, values = curves
+        same = entry.get("identical_to")
+        style = dict(lw=max(1.0, 2.6 - 0.4 * i), ls=("-", "--", "-.", ":")[i % 4])
+        arr = np.array(values, dtype=float)
+        with np.errstate(all="ignore"), warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # all-NaN columns (a step no seed logged)
+            mean, lo, hi = np.nanmean(arr, axis=0), np.nanmin(arr, axis=0), np.nanmax(arr, axis=0)
+        n = arr.shape[0]
+        marker = "o" if key == "eval/accuracy" else None
+        ax.plot(steps, mean, color=color, marker=marker, ms=3, label=f"{arm} (n={n}{', = ' + same if same else ''})",
+                **style)
+        if n > 1:
+            ax.fill_between(steps, lo, hi, color=color, alpha=0.15, lw=0)
+        drawn += 1
+    title = label
+    if window > 1:
+        title += f" ({window}-step moving average)"
+    noise = f"ε={s['noise']:g} {s['noise_kind']}" if s["noise"] > 0 else "no injected noise"
+    ax.set_title(f"{title}\n{noise}, rollout {s['rollout_dtype']}; mean over seeds, band = min..max", fontsize=9)
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel(label, fontsize=8)
+    if key == "learning_rate":
+        ax.ticklabel_format(axis="y", style="sci", scilimits=(0, 0))
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=7, loc="best")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)

@@ -1,0 +1,202 @@
+"""``report.md`` and ``results.json`` of ``safevocab study``: the settings, the exact command, the accuracy and
+reward tables per arm (mean ± std over seeds), the mismatch diagnostics, failed runs and the figures."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from trl_integration.demo.model import TINY_MODEL_NAME, is_tiny_model
+from trl_integration.study.aggregate import FINAL_REWARD_STEPS
+from trl_integration.study.arms import ARM_DESCRIPTIONS
+from trl_integration.study.plots import PLOTS, plot_metric
+
+__all__ = ["format_stat", "format_status", "render_report", "write_report", "write_json"]
+
+
+def format_stat(stat: dict | None, digits: int = 3, signed: bool = False) -> str:
+    """``"mean ± std"`` of an aggregated outcome (``"–"`` when undefined)."""
+    if not stat or stat.get("mean") is None:
+        return "–"
+    fmt = f"{{:+.{digits}f}}" if signed else f"{{:.{digits}f}}"
+    text = fmt.format(stat["mean"])
+    if stat.get("std") is not None:
+        text += f" ± {stat['std']:.{digits}f}"
+    return text
+
+
+def _g(stat: dict | None) -> str:
+    if not stat or stat.get("mean") is None:
+        return "–"
+    return f"{stat['mean']:.3g}"
+
+
+def format_status(entry: dict) -> str:
+    """``"ok/runs"`` of an arm, with its failed and not-run counts."""
+    text = f"{entry['ok']}/{entry['runs']}"
+    if entry["failed"]:
+        text += f" (**{len(entry['failed'])} failed**)"
+    if entry["not_run"]:
+        text += f" ({len(entry['not_run'])} not run)"
+    return text
+
+
+def _settings_rows(results: dict) -> list[tuple[str, str]]:
+    s = results["settings"]
+    env = results.get("environment", {})
+    batch = s["num_prompts_per_step"] * s["num_generations"]
+    mismatch = []
+    if s["noise"] > 0:
+        mismatch.append(f"{s['noise_kind']} logit noise, ε = {s['noise']:g} (rollout_logit_noise)")
+    mismatch.append(f"rollout_dtype {s['rollout_dtype']}")
+    if s["noise"] == 0 and s["rollout_dtype"] in ("auto", "float32"):
+        mismatch.append("no injected mismatch (fp32 rollout and fp32 training)")
+    model = results.get("model") or "bundled"
+    if is_tiny_model(model):
+        model = f"{TINY_MODEL_NAME} (bundled)"
+    return [
+        ("model", str(model)),
+        ("task", f"arithmetic (train pool {s['train_num_prompts']} prompts, seed 0), reward arithmetic_reward"),
+        ("mismatch", "; ".join(mismatch)),
+        ("steps per run", str(s["steps"])),
+        ("batch", f"{s['num_prompts_per_step']} prompts × {s['num_generations']} generations = {batch} completions "
+                  f"per step, max_completion_length {s['max_completion_length']}"),
+        ("optimiser", f"AdamW, lr {s['learning_rate']:g}, schedule {s['lr_scheduler_type']} (dvp_length_decay: "
+                      "LengthDecayLR, constant until a surge), beta 0, loss dapo (trl default), temperature 1"),
+        ("DVP rule", s["dvp_rule"]),
+        ("IS settings", f"tis: token_truncate, clip_max {s['is_clip_max']:g}; mis: {s['mis_mode']}, "
+                        f"[{s['is_clip_min']:g}, {s['is_clip_max']:g}]"),
+        ("seeds", ", ".join(str(x) for x in s["seeds"])),
+        ("held-out evaluation", f"greedy accuracy on {s['eval_num_prompts']} test-split problems (seed 1), at step 0 "
+                                f"and every {s['eval_every']} steps"),
+        ("software", f"torch {env.get('torch')}, transformers {env.get('transformers')}, trl {env.get('trl')}, "
+                     f"python {env.get('python')}, {env.get('torch_threads')} torch threads"),
+        ("wall time", f"{results['wall_time_s']:.0f} s in total" if results.get("wall_time_s") is not None else "–"),
+    ]
+
+
+def render_report(
+    results: dict, image_prefix: str = "", heading_level: int = 1, plots: bool = True, title: str | None = None
+) -> str:
+    """The Markdown of ``report.md``.
+
+    Args:
+        results: the dict `run_study` returns (or ``results.json`` loaded).
+        image_prefix: prepended to the PNG file names in the image links (e.g. ``"img/study/eps0.5/"``).
+        heading_level: level of the top heading (``1`` = ``#``); the sections are one level deeper.
+        plots: include the figure links.
+        title: the top heading's text (default: "safevocab study: arms × seeds × steps").
+    """
+    h = "#" * heading_level
+    hh = "#" * (heading_level + 1)
+    s = results["settings"]
+    summ = results["summary"]
+    arms = list(results["arms"])
+    title = title or f"safevocab study: {len(arms)} arms × {len(s['seeds'])} seeds × {s['steps']} steps"
+    lines = [f"{h} {title}", ""]
+    lines += [f"{hh} Command", "", "```bash", results["command"], "```", ""]
+    if results.get("command_full") and results["command_full"] != results["command"]:
+        lines += ["With every flag explicit:", "", "```bash", results["command_full"], "```", ""]
+    lines += [f"{hh} Settings", "", "| setting | value |", "|---|---|"]
+    lines += [f"| {k} | {v} |" for k, v in _settings_rows(results)]
+    lines += ["", "Arms:", ""]
+    for arm in arms:
+        what = ARM_DESCRIPTIONS.get(arm, "custom arm")
+        lines.append(f"- `{arm}`: {what} — `{_overrides_text(results['arms'][arm])}`")
+    initial = [summ[a]["initial_accuracy"]["mean"] for a in arms if summ[a]["initial_accuracy"]["mean"] is not None]
+    lines += ["", f"{hh} Held-out accuracy", ""]
+    if initial:
+        lines.append(f"Held-out greedy accuracy before training: {initial[0]:.3f} (the same model for every run).")
+        lines.append("")
+    lines += [
+        "Mean ± sample standard deviation over the seeds that finished. *final*: at the last step; *best*: the "
+        "highest of the evaluations after step 0; *Δ final vs no_remedy*: the difference to `no_remedy` with the "
+        "same seed, averaged over seeds.",
+        "",
+        "| arm | runs ok | final accuracy | best accuracy | Δ final vs no_remedy |",
+        "|---|---|---|---|---|",
+    ]
+    for arm in arms:
+        e = summ[arm]
+        delta = "–" if arm == "no_remedy" else format_stat(e["final_accuracy_vs_no_remedy"], signed=True)
+        lines.append(
+            f"| {arm} | {format_status(e)} | {format_stat(e['final_accuracy'])} | {format_stat(e['best_accuracy'])} "
+            f"| {delta} |"
+        )
+    lines += [
+        "",
+        f"{hh} Training reward and mismatch",
+        "",
+        f"*final reward*: mean training-batch reward of the last {FINAL_REWARD_STEPS} steps (first "
+        f"{FINAL_REWARD_STEPS} steps for *first reward*). The other columns are means over all steps: log-ppl gap "
+        "`mismatch/log_ppl_abs_diff`, k3 KL `mismatch/k3_kl`, out-of-set `safevocab/out_of_set_frac`, "
+        "IS clipped/masked `mismatch/is_clipped_frac` (IS arms only), gradient norm before clipping.",
+        "",
+        "| arm | first reward | final reward | log-ppl gap | k3 KL | out-of-set | IS clipped/masked | grad norm | "
+        "length | s / run |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for arm in arms:
+        e = summ[arm]
+        lines.append(
+            f"| {arm} | {format_stat(e['first_reward'])} | {format_stat(e['final_reward'])} | {_g(e['log_ppl_gap'])} | "
+            f"{_g(e['k3_kl'])} | {_g(e['out_of_set_frac'])} | {_g(e['is_clipped_frac'])} | {_g(e['grad_norm'])} | "
+            f"{_g(e['mean_length'])} | {_g(e['wall_time_s'])} |"
+        )
+    for arm in arms:
+        if summ[arm].get("identical_to"):
+            lines += ["", f"`{arm}` reproduced `{summ[arm]['identical_to']}` exactly: the same per-step reward, "
+                          "gradient norm and held-out accuracy in every seed."]
+    decays = [(a, summ[a]["length_decay"]) for a in arms if summ[a].get("length_decay")]
+    for arm, d in decays:
+        if d["surges_detected"] == 0:
+            lines += ["", f"`{arm}`: the response-length surge detector never fired ({d['runs']} runs), so the LR "
+                          "stayed at its initial value."]
+        else:
+            lines += ["", f"`{arm}`: the surge detector fired in {d['surges_detected']} of {d['runs']} runs "
+                          f"(surge steps {d['surge_steps']}, decay periods {d['decay_periods']})."]
+    failed = [(r["arm"], r["seed"], r.get("error")) for r in results["runs"] if r["status"] == "failed"]
+    not_run = [(r["arm"], r["seed"]) for r in results["runs"] if r["status"] == "not_run"]
+    lines += ["", f"{hh} Failed runs", ""]
+    if not failed and not not_run:
+        lines.append("None: every (arm, seed) finished.")
+    for arm, seed, err in failed:
+        lines.append(f"- **{arm}, seed {seed}: failed** — `{err}` (traceback in results.json)")
+    for arm, seed in not_run:
+        lines.append(f"- {arm}, seed {seed}: not run (the study was interrupted)")
+    if plots:
+        lines += ["", f"{hh} Figures", "",
+                  f"One line per arm: the mean over seeds; the band spans the smallest to the largest seed. Training "
+                  f"metrics are smoothed with a trailing {s['smooth']}-step moving average (raw series in "
+                  "results.json).", ""]
+        for stem, (_, label, _) in PLOTS.items():
+            lines += [f"![{label}]({image_prefix}{stem}.png)", ""]
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def _overrides_text(overrides: dict) -> str:
+    return ", ".join(f"{k}={v}" for k, v in overrides.items())
+
+def write_report(results: dict, output_dir: str | os.PathLike, plots: bool = True) -> list[Path]:
+    """Write ``results.json``, ``report.md`` and (with ``plots``) one PNG per entry of `PLOTS`.
+
+    Returns:
+        The written paths, ``report.md`` first.
+    """
+    out = Path(output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    files = [out / "report.md", out / "results.json"]
+    if plots:
+        for stem in PLOTS:
+            plot_metric(results, stem, out / f"{stem}.png")
+            files.append(out / f"{stem}.png")
+    results["files"] = [f.name for f in files]
+    write_json(results, out / "results.json")
+    (out / "report.md").write_text(render_report(results, plots=plots), encoding="utf-8")
+    return files
+
+
+def write_json(results: dict, path: Path) -> None:
+    """Write ``results`` as strict JSON (``NaN`` is an error: undefined values are ``None``)."""
+    path.write_text(json.dumps(results, indent=1, allow_nan=False) + "\n", encoding="utf-8")
