@@ -9,7 +9,9 @@ depends on torch alone. Names are imported lazily: ``import trl_integration`` do
 - importance-sampling ratio with raw statistics: ``safevocab.correction`` (``trl_integration.correction`` is a deprecated alias).
 - ``trl_integration.rollout``: rollout log-probabilities and precision on the ``generate`` path.
 - ``trl_integration.lm_head``: the safe fused LM head patch.
-- ``trl_integration.cli``: the ``safevocab-grpo`` command.
+- ``trl_integration.commands``: the ``safevocab`` command (``grpo``, ``diagnose``, ``study``, ``bench``) and
+  ``safevocab-grpo``; ``trl_integration.lab`` and ``trl_integration.study`` behind them.
+- ``trl_integration.demo``: the bundled tiny model, its task and ``tiny_grpo_config()``.
 """
 
 from __future__ import annotations

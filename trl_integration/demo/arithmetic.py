@@ -74,7 +74,9 @@ def completion_text(completion: Any) -> str:
     raise TypeError(f"completion must be a str or a list of chat messages, got {type(completion).__name__}")
 
 
-def arithmetic_reward(prompts, completions, answer, **kwargs) -> list[float]:
+def arithmetic_reward(
+    prompts: Sequence[Any], completions: Sequence[Any], answer: Sequence[str | int], **kwargs: Any
+) -> list[float]:
     """trl reward function: 1.0 where the completion's parsed answer equals ``answer`` exactly, else 0.0.
 
     Args:
@@ -175,9 +177,9 @@ def make_dataset(
 
 
 def accuracy(
-    model,
-    tokenizer,
-    dataset,
+    model: Any,
+    tokenizer: Any,
+    dataset: Any,
     *,
     batch_size: int = 256,
     max_new_tokens: int = MAX_ANSWER_CHARS + 2,
