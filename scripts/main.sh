@@ -3,8 +3,9 @@
 #
 #   bash scripts/main.sh [ARGS...]     # ARGS are passed to the main job
 #
-# The main job: `safevocab-grpo` with no arguments runs GRPO with Dynamic Vocabulary Pruning on the
-# bundled tiny model and arithmetic task (a few minutes on a CPU) and prints a summary.
+# The main job: `safevocab-grpo` (= `safevocab grpo`) with no arguments runs GRPO with Dynamic Vocabulary
+# Pruning on the bundled tiny model and arithmetic task (trl_integration/demo: 200 steps, about 30 s of training
+# on a CPU) and prints a summary.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"

@@ -21,7 +21,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from trl_integration.demo.config import tiny_grpo_config_kwargs
+from trl_integration.demo.config import TINY_GRPO_DEFAULTS, tiny_grpo_config_kwargs
 from trl_integration.rollout import NOISE_KINDS, ROLLOUT_DTYPES
 
 __all__ = ["ARM_NAMES", "ARM_DESCRIPTIONS", "MIS_MODES", "StudySettings", "arm_overrides", "shared_config"]
@@ -45,6 +45,8 @@ MIS_MODES = ("token_mask", "sequence_mask")
 @dataclass
 class StudySettings:
     """Everything a study run depends on (the command-line flags of ``safevocab study``).
+
+    The batch, completion length and learning rate default to the tiny demo job's (``TINY_GRPO_DEFAULTS``).
 
     Attributes:
         arms: arm names, a subset of `ARM_NAMES`, in the order they run.
@@ -84,11 +86,13 @@ class StudySettings:
     mis_mode: str = "token_mask"
     is_clip_min: float = 0.5
     is_clip_max: float = 2.0
-    learning_rate: float = 1e-4
+    learning_rate: float = TINY_GRPO_DEFAULTS["learning_rate"]
     lr_scheduler_type: str = "constant"
-    num_prompts_per_step: int = 8
-    num_generations: int = 8
-    max_completion_length: int = 8
+    num_prompts_per_step: int = (
+        TINY_GRPO_DEFAULTS["per_device_train_batch_size"] // TINY_GRPO_DEFAULTS["num_generations"]
+    )
+    num_generations: int = TINY_GRPO_DEFAULTS["num_generations"]
+    max_completion_length: int = TINY_GRPO_DEFAULTS["max_completion_length"]
     train_num_prompts: int = 4096
     model: str | None = None
     smooth: int = 10
