@@ -41,7 +41,7 @@ logger = logging.getLogger("safevocab")
 #: Threshold modes of the forward kernel (``MODE`` constexpr).
 MODE_GIVEN, MODE_NONE, MODE_MIN_P, MODE_MIN_PROB = 0, 1, 2, 3
 
-_KERNEL_MODULES = ("safevocab.kernels._common", "safevocab.kernels.forward_fold", "safevocab.kernels.backward_fold")
+_KERNEL_MODULES = ("safevocab.kernels.common", "safevocab.kernels.forward_fold", "safevocab.kernels.backward_fold")
 
 
 @functools.lru_cache(maxsize=1)

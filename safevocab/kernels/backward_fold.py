@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from safevocab.kernels import interpreter_on
-from safevocab.kernels._common import transform
+from safevocab.kernels.common import transform
 
 #: Whether these kernels were defined under Triton's interpreter (``TRITON_INTERPRET=1`` at import).
 INTERPRETED = interpreter_on()

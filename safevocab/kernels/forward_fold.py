@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from safevocab.kernels import MODE_GIVEN, MODE_MIN_P, MODE_MIN_PROB, MODE_NONE, interpreter_on
-from safevocab.kernels._common import transform
+from safevocab.kernels.common import transform
 from safevocab.rules import finite_floor
 
 #: Whether these kernels were defined under Triton's interpreter (``TRITON_INTERPRET=1`` at import).
