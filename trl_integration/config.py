@@ -28,6 +28,7 @@ from trl_integration.enums import (
     OUT_OF_SET_MODES,
     ROLLOUT_DTYPES,
     SCORING_MODES,
+    SUPPORT_SOURCES,
 )
 
 __all__ = ["SafeVocabGRPOConfig", "OUT_OF_SET_MODES", "SCORING_MODES", "DEFAULT_RULE"]
@@ -93,6 +94,9 @@ class SafeVocabGRPOConfig(GRPOConfig):
             generation batch, and the out-of-set tokens of the micro-batches not yet run are unknown, so
             `"loss_forward"` then divides by the count before out-of-set masking (a relative difference of
             `safevocab/masked_token_frac`). Off-policy batches always reuse trl's old-policy pass.
+        safe_vocab_support (`str`, defaults to `"rule"`):
+            `"rule"` recomputes each position's safe set with the rule; `"replay"` renormalises over the engine's kept
+            token sets (a `rollout_func`'s `"sampling_mask"`, see docs/trl.md) & the rule; rule fallback, one warning.
         rollout_logit_noise (`float`, defaults to `0.0`):
             Mismatch lab: a hard bound ε on a seeded perturbation δ (|δ_i| ≤ ε) added to the `generate`
             rollout's transformed logits before the rule and the softmax; tokens are sampled from, and rollout
@@ -180,6 +184,14 @@ class SafeVocabGRPOConfig(GRPOConfig):
             "rollout) or 'auto' ('loss_forward' where exact, i.e. unless a dapo/cispo/vespo loss splits a "
             "generation batch into several micro-batches).",
             "choices": list(SCORING_MODES),
+        },
+    )
+    safe_vocab_support: str = field(
+        default="rule",
+        metadata={
+            "help": "Safe set of each position: 'rule' (recomputed by the trainer's rule) or 'replay' (the engine's "
+            "kept token ids, a rollout_func's 'sampling_mask', intersected with the rule; rule fallback per batch).",
+            "choices": list(SUPPORT_SOURCES),
         },
     )
 
@@ -276,6 +288,7 @@ class SafeVocabGRPOConfig(GRPOConfig):
             "safe_vocab_max_chunk_bytes", self.safe_vocab_max_chunk_bytes, lambda n: n > 0, "an integer > 0"
         )
         _one_of("safe_vocab_scoring", self.safe_vocab_scoring, SCORING_MODES)
+        _one_of("safe_vocab_support", self.safe_vocab_support, SUPPORT_SOURCES)
         if isinstance(self.generation_kwargs, str):
             self.generation_kwargs = json.loads(self.generation_kwargs)
         effective = self._compose_with_sampler(rule) if self.safe_vocab_in_sampler else rule
@@ -333,12 +346,9 @@ class SafeVocabGRPOConfig(GRPOConfig):
     def make_surge_detector(self) -> SurgeDetector:
         """A fresh :class:`~safevocab.schedulers.SurgeDetector` with the ``length_surge_*`` settings."""
         return SurgeDetector(
-            window=self.length_surge_window,
-            baseline_window=self.length_surge_baseline_window,
-            ratio=self.length_surge_ratio,
-            warmup=self.length_surge_warmup,
-            factor=self.length_surge_factor,
-        )
+            window=self.length_surge_window, baseline_window=self.length_surge_baseline_window,
+            ratio=self.length_surge_ratio, warmup=self.length_surge_warmup, factor=self.length_surge_factor,
+        )  # fmt: skip
 
     @property
     def rule(self) -> SafeVocabRule:
@@ -367,12 +377,8 @@ class SafeVocabGRPOConfig(GRPOConfig):
     @property
     def generate_path_importance_sampling(self) -> bool:
         """Whether the importance-sampling correction runs on the ``generate`` path (no vLLM)."""
-        return (
-            not self.use_vllm
-            and not self.use_transformers_continuous_batching
-            and self.vllm_importance_sampling_correction
-            and self.rollout_logprobs
-        )
+        other_path = self.use_vllm or self.use_transformers_continuous_batching
+        return bool(not other_path and self.vllm_importance_sampling_correction and self.rollout_logprobs)
 
     # ------------------------------------------------------------------------------------------------------
     def _compose_with_sampler(self, rule: SafeVocabRule) -> SafeVocabRule:
@@ -400,9 +406,7 @@ class SafeVocabGRPOConfig(GRPOConfig):
         if "temperature" in gk and gk["temperature"] is not None and gk["temperature"] != self.temperature:
             warnings.warn(
                 f"generation_kwargs['temperature']={gk['temperature']!r} overrides temperature={self.temperature!r} "
-                "in the sampler: the trainer scores at the sampler's temperature too",
-                UserWarning,
-                stacklevel=4,
+                "in the sampler: the trainer scores at the sampler's temperature too", UserWarning, stacklevel=4,
             )
             self.temperature = float(gk["temperature"])
         return effective
@@ -421,10 +425,8 @@ class SafeVocabGRPOConfig(GRPOConfig):
             warnings.warn(
                 f"safe_vocab_in_sampler=False: rollouts are sampled with {str(self.sampler_rule)!r} but the trainer "
                 f"scores with {str(rule)!r}. Importance ratios then carry a log(kept-mass) offset and sampled tokens "
-                "outside the trainer's set are masked.",
-                UserWarning,
-                stacklevel=4,
-            )
+                "outside the trainer's set are masked.", UserWarning, stacklevel=4,
+            )  # fmt: skip
 
     def _check_mismatch_lab(self) -> None:
         """Controlled-mismatch settings (``rollout_logit_noise*``, ``zero_mismatch``) and fp16 on CPU."""
@@ -457,9 +459,8 @@ class SafeVocabGRPOConfig(GRPOConfig):
                 "fp16=True on a machine without a CUDA/XPU/MPS accelerator (or with use_cpu=True): accelerate runs "
                 "neither fp16 autocast nor loss scaling on CPU, so training runs in the model's own dtype. Load "
                 "the model in float16 (model_init_kwargs={'dtype': 'float16'}) to exercise fp16 weights on CPU.",
-                UserWarning,
-                stacklevel=4,
-            )
+                UserWarning, stacklevel=4,
+            )  # fmt: skip
 
     def _check_rollout_paths(self) -> None:
         """Only the project's own requirements: trl's (e.g. VESPO's token-level IS modes with vLLM) stay trl's,

@@ -22,6 +22,7 @@ from safevocab.mismatch import DEFAULT_BUCKETS
 __all__ = [
     "OUT_OF_SET_MODES",
     "SCORING_MODES",
+    "SUPPORT_SOURCES",
     "ROLLOUT_DTYPES",
     "NOISE_KINDS",
     "LENGTH_DECAY_STARTS",
@@ -36,6 +37,9 @@ OUT_OF_SET_MODES = ("mask_token", "mask_sequence")
 #: ``safe_vocab_scoring``: where the safe-set masks, importance ratio and metrics of an on-policy generation batch
 #: come from.
 SCORING_MODES = ("auto", "loss_forward", "separate")
+
+#: ``safe_vocab_support``: recompute each position's safe set with the rule, or replay the engine's kept token set.
+SUPPORT_SOURCES = ("rule", "replay")
 
 #: ``rollout_dtype`` values and the torch dtype each selects (``None``: the model's own dtype, trl's behaviour).
 ROLLOUT_DTYPES: dict[str, torch.dtype | None] = {

@@ -24,6 +24,7 @@ from transformers.utils import ModelOutput
 
 from safevocab import SafeVocabRule, fused_safe_logprobs
 from safevocab.logprobs import DEFAULT_MAX_CHUNK_BYTES
+from trl_integration.support_replay import select_support
 
 __all__ = ["SafeCausalLMOutput", "SafeHeadState", "add_safe_lm_head", "lm_head_transform"]
 
@@ -44,6 +45,8 @@ class SafeCausalLMOutput(ModelOutput):
         safe_size: int64 ``|S|``.
         label_mask: bool, whether the label was scored.
         aux_loss: MoE load-balancing loss, when router logits were requested.
+        replay_size: int64 ``|R|`` of the replayed set (``None`` without replay).
+        rule_safe_size: int64 ``|S|`` the rule alone picks on the same logits (``None`` without replay).
     """
 
     loss: torch.Tensor | None = None
@@ -54,6 +57,8 @@ class SafeCausalLMOutput(ModelOutput):
     safe_size: torch.Tensor | None = None
     label_mask: torch.Tensor | None = None
     aux_loss: torch.Tensor | None = None
+    replay_size: torch.Tensor | None = None
+    rule_safe_size: torch.Tensor | None = None
 
 
 @dataclass
@@ -62,19 +67,37 @@ class SafeHeadState:
 
     ``compute_entropy`` tells the head whether to compute the entropy of ``pi_S`` (trl only needs it for the
     policy's loss pass). While ``records`` is a list, each safe forward appends its ``SafeCausalLMOutput``.
+
+    Replay (``safe_vocab_support="replay"``): ``supports`` holds one replayed
+    :class:`~safevocab.SafeSupport` per sequence of the scoring call; each forward (one chunk of trl's batching
+    loop, chunks in order) takes the next ``batch`` of them (:meth:`take_supports`).
     """
 
     compute_entropy: bool = True
     records: list | None = field(default=None)
+    supports: list | None = field(default=None)
+    _cursor: int = 0
 
-    def begin(self, compute_entropy: bool) -> None:
+    def begin(self, compute_entropy: bool, supports: list | None = None) -> None:
         self.compute_entropy = compute_entropy
         self.records = []
+        self.supports, self._cursor = supports, 0
 
     def end(self) -> list:
         records, self.records = self.records or [], None
         self.compute_entropy = True
+        self.supports, self._cursor = None, 0
         return records
+
+    def take_supports(self, batch: int) -> list | None:
+        """The replayed supports of the next ``batch`` sequences, or ``None`` without replay."""
+        if self.supports is None:
+            return None
+        taken = self.supports[self._cursor : self._cursor + batch]
+        if len(taken) != batch:
+            raise RuntimeError(f"the head scores {batch} more sequences than the {len(self.supports)} replayed supports")
+        self._cursor += batch
+        return taken
 
 
 def lm_head_transform(config) -> tuple[float | None, float]:
@@ -174,22 +197,34 @@ def add_safe_lm_head(
             dtype = torch.get_autocast_dtype(device_type)
         else:
             dtype = weight.dtype
+        replayed = state.take_supports(labels.shape[0])
+        support = None if replayed is None else select_support(replayed, mask)
         with maybe_gather_lm_head_ctx(lm_head.weight, lm_head.bias), torch.autocast(device_type, enabled=False):
             head_weight = weight.to(dtype)
             head_bias = None if bias is None else bias.to(dtype)
+            scored_hidden = hidden_states[mask].to(dtype)
+            transform = dict(bias=head_bias, temperature=temperature, softcap=softcap, logit_scale=logit_scale)
             out = fused_safe_logprobs(
-                hidden_states[mask].to(dtype),
+                scored_hidden,
                 head_weight,
                 labels[mask],
                 rule,
-                bias=head_bias,
-                temperature=temperature,
-                softcap=softcap,
-                logit_scale=logit_scale,
+                **transform,
                 compute_entropy=state.compute_entropy,
                 max_chunk_bytes=max_chunk_bytes,
                 weight_gather=_backward_gather(lm_head, head_weight, head_bias),
+                support=support,
             )
+            rule_size = None
+            if support is not None:
+                # The rule's own |S| on the same logits (one no-grad head pass): with |R| and |S & R| (out.safe_size)
+                # it tells whether the replayed set equals the rule's (safevocab/support_disagreement).
+                with torch.no_grad():
+                    rule_size = fused_safe_logprobs(
+                        scored_hidden.detach(), head_weight.detach(), labels[mask], rule,
+                        **{k: (v.detach() if isinstance(v, torch.Tensor) else v) for k, v in transform.items()},
+                        max_chunk_bytes=max_chunk_bytes,
+                    ).safe_size  # fmt: skip
 
         def scatter(x, fill):
             if x is None:
@@ -220,6 +255,8 @@ def add_safe_lm_head(
             safe_size=scatter(out.safe_size, 0),
             label_mask=mask,
             aux_loss=aux_loss,
+            replay_size=None if support is None else scatter(support.sizes, 0),
+            rule_safe_size=scatter(rule_size, 0),
         )
         if state.records is not None:
             state.records.append(result)

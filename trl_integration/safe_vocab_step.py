@@ -34,6 +34,7 @@ from safevocab.mismatch import (
     safe_set_metrics,
 )
 from trl_integration.enums import OUT_OF_SET_MODES, SCORING_MODES
+from trl_integration.support_replay import replay_metrics
 
 __all__ = [
     "ROLLOUT_LOGPROBS_FRAC",
@@ -77,11 +78,15 @@ class SafeTokenStats:
         in_safe: bool, the sampled token is in the trainer's safe set.
         log_kept_mass: fp32 ``log(1 - m)``, ``m`` the pruned probability mass.
         safe_size: int64 ``|S|``.
+        replay_size: int64 ``|R|`` of the replayed set, 0 where none (``None``: the pass replayed nothing).
+        rule_safe_size: int64 ``|S|`` of the rule alone on the same logits (``None`` without replay).
     """
 
     in_safe: torch.Tensor
     log_kept_mass: torch.Tensor
     safe_size: torch.Tensor
+    replay_size: torch.Tensor | None = None
+    rule_safe_size: torch.Tensor | None = None
 
     @classmethod
     def whole_vocabulary(cls, logps: torch.Tensor, vocab_size: int) -> SafeTokenStats:
@@ -96,11 +101,11 @@ class SafeTokenStats:
     def from_head_outputs(cls, outputs: list, logits_to_keep: int) -> SafeTokenStats:
         """The completion positions (last ``logits_to_keep``) of the safe head's outputs of one scoring call, one per
         chunk of rows (``SafeCausalLMOutput``-like objects with ``in_safe``, ``log_kept_mass``, ``safe_size``)."""
-        return cls(
-            in_safe=torch.cat([o.in_safe[:, -logits_to_keep:] for o in outputs]),
-            log_kept_mass=torch.cat([o.log_kept_mass[:, -logits_to_keep:] for o in outputs]),
-            safe_size=torch.cat([o.safe_size[:, -logits_to_keep:] for o in outputs]),
-        )
+        def cat(name: str) -> torch.Tensor | None:
+            parts = [getattr(o, name, None) for o in outputs]
+            return None if any(p is None for p in parts) else torch.cat([p[:, -logits_to_keep:] for p in parts])
+
+        return cls(*(cat(name) for name in ("in_safe", "log_kept_mass", "safe_size", "replay_size", "rule_safe_size")))
 
 
 @dataclass(frozen=True)
@@ -117,6 +122,8 @@ class StepSettings:
         is_clip_max: trl's ``vllm_importance_sampling_clip_max`` (``None``: unbounded above).
         mismatch_buckets: edges of the ``mismatch/*/p=lo-hi`` buckets.
         sampling_metrics: also log trl's ``sampling/*`` ratio metrics (trl logs them itself on the vLLM path only).
+        replay: log the replay metrics (``safe_vocab_support="replay"``,
+            :func:`~trl_integration.support_replay.replay_metrics`).
     """
 
     out_of_set: str = "mask_token"
@@ -128,6 +135,7 @@ class StepSettings:
     is_clip_max: float | None = 3.0
     mismatch_buckets: tuple[float, ...] = tuple(DEFAULT_BUCKETS)
     sampling_metrics: bool = True
+    replay: bool = False
 
     def __post_init__(self):
         if self.out_of_set not in OUT_OF_SET_MODES:
@@ -215,6 +223,8 @@ def step_metrics(
         counted = masks.counted
         metrics[MASKED_TOKEN_FRAC] = _frac(counted & ~masks.keep, counted)
         counts[MASKED_TOKEN_FRAC] = counted.sum()
+        if settings.replay:
+            _merge(metrics, counts, replay_metrics(stats, counted))
         loss_mask = masks.loss_mask
         if ratio is not None:
             _merge(metrics, counts, importance_ratio_metrics(ratio.log_raw, ratio.ratio, ratio.clipped, loss_mask, True))

@@ -69,6 +69,7 @@ from trl_integration.safe_vocab_step import (
     safe_vocabulary_step,
     score_in_loss,
 )
+from trl_integration.support_replay import SupportReplay
 from trl_integration.trl_private import GRPOTrainerBridge, disable_gradient_checkpointing, mark_scheduler_created
 
 __all__ = ["SafeVocabGRPOTrainer", "SafeTokenStats"]
@@ -126,6 +127,10 @@ class SafeVocabGRPOTrainer(GRPOTrainerBridge):
         self.last_generation: dict[str, torch.Tensor] | None = None
         super().__init__(model, reward_funcs, args, *pargs, **kwargs)
         self._check_zero3()
+        # Exact support replay (docs/trl.md): the engine's kept sets, from a rollout_func's "sampling_mask".
+        self._replay = SupportReplay() if args.safe_vocab_support == "replay" else None
+        if self._replay is not None and self.rollout_func is not None:
+            self.rollout_func = self._replay.wrap(self.rollout_func)
 
         # The rule the trainer scores with: safe_vocab_rule composed with the sampler's own truncation.
         self.safe_vocab_rule = args.effective_rule
@@ -145,7 +150,7 @@ class SafeVocabGRPOTrainer(GRPOTrainerBridge):
         )
         # Rule "none" renormalises over the whole vocabulary: that is trl's own log-softmax, so trl's fused head stays
         # (bit-for-bit stock trl) and the safe-set statistics are the trivial ones (every token kept, no mass pruned).
-        self._stock_head = isinstance(self.safe_vocab_rule, NoPruning)
+        self._stock_head = isinstance(self.safe_vocab_rule, NoPruning) and self._replay is None
         base = self.model.get_base_model() if is_peft_model(self.model) else self.model
         self._vocab_size = int(base.get_output_embeddings().weight.shape[0])
         if not self._stock_head:
@@ -233,7 +238,7 @@ class SafeVocabGRPOTrainer(GRPOTrainerBridge):
             )
             self._batch.keep(logps, SafeTokenStats.whole_vocabulary(logps, self._vocab_size))
             return logps, entropies, aux_loss
-        self._safe_head.begin(compute_entropy)
+        self._safe_head.begin(compute_entropy, None if self._replay is None else self._replay.current)
         try:
             logps, entropies, aux_loss = self.stock_score_completion_tokens(
                 model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size,
@@ -307,11 +312,15 @@ class SafeVocabGRPOTrainer(GRPOTrainerBridge):
 
     def generate_and_score(self, inputs):
         self._batch.captured = []
+        if self._replay is not None:
+            self._replay.begin_generation()
         try:
             output = self.stock_generate_and_score(inputs)
             captured = self._batch.captured
         finally:
             self._batch.captured = None
+        if self._replay is not None:
+            self._replay.attach(output)
         self._apply_safe_vocabulary(output, captured)
         if self.args.length_decay and self.model.training:
             # trl has just logged the gathered (all-process) mean completion length of this generation.
@@ -348,7 +357,7 @@ class SafeVocabGRPOTrainer(GRPOTrainerBridge):
         (``safe_vocab_scoring``)."""
         mode = "train" if self.model.training else "eval"
         self._check_rollout_logprobs(output, mode)
-        if isinstance(self.safe_vocab_rule, NoPruning) and not self._step_settings(output).measures:
+        if self._stock_head and not self._step_settings(output).measures:
             return  # nothing to mask or measure: stay exactly trl (no extra forward pass)
 
         # trl ran an old-policy pass when the batch carries old_per_token_logps.
@@ -396,6 +405,7 @@ class SafeVocabGRPOTrainer(GRPOTrainerBridge):
             is_clip_max=args.vllm_importance_sampling_clip_max,
             mismatch_buckets=tuple(args.mismatch_buckets),
             sampling_metrics=not self.use_vllm,  # trl logs its sampling/* metrics itself on the vLLM path
+            replay=self._replay is not None,
         )
 
     def _micro_batches_per_generation(self, mode: str) -> int:
@@ -439,6 +449,8 @@ class SafeVocabGRPOTrainer(GRPOTrainerBridge):
     # loss
 
     def grpo_loss(self, model, inputs):
+        if self._replay is not None:
+            self._replay.use(inputs)
         if SCORE_IN_LOSS in inputs:
             inputs = self._loss_forward_first(model, inputs)
         # trl applies the importance ratio only when use_vllm. On the generate path, fold it into the

@@ -1,0 +1,189 @@
+"""Exact support replay in the trainer (``safe_vocab_support="replay"``): the engine's kept token sets, per sequence.
+
+An inference engine that returns the ids surviving its top-k/top-p/min-p for every sampled token (vLLM
+``CompletionOutput.sampling_mask``; a ``rollout_func`` returning ``"sampling_mask"``) lets the trainer renormalise
+over exactly those sets instead of recomputing them with its rule (:class:`safevocab.SafeSupport`,
+``fused_safe_logprobs(..., support=...)``). This module holds the trl-free pieces:
+
+- :func:`per_sequence_supports` turns the engine's masks into one :class:`~safevocab.SafeSupport` per completion (one
+  row per completion token). The trainer stores that list in the generation batch under :data:`REPLAY_KEY`, a list,
+  which trl shuffles and splits into micro-batches together with the rest of the batch (as it does ``num_images``).
+- :func:`select_support` builds the support of one LM-head call: the rows of the positions the head scores, in
+  flattened order. The head scores exactly the completion tokens its attention mask keeps (prompt and padding
+  positions carry label ``-100`` and get no row, so they need none); a completion whose tokens are all unscored
+  (trl's ``mask_truncated_completions``) contributes no row.
+- :func:`vllm_sampling_masks` reads the masks off vLLM request outputs (the vLLM path; see its docstring).
+
+Metrics (:func:`replay_metrics`, called by :func:`trl_integration.safe_vocab_step.step_metrics`): ``safevocab/replay_frac`` and
+``safevocab/support_disagreement`` (docs/metrics.md).
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+from safevocab.support import SafeSupport
+
+if TYPE_CHECKING:  # safe_vocab_step imports this module
+    from trl_integration.safe_vocab_step import SafeTokenStats
+
+__all__ = [
+    "SAMPLING_MASK_KEY",
+    "REPLAY_KEY",
+    "per_sequence_supports",
+    "select_support",
+    "replay_metrics",
+    "REPLAY_FRAC",
+    "SUPPORT_DISAGREEMENT",
+    "vllm_sampling_masks",
+    "SupportReplay",
+]
+
+#: Key of a ``rollout_func``'s output holding, per completion, one list of kept token ids per completion token.
+SAMPLING_MASK_KEY = "sampling_mask"
+
+#: Metrics of ``safe_vocab_support="replay"`` (:func:`replay_metrics`).
+REPLAY_FRAC = "safevocab/replay_frac"
+SUPPORT_DISAGREEMENT = "safevocab/support_disagreement"
+
+#: Key of a generation batch holding its list of per-completion :class:`~safevocab.SafeSupport` (replay mode).
+REPLAY_KEY = "safevocab_replay"
+
+
+def per_sequence_supports(sampling_mask: Sequence, completion_ids: Sequence[Sequence[int]]) -> list[SafeSupport]:
+    """One :class:`~safevocab.SafeSupport` per completion from the engine's masks.
+
+    Args:
+        sampling_mask: per completion, either a list with one list of kept ids per completion token (the shape of
+            vLLM's ``SamplingMask.token_ids``) or a ``vllm.outputs.SamplingMask`` itself.
+        completion_ids: the completions' token ids (the masks must have one row per token).
+    """
+    if isinstance(sampling_mask, (str, bytes)) or not isinstance(sampling_mask, Sequence):
+        raise TypeError(f"sampling_mask must be a list with one entry per completion, got {type(sampling_mask).__name__}")
+    if len(sampling_mask) != len(completion_ids):
+        raise ValueError(
+            f"sampling_mask has {len(sampling_mask)} entries for {len(completion_ids)} completions: accepted one per completion"
+        )
+    supports = []
+    for i, (mask, ids) in enumerate(zip(sampling_mask, completion_ids)):
+        support = SafeSupport.from_vllm(mask) if hasattr(mask, "token_ids") else SafeSupport.from_lists(mask)
+        if support.num_rows != len(ids):
+            raise ValueError(
+                f"sampling_mask[{i}] has {support.num_rows} rows for a completion of {len(ids)} tokens: accepted one "
+                "row of kept token ids per completion token"
+            )
+        supports.append(support)
+    return supports
+
+
+def select_support(supports: Sequence[SafeSupport], scored: torch.Tensor) -> SafeSupport:
+    """The support of one LM-head call over ``len(supports)`` sequences.
+
+    Args:
+        supports: one per sequence of the call (row ``r`` = completion token ``r``).
+        scored: ``[b, L]`` bool, the positions the head scores (label ``!= -100``), row-major = the targets' order.
+
+    Returns:
+        A :class:`~safevocab.SafeSupport` with one row per scored position: sequence ``i`` contributes all its rows
+        when it has ``num_rows`` scored positions (its completion tokens), none when it has none.
+    """
+    if scored.shape[0] != len(supports):
+        raise ValueError(f"the head scores {scored.shape[0]} sequences but {len(supports)} replayed supports were given")
+    counts = scored.sum(dim=1).tolist()
+    token_ids, sizes = [], []
+    for i, (support, n) in enumerate(zip(supports, counts)):
+        if n == 0:
+            continue
+        if n != support.num_rows:
+            raise ValueError(
+                f"sequence {i} has {n} scored completion tokens but its replayed support has {support.num_rows} rows: "
+                "accepted one row per completion token"
+            )
+        token_ids.append(support.token_ids)
+        sizes.append(support.sizes)
+    device = scored.device
+    if not sizes:
+        return SafeSupport(torch.zeros(0, dtype=torch.long, device=device), torch.zeros(1, dtype=torch.long, device=device))
+    offsets = torch.cat([torch.zeros(1, dtype=torch.long), torch.cat(sizes).cpu().cumsum(0)])
+    return SafeSupport(torch.cat(token_ids).to(device), offsets.to(device))
+
+
+def replay_metrics(stats: SafeTokenStats, counted: torch.Tensor) -> tuple[dict, dict]:
+    """``safevocab/replay_frac`` (share of the counted tokens trained on a replayed set ``R``) and
+    ``safevocab/support_disagreement`` (share of the replayed counted tokens whose rule set ``S_rule`` differs from
+    ``R``), with their counts. ``S_rule = R`` iff ``|S_rule| = |R| = |S_rule & R|`` (``stats.safe_size`` is
+    ``|S_rule & R|``, minus the tokens of probability 0)."""
+    replayed = counted & (stats.replay_size > 0) if stats.replay_size is not None else torch.zeros_like(counted)
+    metrics = {REPLAY_FRAC: _frac(replayed, counted), SUPPORT_DISAGREEMENT: torch.tensor(float("nan"))}
+    if stats.replay_size is not None:
+        same = (stats.rule_safe_size == stats.replay_size) & (stats.safe_size == stats.replay_size)
+        metrics[SUPPORT_DISAGREEMENT] = _frac(replayed & ~same, replayed)
+    return metrics, {REPLAY_FRAC: counted.sum(), SUPPORT_DISAGREEMENT: replayed.sum()}
+
+
+def vllm_sampling_masks(request_outputs: Sequence) -> list:
+    """The ``sampling_mask`` of every completion of vLLM ``RequestOutput`` objects, completions in order, or ``None``
+    when any completion has none (the engine was not started with ``return_sampling_mask=True``).
+
+    The vLLM path of the trainer: trl 1.16's vLLM generation (``VLLMGeneration.generate``) returns token ids and
+    log-probabilities only and drops the ``CompletionOutput`` objects, so the trainer cannot reach their masks
+    without patching trl's private generation code. Until trl passes them through, a ``rollout_func`` that calls
+    vLLM itself returns ``{"sampling_mask": vllm_sampling_masks(outputs), ...}`` (each entry a ``SamplingMask``,
+    which :func:`per_sequence_supports` reads with :meth:`safevocab.SafeSupport.from_vllm`).
+    """
+    masks = [getattr(c, "sampling_mask", None) for request in request_outputs for c in request.outputs]
+    return None if any(m is None for m in masks) else masks
+
+
+class SupportReplay:
+    """The trainer's replay state (one per trainer with ``safe_vocab_support="replay"``).
+
+    ``current`` is the list of per-sequence supports the next scoring call uses (rows = that call's sequences): set
+    by the wrapped ``rollout_func`` during a rollout (trl's old-policy and reference passes score the generation batch
+    in rollout order), then by :meth:`use` from the batch in hand (the loss's micro-batches, shuffled by trl, carry
+    their own list under :data:`REPLAY_KEY`)."""
+
+    def __init__(self) -> None:
+        self.current: list[SafeSupport] | None = None
+        self.warned = False
+
+    def wrap(self, rollout_func: Callable) -> Callable:
+        """``rollout_func`` whose ``"sampling_mask"`` (when returned) becomes :attr:`current`."""
+
+        @functools.wraps(rollout_func)
+        def capturing_rollout_func(prompts, trainer):
+            output = rollout_func(prompts, trainer)
+            if isinstance(output, Mapping) and output.get(SAMPLING_MASK_KEY) is not None:
+                self.current = per_sequence_supports(output[SAMPLING_MASK_KEY], output["completion_ids"])
+            return output
+
+        return capturing_rollout_func
+
+    def begin_generation(self) -> None:
+        self.current = None
+
+    def attach(self, batch: dict) -> None:
+        """Store :attr:`current` in the generation batch; without one, warn once per run (rule fallback)."""
+        if self.current is not None:
+            batch[REPLAY_KEY] = self.current
+        elif not self.warned:
+            self.warned = True
+            warnings.warn(
+                "safe_vocab_support='replay' but the rollout returned no sampling masks (a rollout_func returning "
+                f"'{SAMPLING_MASK_KEY}'): such batches train on the rule's sets, and {REPLAY_FRAC} logs the replayed "
+                "share", UserWarning, stacklevel=3,
+            )  # fmt: skip
+
+    def use(self, batch: Mapping) -> None:
+        """Take the supports of the batch (or micro-batch) about to be scored."""
+        self.current = batch.get(REPLAY_KEY)
+
+
+def _frac(selected: torch.Tensor, among: torch.Tensor) -> torch.Tensor:
+    n = among.sum()
+    return (selected.sum().double() / n).float() if n > 0 else torch.tensor(float("nan"))
