@@ -16,7 +16,8 @@ PEFT, logging — is trl's own code):
    ``model(..., fused_lm_head=True)`` call, so trl's scoring method keeps its batching and multimodal handling).
    The rule is the effective one (``safe_vocab_rule`` & the sampler's own truncation, see
    :mod:`trl_integration.effective_rule`); with rule ``"none"`` trl's own fused head stays, so that rule ``"none"``
-   with default settings is stock trl bit for bit.
+   with default settings is stock trl bit for bit. ``safe_vocab_support="replay"``: ``S`` is the engine's kept set
+   (a ``rollout_func``'s ``"sampling_mask"``) & the rule, see :mod:`trl_integration.support_replay`.
 2. **Out-of-set tokens.** Sampled tokens outside the trainer's ``S`` (possible when the sampler's set differs
    numerically, or the sampler does not prune) are removed from the loss, token-wise or sequence-wise
    (``safe_vocab_out_of_set``), through trl's ``tool_mask`` (the loss-only mask; the attention mask is untouched),

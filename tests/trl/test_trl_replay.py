@@ -185,3 +185,27 @@ def test_batches_without_masks_fall_back_with_one_warning(tiny_model_dir, tmp_pa
     assert len(fallback) == 1, [str(w.message) for w in fallback]
     assert logged(trainer, REPLAY_FRAC) == [0.0, 0.0]
     assert not logged(trainer, SUPPORT_DISAGREEMENT)
+
+
+def test_replayed_sets_follow_their_sequences_through_trl_shuffle(tiny_model_dir, tmp_path):
+    """Off-policy (trl's old-policy pass at generation) with two shuffled micro-batches per generation: every
+    micro-batch row carries the replayed support of its own completion, and the replay metrics come from the
+    old-policy pass."""
+    rollout_func = make_rollout_func(True)
+    trainer = train(
+        tiny_model_dir, tmp_path, rollout_func,
+        num_iterations=2, steps_per_generation=2, per_device_train_batch_size=2, max_steps=4, learning_rate=1e-5,
+    )  # fmt: skip
+    assert logged(trainer, REPLAY_FRAC) == [1.0]  # one generation batch, measured by the old-policy pass
+    out = rollout_func.last[-1]
+    expected = {
+        tuple(c): support
+        for c, support in zip(out["completion_ids"], per_sequence_supports(out["sampling_mask"], out["completion_ids"]))
+    }
+    rows = 0
+    for micro_batch in trainer._buffered_inputs:
+        for ids, mask, support in zip(micro_batch["completion_ids"], micro_batch["completion_mask"], micro_batch[REPLAY_KEY]):
+            want = expected[tuple(ids[mask.bool()].tolist())]
+            assert torch.equal(support.token_ids, want.token_ids) and torch.equal(support.offsets, want.offsets)
+            rows += 1
+    assert rows == 4
