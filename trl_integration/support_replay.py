@@ -23,14 +23,10 @@ from __future__ import annotations
 import functools
 import warnings
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING
 
 import torch
 
 from safevocab.support import SafeSupport
-
-if TYPE_CHECKING:  # safe_vocab_step imports this module
-    from trl_integration.safe_vocab_step import SafeTokenStats
 
 __all__ = [
     "SAMPLING_MASK_KEY",
@@ -113,11 +109,12 @@ def select_support(supports: Sequence[SafeSupport], scored: torch.Tensor) -> Saf
     return SafeSupport(torch.cat(token_ids).to(device), offsets.to(device))
 
 
-def replay_metrics(stats: SafeTokenStats, counted: torch.Tensor) -> tuple[dict, dict]:
+def replay_metrics(stats, counted: torch.Tensor) -> tuple[dict, dict]:
     """``safevocab/replay_frac`` (share of the counted tokens trained on a replayed set ``R``) and
     ``safevocab/support_disagreement`` (share of the replayed counted tokens whose rule set ``S_rule`` differs from
     ``R``), with their counts. ``S_rule = R`` iff ``|S_rule| = |R| = |S_rule & R|`` (``stats.safe_size`` is
-    ``|S_rule & R|``, minus the tokens of probability 0)."""
+    ``|S_rule & R|``, minus the tokens of probability 0). ``stats`` is a
+    :class:`~trl_integration.safe_vocab_step.SafeTokenStats` (not imported: that module imports this one)."""
     replayed = counted & (stats.replay_size > 0) if stats.replay_size is not None else torch.zeros_like(counted)
     metrics = {REPLAY_FRAC: _frac(replayed, counted), SUPPORT_DISAGREEMENT: torch.tensor(float("nan"))}
     if stats.replay_size is not None:
