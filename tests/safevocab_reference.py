@@ -103,11 +103,16 @@ def reference(
     tol_z: float = 0.0,
     tol_p: float = 0.0,
     support: list[list[int]] | None = None,
+    z_exact: torch.Tensor | None = None,
 ) -> Reference:
     """Reference outputs for raw logits ``raw`` [N, V] (float64; may require grad) and ``targets`` [N].
 
     ``support``: replayed kept ids per row; ``S`` is then those ids, intersected with the rules' set (computed on
     the full distribution) and with the tokens of nonzero probability.
+
+    ``z_exact``: the transformed logits in exact (float64) arithmetic, when ``raw`` holds them rounded to the
+    statistics dtype: a row whose set changes with that rounding (a softcap saturating two distinct logits to
+    one float32 value, say) is ambiguous too, since implementations may round it either way.
     """
     z = transform(raw, temperature, softcap, logit_scale)
     rows = [safe_set(row, parts, tol_z, tol_p) for row in z]
@@ -118,6 +123,9 @@ def reference(
             replayed[i, list(ids)] = True
         keep = keep & replayed
     ambiguous = any(a for _, a in rows)
+    if z_exact is not None:
+        exact_keep = torch.stack([safe_set(row, parts, 0.0, 0.0)[0] for row in z_exact]) if rows else keep
+        ambiguous |= not torch.equal(exact_keep, keep)
     out = {name: [] for name in ("logprobs", "log_kept_mass", "entropy")}
     for i in range(z.shape[0]):
         zi, si, y = z[i], keep[i], int(targets[i])

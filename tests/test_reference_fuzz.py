@@ -129,16 +129,22 @@ def straight_through(exact: torch.Tensor, rounded: torch.Tensor) -> torch.Tensor
     return torch.where(torch.isfinite(exact), exact + (rounded - exact).detach(), rounded)
 
 
+def _apply_transform(z: torch.Tensor, temperature: float, softcap, logit_scale: float) -> torch.Tensor:
+    z = z * logit_scale
+    if softcap is not None:
+        z = torch.where(z == -math.inf, z, softcap * torch.tanh(z / softcap))
+    return z / temperature
+
+
 def reference_transform(raw64: torch.Tensor, stat: torch.dtype, temperature: float, softcap, logit_scale: float) -> torch.Tensor:
     """The transform evaluated in the statistics dtype (the sampler's arithmetic), differentiated exactly."""
+    exact = _apply_transform(raw64, temperature, softcap, logit_scale)
+    return straight_through(exact, _apply_transform(raw64.detach().to(stat), temperature, softcap, logit_scale))
 
-    def apply(z):
-        z = z * logit_scale
-        if softcap is not None:
-            z = torch.where(z == -math.inf, z, softcap * torch.tanh(z / softcap))
-        return z / temperature
 
-    return straight_through(apply(raw64), apply(raw64.detach().to(stat)))
+def exact_transform(raw64: torch.Tensor, transform: dict) -> torch.Tensor:
+    """The transform in float64 without rounding (for the reference's ambiguity check)."""
+    return _apply_transform(raw64.detach().double(), **transform)
 
 
 def loss_weights(n: int, seed: int, masked: bool):
@@ -220,7 +226,10 @@ def check_fused(
     if backend == "triton":  # the kernels take the transform's scalars as fp32 (Triton's Python-float type)
         eps = max(eps, EPS[torch.float32])
     tol_z = 8 * eps * (1 + zmag) + 4 * delta_z
-    ref = reference(z, targets, parts, tol_z=tol_z, tol_p=1e-4 if eps >= EPS[torch.float32] else 1e-9, support=support)
+    ref = reference(
+        z, targets, parts, tol_z=tol_z, tol_p=1e-4 if eps >= EPS[torch.float32] else 1e-9, support=support,
+        z_exact=exact_transform(raw, transform),
+    )
     assume(not ref.ambiguous)
     assume(bool((ref.safe_size > 0).all()))  # a support that misses the rule's set raises instead (tested apart)
     weights = loss_weights(targets.numel(), inputs["loss_seed"], masked=False)
@@ -335,7 +344,8 @@ def check_materialised(inputs: dict, parts, transform: dict, support: list[list[
     zmag = float(finite.abs().max()) if finite.numel() else 0.0
     eps = EPS[stat]
     ref = reference(
-        z, targets, parts, tol_z=8 * eps * (1 + zmag), tol_p=1e-4 if stat == torch.float32 else 1e-9, support=support
+        z, targets, parts, tol_z=8 * eps * (1 + zmag), tol_p=1e-4 if stat == torch.float32 else 1e-9, support=support,
+        z_exact=exact_transform(raw64, transform),
     )
     assume(not ref.ambiguous)
     assume(bool((ref.safe_size > 0).all()))
