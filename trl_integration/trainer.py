@@ -71,26 +71,21 @@ from trl_integration.safe_vocab_step import (
     score_in_loss,
 )
 from trl_integration.support_replay import SupportReplay
-from trl_integration.trl_private import GRPOTrainerBridge, disable_gradient_checkpointing, mark_scheduler_created
+from trl_integration.trl_private import (
+    SCORING_KEYWORDS,
+    GRPOTrainerBridge,
+    disable_gradient_checkpointing,
+    mark_scheduler_created,
+)
 
 __all__ = ["SafeVocabGRPOTrainer", "SafeTokenStats"]
 
 #: Key of a generation batch whose out-of-set masks, importance ratio and metrics come from the loss's forward.
 SCORE_IN_LOSS = "safevocab_score_in_loss"
 
-# Keys of a generation batch that the forward pass needs besides ids and masks (multimodal inputs).
-_FORWARD_KEYS = (
-    "pixel_values",
-    "image_grid_thw",
-    "num_images",
-    "pixel_attention_mask",
-    "spatial_shapes",
-    "num_tiles",
-    "image_sizes",
-    "token_type_ids",
-    "mm_token_type_ids",
-    "image_position_ids",
-)
+# Keys of a generation batch that the forward pass needs besides ids and masks (multimodal inputs): trl's own
+# scoring keywords, less the MoE flag, which the trainer passes itself.
+_FORWARD_KEYS = tuple(key for key in SCORING_KEYWORDS if key != "compute_aux_loss")
 
 
 class SafeVocabGRPOTrainer(GRPOTrainerBridge):
