@@ -130,6 +130,10 @@ class RowStats:
     Max-shifted: with ``m`` the row maximum of the transformed logits ``z``,
     ``lse_S = m + log_sum_safe`` and ``lse_V = m + log_sum_full``, but the sums are never formed, so
     ``z_y - lse_S`` keeps full precision when ``|m|`` is huge.
+
+    A replayed set (``support=``) need not hold the argmax and may sit far below it: then ``S`` has its own
+    shift ``m_S`` (``set_max``), ``log_sum_safe`` is ``log sum_S exp(z - m_S)`` and ``target_shift_safe`` is
+    ``z_y - m_S``, while the full softmax keeps ``m``. Both stay ``None`` for rules (``m_S = m``).
     """
 
     target_shift: torch.Tensor  # z_y - m
@@ -140,9 +144,11 @@ class RowStats:
     entropy: torch.Tensor | None  # H(pi_S)
     in_safe: torch.Tensor  # bool, z_y >= t
     safe_size: torch.Tensor  # int64, |S|
+    set_max: torch.Tensor | None = None  # m_S (replay only)
+    target_shift_safe: torch.Tensor | None = None  # z_y - m_S (replay only)
 
     @staticmethod
-    def empty(n_rows: int, device: torch.device, dtype: torch.dtype, compute_entropy: bool) -> RowStats:
+    def empty(n_rows: int, device: torch.device, dtype: torch.dtype, compute_entropy: bool, replay: bool = False) -> RowStats:
         def new() -> torch.Tensor:
             return torch.empty(n_rows, device=device, dtype=dtype)
 
@@ -155,11 +161,14 @@ class RowStats:
             entropy=new() if compute_entropy else None,
             in_safe=torch.empty(n_rows, device=device, dtype=torch.bool),
             safe_size=torch.empty(n_rows, device=device, dtype=torch.int64),
+            set_max=new() if replay else None,
+            target_shift_safe=new() if replay else None,
         )
 
     def rows(self, rows: slice) -> dict[str, torch.Tensor | None]:
-        """Views of every field on a row slice (keyword arguments of the forward kernel)."""
-        return {name: (None if t is None else t[rows]) for name, t in vars(self).items()}
+        """Views of the rule fields on a row slice (keyword arguments of the forward kernel)."""
+        skip = ("set_max", "target_shift_safe")
+        return {name: (None if t is None else t[rows]) for name, t in vars(self).items() if name not in skip}
 
 
 @dataclass
@@ -178,6 +187,7 @@ class Coefficients:
     c_full: torch.Tensor
     g_target_out: torch.Tensor
     row_max: torch.Tensor
+    set_max: torch.Tensor  # the shift of S: row_max for rules, the maximum over a replayed S
     log_sum_safe: torch.Tensor
     log_sum_full: torch.Tensor
     entropy: torch.Tensor | None

@@ -79,7 +79,7 @@ class FusedSafeLogProbs(torch.autograd.Function):
         ctx.weight_gather = weight_gather
         n_rows = hidden.shape[0]
         stat_dtype = torch.float64 if hidden.dtype == torch.float64 else torch.float32
-        stats = RowStats.empty(n_rows, hidden.device, stat_dtype, compute_entropy)
+        stats = RowStats.empty(n_rows, hidden.device, stat_dtype, compute_entropy, replay=support is not None)
         # MKL/cuSPARSE sparse GEMMs take fp32/fp64 only; half inputs use the dense backward.
         density = SPARSE_MAX_DENSITY if hidden.dtype in (torch.float32, torch.float64) else None
         if support is None:
@@ -89,14 +89,18 @@ class FusedSafeLogProbs(torch.autograd.Function):
         raise_on_non_finite_rows(stats, hidden, weight, bias, transform)
         if support is not None:
             raise_on_empty_support(stats.safe_size, rule)
+        if support is None:
+            set_max, target_shift_safe, log_kept = stats.row_max, stats.target_shift, stats.log_sum_safe - stats.log_sum_full
+        else:  # S has its own shift: log(kept mass) = (m_S - m) + log sum_S exp(z - m_S) - log sum_V exp(z - m)
+            set_max, target_shift_safe = stats.set_max, stats.target_shift_safe
+            log_kept = (set_max - stats.row_max) + stats.log_sum_safe - stats.log_sum_full
         logprobs = torch.where(
-            stats.in_safe, stats.target_shift - stats.log_sum_safe, stats.target_shift - stats.log_sum_full
+            stats.in_safe, target_shift_safe - stats.log_sum_safe, stats.target_shift - stats.log_sum_full
         )
-        log_kept = stats.log_sum_safe - stats.log_sum_full
 
         ctx.save_for_backward(
             hidden, weight, bias, targets, stats.threshold, stats.row_max, stats.log_sum_safe, stats.log_sum_full,
-            stats.in_safe, stats.safe_size, stats.entropy,
+            stats.in_safe, stats.safe_size, stats.entropy, set_max,
         )
         ctx.sparse_chunks = sparse_chunks
         ctx.transform = transform
@@ -118,7 +122,7 @@ class FusedSafeLogProbs(torch.autograd.Function):
     @staticmethod
     def _backward(ctx, grad_logprobs, grad_log_kept, grad_entropy):
         (hidden, weight, bias, targets, threshold, row_max, log_sum_safe, log_sum_full, in_safe, safe_size,
-         entropy) = ctx.saved_tensors
+         entropy, set_max) = ctx.saved_tensors
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         n_rows, stat = hidden.shape[0], log_sum_safe.dtype
 
@@ -134,6 +138,7 @@ class FusedSafeLogProbs(torch.autograd.Function):
             c_full=torch.where(in_safe, 0.0, g_lp) + g_k,
             g_target_out=torch.where(in_safe, 0.0, g_lp),
             row_max=row_max,
+            set_max=set_max,
             log_sum_safe=log_sum_safe,
             log_sum_full=log_sum_full,
             entropy=entropy,
@@ -256,7 +261,7 @@ def sparse_backward(
     is_target = chunk.cols == coef.targets[rows][row_of]
     vals += torch.where(is_target, coef.g_lp[rows][row_of], 0.0)
     # The softcap derivative needs the transformed logits at the kept entries: (z - m) + m.
-    z = chunk.shifted + coef.row_max[rows][row_of] if transform.softcap is not None else vals
+    z = chunk.shifted + coef.set_max[rows][row_of] if transform.softcap is not None else vals
     vals = transform.backward_(vals, z)
 
     crow = torch.zeros(n + 1, device=hidden.device, dtype=torch.int32)

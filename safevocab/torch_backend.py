@@ -78,22 +78,21 @@ def torch_forward(
         kept_per_row = vocab - dropped.sum(-1)
         stats.safe_size[rows] = kept_per_row
         store_sparse = density is not None and int(kept_per_row.sum()) <= density * n * vocab
+        stats.row_max[rows] = z_max.squeeze(-1)
+        stats.target_shift[rows] = z_y - z_max.squeeze(-1)
         if support is not None:
-            # A replayed S need not hold the argmax and may sit far below it: the row's shift m is the maximum
-            # over S, so (z - m) - log sum_S exp(z - m) keeps full precision on S (ties give exactly -log 2).
+            # A replayed S need not hold the argmax and may sit far below it: S gets its own shift m_S (its
+            # maximum), so (z - m_S) - log sum_S exp(z - m_S) keeps full precision on S (ties give exactly
+            # -log 2), while the full softmax keeps the row maximum m.
             r, c = torch.logical_not(dropped).nonzero(as_tuple=True)
             kept = z[r, c]
-            m = torch.full((n,), -torch.inf, dtype=z.dtype, device=z.device).scatter_reduce_(0, r, kept, reduce="amax")
-            shifted_kept = kept.sub_(m[r])
-            stats.row_max[rows] = m
-            stats.target_shift[rows] = z_y - m
-            # the full sum is shifted by the row's own maximum (no overflow), then re-expressed relative to m
-            log_sum_full = z.sub_(z_max).exp_().sum(-1).log_()
-            stats.log_sum_full[rows] = log_sum_full.add_(z_max.squeeze(-1) - m)
+            m_s = torch.full((n,), -torch.inf, dtype=z.dtype, device=z.device).scatter_reduce_(0, r, kept, reduce="amax")
+            shifted_kept = kept.sub_(m_s[r])
+            stats.set_max[rows] = m_s
+            stats.target_shift_safe[rows] = z_y - m_s
+            stats.log_sum_full[rows] = z.sub_(z_max).exp_().sum(-1).log_()
             _replayed_set_stats(shifted_kept, r, n, stats, rows)
         else:  # S holds the argmax: shift by the row maximum, sum_S exp(z - m) >= 1
-            stats.row_max[rows] = z_max.squeeze(-1)
-            stats.target_shift[rows] = z_y - z_max.squeeze(-1)
             z.sub_(z_max)  # z now holds z - m
             if store_sparse:
                 r, c = torch.logical_not(dropped).nonzero(as_tuple=True)
@@ -167,7 +166,8 @@ def dense_backward(
                 support_buf = torch.empty(min(chunk_rows, hidden.shape[0]), z.shape[-1], dtype=torch.bool, device=z.device)
             dropped |= support.dropped_mask_(rows, support_buf[: rows.stop - rows.start])
         m = coef.row_max[rows].unsqueeze(-1)
-        grad = log_normalised(z, m, coef.log_sum_safe[rows].unsqueeze(-1), one_pass=support is None)  # log pi_S on S
+        m_s = coef.set_max[rows].unsqueeze(-1)
+        grad = log_normalised(z, m_s, coef.log_sum_safe[rows].unsqueeze(-1), one_pass=support is None)  # log pi_S on S
         c_safe = coef.c_safe[rows].unsqueeze(-1)
         if coef.g_ent is not None:
             per_logit = (grad + coef.entropy[rows].unsqueeze(-1)).mul_(coef.g_ent[rows].unsqueeze(-1))
