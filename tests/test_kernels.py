@@ -473,6 +473,7 @@ def test_triton_matches_reference(inputs, data, max_chunk_bytes, dense):
 
 
 @slow
+@pytest.mark.fuzz20k
 @settings(fuzz_settings(int(os.environ.get("SAFEVOCAB_FUZZ_EXAMPLES_SLOW", "20000"))), suppress_health_check=list(HealthCheck))
 @given(**triton_cases)
 def test_triton_matches_reference_20k(inputs, data, max_chunk_bytes, dense):

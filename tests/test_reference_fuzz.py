@@ -285,6 +285,7 @@ def test_fused_matches_reference(inputs, data, max_chunk_bytes, dense):
 
 
 @pytest.mark.slow
+@pytest.mark.fuzz20k
 @fuzz_settings(EXAMPLES_SLOW)
 @given(**fused_cases)
 def test_fused_matches_reference_20k(inputs, data, max_chunk_bytes, dense):
@@ -323,6 +324,7 @@ def test_fused_with_support_matches_reference(inputs, data, max_chunk_bytes, den
 
 
 @pytest.mark.slow
+@pytest.mark.fuzz20k
 @fuzz_settings(EXAMPLES_SLOW)
 @given(**fused_cases)
 def test_fused_with_support_matches_reference_20k(inputs, data, max_chunk_bytes, dense):
@@ -375,6 +377,7 @@ def test_materialised_matches_reference(inputs, data):
 
 
 @pytest.mark.slow
+@pytest.mark.fuzz20k
 @fuzz_settings(EXAMPLES_SLOW)
 @given(inputs=head_inputs(), data=st.data())
 def test_materialised_matches_reference_20k(inputs, data):
