@@ -43,8 +43,14 @@ TEST_FILES = (
 
 
 def _run(cmd: list[str], env: dict[str, str] | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
+    """``cmd`` in the repository root; past ``timeout`` it is stopped and returns code 124 with what it printed
+    (one slow section must not lose the others' results)."""
     full_env = {**os.environ, **(env or {})}
-    return subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
+    try:
+        return subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as err:
+        text = lambda b: b.decode(errors="replace") if isinstance(b, bytes) else (b or "")  # noqa: E731
+        return subprocess.CompletedProcess(cmd, 124, text(err.stdout), text(err.stderr) + f"\n[timed out after {timeout} s]")
 
 
 def environment() -> dict:
@@ -61,8 +67,8 @@ def environment() -> dict:
     return info
 
 
-def correctness(device: str, small: bool) -> dict:
-    """The reference tests on ``device``; returns pytest's closing line and return code."""
+def correctness(device: str, small: bool, timeout: float, log: Path) -> dict:
+    """The reference tests on ``device``; returns pytest's closing line and return code (full output in ``log``)."""
     examples = "200" if small else "500"
     env = {
         "SAFEVOCAB_TEST_DEVICE": device,
@@ -71,24 +77,29 @@ def correctness(device: str, small: bool) -> dict:
         "SAFEVOCAB_BOUNDARY_CASES": "300" if small else "2000",
     }
     started = time.perf_counter()
-    proc = _run([sys.executable, "-m", "pytest", "-q", "-m", "not slow", "-p", "no:cacheprovider", *TEST_FILES], env, 900)
+    proc = _run([sys.executable, "-m", "pytest", "-q", "-rfE", "--tb=short", "-m", "not slow", "-p", "no:cacheprovider",
+                 *TEST_FILES], env, timeout)
+    log.write_text(proc.stdout + "\n--- stderr ---\n" + proc.stderr)
     lines = [line for line in proc.stdout.splitlines() if " passed" in line or " failed" in line]
     failed = [line for line in proc.stdout.splitlines() if line.startswith(("FAILED", "ERROR"))]
     return {"returncode": proc.returncode, "summary": lines[-1] if lines else proc.stdout[-500:],
             "failed": failed[:50], "seconds": round(time.perf_counter() - started, 1)}
 
 
-def op_bench(small: bool) -> list[dict]:
-    """``python -m safevocab.bench`` per rule, plus support replay at |S| = 64."""
+def op_bench(small: bool, timeout: float) -> list[dict]:
+    """``python -m safevocab.bench`` per rule, plus support replay at |S| = 64; the naive materialised path
+    (tens of GB at the GPU shape) for the unmasked and the default rule only."""
     size = ["--device", "cpu", "--n", "256", "--h", "64", "--v", "3000", "--dtype", "float32", "--repeats", "1"] if small \
         else ["--preset", "gpu", "--repeats", "3"]
-    variants = "floor,fused,naive,trl" if small else "floor,fused,fused_torch,trl"
-    runs = [(rule, variants) for rule in RULES] + [("top_k=64", "floor,fused,fused_replay")]
+    variants = "floor,fused,fused_torch,trl,liger"
+    with_naive = {"none", "min_p=0.001"}
+    runs = [(rule, variants + (",naive" if rule in with_naive else "")) for rule in RULES]
+    runs.append(("top_k=64", "floor,fused,fused_replay"))
     rows = []
     for rule, chosen in runs:
         with tempfile.NamedTemporaryFile(suffix=".json") as f:
             proc = _run([sys.executable, "-m", "safevocab.bench", *size, "--rule", rule, "--variants", chosen,
-                         "--json", f.name], timeout=600)
+                         "--json", f.name], timeout=timeout)
             if proc.returncode != 0:
                 rows.append({"rule": rule, "error": proc.stderr[-400:]})
                 continue
@@ -234,12 +245,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--small", action="store_true", help="CPU-sized shapes (tests the script without a GPU)")
     parser.add_argument("--out", default="gpu_results.json", help="results file (JSON; Markdown beside it)")
     parser.add_argument("--skip", default="", help="comma list of sections to skip: correctness,op,grpo")
+    parser.add_argument("--correctness-timeout", type=float, default=600, help="seconds for the reference tests")
+    parser.add_argument("--op-timeout", type=float, default=300, help="seconds for each rule's op benchmark")
     args = parser.parse_args(argv)
     skip = set(filter(None, args.skip.split(",")))
     device = "cpu" if args.small else "cuda"
     results: dict = {"environment": environment(), "small": args.small, "correctness": {}}
     started = time.perf_counter()
-    for name, run in (("correctness", lambda: correctness(device, args.small)), ("op", lambda: op_bench(args.small)),
+    for name, run in (("correctness", lambda: correctness(device, args.small, args.correctness_timeout,
+                                                                    Path(args.out).with_suffix(".pytest.log"))), ("op", lambda: op_bench(args.small, args.op_timeout)),
                       ("grpo", lambda: grpo(args.small))):
         if name in skip:
             continue
