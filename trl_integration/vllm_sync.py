@@ -25,7 +25,7 @@ layerwise reload of ``vllm.model_executor.model_loader.reload``) handles both: i
 checkpoint-format parameters, loads the new weights into them, reruns the layer's ``process_weights_after_loading``
 (the packing) and puts the processed tensors back. :func:`reload_engine_weights` runs it; the trainer uses it in
 place of trl's ``sync_weights`` when the engine is colocated and vLLM runs on CPU (see
-:meth:`trl_integration.trl_private.GRPOTrainerBridge`), and leaves trl's own sync everywhere else. The reproducer
+:class:`trl_integration.trl_private.GRPOTrainerBridge`), and leaves trl's own sync everywhere else. The reproducer
 and the measured check are in docs/vllm.md.
 
 The tensors are cloned before they reach vLLM: the layerwise reload buffers a layer's weights until the layer is
@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 
@@ -72,7 +73,7 @@ def engine_runs_on_cpu() -> bool:
     return bool(current_platform.is_cpu())
 
 
-def colocated_model_runner(llm):
+def colocated_model_runner(llm: Any) -> Any:
     """The model runner of an in-process ``vllm.LLM`` (trl's colocate mode: ``external_launcher``, one worker).
 
     The same path trl's ``sync_weights`` walks (``llm.llm_engine.model_executor.driver_worker.model_runner``).
@@ -116,12 +117,12 @@ def _quiet_buffer_only_layers(model: torch.nn.Module) -> None:
 
 
 @torch.no_grad()
-def reload_engine_weights(llm, named_weights: Iterable[tuple[str, torch.Tensor]]) -> int:
+def reload_engine_weights(llm: Any, named_weights: Iterable[tuple[str, torch.Tensor]]) -> int:
     """Load ``named_weights`` (checkpoint names, e.g. a model's ``named_parameters()``) into a colocated vLLM
     engine with vLLM's layerwise reload, then drop the engine's prefix cache (computed with the old weights).
 
     Args:
-        llm: the colocated ``vllm.LLM``.
+        llm: the colocated ``vllm.LLM`` (typed ``Any``: vLLM is an optional dependency).
         named_weights: ``(name, tensor)`` pairs under the names of the Hugging Face checkpoint.
 
     Returns:
