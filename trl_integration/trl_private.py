@@ -25,6 +25,13 @@ accelerate's ``model._original_forward``                    the forward before m
 transformers' ``Trainer._created_lr_scheduler``             set, as ``create_scheduler`` sets it, so that a later
                                                             ``train()`` rebuilds a scheduler the trainer built (only
                                                             set: harmless should transformers drop it)
+``VLLMGeneration._iter_named_params``                       ``(name, tensor)`` of the trainer's weights under vLLM's
+                                                            names (gathered/merged as trl does), read by the CPU sync
+``VLLMGeneration.sync_weights``                             replaced, on the instance, for a colocated engine on CPU
+                                                            (:mod:`trl_integration.vllm_sync`: trl's sync fails there)
+``trl.generation.vllm_generation.LLM``                      the ``vllm.LLM`` trl builds the colocated engine with;
+                                                            wrapped while the trainer is built, to pass the
+                                                            checkpoint's dtype (:func:`colocated_engine_dtype`)
 ==========================================================  ============================================================
 
 The trainer subclasses :class:`GRPOTrainerBridge` and overrides its public hooks (``score_completion_tokens``,
@@ -35,8 +42,8 @@ The trainer subclasses :class:`GRPOTrainerBridge` and overrides its public hooks
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
-from contextlib import AbstractContextManager
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 
 import torch
 import trl
@@ -55,6 +62,10 @@ __all__ = [
     "mixed_precision_forward",
     "metric_store",
     "mark_scheduler_created",
+    "check_vllm_generation",
+    "check_vllm_server_device",
+    "use_cpu_weight_sync",
+    "colocated_engine_dtype",
 ]
 
 #: The trl releases this integration is tested against: ``TRL_MIN <= version < TRL_MAX``.
@@ -148,7 +159,26 @@ def check_trl(version: str, trainer_cls: type = GRPOTrainer, modules: dict[str, 
             raise _unsupported(version, f"{dotted}.{attr}{found} does not start with the parameters {params}")
 
 
+def check_vllm_generation(version: str, generation_cls: type | None = None) -> None:
+    """Check that trl's ``VLLMGeneration`` (``generation_cls``) has the two names the CPU weight sync relies on:
+    ``sync_weights()`` and ``_iter_named_params()``, both without parameters.
+
+    Raises:
+        ImportError: one line naming what is missing and the supported range :data:`SUPPORTED_TRL`.
+    """
+    if generation_cls is None:
+        from trl.generation.vllm_generation import VLLMGeneration as generation_cls
+    for name in ("sync_weights", "_iter_named_params"):
+        method = getattr(generation_cls, name, None)
+        if not callable(method):
+            raise _unsupported(version, f"VLLMGeneration.{name} is missing")
+        found = tuple(p for p in inspect.signature(method).parameters if p != "self")
+        if found:
+            raise _unsupported(version, f"VLLMGeneration.{name}{found} takes parameters, expected none")
+
+
 check_trl(trl.__version__)
+check_vllm_generation(trl.__version__)
 
 # Checked above: import them only now.
 from trl.models.utils import disable_gradient_checkpointing as _disable_gradient_checkpointing  # noqa: E402
@@ -185,11 +215,90 @@ def mark_scheduler_created(trainer) -> None:
     trainer._created_lr_scheduler = True
 
 
+def check_vllm_server_device(args) -> None:
+    """Fail before the server is contacted when ``vllm_mode="server"`` cannot sync weights from this trainer.
+
+    trl pushes the weights to a ``trl vllm-serve`` server over vLLM's NCCL weight-transfer engine, which needs the
+    trainer on a CUDA device; on CPU, trl would first wait for the server and then raise. The colocated engine
+    (``vllm_mode="colocate"``) trains on CPU (docs/vllm.md).
+
+    Raises:
+        ValueError: one line, when ``args.use_vllm`` and ``args.vllm_mode == "server"`` and the trainer's device is
+            not CUDA.
+    """
+    if not (getattr(args, "use_vllm", False) and getattr(args, "vllm_mode", None) == "server"):
+        return
+    device = args.device
+    if device.type != "cuda":
+        raise ValueError(
+            f"vllm_mode='server' with the trainer on {device.type!r}: trl syncs weights to the vLLM server over "
+            "NCCL, which needs a CUDA device; on CPU use --vllm_mode colocate (see docs/vllm.md)"
+        )
+
+
+def use_cpu_weight_sync(vllm_generation) -> bool:
+    """Replace trl's ``sync_weights`` of a colocated engine on CPU by vLLM's layerwise reload
+    (:func:`trl_integration.vllm_sync.reload_engine_weights`); anywhere else keep trl's. Returns whether it did."""
+    from trl_integration import vllm_sync
+
+    if getattr(vllm_generation, "mode", None) != "colocate" or not vllm_sync.engine_runs_on_cpu():
+        return False
+    llm = vllm_generation.llm
+    vllm_sync.colocated_model_runner(llm)  # fail now, not at step 1, if the engine has no reloadable runner
+
+    def sync_weights() -> None:
+        vllm_sync.reload_engine_weights(llm, vllm_generation._iter_named_params())
+
+    vllm_generation.sync_weights = sync_weights
+    return True
+
+
+@contextmanager
+def colocated_engine_dtype(args) -> Iterator[None]:
+    """While trl builds a colocated engine (``args.use_vllm``, ``vllm_mode="colocate"``), its ``vllm.LLM(...)`` call
+    also gets :func:`trl_integration.vllm_sync.engine_kwargs_for` the checkpoint (the checkpoint's dtype, where
+    vLLM would downcast a float32 checkpoint). A no-op otherwise."""
+    if not (getattr(args, "use_vllm", False) and getattr(args, "vllm_mode", None) == "colocate"):
+        yield
+        return
+    import trl.generation.vllm_generation as vllm_generation
+
+    from trl_integration import vllm_sync
+
+    build = getattr(vllm_generation, "LLM", None)
+    if build is None:  # vLLM is not installed: trl raises its own ImportError
+        yield
+        return
+
+    def llm_with_checkpoint_dtype(*pargs, **kwargs):
+        added = vllm_sync.engine_kwargs_for(kwargs.get("model", pargs[0] if pargs else None))
+        return build(*pargs, **{**added, **kwargs})
+
+    vllm_generation.LLM = llm_with_checkpoint_dtype
+    try:
+        yield
+    finally:
+        vllm_generation.LLM = build
+
+
 class GRPOTrainerBridge(GRPOTrainer):
     """``trl.GRPOTrainer`` whose four overridden private methods forward to public hooks.
 
     Subclasses override the hooks; ``stock_*`` runs trl's own implementation. Each hook takes the arguments of the
-    trl method it stands for (see :data:`REQUIRED_PARAMETERS`)."""
+    trl method it stands for (see :data:`REQUIRED_PARAMETERS`).
+
+    With vLLM, construction also checks that server mode can sync weights from this device
+    (:func:`check_vllm_server_device`), builds a colocated engine in the checkpoint's dtype
+    (:func:`colocated_engine_dtype`) and fixes trl's weight sync of a colocated engine on CPU
+    (:func:`use_cpu_weight_sync`)."""
+
+    def __init__(self, model, reward_funcs=None, args=None, *pargs, **kwargs):
+        if args is not None:
+            check_vllm_server_device(args)
+        with colocated_engine_dtype(args):
+            super().__init__(model, reward_funcs, args, *pargs, **kwargs)
+        if self.use_vllm:
+            use_cpu_weight_sync(self.vllm_generation)
 
     # --- trl -> hooks -------------------------------------------------------------------------------------------
     def _get_per_token_logps_and_entropies(

