@@ -301,13 +301,13 @@ def test_fused_matches_reference_20k(inputs, data, max_chunk_bytes, dense):
 
 @st.composite
 def supports(draw, inputs: dict) -> list[list[int]]:
-    """Kept ids per row: random subsets (the argmax need not be in them), sizes 1..V, any order."""
+    """Kept ids per row: random subsets (the argmax need not be in them), sizes 1..V, any order.
+
+    The sizes are hypothesis's (so 1 and V come often); the ids come from a seeded permutation: drawing a
+    permutation per row through hypothesis made this property cost ten times the others, for no extra cover."""
     n, v = inputs["targets"].numel(), inputs["weight"].shape[0]
-    rows = []
-    for _ in range(n):
-        size = draw(st.integers(1, v))
-        rows.append(draw(st.permutations(range(v)))[:size])
-    return rows
+    g = torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))
+    return [torch.randperm(v, generator=g)[: draw(st.integers(1, v))].tolist() for _ in range(n)]
 
 
 def _support_property(inputs, data, max_chunk_bytes, dense):
