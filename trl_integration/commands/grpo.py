@@ -18,11 +18,16 @@ from __future__ import annotations
 import importlib
 import os
 import sys
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from trl import ModelConfig, ScriptArguments, TrlParser
 
+from trl_integration.commands.broken_run import BROKEN_RUN, BrokenRunError, RewardGuard, check_trained
 from trl_integration.commands.errors import fail
+from trl_integration.commands.preflight import check_before_loading
 from trl_integration.config import SafeVocabGRPOConfig
 from trl_integration.demo.config import TINY_GRPO_DEFAULTS, tiny_grpo_config_kwargs
 from trl_integration.demo.data import SYNTHETIC_DATASET_NAME, repeat_char_reward, synthetic_dataset
@@ -97,10 +102,62 @@ def make_parser(prog: str | None = PROG) -> TrlParser:
     """
     import torch
 
-    parser = TrlParser((SafeVocabScriptArguments, SafeVocabGRPOConfig, ModelConfig), prog=prog)
+    # transformers deprecates a TrainingArguments field that trl's config sets itself: not the user's to act on.
+    warnings.filterwarnings("ignore", message="`gradient_checkpointing` is deprecated", category=FutureWarning)
+    parser = TrlParser((SafeVocabScriptArguments, SafeVocabGRPOConfig, ModelConfig), prog=prog, allow_abbrev=False)
     if not torch.cuda.is_available():
         parser.set_defaults(bf16=False)
+
+    parser.epilog = (
+        "--debug with no value: show Python tracebacks instead of one-line errors (transformers' --debug OPTION, "
+        "e.g. underflow_overflow, keeps its meaning)."
+    )
+
+    def one_line_error(message: str):  # argparse's own error() prints hundreds of lines of usage first
+        raise SystemExit(fail(prog or PROG, message))
+
+    parser.error = one_line_error
     return parser
+
+
+def _one_line(err: BaseException) -> str:
+    text = " ".join(str(err).split()) or type(err).__name__
+    return text if isinstance(err, (ValueError, TypeError)) else f"{type(err).__name__}: {text}"
+
+
+@contextmanager
+def _usage_errors(debug: bool, context: str = "") -> Iterator[None]:
+    """Bad input found before the model loads: one line, exit status 2 (a traceback with ``--debug``)."""
+    import yaml
+
+    try:
+        yield
+    except (ValueError, TypeError, OSError, ImportError, AttributeError, StopIteration, yaml.YAMLError) as err:
+        if debug:
+            raise
+        raise SystemExit(fail(PROG, context + _one_line(err))) from None
+
+
+#: Values of transformers' own ``--debug`` (``TrainingArguments.debug``); a ``--debug`` without one is this command's.
+_TRANSFORMERS_DEBUG_OPTIONS = ("underflow_overflow", "tpu_metrics_debug")
+
+
+def _take_debug_flag(argv: list[str]) -> bool:
+    """Remove a bare ``--debug`` (tracebacks on) from ``argv``; ``--debug underflow_overflow`` stays transformers'."""
+    for i, arg in enumerate(argv):
+        if arg == "--debug" and (i + 1 == len(argv) or argv[i + 1] not in _TRANSFORMERS_DEBUG_OPTIONS):
+            del argv[i]
+            return True
+    return False
+
+
+def _config_path(argv: list[str]) -> str | None:
+    for i, arg in enumerate(argv):
+        if arg == "--config" and i + 1 < len(argv):
+            return argv[i + 1]
+        if arg.startswith("--config="):
+            return arg.split("=", 1)[1]
+    return None
 
 
 def bundled_job_requested(argv: list[str]) -> bool:
@@ -131,7 +188,13 @@ def load_train_dataset(script_args: SafeVocabScriptArguments):
     ):
         dataset = datasets.load_from_disk(name)
     elif os.path.isfile(name) and os.path.splitext(name)[1] in builders:
-        dataset = datasets.load_dataset(builders[os.path.splitext(name)[1]], data_files=name)
+        if os.path.getsize(name) == 0:
+            raise ValueError(f"{name!r} is empty")
+        datasets.disable_progress_bars()  # a local file loads in a moment: no bar on stderr
+        try:
+            dataset = datasets.load_dataset(builders[os.path.splitext(name)[1]], data_files=name)
+        finally:
+            datasets.enable_progress_bars()
     else:
         dataset = datasets.load_dataset(name, name=script_args.dataset_config, streaming=script_args.dataset_streaming)
     if isinstance(dataset, (datasets.DatasetDict, datasets.IterableDatasetDict)):
@@ -200,6 +263,7 @@ def _bundled_model_hint() -> str:
 def run(argv: list[str] | None = None):
     """Parse ``argv`` (default: ``sys.argv[1:]``), train, save, and return the trainer."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    debug = _take_debug_flag(argv)
     parser = make_parser()
     bundled = bundled_job_requested(argv)
     if bundled:
@@ -208,7 +272,11 @@ def run(argv: list[str] | None = None):
         parser.set_defaults(
             model_name_or_path=str(tiny_model_path()), dataset_name=ARITHMETIC_DATASET_NAME, **tiny_grpo_config_kwargs()
         )
-    script_args, training_args, model_args = parser.parse_args_and_config(args=argv)
+    config = _config_path(argv)
+    if config is not None and not os.path.isfile(config):
+        raise SystemExit(fail(PROG, f"--config {config!r}: no such file"))
+    with _usage_errors(debug, f"--config {config}: " if config else ""):
+        script_args, training_args, model_args = parser.parse_args_and_config(args=argv)
     if not model_args.model_name_or_path:
         raise SystemExit(fail(PROG, MISSING_MODEL_MESSAGE + _bundled_model_hint()))
     if script_args.dataset_name is None:
@@ -223,11 +291,16 @@ def run(argv: list[str] | None = None):
 
     from trl_integration.trainer import SafeVocabGRPOTrainer
 
-    try:
-        train_dataset, eval_dataset = load_train_dataset(script_args)
+    with _usage_errors(debug):
+        check_before_loading(
+            script_args, training_args, model_args, builtin_datasets=(SYNTHETIC_DATASET_NAME, ARITHMETIC_DATASET_NAME)
+        )
+    with _usage_errors(debug, "--reward_funcs: "):
         reward_funcs = resolve_reward_funcs(script_args)
-    except ValueError as err:
-        raise SystemExit(fail(PROG, str(err)))
+    with _usage_errors(debug, f"--dataset_name {script_args.dataset_name}: "):
+        train_dataset, eval_dataset = load_train_dataset(script_args)
+        if hasattr(train_dataset, "__len__") and len(train_dataset) == 0:
+            raise ValueError(f"the training split {script_args.dataset_train_split!r} is empty")
 
     model_init_kwargs = dict(
         revision=model_args.model_revision,
@@ -239,25 +312,44 @@ def run(argv: list[str] | None = None):
     model_init_kwargs.update(training_args.model_init_kwargs or {})
     training_args.model_init_kwargs = model_init_kwargs
 
-    trainer = SafeVocabGRPOTrainer(
-        model=model_args.model_name_or_path,
-        reward_funcs=reward_funcs,
-        args=training_args,
-        train_dataset=train_dataset,
-        eval_dataset=eval_dataset if training_args.eval_strategy != "no" else None,
-        quantization_config=get_quantization_config(model_args),
-        peft_config=get_peft_config(model_args),
-    )
-    evaluate = _arithmetic_evaluator(script_args, trainer)
-    before = evaluate() if evaluate else None
-    trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
-    after = evaluate() if evaluate else None
+    with _runtime_errors(debug):
+        trainer = SafeVocabGRPOTrainer(
+            model=model_args.model_name_or_path,
+            reward_funcs=reward_funcs,
+            args=training_args,
+            train_dataset=train_dataset,
+            eval_dataset=eval_dataset if training_args.eval_strategy != "no" else None,
+            quantization_config=get_quantization_config(model_args),
+            peft_config=get_peft_config(model_args),
+            callbacks=[RewardGuard()],
+        )
+        evaluate = _arithmetic_evaluator(script_args, trainer)
+        before = evaluate() if evaluate else None
+        trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+        check_trained(trainer)
+        after = evaluate() if evaluate else None
     trainer.save_model(training_args.output_dir)
     if trainer.accelerator.is_main_process:
         from trl_integration.summary import print_run_summary
 
         print_run_summary(trainer, accuracy_before=before, accuracy_after=after)
     return trainer
+
+
+@contextmanager
+def _runtime_errors(debug: bool) -> Iterator[None]:
+    """Errors once the model is loaded (only the model or the run can reveal them): one line, exit status 1
+    (:data:`~trl_integration.commands.broken_run.BROKEN_RUN`); a traceback with ``--debug``."""
+    try:
+        yield
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except Exception as err:
+        if debug:
+            raise
+        hint = "" if isinstance(err, BrokenRunError) else " (--debug shows the traceback)"
+        print(f"{PROG}: error: {_one_line(err) if not isinstance(err, BrokenRunError) else err}{hint}", file=sys.stderr)
+        raise SystemExit(BROKEN_RUN) from None
 
 
 def _arithmetic_evaluator(script_args: SafeVocabScriptArguments, trainer):

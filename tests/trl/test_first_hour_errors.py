@@ -1,0 +1,139 @@
+"""The first hour of a TRL user: every bad input to ``safevocab-grpo`` ends with one line and exit status 2,
+before any model loads; broken runs (no usable reward, nothing trained) end with one line and status 1.
+
+The command runs in-process (``trl_integration.commands.grpo.main``) so the file stays fast; the trainer's
+constructor is replaced by one that fails the test, so a case that reaches the model load cannot pass.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from trl_integration.commands import grpo
+from trl_integration.demo.model import tiny_model_path
+
+TINY = str(tiny_model_path())
+
+
+@pytest.fixture
+def no_model_load(monkeypatch):
+    import trl_integration.trainer as trainer_module
+
+    def loaded(*args, **kwargs):
+        raise AssertionError("the model was loaded: the bad input was not caught first")
+
+    monkeypatch.setattr(trainer_module.SafeVocabGRPOTrainer, "__init__", loaded)
+
+
+def _bad_inputs(tmp_path):
+    bad_yaml = tmp_path / "bad.yaml"
+    bad_yaml.write_text("max_steps: [1\n  bad: : :\n")
+    list_yaml = tmp_path / "list.yaml"
+    list_yaml.write_text("- a\n- b\n")
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    no_prompt = tmp_path / "no_prompt.jsonl"
+    no_prompt.write_text('{"text": "hi"}\n')
+    out = ["--output_dir", str(tmp_path / "run")]
+    model = ["--model_name_or_path", TINY]
+    return {
+        "rule out of range": (["--safe_vocab_rule", "min_p=2", *out], "min_p"),
+        "unknown rule": (["--safe_vocab_rule", "foo=1", *out], "foo"),
+        "top_k 0": (["--safe_vocab_rule", "top_k=0", *out], "top_k"),
+        "not an int": (["--max_steps", "abc", *out], "--max_steps"),
+        "negative steps": (["--max_steps", "-5", *out], "--max_steps"),
+        "zero steps": (["--max_steps", "0", *out], "--max_steps"),
+        "abbreviated flag": (["--max_step", "3", *out], "--max_step"),
+        "unknown flag": (["--max_stepz", "3", *out], "--max_stepz"),
+        "zero temperature": (["--temperature", "0", *out], "--temperature"),
+        "missing model dir": (["--model_name_or_path", "./no/such/model", *out], "--model_name_or_path"),
+        "not a hub id": (["--model_name_or_path", "a b c", *out], "--model_name_or_path"),
+        "missing config": (["--config", str(tmp_path / "nope.yaml"), *out], "--config"),
+        "malformed yaml": (["--config", str(bad_yaml), *out], "--config"),
+        "yaml not a mapping": (["--config", str(list_yaml), *out], "--config"),
+        "missing data file": ([*model, "--dataset_name", str(tmp_path / "nope.jsonl"), "--reward_funcs",
+                               "accuracy_reward", *out], "--dataset_name"),
+        "empty data file": ([*model, "--dataset_name", str(empty), "--reward_funcs", "accuracy_reward", *out],
+                            "--dataset_name"),
+        "no prompt column": ([*model, "--dataset_name", str(no_prompt), "--reward_funcs", "accuracy_reward", *out],
+                             "prompt"),
+        "missing reward module": ([*model, "--dataset_name", "synthetic", "--reward_funcs", "nosuch.module", *out],
+                                  "--reward_funcs"),
+        "missing reward function": ([*model, "--dataset_name", "synthetic", "--reward_funcs", "math.nosuch", *out],
+                                    "--reward_funcs"),
+        "unknown reward name": ([*model, "--dataset_name", "synthetic", "--reward_funcs", "nosuch", *out],
+                                "--reward_funcs"),
+        "no reward for a custom dataset": ([*model, "--dataset_name", str(no_prompt), *out], "--reward_funcs"),
+        "bad safe_vocab_support": (["--safe_vocab_support", "engine", *out], "safe_vocab_support"),
+        "bad rollout dtype": (["--rollout_dtype", "fp8", *out], "rollout_dtype"),
+    }  # fmt: skip
+
+
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        "rule out of range", "unknown rule", "top_k 0", "not an int", "negative steps", "zero steps",
+        "abbreviated flag", "unknown flag", "zero temperature", "missing model dir", "not a hub id", "missing config",
+        "malformed yaml", "yaml not a mapping", "missing data file", "empty data file", "no prompt column",
+        "missing reward module", "missing reward function", "unknown reward name", "no reward for a custom dataset",
+        "bad safe_vocab_support", "bad rollout dtype",
+    ],
+)  # fmt: skip
+def test_bad_input_is_one_line_and_exit_2_before_the_model_loads(case, tmp_path, capsys, no_model_load):
+    argv, names = _bad_inputs(tmp_path)[case]
+    with pytest.raises(SystemExit) as exit_info:
+        grpo.main(argv)
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert exit_info.value.code == 2, err
+    assert len(lines) <= 2, err
+    assert "Traceback" not in err
+    assert names in lines[-1], err
+
+
+def test_debug_shows_the_traceback(tmp_path, no_model_load):
+    with pytest.raises(ValueError, match="min_p"):
+        grpo.main(["--safe_vocab_rule", "min_p=2", "--debug", "--output_dir", str(tmp_path)])
+
+
+def _none_reward(completions, **kwargs):
+    return [None] * len(completions)
+
+
+def _nan_reward(completions, **kwargs):
+    return [math.nan] * len(completions)
+
+
+@pytest.mark.parametrize("reward", ["_none_reward", "_nan_reward"])
+def test_a_run_without_usable_rewards_fails_loudly(reward, tmp_path, capsys):
+    argv = [
+        "--model_name_or_path", TINY, "--dataset_name", "synthetic", "--reward_funcs", f"{__name__}.{reward}",
+        "--max_steps", "2", "--per_device_train_batch_size", "4", "--num_generations", "4",
+        "--max_completion_length", "4", "--logging_steps", "1", "--report_to", "none", "--save_strategy", "no",
+        "--output_dir", str(tmp_path),
+    ]  # fmt: skip
+    with pytest.warns(UserWarning), pytest.raises(SystemExit) as exit_info:
+        grpo.main(argv)
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 1
+    assert "every reward was missing (None) or non-finite" in err.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize("argv", [["--safe_vocab_rule", "min_p=2"], ["--max_steps", "abc"]], ids=["rule", "int"])
+def test_the_console_command_prints_one_line(argv, tmp_path):
+    """As a user runs it (a fresh process: import-time warnings and progress bars count too)."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "trl_integration.commands.grpo", *argv, "--output_dir", str(tmp_path)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 2, proc.stderr
+    assert len(lines) <= 2, proc.stderr
+    assert lines[-1].startswith("safevocab-grpo: error: "), proc.stderr

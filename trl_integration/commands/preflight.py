@@ -1,0 +1,71 @@
+"""What ``safevocab-grpo`` checks before it loads a model: paths, values trl would only reject mid-run.
+
+Every check raises ``ValueError`` with one line that names the flag, the value and what is accepted; the
+command turns it into its one-line error (exit status 2, :func:`trl_integration.commands.errors.fail`). The
+checks read only the parsed arguments and the file system: nothing here loads a model, a tokenizer or a dataset.
+
+- ``--model_name_or_path``: an existing local directory, or something shaped like a Hub id (``org/name`` or
+  ``name``); a path that points nowhere (``./x``, ``/x``, ``~/x``, ``x/y/z``) is refused here instead of being
+  sent to the Hub.
+- ``--dataset_name``: likewise; a data file name (``.json``/``.jsonl``/``.csv``/``.parquet``) must exist.
+- ``--temperature`` > 0 (sampling divides by it), ``--max_steps`` a positive integer or -1 (trl's "train by
+  epochs"; other negatives would silently train by epochs), ``--num_train_epochs`` > 0.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+__all__ = ["check_before_loading", "DATA_FILE_SUFFIXES"]
+
+#: Local data files ``safevocab-grpo`` loads with the matching ``datasets`` builder.
+DATA_FILE_SUFFIXES = (".json", ".jsonl", ".csv", ".parquet")
+
+#: A Hugging Face Hub repository id: ``name`` or ``namespace/name`` (letters, digits, ``-_.``).
+_HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?$")
+
+
+def _looks_local(value: str) -> bool:
+    return value.startswith((".", "/", "~")) or value.count("/") > 1 or os.sep != "/" and os.sep in value
+
+
+def _check_location(flag: str, value: str, what: str, builtin: tuple[str, ...] = ()) -> None:
+    if value in builtin or os.path.exists(os.path.expanduser(value)):
+        return
+    if value.endswith(DATA_FILE_SUFFIXES) and flag == "--dataset_name":
+        raise ValueError(f"{flag} {value!r}: no such file")
+    if _looks_local(value) or not _HUB_ID.match(value):
+        raise ValueError(
+            f"{flag} {value!r}: no such directory, and not a Hugging Face Hub id (namespace/name): accepted {what}"
+        )
+
+
+def check_before_loading(script_args, training_args, model_args, builtin_datasets: tuple[str, ...] = ()) -> None:
+    """Raise ``ValueError`` (one line naming the flag) for arguments that would fail only after the model loads.
+
+    Args:
+        script_args: the parsed ``SafeVocabScriptArguments``.
+        training_args: the parsed ``SafeVocabGRPOConfig``.
+        model_args: the parsed ``trl.ModelConfig``.
+        builtin_datasets: ``--dataset_name`` values the command builds itself (no file, no Hub).
+    """
+    model = model_args.model_name_or_path
+    if model:
+        _check_location("--model_name_or_path", model, "a local model directory (save_pretrained) or a Hub id")
+    dataset = script_args.dataset_name
+    if dataset:
+        _check_location(
+            "--dataset_name", dataset, f"{', '.join(builtin_datasets)}, a local directory or data file, or a Hub id",
+            builtin=builtin_datasets,
+        )  # fmt: skip
+    temperature = training_args.temperature
+    if not temperature > 0:
+        raise ValueError(f"--temperature {temperature}: accepted > 0 (GRPO samples its completions)")
+    if training_args.max_steps == 0 or training_args.max_steps < -1:
+        raise ValueError(
+            f"--max_steps {training_args.max_steps}: accepted a positive number of steps, or -1 to train by "
+            "--num_train_epochs"
+        )
+    if training_args.max_steps == -1 and not training_args.num_train_epochs > 0:
+        raise ValueError(f"--num_train_epochs {training_args.num_train_epochs}: accepted > 0")
