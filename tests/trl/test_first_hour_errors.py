@@ -137,3 +137,35 @@ def test_the_console_command_prints_one_line(argv, tmp_path):
     assert proc.returncode == 2, proc.stderr
     assert len(lines) <= 2, proc.stderr
     assert lines[-1].startswith("safevocab-grpo: error: "), proc.stderr
+
+
+def _parsed(argv):
+    parser = grpo.make_parser()
+    if grpo.bundled_job_requested(argv):
+        parser.set_defaults(model_name_or_path=TINY, dataset_name="arithmetic", **grpo.tiny_grpo_config_kwargs())
+    return parser.parse_args_and_config(args=argv)[1]
+
+
+def test_the_run_names_every_setting_that_differs_from_trl(tmp_path):
+    """The bundled job's own defaults are visible (they differ from trl's); another model gets trl's defaults."""
+    from trl_integration.commands.differences import settings_that_differ
+
+    bundled = dict((name, value) for name, value, _ in settings_that_differ(_parsed(["--output_dir", str(tmp_path)])))
+    assert bundled["max_steps"] == 200 and bundled["learning_rate"] == 1e-4 and bundled["max_completion_length"] == 8
+    other = _parsed(["--model_name_or_path", TINY, "--output_dir", str(tmp_path), "--learning_rate", "3e-6"])
+    assert {name for name, _, _ in settings_that_differ(other)} == {"learning_rate", "min_p"}  # min_p: the rule's
+
+
+def test_help_shows_the_defaults_of_the_case_asked(capsys):
+    def help_of(argv):
+        with pytest.raises(SystemExit):
+            parser = grpo.make_parser()
+            if grpo.bundled_job_requested(argv):
+                parser.set_defaults(**grpo.tiny_grpo_config_kwargs())
+            parser.parse_args_and_config(args=[*argv, "--help"])
+        return " ".join(capsys.readouterr().out.split())
+
+    assert "--max_steps MAX_STEPS" in help_of([])
+    bundled, other = help_of([]), help_of(["--model_name_or_path", TINY])
+    pick = lambda text: text.rsplit("--max_steps MAX_STEPS", 1)[1][:400]  # the option's entry, after the usage  # noqa: E731
+    assert "200" in pick(bundled) and "(default: -1)" in pick(other)

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from trl import ModelConfig, ScriptArguments, TrlParser
 
 from trl_integration.commands.broken_run import BROKEN_RUN, BrokenRunError, RewardGuard, check_trained
+from trl_integration.commands.differences import format_differences, settings_that_differ
 from trl_integration.commands.errors import fail
 from trl_integration.commands.preflight import check_before_loading
 from trl_integration.config import SafeVocabGRPOConfig
@@ -291,6 +292,9 @@ def run(argv: list[str] | None = None):
 
     from trl_integration.trainer import SafeVocabGRPOTrainer
 
+    differences = settings_that_differ(training_args)
+    if differences:
+        print(f"{PROG}: settings that differ from trl's GRPOConfig defaults: {format_differences(differences)}")
     with _usage_errors(debug):
         check_before_loading(
             script_args, training_args, model_args, builtin_datasets=(SYNTHETIC_DATASET_NAME, ARITHMETIC_DATASET_NAME)
