@@ -169,3 +169,15 @@ def test_help_shows_the_defaults_of_the_case_asked(capsys):
     bundled, other = help_of([]), help_of(["--model_name_or_path", TINY])
     pick = lambda text: text.rsplit("--max_steps MAX_STEPS", 1)[1][:400]  # the option's entry, after the usage  # noqa: E731
     assert "200" in pick(bundled) and "(default: -1)" in pick(other)
+
+
+@pytest.mark.parametrize(
+    "flags, name",
+    [(["--lr_scheduler_type", "cosine"], "lr_scheduler_type"), (["--warmup_steps", "10"], "warmup_steps")],
+)
+def test_length_decay_refuses_a_schedule_it_would_ignore(flags, name, tmp_path, capsys, no_model_load):
+    with pytest.raises(SystemExit) as exit_info:
+        grpo.main(["--length_decay", "true", *flags, "--output_dir", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2
+    assert name in err and "length decay replaces" in err or "length decay has no warm-up" in err, err
