@@ -181,3 +181,22 @@ def test_length_decay_refuses_a_schedule_it_would_ignore(flags, name, tmp_path, 
     err = capsys.readouterr().err
     assert exit_info.value.code == 2
     assert name in err and "length decay replaces" in err or "length decay has no warm-up" in err, err
+
+
+def test_the_run_pushes_to_the_hub_and_ends_like_trls_script(tmp_path, monkeypatch, capsys):
+    """``--push_to_hub`` pushes the final model once, after saving it (the Hub call itself is replaced: no network
+    here), and the run ends with transformers' ``Trainer.end()`` as trl's own grpo script does."""
+    import trl_integration.trainer as trainer_module
+
+    calls = []
+    monkeypatch.setattr(trainer_module.SafeVocabGRPOTrainer, "init_hf_repo", lambda self, token=None: None)
+    monkeypatch.setattr(trainer_module.SafeVocabGRPOTrainer, "push_to_hub", lambda self, **kw: calls.append(("push", kw)))
+    original_end = trainer_module.SafeVocabGRPOTrainer.end
+    monkeypatch.setattr(trainer_module.SafeVocabGRPOTrainer, "end", lambda self: calls.append(("end",)) or original_end(self))
+    grpo.run([
+        "--model_name_or_path", TINY, "--dataset_name", "synthetic", "--max_steps", "1", "--per_device_train_batch_size",
+        "4", "--num_generations", "4", "--max_completion_length", "4", "--report_to", "none", "--save_strategy", "no",
+        "--output_dir", str(tmp_path), "--push_to_hub", "--hub_model_id", "me/tiny",
+    ])  # fmt: skip
+    assert calls[-2:] == [("push", {"dataset_name": "synthetic"}), ("end",)]  # save_model pushes too, as in trl
+    assert (tmp_path / "model.safetensors").exists()

@@ -333,10 +333,14 @@ def run(argv: list[str] | None = None):
         check_trained(trainer)
         after = evaluate() if evaluate else None
     trainer.save_model(training_args.output_dir)
+    if training_args.push_to_hub:  # as trl's grpo script: the model, its card and the logs
+        trainer.push_to_hub(dataset_name=script_args.dataset_name)
     if trainer.accelerator.is_main_process:
         from trl_integration.summary import print_run_summary
 
         print_run_summary(trainer, accuracy_before=before, accuracy_after=after)
+    if hasattr(trainer, "end"):  # transformers >= 5.18: finish the trackers, destroy the process group
+        trainer.end()
     return trainer
 
 
