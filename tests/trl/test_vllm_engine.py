@@ -61,8 +61,9 @@ def engines():
     gc.collect()
 
 
-def _train(tmp_path, model_path: str | None = None, **overrides) -> SafeVocabGRPOTrainer:
-    """Two GRPO steps of the bundled job with a colocated engine (the second step samples after a weight sync)."""
+def _train(tmp_path, model_path: str | None = None, rollout_func=None, **overrides) -> SafeVocabGRPOTrainer:
+    """Two GRPO steps of the bundled job with a colocated engine (the second step samples after a weight sync);
+    ``rollout_func`` (trl's) drives the engine itself when given."""
     settings = dict(
         output_dir=str(tmp_path), use_vllm=True, vllm_mode="colocate", vllm_gpu_memory_utilization=0.1,
         max_steps=2, logging_steps=1, per_device_train_batch_size=16, num_generations=4, learning_rate=1e-2,
@@ -74,6 +75,7 @@ def _train(tmp_path, model_path: str | None = None, **overrides) -> SafeVocabGRP
         reward_funcs=arithmetic_reward,
         args=tiny_grpo_config(**settings),
         train_dataset=make_dataset(64, seed=0, split="train"),
+        rollout_func=rollout_func,
     )
     trainer.train()
     return trainer
@@ -224,6 +226,9 @@ def test_the_fence_checks_vllm_generation():
 
 # ---------------------------------------------------------------------------------------------- exact support replay
 
+#: The rule of the replay tests: a top-k set of every row (several ids, so a perturbed set can drop one).
+REPLAY_RULE = "top_k=4"
+
 
 def _engine_replay_rollout_func(perturb: bool):
     """A ``rollout_func`` sampling with the trainer's colocated engine that returns the engine's kept sets as vLLM's own
@@ -271,21 +276,6 @@ def _engine_replay_rollout_func(perturb: bool):
     return rollout_func
 
 
-def _train_with_rollout_func(tmp_path, rollout_func, **overrides) -> SafeVocabGRPOTrainer:
-    settings = dict(
-        output_dir=str(tmp_path), use_vllm=True, vllm_mode="colocate", vllm_gpu_memory_utilization=0.1,
-        max_steps=2, logging_steps=1, per_device_train_batch_size=16, num_generations=4, learning_rate=1e-2,
-        safe_vocab_rule="top_k=4", vllm_importance_sampling_mode="token_truncate",
-    )  # fmt: skip
-    settings.update(overrides)
-    trainer = SafeVocabGRPOTrainer(
-        model=str(tiny_model_path()), reward_funcs=arithmetic_reward, args=tiny_grpo_config(**settings),
-        train_dataset=make_dataset(64, seed=0, split="train"), rollout_func=rollout_func,
-    )  # fmt: skip
-    trainer.train()
-    return trainer
-
-
 def _logged(trainer, key: str) -> list[float]:
     return [entry[key] for entry in trainer.state.log_history if key in entry]
 
@@ -299,7 +289,7 @@ def test_replay_trains_on_the_engines_sets(engines, tmp_path, perturb):
     from safevocab import SafeSupport
 
     rollout_func = _engine_replay_rollout_func(perturb)
-    trainer = _train_with_rollout_func(tmp_path, rollout_func, safe_vocab_support="replay")
+    trainer = _train(tmp_path, rollout_func=rollout_func, safe_vocab_rule=REPLAY_RULE, safe_vocab_support="replay")
     masks = rollout_func.masks[-1]
     assert all(isinstance(mask, SamplingMask) for mask in masks)
     support = SafeSupport.from_vllm(masks)
@@ -321,7 +311,7 @@ def test_replay_trains_on_the_engines_sets(engines, tmp_path, perturb):
 def test_rule_mode_does_not_see_the_engines_perturbed_sets(engines, tmp_path):
     """The control of the replay test: the same perturbed sets under ``safe_vocab_support="rule"`` are not replayed,
     so the trainer's log-probabilities (on the rule's top-4) differ from the engine's on the smaller sets."""
-    trainer = _train_with_rollout_func(tmp_path, _engine_replay_rollout_func(perturb=True), max_steps=1)
+    trainer = _train(tmp_path, rollout_func=_engine_replay_rollout_func(perturb=True), safe_vocab_rule=REPLAY_RULE, max_steps=1)
     assert not _logged(trainer, "safevocab/replay_frac")
     record = trainer.last_generation
     gap = (_loss_tokens(record, "train_logps") - _loss_tokens(record, "rollout_logps")).abs().max().item()
