@@ -253,6 +253,10 @@ def check_fused(
     finally:
         fused_op.SPARSE_MAX_DENSITY = saved
     value_tol = 64 * eps + 4 * delta_z + (8 * eps * math.log(max(2, weight.shape[0])))
+    if backend == "triton" and transform["softcap"] is not None:
+        # The kernels' tanh is within 0.6 ulp where it saturates (torch's, which the reference uses: 0.5 ulp),
+        # so a softcapped logit may sit one ulp of |z| away, and a log-prob z_y - lse two.
+        value_tol += 4 * eps * zmag
     assert_values(out, ref, value_tol)
     grad_rtol = max(1e-4 if eps >= EPS[torch.float32] else 1e-10, 8 * EPS[dtype]) + 16 * delta_z
     if transform["softcap"] is not None and eps >= EPS[torch.float32]:

@@ -220,3 +220,109 @@ def test_the_fence_checks_vllm_generation():
 
     with pytest.raises(ImportError, match="_iter_named_params is missing"):
         check_vllm_generation("1.16.0", Moved)
+
+
+# ---------------------------------------------------------------------------------------------- exact support replay
+
+
+def _engine_replay_rollout_func(perturb: bool):
+    """A ``rollout_func`` sampling with the trainer's colocated engine that returns the engine's kept sets as vLLM's own
+    ``SamplingMask`` objects (``"sampling_mask"``).
+
+    vLLM returns those masks itself only with ``return_sampling_mask=True``, which needs Model Runner V2 (GPU). On
+    CPU the same sets are read off the engine: asked for the processed log-probability of every vocabulary id (the
+    bundled vocabulary, 19 ids, fits vLLM's default ``max_logprobs`` of 20), the ids it kept are those with a finite
+    one. ``perturb`` drops one kept, non-sampled id from each row that has several (an engine whose set differs from
+    the trainer's rule). The returned ``logprobs`` are the engine's, renormalised over the returned set: the
+    log-probabilities of sampling from exactly that set, which the trainer must reproduce when it replays it.
+    """
+    from vllm import SamplingParams
+    from vllm.outputs import SamplingMask
+
+    def rollout_func(prompts, trainer):
+        generation = trainer.vllm_generation
+        vocab = trainer.model.config.vocab_size
+        prompt_ids = trainer.processing_class(text=prompts)["input_ids"]
+        params = SamplingParams(
+            n=1, max_tokens=trainer.max_completion_length, temperature=trainer.temperature, top_k=generation.top_k,
+            top_p=generation.top_p, min_p=generation.min_p or 0.0, logprobs=vocab, seed=len(rollout_func.masks),
+        )  # fmt: skip
+        outputs = generation.llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], params, use_tqdm=False)
+        completion_ids, logprobs, masks = [], [], []
+        for request in outputs:
+            completion = request.outputs[0]
+            kept_rows, token_logps = [], []
+            for token, per_id in zip(completion.token_ids, completion.logprobs):
+                engine = torch.full((vocab,), float("-inf"), dtype=torch.float64)
+                for token_id, logprob in per_id.items():
+                    engine[token_id] = logprob.logprob
+                kept = torch.isfinite(engine).nonzero().flatten().tolist()
+                if perturb and len(kept) > 1:
+                    kept.remove(next(t for t in kept if t != token))
+                kept_rows.append(kept)
+                token_logps.append(float(engine[token] - engine[kept].logsumexp(0)))
+            completion_ids.append(list(completion.token_ids))
+            logprobs.append(token_logps)
+            masks.append(SamplingMask(token_ids=kept_rows))
+        rollout_func.masks.append(masks)
+        return {"prompt_ids": prompt_ids, "completion_ids": completion_ids, "logprobs": logprobs, "sampling_mask": masks}
+
+    rollout_func.masks = []
+    return rollout_func
+
+
+def _train_with_rollout_func(tmp_path, rollout_func, **overrides) -> SafeVocabGRPOTrainer:
+    settings = dict(
+        output_dir=str(tmp_path), use_vllm=True, vllm_mode="colocate", vllm_gpu_memory_utilization=0.1,
+        max_steps=2, logging_steps=1, per_device_train_batch_size=16, num_generations=4, learning_rate=1e-2,
+        safe_vocab_rule="top_k=4", vllm_importance_sampling_mode="token_truncate",
+    )  # fmt: skip
+    settings.update(overrides)
+    trainer = SafeVocabGRPOTrainer(
+        model=str(tiny_model_path()), reward_funcs=arithmetic_reward, args=tiny_grpo_config(**settings),
+        train_dataset=make_dataset(64, seed=0, split="train"), rollout_func=rollout_func,
+    )  # fmt: skip
+    trainer.train()
+    return trainer
+
+
+def _logged(trainer, key: str) -> list[float]:
+    return [entry[key] for entry in trainer.state.log_history if key in entry]
+
+
+@pytest.mark.parametrize("perturb", [False, True], ids=["engine_sets", "perturbed_sets"])
+def test_replay_trains_on_the_engines_sets(engines, tmp_path, perturb):
+    """``safe_vocab_support="replay"`` with the real engine's kept sets (vLLM's ``SamplingMask``): the trainer's
+    log-probabilities are the engine's renormalised over exactly the replayed set, equal sets or not."""
+    from vllm.outputs import SamplingMask
+
+    from safevocab import SafeSupport
+
+    rollout_func = _engine_replay_rollout_func(perturb)
+    trainer = _train_with_rollout_func(tmp_path, rollout_func, safe_vocab_support="replay")
+    masks = rollout_func.masks[-1]
+    assert all(isinstance(mask, SamplingMask) for mask in masks)
+    support = SafeSupport.from_vllm(masks)
+    assert support.num_rows == sum(len(mask.token_ids) for mask in masks)
+    assert int(support.sizes.max()) <= 4
+
+    assert _logged(trainer, "safevocab/replay_frac") and min(_logged(trainer, "safevocab/replay_frac")) == 1.0
+    disagreement = _logged(trainer, "safevocab/support_disagreement")
+    if perturb:
+        assert min(disagreement) > 0.1  # most rows lost an id the rule keeps
+    else:
+        assert max(disagreement) == 0.0  # fp32 engine and trainer pick the same top-4 sets
+    record = trainer.last_generation
+    assert bool(_loss_tokens(record, "in_safe").all())
+    gap = (_loss_tokens(record, "train_logps") - _loss_tokens(record, "rollout_logps")).abs().max().item()
+    assert gap <= FP32_TOL, gap
+
+
+def test_rule_mode_does_not_see_the_engines_perturbed_sets(engines, tmp_path):
+    """The control of the replay test: the same perturbed sets under ``safe_vocab_support="rule"`` are not replayed,
+    so the trainer's log-probabilities (on the rule's top-4) differ from the engine's on the smaller sets."""
+    trainer = _train_with_rollout_func(tmp_path, _engine_replay_rollout_func(perturb=True), max_steps=1)
+    assert not _logged(trainer, "safevocab/replay_frac")
+    record = trainer.last_generation
+    gap = (_loss_tokens(record, "train_logps") - _loss_tokens(record, "rollout_logps")).abs().max().item()
+    assert gap > 1e-2, gap
