@@ -10,7 +10,6 @@ import json
 import warnings
 from dataclasses import dataclass, field
 
-import torch
 from trl import GRPOConfig
 
 import trl_integration.trl_private  # noqa: F401  (fails at import, in one line, outside the tested trl range)
@@ -30,6 +29,7 @@ from trl_integration.enums import (
     SCORING_MODES,
     SUPPORT_SOURCES,
 )
+from trl_integration.precision import bf16_supported, fp16_amp_supported
 
 __all__ = ["SafeVocabGRPOConfig", "OUT_OF_SET_MODES", "SCORING_MODES", "DEFAULT_RULE"]
 
@@ -300,6 +300,8 @@ class SafeVocabGRPOConfig(GRPOConfig):
             )
         self.safe_vocab_effective_rule = str(effective)
         self._effective_rule = effective
+        if self.bf16 is None and not (self.fp16 or self.use_cpu or bf16_supported()):
+            self.bf16 = False  # trl reads unset as True, which transformers refuses without a bf16 device
 
         super().__post_init__()
 
@@ -472,7 +474,7 @@ class SafeVocabGRPOConfig(GRPOConfig):
                 raise ValueError(
                     f"zero_mismatch=True is implemented on the plain generate path only, not with {other_path}"
                 )
-        if self.fp16 and not _has_fp16_amp_device(self):
+        if self.fp16 and not fp16_amp_supported(self.use_cpu):
             warnings.warn(
                 "fp16=True on a machine without a CUDA/XPU/MPS accelerator (or with use_cpu=True): accelerate runs "
                 "neither fp16 autocast nor loss scaling on CPU, so training runs in the model's own dtype. Load "
@@ -509,10 +511,3 @@ def _one_of(name: str, value: object, accepted: tuple, in_words: str | None = No
     if value not in accepted:
         raise ValueError(f"{name}={value!r} is not accepted: accepted {in_words or f'one of {accepted}'}")
 
-
-def _has_fp16_amp_device(args) -> bool:
-    """Whether accelerate can run fp16 mixed precision (autocast + GradScaler) here: any non-CPU device."""
-    if getattr(args, "use_cpu", False):
-        return False
-    xpu, mps = getattr(torch, "xpu", None), getattr(torch.backends, "mps", None)
-    return bool(torch.cuda.is_available() or (xpu and xpu.is_available()) or (mps and mps.is_available()))

@@ -1,10 +1,17 @@
-"""End-of-run summary of ``safevocab-grpo``: reward and accuracy before/after, mismatch, where things went."""
+"""End-of-run summary of ``safevocab-grpo``: reward and accuracy before/after, mismatch, where things went.
+
+Written as ``summary.json`` and ``log_history.json`` in the output directory, with the training curves beside
+them (:mod:`trl_integration.summary_plots`), and printed as a table. When stdout is not a terminal (a log file, a
+pipe, CI) the table is as wide as its longest row, so paths are never wrapped.
+"""
 
 from __future__ import annotations
 
 import json
 import math
 from pathlib import Path
+
+from trl_integration.summary_plots import write_training_curves
 
 __all__ = ["run_summary", "print_run_summary"]
 
@@ -51,6 +58,8 @@ def run_summary(trainer, accuracy_before: float | None = None, accuracy_after: f
     }
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "log_history.json").write_text(json.dumps(trainer.state.log_history, indent=1))
+    plot = write_training_curves(trainer.state.log_history, out_dir, f"safevocab-grpo, rule {summary['rule']}")
+    summary["plots"] = None if plot is None else str(plot)
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
     return summary
 
@@ -75,19 +84,29 @@ def print_run_summary(trainer, accuracy_before: float | None = None, accuracy_af
         ("model and logs", summary["output_dir"]),
         ("per-step metrics", summary["log_history"]),
     ]
+    if summary["plots"]:
+        rows.append(("reward, safe set, mismatch over steps", summary["plots"]))
     try:
         from rich.console import Console
         from rich.table import Table
 
         table = Table(title="safevocab-grpo summary", show_header=False)
         table.add_column(no_wrap=True)
-        table.add_column(overflow="fold")  # paths stay whole on narrow or non-tty consoles
+        table.add_column(overflow="fold")  # a narrow terminal folds long values rather than cutting them
         for key, value in rows:
             table.add_row(key, value)
-        Console().print(table)
+        console = Console()
+        if not console.is_terminal:  # rich would fit a log file to 80 columns, folding paths mid-word
+            console = Console(width=max(console.width, _table_width(rows)))
+        console.print(table)
     except ImportError:  # rich is in the trl extra; plain text otherwise
         width = max(len(k) for k, _ in rows)
         print("safevocab-grpo summary")
         for key, value in rows:
             print(f"  {key:<{width}}  {value}")
     return summary
+
+
+def _table_width(rows: list[tuple[str, str]]) -> int:
+    """Columns the two-column table needs without wrapping: both cells, their padding and three borders."""
+    return max(len(k) for k, _ in rows) + max(len(v) for _, v in rows) + 7

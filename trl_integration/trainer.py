@@ -71,6 +71,7 @@ from trl_integration.safe_vocab_step import (
     score_in_loss,
 )
 from trl_integration.support_replay import SupportReplay
+from trl_integration.tokenizer_check import check_tokenizer
 from trl_integration.trl_private import (
     SCORING_KEYWORDS,
     GRPOTrainerBridge,
@@ -121,7 +122,9 @@ class SafeVocabGRPOTrainer(GRPOTrainerBridge):
         self._rollout_logprobs_fallback: str | None = None
         #: Tensors of the latest generation batch (train/rollout log-probs, masks, ratios), for inspection.
         self.last_generation: dict[str, torch.Tensor] | None = None
+        check_tokenizer(kwargs.get("processing_class", pargs[2] if len(pargs) > 2 else None))  # before the model loads
         super().__init__(model, reward_funcs, args, *pargs, **kwargs)
+        check_tokenizer(self.processing_class)  # the one trl loaded, when none was given
         self._check_zero3()
         # Exact support replay (docs/trl.md): the engine's kept sets, from a rollout_func's "sampling_mask".
         self._replay = SupportReplay() if args.safe_vocab_support == "replay" else None

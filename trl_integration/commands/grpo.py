@@ -368,7 +368,8 @@ def _arithmetic_evaluator(script_args: SafeVocabScriptArguments, trainer):
 
     test = make_dataset(script_args.eval_num_prompts, seed=1, split="test")
     model = trainer.accelerator.unwrap_model(trainer.model)
-    return lambda: accuracy(model, trainer.processing_class, test)
+    bar = not trainer.args.disable_tqdm and "held-out accuracy"  # a progress bar over the problems, as training has
+    return lambda: accuracy(model, trainer.processing_class, test, progress=bar)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -186,12 +186,14 @@ def accuracy(
     do_sample: bool = False,
     temperature: float = 1.0,
     seed: int | None = 0,
+    progress: bool | str = False,
 ) -> float:
     """Fraction of ``dataset`` rows whose generated completion earns reward 1 under :func:`arithmetic_reward`.
 
     Greedy decoding by default; ``do_sample=True`` samples from the full distribution at ``temperature``
     (no top-k/top-p/min-p), seeded with ``seed`` for reproducibility. Prompts are left-padded in batches of
-    ``batch_size``; completions are decoded with ``skip_special_tokens=True``, as trl does.
+    ``batch_size``; completions are decoded with ``skip_special_tokens=True``, as trl does. ``progress`` shows a
+    progress bar over the problems on stderr (tqdm), labelled with ``progress`` when it is a string.
 
     Args:
         model: a causal LM (``AutoModelForCausalLM``) on any device.
@@ -199,6 +201,7 @@ def accuracy(
         dataset: rows with ``prompt`` and ``answer`` (a ``datasets.Dataset`` or a list of dicts).
     """
     import torch
+    from tqdm.auto import tqdm
 
     if len(dataset) == 0:
         raise ValueError("dataset is empty")
@@ -217,6 +220,8 @@ def accuracy(
     else:
         sample_kwargs = dict(do_sample=False)
     correct = 0.0
+    label = progress if isinstance(progress, str) else "accuracy"
+    bar = tqdm(total=len(prompts), desc=label, unit="problem", disable=not progress, dynamic_ncols=True)
     try:
         with torch.no_grad():
             for start in range(0, len(prompts), batch_size):
@@ -231,7 +236,9 @@ def accuracy(
                 )
                 texts = tokenizer.batch_decode(out[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
                 correct += sum(arithmetic_reward(batch, texts, answers[start : start + batch_size]))
+                bar.update(len(batch))
     finally:
+        bar.close()
         if seed is not None:
             torch.random.set_rng_state(generator_state)
         model.train(was_training)

@@ -1,0 +1,131 @@
+"""Every ```python block of README.md and docs/*.md runs on a CPU (issue 18: docs that execute).
+
+The blocks of one page run in order in one namespace, as a reader would paste them into one session (a page
+may import once and use the names further down), with the working directory in a fresh temporary folder (the
+examples write ``runs/...``). Each block is one test, named by its page and line; running a block alone runs
+the page's earlier blocks first.
+
+A block that cannot run here carries an HTML comment on the line before its fence (invisible in the rendered
+page), and is skipped with that reason: ``<!-- skip: needs a GPU -->`` (run wherever CUDA is available),
+``<!-- skip: <why> -->`` (never run: a download from the Hub, a reproducer of a bug in another package). Keep
+such marks rare: every mark is listed in the test report.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+SKIP_MARK = re.compile(r"^<!--\s*skip:\s*(?P<reason>.+?)\s*-->$")
+GPU_REASON = "needs a GPU"
+#: Names whose presence in a block means it needs the trl extra (the core suite may run without it).
+NEEDS_TRL = re.compile(r"\b(trl_integration|trl|transformers|datasets)\b")
+HAS_TRL = importlib.util.find_spec("trl") is not None
+
+
+@dataclass(frozen=True)
+class Block:
+    page: Path
+    line: int  # 1-based line of the opening fence
+    code: str
+    skip: str | None  # the reason of a skip mark, or None
+
+    @property
+    def id(self) -> str:
+        return f"{self.page.relative_to(ROOT)}:{self.line}"
+
+
+def python_blocks(page: Path) -> list[Block]:
+    """The ```python blocks of a Markdown page, each with the skip mark on the line before its fence."""
+    lines = page.read_text().splitlines()
+    blocks, i = [], 0
+    while i < len(lines):
+        fence = lines[i].strip()
+        if fence.startswith("```"):
+            end = next((j for j in range(i + 1, len(lines)) if lines[j].strip() == "```"), len(lines))
+            if fence == "```python":
+                previous = next((lines[j].strip() for j in range(i - 1, -1, -1) if lines[j].strip()), "")
+                mark = SKIP_MARK.match(previous)
+                blocks.append(Block(page, i + 1, "\n".join(lines[i + 1 : end]) + "\n", mark and mark["reason"]))
+            i = end + 1
+        else:
+            i += 1
+    return blocks
+
+
+BLOCKS = [block for page in PAGES for block in python_blocks(page)]
+
+
+class _Page:
+    """One page's namespace and working folder; ``ran`` counts the blocks already run in it."""
+
+    def __init__(self, workdir: Path):
+        self.namespace: dict = {"__name__": "__docs__"}
+        self.workdir = workdir
+        self.ran = 0
+        self.failed: str | None = None
+
+
+_pages: dict[Path, _Page] = {}
+
+
+def _skip_reason(block: Block) -> str | None:
+    if block.skip is not None and not (block.skip.startswith(GPU_REASON) and torch.cuda.is_available()):
+        return block.skip
+    if not HAS_TRL and NEEDS_TRL.search(block.code):
+        return "needs the trl extra (pip install -e '.[trl]')"
+    return None
+
+
+def _run(block: Block, page: _Page) -> None:
+    try:
+        exec(compile(block.code, block.id, "exec"), page.namespace)
+    except BaseException as err:  # a block's own failure, reported with the page's line numbers
+        page.failed = block.id
+        pytest.fail(f"{block.id}: the block raised\n{''.join(traceback.format_exception(err))}", pytrace=False)
+
+
+@pytest.mark.parametrize("block", BLOCKS, ids=[b.id for b in BLOCKS])
+def test_python_block_runs(block: Block, tmp_path_factory, monkeypatch):
+    reason = _skip_reason(block)
+    if reason is not None:
+        pytest.skip(f"{block.id}: {reason}")
+    blocks = [b for b in BLOCKS if b.page == block.page]
+    if block.page not in _pages:
+        _pages[block.page] = _Page(tmp_path_factory.mktemp(block.page.stem))
+        torch.manual_seed(0)
+    page = _pages[block.page]
+    monkeypatch.chdir(page.workdir)
+    index = blocks.index(block)
+    start, page.ran = page.ran, index + 1  # each block runs once, failed or not
+    for earlier in blocks[start:index]:  # when run alone (-k): the page's blocks before it
+        if _skip_reason(earlier) is None and page.failed is None:
+            _run(earlier, page)
+    if page.failed is not None:
+        pytest.fail(f"{block.id}: an earlier block of the page failed ({page.failed})", pytrace=False)
+    _run(block, page)
+
+
+def test_blocks_are_found_and_marks_are_rare():
+    """The extraction finds the blocks (a renamed fence would silently test nothing) and marks stay few."""
+    assert len(BLOCKS) >= 20 and {b.page.name for b in BLOCKS} >= {"README.md", "guide.md", "trl.md"}
+    marked = [f"{b.id} ({b.skip})" for b in BLOCKS if b.skip is not None]
+    assert len(marked) <= 3, marked
+
+
+def test_a_mark_and_a_fence_are_parsed(tmp_path):
+    page = tmp_path / "page.md"
+    page.write_text(
+        "text\n```python\nx = 1\n```\n\n<!-- skip: needs a GPU -->\n\n```python\ny = 2\n```\n"
+        "```bash\nnot python\n```\n```text\n```python\n```\n"
+    )
+    blocks = python_blocks(page)
+    assert [(b.line, b.code, b.skip) for b in blocks] == [(2, "x = 1\n", None), (8, "y = 2\n", "needs a GPU")]
