@@ -29,6 +29,7 @@ from trl_integration.enums import (
     SCORING_MODES,
     SUPPORT_SOURCES,
 )
+from trl_integration.length_decay_checks import refuse_other_lr_schedules
 from trl_integration.precision import bf16_supported, fp16_amp_supported
 
 __all__ = ["SafeVocabGRPOConfig", "OUT_OF_SET_MODES", "SCORING_MODES", "DEFAULT_RULE"]
@@ -321,22 +322,6 @@ class SafeVocabGRPOConfig(GRPOConfig):
         """The integer ``length_decay_period``, or ``None`` in auto mode."""
         return None if self.length_decay_auto_period else int(self.length_decay_period)
 
-    def _refuse_other_lr_schedules(self) -> None:
-        """``length_decay`` replaces the LR schedule: a schedule or warm-up asked for as well would be ignored, so it
-        is refused (``constant``, and trl's default ``linear``, are what length decay does before its first halving)."""
-        schedule = getattr(self.lr_scheduler_type, "value", self.lr_scheduler_type)
-        if schedule not in ("linear", "constant"):
-            raise ValueError(
-                f"lr_scheduler_type={schedule!r} with length_decay=True: length decay replaces the LR schedule "
-                "(constant, then halved); drop --lr_scheduler_type or set --length_decay false"
-            )
-        for name in ("warmup_steps", "warmup_ratio"):
-            if (getattr(self, name, 0) or 0) > 0:
-                raise ValueError(
-                    f"{name}={getattr(self, name)!r} with length_decay=True: length decay has no warm-up; drop "
-                    f"--{name} or set --length_decay false"
-                )
-
     def _check_length_decay(self) -> None:
         # Kept as a string ('auto' or digits) so the command line and YAML take both forms.
         period = str(self.length_decay_period).strip().lower()
@@ -356,7 +341,7 @@ class SafeVocabGRPOConfig(GRPOConfig):
                 "'auto' from): e.g. --length_decay_period 200"
             )
         if self.length_decay:
-            self._refuse_other_lr_schedules()
+            refuse_other_lr_schedules(self)
         # Build the scheduler's pieces once here, so a bad value fails at construction, not at step 0.
         self.make_surge_detector()
         self.length_decay_min_lr_ratio = real(
