@@ -68,7 +68,40 @@ def _bad_inputs(tmp_path):
         "no reward for a custom dataset": ([*model, "--dataset_name", str(no_prompt), *out], "--reward_funcs"),
         "bad safe_vocab_support": (["--safe_vocab_support", "engine", *out], "safe_vocab_support"),
         "bad rollout dtype": (["--rollout_dtype", "fp8", *out], "rollout_dtype"),
+        "unknown accelerate config": (["--accelerate_config", "zero9", *out], "--accelerate_config"),
+        "num_processes not an int": (["--num_processes", "two", *out], "--num_processes"),
+        "abbreviated launcher flag": (["--num_proc", "2", *out], "--num_proc"),
+        "unknown yaml key": (["--config", str(_yaml(tmp_path, "typo", {"max_stepz": 3})), *out], "--max_stepz"),
+        "mixture missing file": ([*model, "--config", str(_mixture(tmp_path, "nofile", [
+            {"path": "json", "data_files": str(tmp_path / "nope.jsonl")}])), "--reward_funcs", "accuracy_reward", *out],
+            "datasets[0].data_files"),
+        "mixture fraction on one entry": ([*model, "--config", str(_mixture(tmp_path, "frac", [
+            {"path": "json", "data_files": str(_prompts(tmp_path)), "fraction": 0.5},
+            {"path": "json", "data_files": str(_prompts(tmp_path))}])), "--reward_funcs", "accuracy_reward", *out],
+            "datasets[1].fraction"),
+        "mixture builder without files": ([*model, "--config", str(_mixture(tmp_path, "nobuild", [{"path": "json"}])),
+                                          "--reward_funcs", "accuracy_reward", *out], "datasets[0]"),
+        "mixture unknown key": ([*model, "--config", str(_mixture(tmp_path, "key", [{"pth": "json"}])), "--reward_funcs",
+                                 "accuracy_reward", *out], "pth"),
     }  # fmt: skip
+
+
+def _yaml(tmp_path, name, mapping):
+    import yaml
+
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(mapping))
+    return path
+
+
+def _mixture(tmp_path, name, entries):
+    return _yaml(tmp_path, name, {"datasets": entries})
+
+
+def _prompts(tmp_path):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text('{"prompt": "1+1="}\n{"prompt": "2+2="}\n')
+    return path
 
 
 
@@ -80,7 +113,9 @@ def _bad_inputs(tmp_path):
         "abbreviated flag", "unknown flag", "zero temperature", "missing model dir", "not a hub id", "missing config",
         "malformed yaml", "yaml not a mapping", "missing data file", "empty data file", "no prompt column",
         "missing reward module", "missing reward function", "unknown reward name", "no reward for a custom dataset",
-        "bad safe_vocab_support", "bad rollout dtype",
+        "bad safe_vocab_support", "bad rollout dtype", "unknown accelerate config", "num_processes not an int",
+        "abbreviated launcher flag", "unknown yaml key", "mixture missing file", "mixture fraction on one entry",
+        "mixture builder without files", "mixture unknown key",
     ],
 )  # fmt: skip
 def test_bad_input_is_one_line_and_exit_2_before_the_model_loads(case, tmp_path, capsys, no_model_load):

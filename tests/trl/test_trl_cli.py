@@ -25,7 +25,8 @@ SMALL = [
 
 
 def parse(argv):
-    return make_parser().parse_args_and_config(args=argv)
+    """(script, config, model) of the command's parser (its fourth dataclass, trl's DatasetMixtureConfig, dropped)."""
+    return make_parser().parse_args_and_config(args=argv)[:3]
 
 
 def test_thresholds_parse_into_config(tmp_path):
@@ -120,7 +121,7 @@ def test_no_arguments_selects_the_bundled_job():
     assert not bundled_job_requested(["--model_name_or_path", "x"]) and not bundled_job_requested(["--config=a.yaml"])
     parser = make_parser()
     parser.set_defaults(model_name_or_path=str(tiny_model_path()), **BUNDLED_JOB_DEFAULTS)
-    script, cfg, model = parser.parse_args_and_config(args=["--max_steps", "3"])
+    script, cfg, model, _ = parser.parse_args_and_config(args=["--max_steps", "3"])
     assert model.model_name_or_path == str(tiny_model_path())
     assert script.dataset_name == "arithmetic" and cfg.max_steps == 3  # a flag still overrides the job's default
     assert cfg.num_generations == BUNDLED_JOB_DEFAULTS["num_generations"]

@@ -205,7 +205,7 @@ def test_incoherent_lab_settings_raise(tmp_path, kwargs, match):
 def test_lab_flags_parse(tmp_path):
     from trl_integration.cli import make_parser
 
-    _, cfg, _ = make_parser().parse_args_and_config(
+    _, cfg, _, _ = make_parser().parse_args_and_config(
         args=[
             "--output_dir", str(tmp_path), "--model_name_or_path", "m", "--use_cpu", "true",
             "--rollout_logit_noise", "0.05", "--rollout_logit_noise_kind", "clipped_gaussian",
@@ -216,7 +216,7 @@ def test_lab_flags_parse(tmp_path):
         0.05, "clipped_gaussian", 7,
     )
     assert cfg.rollout_dtype == "float16" and cfg.zero_mismatch is False
-    _, cfg, _ = make_parser().parse_args_and_config(
+    _, cfg, _, _ = make_parser().parse_args_and_config(
         args=["--output_dir", str(tmp_path), "--model_name_or_path", "m", "--use_cpu", "true", "--zero_mismatch"]
     )
     assert cfg.zero_mismatch is True

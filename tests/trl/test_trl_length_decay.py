@@ -45,7 +45,7 @@ def test_config_fields_and_errors(tmp_path):
 
 
 def test_cli_parses_length_decay_flags(tmp_path):
-    _, cfg, _ = make_parser().parse_args_and_config(
+    _, cfg, _, _ = make_parser().parse_args_and_config(
         args=[
             "--output_dir", str(tmp_path), "--use_cpu", "true", "--bf16", "false",
             "--length_decay", "--length_decay_period", "auto", "--length_decay_min_lr_ratio", "0.2",

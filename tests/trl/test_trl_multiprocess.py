@@ -350,7 +350,7 @@ def test_training_config_keeps_one_safe_vocabulary():
 
     raw = yaml.safe_load((RECIPES / "dvp_grpo.yaml").read_text())
     assert raw["safe_vocab_in_sampler"] is True and raw["rollout_dtype"] == "auto"
-    _, config, _ = make_parser().parse_args_and_config(
+    _, config, _, _ = make_parser().parse_args_and_config(
         args=["--config", str(RECIPES / "dvp_grpo.yaml"), "--output_dir", "/tmp/unused"]
     )
     assert str(config.sampler_rule) == str(config.rule) == raw["safe_vocab_rule"]
@@ -378,7 +378,7 @@ def test_readme_launch_lines_parse():
             load_config_from_file(str(ROOT / launch.config_file))
             cli_args = list(launch.training_script_args)
             cli_args = [str(ROOT / a) if a.startswith("examples/recipes/") else a for a in cli_args]
-            _, config, model = make_parser().parse_args_and_config(args=cli_args + on_cpu)
+            _, config, model, _ = make_parser().parse_args_and_config(args=cli_args + on_cpu)
             assert config.safe_vocab_in_sampler and str(config.sampler_rule) == str(config.rule), line
             assert config.rollout_dtype == "auto", line
             seen["train"].append((launch.config_file, config, model.model_name_or_path))

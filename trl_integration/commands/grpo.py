@@ -23,12 +23,13 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-from trl import ModelConfig, ScriptArguments, TrlParser
+from trl import DatasetMixtureConfig, ModelConfig, ScriptArguments, TrlParser
 
 from trl_integration.commands.broken_run import BROKEN_RUN, BrokenRunError, RewardGuard, check_trained
 from trl_integration.commands.differences import format_differences, settings_that_differ
 from trl_integration.commands.errors import fail
-from trl_integration.commands.preflight import check_before_loading
+from trl_integration.commands.launch import launch, launcher_flags, running_under_launch
+from trl_integration.commands.preflight import check_before_loading, check_mixture
 from trl_integration.config import SafeVocabGRPOConfig
 from trl_integration.demo.config import TINY_GRPO_DEFAULTS, tiny_grpo_config_kwargs
 from trl_integration.demo.data import SYNTHETIC_DATASET_NAME, repeat_char_reward, synthetic_dataset
@@ -96,7 +97,11 @@ class SafeVocabScriptArguments(ScriptArguments):
 
 
 def make_parser(prog: str | None = PROG) -> TrlParser:
-    """The ``TrlParser`` over ``(SafeVocabScriptArguments, SafeVocabGRPOConfig, ModelConfig)``.
+    """The ``TrlParser`` over ``(SafeVocabScriptArguments, SafeVocabGRPOConfig, ModelConfig, DatasetMixtureConfig)``.
+
+    As in trl's ``grpo`` script, ``DatasetMixtureConfig`` reads a dataset mixture from the ``--config`` YAML
+    (``datasets:`` a list of ``path``/``data_files``/``split``/``columns``/``fraction`` entries, ``streaming``,
+    ``test_split_size``); it replaces ``--dataset_name``.
 
     On a machine without a GPU, ``--bf16`` defaults to false (trl's default of true needs a GPU or
     ``--use_cpu``); a YAML config or the flag still overrides it.
@@ -105,13 +110,17 @@ def make_parser(prog: str | None = PROG) -> TrlParser:
 
     # transformers deprecates a TrainingArguments field that trl's config sets itself: not the user's to act on.
     warnings.filterwarnings("ignore", message="`gradient_checkpointing` is deprecated", category=FutureWarning)
-    parser = TrlParser((SafeVocabScriptArguments, SafeVocabGRPOConfig, ModelConfig), prog=prog, allow_abbrev=False)
+    parser = TrlParser(
+        (SafeVocabScriptArguments, SafeVocabGRPOConfig, ModelConfig, DatasetMixtureConfig), prog=prog, allow_abbrev=False
+    )
     if not torch.cuda.is_available():
         parser.set_defaults(bf16=False)
 
     parser.epilog = (
         "--debug with no value: show Python tracebacks instead of one-line errors (transformers' --debug OPTION, "
-        "e.g. underflow_overflow, keeps its meaning)."
+        "e.g. underflow_overflow, keeps its meaning). Several processes, as with `trl grpo`: --num_processes N and "
+        "--accelerate_config NAME|PATH (trl's zero1/zero2/zero3/fsdp1/fsdp2/multi_gpu/single_gpu or a YAML file), "
+        "and any other `accelerate launch` flag."
     )
 
     def one_line_error(message: str):  # argparse's own error() prints hundreds of lines of usage first
@@ -139,6 +148,23 @@ def _usage_errors(debug: bool, context: str = "") -> Iterator[None]:
         raise SystemExit(fail(PROG, context + _one_line(err))) from None
 
 
+@contextmanager
+def _mixture_key_errors() -> Iterator[None]:
+    """A ``datasets:`` entry with a key trl's ``DatasetConfig`` does not have: name the key and the accepted ones."""
+    import dataclasses
+
+    from trl.scripts.utils import DatasetConfig
+
+    try:
+        yield
+    except TypeError as err:
+        if "DatasetConfig" not in str(err) or "unexpected keyword argument" not in str(err):
+            raise
+        key = str(err).rsplit("argument", 1)[1].strip()
+        accepted = ", ".join(f.name for f in dataclasses.fields(DatasetConfig))
+        raise ValueError(f"datasets: unknown key {key}: accepted {accepted}") from None
+
+
 #: Values of transformers' own ``--debug`` (``TrainingArguments.debug``); a ``--debug`` without one is this command's.
 _TRANSFORMERS_DEBUG_OPTIONS = ("underflow_overflow", "tpu_metrics_debug")
 
@@ -150,6 +176,18 @@ def _take_debug_flag(argv: list[str]) -> bool:
             del argv[i]
             return True
     return False
+
+
+def _without(argv: list[str], subsequence: list[str]) -> list[str]:
+    """``argv`` without the ordered ``subsequence`` (the launcher flags), as trl's CLI takes them out."""
+    rest, items = [], iter(subsequence)
+    current = next(items, None)
+    for arg in argv:
+        if current is not None and arg == current:
+            current = next(items, None)
+        else:
+            rest.append(arg)
+    return rest
 
 
 def _config_path(argv: list[str]) -> str | None:
@@ -166,25 +204,38 @@ def bundled_job_requested(argv: list[str]) -> bool:
     return not any(a.split("=")[0] in ("--model_name_or_path", "--config") for a in argv)
 
 
-def load_train_dataset(script_args: SafeVocabScriptArguments):
-    """``(train, eval-or-None)`` datasets for ``--dataset_name``.
+def load_train_dataset(script_args: SafeVocabScriptArguments, dataset_args: DatasetMixtureConfig | None = None):
+    """``(train, eval-or-None)`` datasets for ``--dataset_name``, or for the mixture of ``dataset_args``.
 
-    ``synthetic`` (the default when ``--dataset_name`` is not given) is the built-in task; a local directory
+    ``synthetic`` (the default when neither is given) is the built-in task; a local directory
     written by ``save_to_disk`` is loaded with ``load_from_disk``; a local ``.json/.jsonl/.csv/.parquet`` file with
     the matching ``datasets`` builder; anything else (a directory of data files, a Hub id) goes to
-    ``datasets.load_dataset``.
+    ``datasets.load_dataset``. A mixture (``datasets:`` in the YAML) is loaded by trl's own ``get_dataset``, as
+    ``trl grpo`` does (its ``test`` split, with ``test_split_size``, is the eval set); it replaces
+    ``--dataset_name``.
     """
     import datasets
 
     name = script_args.dataset_name
-    if name == SYNTHETIC_DATASET_NAME:
+    if dataset_args is not None and dataset_args.datasets:
+        from trl import get_dataset
+
+        datasets.disable_progress_bars()  # local files load in a moment: no bars on stderr
+        try:
+            dataset = get_dataset(dataset_args)
+        finally:
+            datasets.enable_progress_bars()
+        name = "datasets: in --config"
+    elif name == SYNTHETIC_DATASET_NAME:
         return synthetic_dataset(script_args.synthetic_num_prompts), None
     if name == ARITHMETIC_DATASET_NAME:
         from trl_integration.demo.arithmetic import make_dataset
 
         return make_dataset(script_args.arithmetic_num_prompts, seed=0, split="train"), None
     builders = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
-    if os.path.isdir(name) and any(
+    if dataset_args is not None and dataset_args.datasets:
+        pass  # loaded above
+    elif os.path.isdir(name) and any(
         os.path.exists(os.path.join(name, f)) for f in ("dataset_info.json", "state.json", "dataset_dict.json")
     ):
         dataset = datasets.load_from_disk(name)
@@ -199,6 +250,8 @@ def load_train_dataset(script_args: SafeVocabScriptArguments):
     else:
         dataset = datasets.load_dataset(name, name=script_args.dataset_config, streaming=script_args.dataset_streaming)
     if isinstance(dataset, (datasets.DatasetDict, datasets.IterableDatasetDict)):
+        if dataset_args is not None and dataset_args.datasets:  # get_dataset names its splits train and test
+            return _with_prompt(dataset["train"], name), dataset.get("test")
         if script_args.dataset_train_split not in dataset:
             raise ValueError(
                 f"dataset {name!r} has no split {script_args.dataset_train_split!r} (--dataset_train_split): "
@@ -208,10 +261,14 @@ def load_train_dataset(script_args: SafeVocabScriptArguments):
         test = dataset.get(script_args.dataset_test_split)
     else:
         train, test = dataset, None
+    return _with_prompt(train, name), test
+
+
+def _with_prompt(train, name: str):
     columns = train.column_names or []
     if "prompt" not in columns:
         raise ValueError(f"dataset {name!r} needs a 'prompt' column; it has {columns}")
-    return train, test
+    return train
 
 
 def resolve_reward_funcs(script_args: SafeVocabScriptArguments) -> list:
@@ -262,7 +319,12 @@ def _bundled_model_hint() -> str:
 
 
 def run(argv: list[str] | None = None):
-    """Parse ``argv`` (default: ``sys.argv[1:]``), train, save, and return the trainer."""
+    """Parse ``argv`` (default: ``sys.argv[1:]``), train, save, and return the trainer.
+
+    With ``accelerate launch`` flags (``--num_processes``, ``--accelerate_config``, ...; see
+    :mod:`trl_integration.commands.launch`) the processes are launched instead, each training, and ``None`` is
+    returned once all ended well (a failure exits with their status).
+    """
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = _take_debug_flag(argv)
     parser = make_parser()
@@ -276,35 +338,56 @@ def run(argv: list[str] | None = None):
     config = _config_path(argv)
     if config is not None and not os.path.isfile(config):
         raise SystemExit(fail(PROG, f"--config {config!r}: no such file"))
-    with _usage_errors(debug, f"--config {config}: " if config else ""):
-        script_args, training_args, model_args = parser.parse_args_and_config(args=argv)
+    with _usage_errors(debug, f"--config {config}: " if config else ""), _mixture_key_errors():
+        script_args, training_args, model_args, dataset_args, config_leftover, cli_leftover = (
+            parser.parse_args_and_config(args=argv, return_remaining_strings=True, separate_remaining_strings=True)
+        )
+    # Flags the dataclasses did not take are `accelerate launch` flags (as in `trl grpo`), or mistakes; a launched
+    # process is handed the YAML's launcher keys again and ignores them.
+    launched = running_under_launch()
+    flags = [] if launched else launcher_flags(config_leftover + cli_leftover, parser.error)
+    mixture = bool(dataset_args.datasets)
     if not model_args.model_name_or_path:
         raise SystemExit(fail(PROG, MISSING_MODEL_MESSAGE + _bundled_model_hint()))
-    if script_args.dataset_name is None:
+    if mixture and script_args.dataset_name is not None:
+        print(f"{PROG}: both --dataset_name and a dataset mixture (datasets: in --config) are given: the mixture is "
+              "used and --dataset_name is ignored, as in trl's grpo script", file=sys.stderr)  # fmt: skip
+        script_args.dataset_name = None
+    elif not mixture and script_args.dataset_name is None:
         script_args.dataset_name = SYNTHETIC_DATASET_NAME
-        print(
-            f"{PROG}: no --dataset_name given, using the built-in '{SYNTHETIC_DATASET_NAME}' smoke-test "
-            "dataset (pass --dataset_name <local dir, file or Hub id> to train on your data)",
-            file=sys.stderr,
-        )
+        if not launched:
+            print(
+                f"{PROG}: no --dataset_name given, using the built-in '{SYNTHETIC_DATASET_NAME}' smoke-test "
+                "dataset (pass --dataset_name <local dir, file or Hub id> to train on your data)",
+                file=sys.stderr,
+            )
 
     from trl import get_peft_config, get_quantization_config
 
     from trl_integration.trainer import SafeVocabGRPOTrainer
 
     differences = settings_that_differ(training_args)
-    if differences:
+    if differences and not launched:
         print(f"{PROG}: settings that differ from trl's GRPOConfig defaults: {format_differences(differences)}")
     with _usage_errors(debug):
         check_before_loading(
             script_args, training_args, model_args, builtin_datasets=(SYNTHETIC_DATASET_NAME, ARITHMETIC_DATASET_NAME)
         )
+        check_mixture(dataset_args)
     with _usage_errors(debug, "--reward_funcs: "):
         reward_funcs = resolve_reward_funcs(script_args)
-    with _usage_errors(debug, f"--dataset_name {script_args.dataset_name}: "):
-        train_dataset, eval_dataset = load_train_dataset(script_args)
+    if flags:  # every check that needs no model has passed: start the processes, each of which trains
+        training_argv = _without(argv, cli_leftover) + (["--debug"] if debug else [])
+        status = launch(flags, training_argv, PROG)
+        if status:
+            raise SystemExit(status)
+        return None
+    data_context = "datasets: in --config: " if mixture else f"--dataset_name {script_args.dataset_name}: "
+    with _usage_errors(debug, data_context):
+        train_dataset, eval_dataset = load_train_dataset(script_args, dataset_args)
         if hasattr(train_dataset, "__len__") and len(train_dataset) == 0:
-            raise ValueError(f"the training split {script_args.dataset_train_split!r} is empty")
+            split = "train" if mixture else script_args.dataset_train_split
+            raise ValueError(f"the training split {split!r} is empty")
 
     model_init_kwargs = dict(
         revision=model_args.model_revision,

@@ -10,6 +10,9 @@ checks read only the parsed arguments and the file system: nothing here loads a 
 - ``--dataset_name``: likewise; a data file name (``.json``/``.jsonl``/``.csv``/``.parquet``) must exist.
 - ``--temperature`` > 0 (sampling divides by it), ``--max_steps`` a positive integer or -1 (trl's "train by
   epochs"; other negatives would silently train by epochs), ``--num_train_epochs`` > 0.
+- a dataset mixture (``datasets:`` in the ``--config`` YAML, trl's ``DatasetMixtureConfig``): every entry's ``path``
+  a ``datasets`` builder name, an existing local path or a Hub id, its local ``data_files`` existing, ``fraction``
+  set for all entries or none (each > 0), and no ``fraction`` when streaming.
 """
 
 from __future__ import annotations
@@ -17,10 +20,14 @@ from __future__ import annotations
 import os
 import re
 
-__all__ = ["check_before_loading", "DATA_FILE_SUFFIXES"]
+__all__ = ["check_before_loading", "check_mixture", "DATA_FILE_SUFFIXES", "DATASETS_BUILDERS"]
 
 #: Local data files ``safevocab-grpo`` loads with the matching ``datasets`` builder.
 DATA_FILE_SUFFIXES = (".json", ".jsonl", ".csv", ".parquet")
+
+#: ``datasets``' packaged builders: a mixture entry's ``path`` may name one, with its ``data_files``.
+DATASETS_BUILDERS = ("json", "csv", "parquet", "text", "arrow", "webdataset", "imagefolder", "audiofolder",
+                     "videofolder", "pdffolder", "xml", "sql", "eval")  # fmt: skip
 
 #: A Hugging Face Hub repository id: ``name`` or ``namespace/name`` (letters, digits, ``-_.``).
 _HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?$")
@@ -69,3 +76,49 @@ def check_before_loading(script_args, training_args, model_args, builtin_dataset
         )
     if training_args.max_steps == -1 and not training_args.num_train_epochs > 0:
         raise ValueError(f"--num_train_epochs {training_args.num_train_epochs}: accepted > 0")
+
+
+def _data_file_names(data_files) -> list[str]:
+    if data_files is None:
+        return []
+    if isinstance(data_files, str):
+        return [data_files]
+    if isinstance(data_files, dict):
+        return [f for files in data_files.values() for f in _data_file_names(files)]
+    return [f for files in data_files for f in _data_file_names(files)]
+
+
+def check_mixture(dataset_args) -> None:
+    """Raise ``ValueError`` (one line naming the entry) for a dataset mixture that would fail at load time.
+
+    Args:
+        dataset_args: the parsed ``trl.DatasetMixtureConfig`` (``datasets:`` in the ``--config`` YAML); an empty
+            mixture passes.
+    """
+    entries = list(dataset_args.datasets or [])
+    for i, entry in enumerate(entries):
+        where = f"datasets[{i}]"
+        if not isinstance(entry.path, str) or not entry.path:
+            raise ValueError(f"{where}.path {entry.path!r}: accepted a builder name ({', '.join(DATASETS_BUILDERS[:4])}, "
+                             "...) with data_files, a local directory or file, or a Hub id")  # fmt: skip
+        _check_location(f"{where}.path", entry.path, "a datasets builder name with data_files, a local directory or "
+                        "file, or a Hub id", builtin=DATASETS_BUILDERS)  # fmt: skip
+        for name in _data_file_names(entry.data_files):
+            if "://" not in name and not any(c in name for c in "*?[") and not os.path.exists(os.path.expanduser(name)):
+                raise ValueError(f"{where}.data_files {name!r}: no such file")
+        if entry.path in DATASETS_BUILDERS and entry.data_files is None and entry.data_dir is None:
+            raise ValueError(f"{where}: path {entry.path!r} is a datasets builder: accepted with data_files or data_dir")
+    fractions = [entry.fraction for entry in entries]
+    if any(f is not None for f in fractions):
+        if any(f is None for f in fractions):
+            unset = [i for i, f in enumerate(fractions) if f is None]
+            raise ValueError(f"datasets[{unset[0]}].fraction is not set: accepted a fraction on every entry or on none")
+        for i, fraction in enumerate(fractions):
+            if not (isinstance(fraction, (int, float)) and fraction > 0 and fraction == fraction and fraction != float("inf")):
+                raise ValueError(f"datasets[{i}].fraction {fraction!r}: accepted a finite number > 0")
+        if dataset_args.streaming:
+            raise ValueError("datasets: fraction with streaming: true is not accepted (trl's get_dataset cannot "
+                             "take shares of a stream): accepted streaming: false, or no fraction")  # fmt: skip
+    size = dataset_args.test_split_size
+    if size is not None and not (0 < size < 1 or (float(size).is_integer() and size >= 1)):
+        raise ValueError(f"test_split_size {size!r}: accepted a fraction in (0, 1) or a number of rows >= 1")
