@@ -81,6 +81,8 @@ def _bad_inputs(tmp_path):
             "datasets[1].fraction"),
         "mixture builder without files": ([*model, "--config", str(_mixture(tmp_path, "nobuild", [{"path": "json"}])),
                                           "--reward_funcs", "accuracy_reward", *out], "datasets[0]"),
+        "mixture on the command line": ([*model, "--datasets", "a.jsonl", "--reward_funcs", "accuracy_reward", *out],
+                                        "--datasets"),
         "mixture unknown key": ([*model, "--config", str(_mixture(tmp_path, "key", [{"pth": "json"}])), "--reward_funcs",
                                  "accuracy_reward", *out], "pth"),
     }  # fmt: skip
@@ -115,7 +117,7 @@ def _prompts(tmp_path):
         "missing reward module", "missing reward function", "unknown reward name", "no reward for a custom dataset",
         "bad safe_vocab_support", "bad rollout dtype", "unknown accelerate config", "num_processes not an int",
         "abbreviated launcher flag", "unknown yaml key", "mixture missing file", "mixture fraction on one entry",
-        "mixture builder without files", "mixture unknown key",
+        "mixture builder without files", "mixture unknown key", "mixture on the command line",
     ],
 )  # fmt: skip
 def test_bad_input_is_one_line_and_exit_2_before_the_model_loads(case, tmp_path, capsys, no_model_load):

@@ -98,6 +98,10 @@ def check_mixture(dataset_args) -> None:
     entries = list(dataset_args.datasets or [])
     for i, entry in enumerate(entries):
         where = f"datasets[{i}]"
+        if not hasattr(entry, "path"):  # `--datasets x` on the command line: trl reads mixtures from YAML only
+            raise ValueError(f"--datasets {entry!r}: a dataset mixture is read from the --config YAML (datasets: a "
+                             "list of mappings with path, data_files, split, columns, fraction): accepted there, "
+                             "or --dataset_name for one dataset")  # fmt: skip
         if not isinstance(entry.path, str) or not entry.path:
             raise ValueError(f"{where}.path {entry.path!r}: accepted a builder name ({', '.join(DATASETS_BUILDERS[:4])}, "
                              "...) with data_files, a local directory or file, or a Hub id")  # fmt: skip
