@@ -82,7 +82,7 @@ def _bad_inputs(tmp_path):
         "mixture builder without files": ([*model, "--config", str(_mixture(tmp_path, "nobuild", [{"path": "json"}])),
                                           "--reward_funcs", "accuracy_reward", *out], "datasets[0]"),
         "mixture on the command line": ([*model, "--datasets", "a.jsonl", "--reward_funcs", "accuracy_reward", *out],
-                                        "--datasets"),
+                                        "datasets[0].path 'a.jsonl': no such file"),
         "mixture unknown key": ([*model, "--config", str(_mixture(tmp_path, "key", [{"pth": "json"}])), "--reward_funcs",
                                  "accuracy_reward", *out], "pth"),
     }  # fmt: skip

@@ -40,7 +40,7 @@ def _looks_local(value: str) -> bool:
 def _check_location(flag: str, value: str, what: str, builtin: tuple[str, ...] = ()) -> None:
     if value in builtin or os.path.exists(os.path.expanduser(value)):
         return
-    if value.endswith(DATA_FILE_SUFFIXES) and flag == "--dataset_name":
+    if value.endswith(DATA_FILE_SUFFIXES) and (flag == "--dataset_name" or flag.startswith("datasets[")):
         raise ValueError(f"{flag} {value!r}: no such file")
     if _looks_local(value) or not _HUB_ID.match(value):
         raise ValueError(
@@ -98,10 +98,6 @@ def check_mixture(dataset_args) -> None:
     entries = list(dataset_args.datasets or [])
     for i, entry in enumerate(entries):
         where = f"datasets[{i}]"
-        if not hasattr(entry, "path"):  # `--datasets x` on the command line: trl reads mixtures from YAML only
-            raise ValueError(f"--datasets {entry!r}: a dataset mixture is read from the --config YAML (datasets: a "
-                             "list of mappings with path, data_files, split, columns, fraction): accepted there, "
-                             "or --dataset_name for one dataset")  # fmt: skip
         if not isinstance(entry.path, str) or not entry.path:
             raise ValueError(f"{where}.path {entry.path!r}: accepted a builder name ({', '.join(DATASETS_BUILDERS[:4])}, "
                              "...) with data_files, a local directory or file, or a Hub id")  # fmt: skip
