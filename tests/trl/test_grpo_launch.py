@@ -103,9 +103,21 @@ def _rank_recording_reward(folder: Path) -> str:
 
 
 def _run(argv: list[str], cwd: Path) -> subprocess.CompletedProcess:
-    env_cmd = [sys.executable, "-m", "trl_integration.commands.grpo", *argv]
-    return subprocess.run(env_cmd, cwd=cwd, capture_output=True, text=True, timeout=600,
-                          env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
+    """The command in a process group of its own: on a timeout the launched ranks are killed with it (a rank left
+    waiting in a collective would otherwise outlive the test)."""
+    import os
+    import signal
+
+    cmd = [sys.executable, "-m", "trl_integration.commands.grpo", *argv]
+    proc = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True, env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
+    try:
+        out, err = proc.communicate(timeout=600)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        raise AssertionError(f"timed out after 600 s:\n{err[-3000:]}") from None
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
 def _ranks(folder: Path) -> list[dict]:
