@@ -188,7 +188,7 @@ def run_diagnose(
     import numpy as np
     from tqdm.auto import tqdm
 
-    from trl_integration.rollout import logit_noise
+    from trl_integration.rollout import logit_delta
 
     if not texts:
         raise ValueError("no texts to score")
@@ -245,7 +245,7 @@ def run_diagnose(
             za = za_all[i : i + step].double() / temperature
             zb = zb_all[i : i + step].double() / temperature
             if noise > 0:
-                zb = zb + logit_noise(zb.shape, noise, noise_kind, generator=gen, device=zb.device, dtype=torch.float64)
+                zb = zb + logit_delta(zb, noise, noise_kind, generator=gen)
             y = y_all[i : i + step].unsqueeze(-1)
             la = za.log_softmax(-1).gather(-1, y).squeeze(-1)
             lb = zb.log_softmax(-1).gather(-1, y).squeeze(-1)
