@@ -1,5 +1,5 @@
-"""Plug-ins the tests name as ``module:function`` (``--rollout_perturbation rollout_plugins:lift_half``,
-``--task rollout_plugins:tiny_arithmetic_task``): this folder is on ``sys.path`` in the test session."""
+"""Rollout perturbations the tests name as ``--rollout_perturbation rollout_plugins:...`` (this folder is on
+``sys.path`` in the test session)."""
 
 from __future__ import annotations
 
@@ -20,11 +20,3 @@ def not_a_processor(seed: int):
 
 
 NOT_CALLABLE = 3
-
-
-def not_a_task():
-    return {"name": "arithmetic"}
-
-
-def broken_task():
-    raise RuntimeError("no data today")
