@@ -166,7 +166,8 @@ def test_command_mantissa_bits_task_and_errors(model_dir, tmp_path, capsys):
     s = run(["--model", model_dir, "--no_tail", "--no_plots"], tmp_path / "no-tail")
     assert "tail" not in s
     for argv, message in (
-        (["--rollout_mantissa_bits", "30"], "--rollout_mantissa_bits 30 is not accepted: accepted an integer in [1, 23]"),
+        (["--rollout_mantissa_bits", "30"], "--rollout_mantissa_bits 30 is not accepted: accepted an integer in [1, 23]"
+         ),
         (["--rollout_mantissa_bits", "3", "--compare", "float32:float64"], "not a float64 rollout side"),
         (["--task", "nope"], "--task='nope' is not accepted"),
         (["--tail_samples", "0"], "--tail_samples"),
@@ -174,3 +175,11 @@ def test_command_mantissa_bits_task_and_errors(model_dir, tmp_path, capsys):
         assert main(["diagnose", "--model", model_dir, *argv, "--output_dir", str(tmp_path / "bad")]) == 2
         assert message in capsys.readouterr().err
     assert not (tmp_path / "bad").exists()
+
+
+def test_help_lists_the_new_flags(capsys):
+    with pytest.raises(SystemExit):
+        main(["diagnose", "--help"])
+    text = capsys.readouterr().out
+    for flag in ("--rollout_mantissa_bits", "--task", "--tail_prompts", "--no_tail", "lift"):
+        assert flag in text, flag

@@ -257,7 +257,8 @@ def run_study(
     Args:
         settings: the study settings (validated here).
         task: the task (a :class:`~trl_integration.study.task.StudyTask`, or a spec for
-            :func:`~trl_integration.study.tasks.load_task`); default: ``settings.task``.
+            :func:`~trl_integration.study.tasks.load_task`); default: ``settings.task`` (which a task given here
+            replaces; ``results["task"]`` records what ran).
         command: the command line recorded in the report (default: ``safevocab study`` + ``sys.argv[2:]``).
         arm_configs: ``{arm name: SafeVocabGRPOConfig overrides}`` replacing `arm_overrides` for those names
             (arms not listed in ``settings.arms`` are ignored); for custom or deliberately broken arms.
@@ -274,6 +275,7 @@ def run_study(
             recorded runs', before any training.
     """
     settings.validate()
+    spec = settings.task if task is None else task if isinstance(task, str) else f"{task.name} (a StudyTask object)"
     task = load_task(settings.task if task is None else task)
     settings = replace(
         settings, max_completion_length=resolved_max_completion_length(settings, task.max_completion_length)
@@ -312,7 +314,7 @@ def run_study(
         "command": command,
         "command_full": full_command,
         "settings": asdict(settings),
-        "task": task_record(task, settings.task if isinstance(settings.task, str) else task.name),
+        "task": task_record(task, spec),
         "model": model_path,
         "environment": _environment(),
         "arms": {a: {k: v for k, v in o.items()} for a, o in arms.items()},
