@@ -30,7 +30,8 @@ from trl_integration.enums import (
     SUPPORT_SOURCES,
 )
 from trl_integration.length_decay_checks import refuse_other_lr_schedules
-from trl_integration.precision import bf16_supported, fp16_amp_supported
+from trl_integration.mismatch_lab_checks import check_mismatch_lab
+from trl_integration.precision import bf16_supported
 
 __all__ = ["SafeVocabGRPOConfig", "OUT_OF_SET_MODES", "SCORING_MODES", "DEFAULT_RULE"]
 
@@ -103,9 +104,21 @@ class SafeVocabGRPOConfig(GRPOConfig):
             rollout's transformed logits before the rule and the softmax; tokens are sampled from, and rollout
             log-probabilities recorded under, the perturbed distribution. `0` disables it. Generate path only.
         rollout_logit_noise_kind (`str`, defaults to `"uniform"`):
-            Distribution of δ: `"uniform"` (U[-ε, ε]) or `"clipped_gaussian"` (N(0, (ε/2)²) clipped to ±ε).
+            Distribution of δ: `"uniform"` (U[-ε, ε]), `"clipped_gaussian"` (N(0, (ε/2)²) clipped to ±ε) or
+            `"lift"`, deterministic and biased: δ_i = ε·min(1, (z_max − z_i)/10), a heavier rollout tail.
         rollout_noise_seed (`int`, defaults to `0`):
             Seed of the noise's private generator (plus the process index), independent of the sampling RNG.
+        rollout_mantissa_bits (`int` or `None`, defaults to `None`):
+            Mismatch lab: the `generate` rollouts sample with the current weights rounded to this many mantissa
+            bits (1–23, round to nearest even; 7 = bfloat16's, 10 = float16's), so the mismatch follows the
+            weights as they train. The trained weights are restored bit for bit after each rollout (a rounded copy
+            is held meanwhile). Generate path only; not with a bfloat16/float16 `rollout_dtype`.
+        rollout_perturbation (`str` or `None`, defaults to `None`):
+            Mismatch lab: `"module:function"`, a factory `function(seed: int) -> LogitsProcessor` (seed:
+            `rollout_noise_seed` + the process index). The processor sees the `generate` rollout's scores
+            before the temperature warper and the rollout log-prob recorder, after the injected noise: tokens are
+            sampled from, and recorded under, the distribution it returns. `SafeVocabGRPOTrainer` also takes the
+            factory or a processor itself (`rollout_perturbation=`). Generate path only.
         zero_mismatch (`bool`, defaults to `False`):
             Mismatch lab: replace the rollout log-probabilities by the training engine's own scoring of the
             sampled tokens, so that rollout and training log-probabilities are bit-identical (importance ratio
@@ -208,14 +221,30 @@ class SafeVocabGRPOConfig(GRPOConfig):
     rollout_logit_noise_kind: str = field(
         default="uniform",
         metadata={
-            "help": "Distribution of the injected logit noise: 'uniform' (U[-eps, eps]) or 'clipped_gaussian' "
-            "(N(0, (eps/2)^2) clipped to +-eps).",
+            "help": "The injected logit perturbation: 'uniform' (U[-eps, eps]), 'clipped_gaussian' (N(0, (eps/2)^2) "
+            "clipped to +-eps) or 'lift' (deterministic: eps * min(1, (z_max - z_i) / 10), a heavier tail).",
             "choices": list(NOISE_KINDS),
         },
     )
     rollout_noise_seed: int = field(
         default=0,
         metadata={"help": "Seed of the injected logit noise (its own generator; sampling RNG untouched)."},
+    )
+    rollout_mantissa_bits: int | None = field(
+        default=None,
+        metadata={
+            "help": "Mismatch lab: sample the generate rollouts with the current weights rounded to this many "
+            "mantissa bits (1-23; 7 = bfloat16's, 10 = float16's), so the mismatch follows the weights as they "
+            "train; the trained weights are untouched. Unset: no rounding. Generate path only."
+        },
+    )
+    rollout_perturbation: str | None = field(
+        default=None,
+        metadata={
+            "help": "Mismatch lab: 'module:function', a factory function(seed) -> transformers LogitsProcessor "
+            "applied to the generate rollouts' scores before the rollout log-prob recorder (tokens are sampled "
+            "from and recorded under the perturbed distribution). Generate path only."
+        },
     )
     zero_mismatch: bool = field(
         default=False,
@@ -309,7 +338,7 @@ class SafeVocabGRPOConfig(GRPOConfig):
         self._resolve_rollout_logprobs()
         self._check_generation_kwargs(rule)
         self._check_rollout_paths()
-        self._check_mismatch_lab()
+        check_mismatch_lab(self)
 
     # ------------------------------------------------------------------------------------------------------
     @property
@@ -422,7 +451,8 @@ class SafeVocabGRPOConfig(GRPOConfig):
         unless the user switches recording on."""
         if self.rollout_logprobs is None:
             prunes = not isinstance(self.effective_rule, NoPruning) or not isinstance(self.sampler_rule, NoPruning)
-            lab = self.rollout_logit_noise > 0 or self.zero_mismatch
+            lab = self.rollout_logit_noise > 0 or self.zero_mismatch or self.rollout_mantissa_bits is not None
+            lab = lab or self.rollout_perturbation is not None
             self.rollout_logprobs = not self.use_transformers_continuous_batching and (prunes or lab)
 
     def _check_generation_kwargs(self, rule: SafeVocabRule) -> None:
@@ -431,40 +461,6 @@ class SafeVocabGRPOConfig(GRPOConfig):
                 f"safe_vocab_in_sampler=False: rollouts are sampled with {str(self.sampler_rule)!r} but the trainer "
                 f"scores with {str(rule)!r}. Importance ratios then carry a log(kept-mass) offset and sampled tokens "
                 "outside the trainer's set are masked.", UserWarning, stacklevel=4,
-            )  # fmt: skip
-
-    def _check_mismatch_lab(self) -> None:
-        """Controlled-mismatch settings (``rollout_logit_noise*``, ``zero_mismatch``) and fp16 on CPU."""
-        noise = self.rollout_logit_noise  # as given, for the messages below
-        self.rollout_logit_noise = real("rollout_logit_noise", noise, lambda eps: eps >= 0, "a finite float >= 0")
-        _one_of("rollout_logit_noise_kind", self.rollout_logit_noise_kind, NOISE_KINDS)
-        self.rollout_noise_seed = integer("rollout_noise_seed", self.rollout_noise_seed)
-        other_path = (
-            "use_vllm=True" if self.use_vllm else
-            "use_transformers_continuous_batching=True" if self.use_transformers_continuous_batching else None
-        )
-        if noise > 0 and other_path:
-            raise ValueError(
-                f"rollout_logit_noise={noise!r} perturbs the plain generate rollouts only, not {other_path}: set "
-                "rollout_logit_noise=0 or use the generate path"
-            )
-        if self.zero_mismatch:
-            if noise > 0:
-                raise ValueError(
-                    f"zero_mismatch=True with rollout_logit_noise={noise!r} is contradictory: zero_mismatch replaces "
-                    "the rollout log-probabilities by the training ones, which would hide the injected noise. Set "
-                    "one of them only."
-                )
-            if other_path:
-                raise ValueError(
-                    f"zero_mismatch=True is implemented on the plain generate path only, not with {other_path}"
-                )
-        if self.fp16 and not fp16_amp_supported(self.use_cpu):
-            warnings.warn(
-                "fp16=True on a machine without a CUDA/XPU/MPS accelerator (or with use_cpu=True): accelerate runs "
-                "neither fp16 autocast nor loss scaling on CPU, so training runs in the model's own dtype. Load "
-                "the model in float16 (model_init_kwargs={'dtype': 'float16'}) to exercise fp16 weights on CPU.",
-                UserWarning, stacklevel=4,
             )  # fmt: skip
 
     def _check_rollout_paths(self) -> None:

@@ -49,8 +49,9 @@ ROLLOUT_DTYPES: dict[str, torch.dtype | None] = {
     "float16": torch.float16,
 }
 
-#: ``rollout_logit_noise_kind``: distributions of the injected logit noise (``rollout.LogitNoiseProcessor``).
-NOISE_KINDS = ("uniform", "clipped_gaussian")
+#: ``rollout_logit_noise_kind``: the injected logit perturbations (``rollout.LogitNoiseProcessor``): two random
+#: distributions and ``lift``, a deterministic, biased lift of the tail (``rollout.lift_perturbation``).
+NOISE_KINDS = ("uniform", "clipped_gaussian", "lift")
 
 #: ``length_decay_start``: hold the LR until the length surge, or halve it from the first step.
 LENGTH_DECAY_STARTS = ("on_surge", "step0")

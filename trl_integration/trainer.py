@@ -35,7 +35,9 @@ PEFT, logging — is trl's own code):
    loss type linear in the advantage; VESPO reads the ratio itself, as in trl).
 5. **Metrics** under ``safevocab/`` and ``mismatch/`` (see docs/metrics.md).
 6. **Mismatch lab** (docs/mismatch.md), ``generate`` path: ``rollout_logit_noise`` samples rollouts from
-   logits perturbed by a seeded ``|delta| <= eps``; ``zero_mismatch`` replaces the rollout log-probabilities
+   logits perturbed by ``|delta| <= eps`` (seeded noise or the ``lift``), ``rollout_perturbation`` by a plug-in
+   ``LogitsProcessor``, ``rollout_mantissa_bits`` with the weights rounded to ``k`` mantissa bits
+   (:mod:`trl_integration.rollout_mismatch`); ``zero_mismatch`` replaces the rollout log-probabilities
    by the training engine's own scoring (bit-identical), logging the removed gap under ``mismatch/removed/*``.
 """
 
@@ -54,7 +56,8 @@ from trl_integration.callbacks import LengthDecayCallback
 from trl_integration.config import SafeVocabGRPOConfig
 from trl_integration.enums import ROLLOUT_DTYPES
 from trl_integration.lm_head import SafeHeadState, add_safe_lm_head
-from trl_integration.rollout import LogitNoiseProcessor, recording_generate, rollout_recorder
+from trl_integration.rollout import recording_generate, rollout_recorder
+from trl_integration.rollout_mismatch import PerturbationArg, RolloutMismatch
 from trl_integration.safe_vocab_step import (
     ROLLOUT_LOGPROBS_FRAC,
     BatchState,
@@ -107,7 +110,10 @@ class SafeVocabGRPOTrainer(GRPOTrainerBridge):
 
     _tag_names = ["trl", "grpo", "safevocab"]
 
-    def __init__(self, model, reward_funcs=None, args: SafeVocabGRPOConfig | None = None, *pargs, **kwargs):
+    def __init__(
+        self, model, reward_funcs=None, args: SafeVocabGRPOConfig | None = None, *pargs,
+        rollout_perturbation: PerturbationArg = None, **kwargs,
+    ):  # fmt: skip
         if args is None:
             name = model if isinstance(model, str) else getattr(model.config, "_name_or_path", "model")
             args = SafeVocabGRPOConfig(f"{str(name).rstrip('/').split('/')[-1]}-SafeVocabGRPO")
@@ -162,15 +168,9 @@ class SafeVocabGRPOTrainer(GRPOTrainerBridge):
         self.pending_mean_lengths: list[float] = []
         if args.length_decay:
             self.add_callback(LengthDecayCallback(self))
-        # Mismatch lab: one seeded noise processor for the whole run (its generator advances across rollouts).
-        self._logit_noise: LogitNoiseProcessor | None = None
-        if args.rollout_logit_noise > 0:
-            self._logit_noise = LogitNoiseProcessor(
-                args.rollout_logit_noise,
-                args.rollout_logit_noise_kind,
-                seed=args.rollout_noise_seed + self.accelerator.process_index,
-                temperature=self.temperature,
-            )
+        # Mismatch lab: the rollouts' injected mismatch, one per run (noise and plug-in state advance across rollouts).
+        self.rollout_mismatch = RolloutMismatch.from_config(args, self.accelerator.process_index, rollout_perturbation)
+        self._logit_noise = self.rollout_mismatch.noise
 
     # ------------------------------------------------------------------------------------------------------
     # setup helpers
@@ -276,13 +276,12 @@ class SafeVocabGRPOTrainer(GRPOTrainerBridge):
         recorder, fallback = None, None
         if self.args.rollout_logprobs:
             recorder, fallback = rollout_recorder(self.generation_config, self._importance_sampling_active)
-        processors = []
-        if self._logit_noise is not None:
-            temperature = self.generation_config.temperature
-            self._logit_noise.temperature = 1.0 if temperature is None else float(temperature)
-            processors.append(self._logit_noise)  # before the recorder: it records the perturbed distribution
+        # Before the recorder: it records the perturbed distribution (and the rounded weights' one).
+        processors = self.rollout_mismatch.processors(self.generation_config.temperature)
         target = self.accelerator.unwrap_model(self.model_wrapped)
-        with recording_generate(target, recorder, self._rollout_dtype, processors):
+        with self.rollout_mismatch.weights(target), recording_generate(
+            target, recorder, self._rollout_dtype, processors
+        ):
             completion_ids, logprobs = self.stock_generate_turn(
                 prompt_ids, images, multimodal_fields, num_generations, has_tool_images
             )

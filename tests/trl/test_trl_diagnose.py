@@ -69,7 +69,8 @@ def test_noise_summary_and_plots(model_dir, texts_file, tmp_path):
     rule = s["rule"]
     assert rule["rule"] == "min_p=0.05" and 0 < rule["kept_frac"] <= 1 and 0 <= rule["set_differ_frac"] <= 1
     assert rule["frac_within_pruned_bound"] == 1.0
-    assert s["files"] == ["summary.json", "mismatch_vs_p.png", "bucket_means.png"]
+    # issue 19: the tail diagnostic's figure comes first (tests/trl/test_trl_tail.py)
+    assert s["files"] == ["summary.json", "tail_mismatch.png", "mismatch_vs_p.png", "bucket_means.png"]
     import matplotlib.image
 
     for name in ("mismatch_vs_p.png", "bucket_means.png"):

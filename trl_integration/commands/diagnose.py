@@ -1,13 +1,26 @@
 """``safevocab diagnose``: measure a model's training–inference mismatch and check it against the exact bound.
 
-The command line of the mismatch lab (:mod:`trl_integration.lab`): it reads the inputs (``--input FILE``, one text
-per line, and/or ``--prompts TEXT ...``; by default problems of the bundled arithmetic task with their answers),
-loads the model (default: the bundled tiny model) in float32, runs :func:`~trl_integration.lab.run_diagnose` and
-writes ``summary.json`` and two PNG figures into ``--output_dir``. See ``docs/mismatch.md``.
+The command line of the mismatch lab (:mod:`trl_integration.lab`): it loads the model (``--model``, default the
+task's: the bundled tiny model for ``--task arithmetic``) in float32 and writes into ``--output_dir``:
+
+1. the **tail diagnostic** (:func:`~trl_integration.lab.tail_mismatch`), its first output: continuations *sampled*
+   from the rollout side (``--tail_samples`` per prompt, ``--tail_new_tokens`` long) for the task's held-out prompts
+   (``--tail_prompts`` of them) and for free text (the lines of ``--input``, else standard-library prose), and per
+   bucket of training probability the signed mean ``log mu - log pi`` of the sampled tokens: ``summary.json``'s
+   ``"tail"``, the figure ``tail_mismatch.png``, and the first rows of the printed summary (``--no_tail`` skips it);
+2. the **teacher-forced comparison** (:func:`~trl_integration.lab.run_diagnose`) of the inputs (``--input FILE``, one
+   text per line, and/or ``--prompts TEXT ...``; by default problems of the bundled arithmetic task with their
+   answers) against the exact bound: the rest of ``summary.json`` and two more PNG figures.
+
+The rollout side differs from the training side by any of: its dtype (``--compare``), its weights rounded to
+``--rollout_mantissa_bits`` mantissa bits, an injected perturbation ``--noise EPS`` of kind ``--noise_kind``
+(``uniform``, ``clipped_gaussian`` or the biased ``lift``). See ``docs/mismatch.md``.
 
 Examples::
 
     safevocab diagnose --compare float32:bfloat16 --output_dir diag-bf16
+    safevocab diagnose --noise 1 --noise_kind lift --output_dir diag-lift
+    safevocab diagnose --rollout_mantissa_bits 3 --output_dir diag-3bits
     safevocab diagnose --model ./my-model --input texts.txt --noise 0.05 --noise_kind uniform --rule min_p=0.01
     safevocab diagnose --prompts "Once upon a time" --max_new_tokens 64 --num_samples 8
 """
@@ -35,24 +48,35 @@ def make_parser(prog: str = PROG) -> argparse.ArgumentParser:
     """The ``safevocab diagnose`` argument parser."""
     d = argparse.ArgumentParser(
         prog=prog,
-        description="Measure a model's training-inference mismatch (two precisions, or injected logit noise "
-        "with a hard bound) by teacher forcing, check every token against the bound "
-        "log(p + (1 - p) e^(2 eps)), and write summary.json and PNG plots. See docs/mismatch.md.",
+        description="Measure a model's training-inference mismatch (two precisions, weights rounded to k mantissa "
+        "bits, or an injected logit perturbation with a hard bound): first the tail diagnostic, the signed mismatch "
+        "log mu - log pi per probability bucket on sampled tokens (task prompts and free text), then a "
+        "teacher-forced check of every token against the bound log(p + (1 - p) e^(2 eps)); writes summary.json "
+        "and PNG plots. See docs/mismatch.md.",
     )
     d.add_argument("--model", default=None,
-                   help="local model folder (save_pretrained); default: the bundled tiny arithmetic model")
+                   help="local model folder (save_pretrained); default: the task's (arithmetic: the bundled tiny "
+                        "model)")
+    d.add_argument("--task", default="arithmetic", metavar="SPEC",
+                   help="the task whose held-out prompts the tail diagnostic samples from: 'arithmetic', "
+                        "'freetext' or 'module:function' returning a StudyTask (default: %(default)s)")
     d.add_argument("--input", default=None, help="text file, one text (or prompt) per line")
     d.add_argument("--prompts", nargs="+", default=None, metavar="TEXT",
                    help="texts (or prompts) on the command line; default without --input: arithmetic problems "
                         "with their answers")
     d.add_argument("--compare", default=None, metavar="TRAIN:ROLLOUT",
                    help="precisions of the two sides, each one of float32, bfloat16, float16, float64 (or fp32, "
-                        "bf16, fp16, fp64); default float32:bfloat16, or float32:float32 with --noise")
+                        "bf16, fp16, fp64); default float32:bfloat16, or float32:float32 with --noise or "
+                        "--rollout_mantissa_bits")
     d.add_argument("--noise", type=float, default=0.0, metavar="EPS",
                    help="hard bound of an injected logit perturbation |delta| <= EPS on the rollout side "
                         "(default: %(default)s)")
     d.add_argument("--noise_kind", choices=NOISE_KINDS, default="uniform",
-                   help="distribution of the injected noise (default: %(default)s)")
+                   help="uniform, clipped_gaussian, or lift (deterministic: EPS*min(1,(z_max-z_i)/10), a heavier "
+                        "tail) (default: %(default)s)")
+    d.add_argument("--rollout_mantissa_bits", type=int, default=None, metavar="K",
+                   help="the rollout side's weights rounded to K mantissa bits, 1-23 (7: bfloat16's, 10: "
+                        "float16's); default: not rounded")
     d.add_argument("--seed", type=int, default=0, help="seed of the noise and of the sampling (default: %(default)s)")
     d.add_argument("--eps", type=float, default=None,
                    help="reference eps of frac_within_bound; default: --noise when it is the only mismatch, "
@@ -68,6 +92,15 @@ def make_parser(prog: str = PROG) -> argparse.ArgumentParser:
                         "(default: %(default)s)")
     d.add_argument("--num_samples", type=int, default=1,
                    help="continuations per prompt with --max_new_tokens (default: %(default)s)")
+    d.add_argument("--tail_prompts", type=int, default=64,
+                   help="tail diagnostic: prompts per source, task and free text (default: %(default)s)")
+    d.add_argument("--tail_new_tokens", type=int, default=16,
+                   help="tail diagnostic: sampled tokens per continuation (default: %(default)s)")
+    d.add_argument("--tail_prompt_tokens", type=int, default=64,
+                   help="tail diagnostic: prompts are cut to their first N tokens (default: %(default)s)")
+    d.add_argument("--tail_samples", type=int, default=4,
+                   help="tail diagnostic: continuations per prompt (default: %(default)s)")
+    d.add_argument("--no_tail", action="store_true", help="skip the tail diagnostic")
     d.add_argument("--batch_size", type=int, default=16, help="texts per forward pass (default: %(default)s)")
     d.add_argument("--max_length", type=int, default=512,
                    help="truncate texts to this many tokens (default: %(default)s)")
@@ -79,21 +112,40 @@ def make_parser(prog: str = PROG) -> argparse.ArgumentParser:
     return d
 
 
-def _read_inputs(args: argparse.Namespace) -> list[str]:
+def _input_lines(args: argparse.Namespace) -> list[str]:
+    if not args.input:
+        return []
+    path = Path(args.input)
+    if not path.is_file():
+        raise ValueError(f"--input {args.input!r}: no such file")
+    lines = [line.rstrip("\n") for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    if not lines:
+        raise ValueError(f"--input {args.input!r} has no non-empty line")
+    return lines
+
+
+def _read_inputs(args: argparse.Namespace, task) -> list[str]:
+    """The teacher-forced texts: ``--input`` and ``--prompts``; by default the arithmetic problems with their answers
+    (or, for another task, its held-out prompts)."""
     from trl_integration.lab.inputs import default_texts
 
-    texts: list[str] = []
-    if args.input:
-        path = Path(args.input)
-        if not path.is_file():
-            raise ValueError(f"--input {args.input!r}: no such file")
-        texts += [line.rstrip("\n") for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
-    texts += list(args.prompts or [])
+    texts = _input_lines(args) + list(args.prompts or [])
     if not texts:
-        if args.input:
-            raise ValueError(f"--input {args.input!r} has no non-empty line")
-        texts = default_texts()
+        texts = default_texts() if task.name == "arithmetic" else list(task.held_out_dataset(64)["prompt"])
     return texts
+
+
+def _tail_sources(args: argparse.Namespace, task) -> tuple[dict[str, list[str]], dict[str, str]]:
+    """The tail diagnostic's prompt sources and their labels: the task's held-out prompts, and free text (the lines
+    of ``--input``, else standard-library prose)."""
+    from trl_integration.lab.inputs import stdlib_texts
+
+    n = args.tail_prompts
+    free = _input_lines(args)[:n]
+    sources = {"task": list(task.held_out_dataset(n)["prompt"]), "free_text": free or stdlib_texts(n)}
+    labels = {"task": f"{task.name} prompts",
+              "free_text": f"free text ({Path(args.input).name})" if free else "free text (stdlib docstrings)"}
+    return sources, labels
 
 
 def _resolve_model(model: str | None) -> str:
@@ -116,17 +168,26 @@ def run_parsed(args: argparse.Namespace, prog: str = PROG) -> int:
     """Run the command on parsed flags; returns the exit status (2 with a one-line message on a bad value)."""
     import torch
 
-    from trl_integration.lab import parse_compare, print_summary, run_diagnose, write_outputs
+    from trl_integration.demo.model import is_tiny_model
+    from trl_integration.lab import parse_compare, print_summary, run_diagnose, tail_mismatch, write_outputs
+    from trl_integration.lab.sides import check_mantissa_bits
+    from trl_integration.study.tasks import load_task
 
     try:
-        compare = parse_compare(args.compare or ("float32:float32" if args.noise > 0 else "float32:bfloat16"))
+        only_injected = args.noise > 0 or args.rollout_mantissa_bits is not None
+        compare = parse_compare(args.compare or ("float32:float32" if only_injected else "float32:bfloat16"))
         if args.noise < 0 or not math.isfinite(args.noise):
             raise ValueError(f"--noise {args.noise!r} is out of range: accepted a finite float >= 0")
         if args.max_new_tokens < 0 or args.num_samples < 1 or args.batch_size < 1 or args.max_length < 2:
             raise ValueError("--max_new_tokens must be >= 0, --num_samples and --batch_size >= 1, --max_length >= 2")
+        if min(args.tail_prompts, args.tail_new_tokens, args.tail_samples, args.tail_prompt_tokens) < 1:
+            raise ValueError("--tail_prompts, --tail_new_tokens, --tail_samples and --tail_prompt_tokens must be >= 1")
+        check_mantissa_bits(args.rollout_mantissa_bits, compare[1])
         rule = parse_rule(args.rule)
-        model_path = _resolve_model(args.model)
-        texts = _read_inputs(args)
+        task = load_task(args.task)
+        model_path = _resolve_model(args.model or (None if is_tiny_model(task.model_path) else task.model_path))
+        texts = _read_inputs(args, task)
+        sources, labels = _tail_sources(args, task) if not args.no_tail else ({}, {})
     except ValueError as err:
         return fail(prog, str(err))
 
@@ -139,6 +200,15 @@ def run_parsed(args: argparse.Namespace, prog: str = PROG) -> int:
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).to(device).eval()
     try:
+        tail = None
+        if not args.no_tail:
+            tail = tail_mismatch(
+                model, tokenizer, sources, compare=compare, mantissa_bits=args.rollout_mantissa_bits,
+                noise=args.noise, noise_kind=args.noise_kind, seed=args.seed, temperature=args.temperature,
+                buckets=args.buckets, max_new_tokens=args.tail_new_tokens, num_samples=args.tail_samples,
+                batch_size=args.batch_size, max_length=args.tail_prompt_tokens, progress=not args.quiet,
+            )  # fmt: skip
+            tail["labels"] = labels
         result = run_diagnose(
             model,
             tokenizer,
@@ -146,6 +216,7 @@ def run_parsed(args: argparse.Namespace, prog: str = PROG) -> int:
             compare=compare,
             noise=args.noise,
             noise_kind=args.noise_kind,
+            mantissa_bits=args.rollout_mantissa_bits,
             seed=args.seed,
             temperature=args.temperature,
             rule=str(rule),
@@ -160,6 +231,8 @@ def run_parsed(args: argparse.Namespace, prog: str = PROG) -> int:
     except ValueError as err:
         return fail(prog, str(err))
     result.summary["model"] = model_path
+    if tail is not None:  # the lab's first output: first in summary.json too
+        result.summary = {"tail": tail, **result.summary}
     files = write_outputs(result, args.output_dir, plots=not args.no_plots)
     if not args.quiet:
         print_summary(result.summary, files)

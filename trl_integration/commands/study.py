@@ -1,17 +1,19 @@
 """``safevocab study``: remedies for training–inference mismatch compared arm by arm, over several seeds.
 
-Under one controlled mismatch (injected bounded logit noise ``--noise EPS`` on the ``generate`` rollouts, and/or a
-lower rollout precision ``--rollout_dtype``), the command trains the same GRPO job once per *(arm, seed)*,
-in-process and one after the other, and writes a report folder:
+On one task (``--task``: ``arithmetic``, the default, ``freetext``, or ``module:function`` returning a
+:class:`~trl_integration.study.task.StudyTask`) and under one controlled mismatch of the ``generate`` rollouts
+(injected bounded logit noise ``--noise EPS`` of kind ``--noise_kind``, weights rounded to ``--rollout_mantissa_bits``,
+a plug-in ``--rollout_perturbation``, a lower precision ``--rollout_dtype``), the command trains the same GRPO job
+once per *(arm, seed)*, in-process and one after the other, and writes a report folder:
 
-- ``report.md``: the settings, the exact command, a table of final and best held-out accuracy per arm (mean ± std
+- ``report.md``: the settings, the exact command, a table of the final and best held-out metric per arm (mean ± std
   over seeds), the final training reward per arm, the mismatch diagnostics, and any run that failed;
-- one PNG per metric (reward, held-out accuracy, log-ppl gap, gradient norm, out-of-set fraction, response length,
+- one PNG per metric (reward, held-out metric, log-ppl gap, gradient norm, out-of-set fraction, response length,
   learning rate): one line per arm, the mean over seeds, with a shaded band from the smallest to the largest seed;
 - ``results.json``: the settings and every run's per-step series (written after each run, so an interrupted study
-  keeps what it finished).
+  keeps what it finished; ``--resume`` then trains only what is missing).
 
-The arms (``--arms``, default all five):
+The arms (``--arms``, default the first five):
 
 - ``no_remedy``: ``safe_vocab_rule=none`` (full vocabulary), no importance-sampling correction;
 - ``tis``: ``none`` + truncated IS (``token_truncate``, the ratio clipped above at ``--is_clip_max``);
@@ -19,13 +21,19 @@ The arms (``--arms``, default all five):
   ``[--is_clip_min, --is_clip_max]`` are zeroed);
 - ``dvp``: ``--dvp_rule`` (default ``min_p=0.01``) in the sampler and the trainer, no IS;
 - ``dvp_length_decay``: ``dvp`` + ``--length_decay --length_decay_period auto`` (the LR is held until the response
-  length surges, then halved every ``round(1.8 x surge step)`` steps).
+  length surges, then halved every ``round(1.8 x surge step)`` steps);
+- ``dvp_mis``: ``dvp`` + the ``mis`` arm's masked IS;
+- ``no_mismatch``: ``no_remedy`` with every injected mismatch switched off (the matched zero-mismatch control).
 
 Every arm shares the model, the data, the batch, the optimiser settings and the learning-rate schedule
 (``--lr_scheduler_type``, default ``constant``; ``dvp_length_decay`` replaces it by the length-decay schedule, which
 is constant until a surge). Runs of the same seed share the data order, the sampling seed and the noise seed. The
-held-out accuracy is greedy accuracy on a fixed set of ``--eval_num_prompts`` test-split arithmetic problems,
+held-out metric is the task's (arithmetic: greedy accuracy on ``--eval_num_prompts`` test-split problems),
 measured before training and every ``--eval_every`` steps by a ``TrainerCallback``.
+
+``--rollout_perturbation module:function`` names a factory ``function(seed: int) -> LogitsProcessor`` (transformers);
+each run calls it once with its seed, and the processor sees the rollout's scores before the temperature warper and
+the rollout log-probability recorder, so tokens are sampled from, and recorded under, what it returns.
 
 Exit status: 0; 1 when a run failed (the report is still written, with the failure); 2 on a bad flag (before any
 work).
@@ -34,6 +42,8 @@ Examples::
 
     safevocab study                                           # 5 arms x 3 seeds x 150 steps, noise 0.5
     safevocab study --noise 0 --output_dir runs/study-eps0    # the no-injected-mismatch control
+    safevocab study --noise 0 --rollout_mantissa_bits 7 --arms no_remedy dvp dvp_mis no_mismatch --resume
+    safevocab study --task my_tasks:make --rollout_perturbation my_perturbations:heavier_tail
     safevocab study --noise 0 --rollout_dtype bfloat16 --arms no_remedy dvp --seeds 0 1
     safevocab study --steps 3 --seeds 0 --arms no_remedy dvp --eval_num_prompts 20   # smoke run
 """
@@ -48,8 +58,8 @@ from dataclasses import fields
 from pathlib import Path
 
 from trl_integration.commands.errors import fail
-from trl_integration.rollout import NOISE_KINDS, ROLLOUT_DTYPES
-from trl_integration.study.arms import ARM_NAMES, MIS_MODES, StudySettings
+from trl_integration.enums import NOISE_KINDS, ROLLOUT_DTYPES
+from trl_integration.study.arms import ARM_NAMES, DEFAULT_ARMS, MIS_MODES, StudySettings
 
 __all__ = ["make_parser", "main", "run_parsed"]
 
@@ -61,11 +71,15 @@ def make_parser(prog: str = PROG) -> argparse.ArgumentParser:
     d = StudySettings()
     p = argparse.ArgumentParser(
         prog=prog,
-        description="Train GRPO on the bundled tiny arithmetic model once per (arm, seed) under a controlled "
-        "training-inference mismatch, and write report.md, PNG plots and results.json. See docs/results.md.",
+        description="Train GRPO on a task (default: the bundled tiny arithmetic model's) once per (arm, seed) under a "
+        "controlled training-inference mismatch, and write report.md, PNG plots and results.json. See "
+        "docs/results.md.",
     )
+    p.add_argument("--task", default=d.task, metavar="SPEC",
+                   help="the task: 'arithmetic', 'freetext' or 'module:function' returning a StudyTask "
+                        "(default: %(default)s)")
     p.add_argument("--arms", nargs="+", default=d.arms, choices=ARM_NAMES, metavar="ARM",
-                   help=f"arms to run, among {', '.join(ARM_NAMES)} (default: all)")
+                   help=f"arms to run, among {', '.join(ARM_NAMES)} (default: {' '.join(DEFAULT_ARMS)})")
     p.add_argument("--seeds", nargs="+", type=int, default=d.seeds, metavar="SEED",
                    help="seeds; each arm runs once per seed (default: %(default)s)")
     p.add_argument("--steps", type=int, default=d.steps, help="optimizer steps per run (default: %(default)s)")
@@ -76,9 +90,16 @@ def make_parser(prog: str = PROG) -> argparse.ArgumentParser:
     p.add_argument("--noise", type=float, default=d.noise, metavar="EPS",
                    help="bound of the injected rollout logit noise, 0 for none (default: %(default)s)")
     p.add_argument("--noise_kind", choices=NOISE_KINDS, default=d.noise_kind,
-                   help="distribution of the noise (default: %(default)s)")
+                   help="uniform, clipped_gaussian, or lift (deterministic: eps*min(1,(z_max-z_i)/10), a heavier "
+                        "tail) (default: %(default)s)")
     p.add_argument("--rollout_dtype", choices=tuple(ROLLOUT_DTYPES), default=d.rollout_dtype,
                    help="precision of the generate rollouts (default: %(default)s)")
+    p.add_argument("--rollout_mantissa_bits", type=int, default=d.rollout_mantissa_bits, metavar="K",
+                   help="rollouts sample with the current weights rounded to K mantissa bits, 1-23 (7: bfloat16's, "
+                        "10: float16's), a mismatch that follows the weights (default: not rounded)")
+    p.add_argument("--rollout_perturbation", default=d.rollout_perturbation, metavar="MODULE:FUNCTION",
+                   help="a factory function(seed) -> transformers LogitsProcessor applied to the rollouts' scores "
+                        "(default: none)")
     p.add_argument("--dvp_rule", default=d.dvp_rule, help="safe-vocabulary rule of the dvp arms (default: %(default)s)")
     p.add_argument("--mis_mode", choices=MIS_MODES, default=d.mis_mode, help="mis arm's mode (default: %(default)s)")
     p.add_argument("--is_clip_min", type=float, default=d.is_clip_min,
@@ -91,14 +112,18 @@ def make_parser(prog: str = PROG) -> argparse.ArgumentParser:
     p.add_argument("--num_prompts_per_step", type=int, default=d.num_prompts_per_step, help="(default: %(default)s)")
     p.add_argument("--num_generations", type=int, default=d.num_generations, help="(default: %(default)s)")
     p.add_argument("--max_completion_length", type=int, default=d.max_completion_length,
-                   help="(default: %(default)s)")
+                   help="(default: the task's, else 8)")
     p.add_argument("--train_num_prompts", type=int, default=d.train_num_prompts, help="(default: %(default)s)")
-    p.add_argument("--model", default=None, help="model folder (default: the bundled tiny arithmetic model)")
+    p.add_argument("--model", default=None, help="model folder (default: the task's; arithmetic: the bundled tiny "
+                                                 "model)")
     p.add_argument("--smooth", type=int, default=d.smooth,
                    help="moving-average window of the per-step plots (default: %(default)s)")
     p.add_argument("--threads", type=int, default=d.threads,
                    help="torch threads during the study; 1 is fastest for the tiny model (default: %(default)s)")
     p.add_argument("--output_dir", default=d.output_dir, help="report folder (default: %(default)s)")
+    p.add_argument("--resume", action="store_true",
+                   help="keep the finished runs of --output_dir's results.json and train only the others (refused "
+                        "when a setting differs; --arms and --seeds may add arms and seeds)")
     p.add_argument("--no_plots", action="store_true", help="write report.md and results.json only")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     return p
@@ -110,23 +135,31 @@ def run_parsed(args: argparse.Namespace, command: str | None = None, prog: str =
     Returns the exit status: 0; 1 when a run failed (the report is still written); 2 with a one-line message on a
     bad value, before any work.
     """
+    from trl_integration.plugins import load_callable
     from trl_integration.study.report import format_stat, format_status
     from trl_integration.study.run import run_study
+    from trl_integration.study.tasks import load_task
 
     settings = StudySettings(**{f.name: getattr(args, f.name) for f in fields(StudySettings)})
     try:
         settings.validate()
         if settings.model is not None and not Path(settings.model).is_dir():
             raise ValueError(f"--model {settings.model!r} is not a folder (save_pretrained output)")
-    except ValueError as err:
+        task = load_task(settings.task)
+        if settings.rollout_perturbation is not None:
+            load_callable(settings.rollout_perturbation, "--rollout_perturbation")
+        results = run_study(settings, task=task, command=command, progress=not args.quiet, plots=not args.no_plots,
+                            resume=args.resume)  # a resumed study refuses other settings before any training
+    except (ValueError, FileNotFoundError) as err:
         return fail(prog, str(err))
-    results = run_study(settings, command=command, progress=not args.quiet, plots=not args.no_plots)
     summ = results["summary"]
-    print(f"{prog}: wrote {Path(settings.output_dir) / 'report.md'} ({results['wall_time_s']:.0f} s)")
+    metric = task.metric_name
+    resumed = f", {results['runs_resumed']} finished runs kept" if results["runs_resumed"] else ""
+    print(f"{prog}: wrote {Path(settings.output_dir) / 'report.md'} ({results['wall_time_s']:.0f} s{resumed})")
     for arm in results["arms"]:
         e = summ[arm]
-        print(f"  {arm:<18} runs ok {format_status(e):<12} final acc {format_stat(e['final_accuracy'])}  "
-              f"best {format_stat(e['best_accuracy'])}  final reward {format_stat(e['final_reward'])}")
+        print(f"  {arm:<18} runs ok {format_status(e):<12} final {metric} {format_stat(e['final_metric'])}  "
+              f"best {format_stat(e['best_metric'])}  final reward {format_stat(e['final_reward'])}")
     failed = sum(len(summ[a]["failed"]) for a in results["arms"])
     return 1 if failed else 0
 

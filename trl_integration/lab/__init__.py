@@ -1,16 +1,21 @@
 """The mismatch lab: how far a model's training and rollout log-probabilities drift apart, against the exact bound.
 
-- :mod:`~trl_integration.lab.inputs`: the precisions to compare (``parse_compare``) and the default texts;
+- :mod:`~trl_integration.lab.inputs`: the precisions to compare (``parse_compare``), the default texts and free
+  text (``stdlib_texts``);
+- :mod:`~trl_integration.lab.sides`: the training and rollout sides (dtype, weights rounded to ``k`` mantissa bits);
+- :mod:`~trl_integration.lab.tail`: ``tail_mismatch``, the tail diagnostic (signed ``log mu - log pi`` per
+  probability bucket on sampled tokens), the lab's first output;
 - :mod:`~trl_integration.lab.engine`: ``run_diagnose``, the scoring and its summary (``DiagnoseResult``);
 - :mod:`~trl_integration.lab.report`: ``summary.json`` and the console table (``write_outputs``);
-- :mod:`~trl_integration.lab.figures`: the two PNG figures.
+- :mod:`~trl_integration.lab.figures`: the three PNG figures.
 
 The command is ``safevocab diagnose`` (:mod:`trl_integration.commands.diagnose`); see ``docs/mismatch.md``.
 """
 
 from trl_integration.lab.engine import BOUND_TOLERANCE, DiagnoseResult, run_diagnose
-from trl_integration.lab.inputs import DEFAULT_TEXTS, DTYPES, default_texts, parse_compare
+from trl_integration.lab.inputs import DEFAULT_TEXTS, DTYPES, default_texts, parse_compare, stdlib_texts
 from trl_integration.lab.report import print_summary, write_outputs
+from trl_integration.lab.tail import tail_buckets, tail_mismatch
 
 __all__ = [
     "BOUND_TOLERANCE",
@@ -21,5 +26,8 @@ __all__ = [
     "parse_compare",
     "print_summary",
     "run_diagnose",
+    "stdlib_texts",
+    "tail_buckets",
+    "tail_mismatch",
     "write_outputs",
 ]

@@ -3,8 +3,9 @@
 Two "engines" score the same tokens by teacher forcing:
 
 - the *training* side: the model in ``compare``'s first dtype (default ``float32``);
-- the *rollout* side: the model in the second dtype (default ``bfloat16``), optionally with an injected logit
-  perturbation ``delta`` (``noise=EPS``: ``|delta_i| <= EPS`` on the transformed logits, seeded).
+- the *rollout* side: the model in the second dtype (default ``bfloat16``), optionally with its weights rounded to
+  ``mantissa_bits`` mantissa bits and an injected logit perturbation ``delta`` (``noise=EPS``: ``|delta_i| <= EPS``
+  on the transformed logits; seeded noise, or the deterministic ``lift``).
 
 For every scored token ``y`` with training probability ``p = pi(y)`` it records ``log r = log pi(y) - log mu(y)``
 and the size of the logit perturbation at that position, ``eps_t = (max_i delta_i - min_i delta_i) / 2``
@@ -31,7 +32,6 @@ distribution, not the exact draw used while sampling.
 
 from __future__ import annotations
 
-import copy
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -49,6 +49,7 @@ from safevocab.mismatch import (
 )
 from safevocab.rules import NoPruning, parse_rule
 from trl_integration.config import DEFAULT_RULE
+from trl_integration.lab.sides import check_mantissa_bits, model_in, rollout_side
 from trl_integration.rollout import NOISE_KINDS
 
 __all__ = ["BOUND_TOLERANCE", "DiagnoseResult", "run_diagnose"]
@@ -77,22 +78,6 @@ def _forward_logits(model, ids: torch.Tensor, attn: torch.Tensor) -> torch.Tenso
     pos = (attn.long().cumsum(-1) - 1).clamp(min=0)
     with torch.no_grad():
         return model(input_ids=ids, attention_mask=attn, position_ids=pos).logits
-
-
-def _model_in(base, dtype: torch.dtype, cache: dict):
-    """The model with its floating parameters in ``dtype`` (a copy unless they already are). Buffers keep their
-    dtype, as ``from_pretrained(..., dtype=dtype)`` leaves them (e.g. RoPE's fp32 ``inv_freq``)."""
-    if dtype not in cache:
-        params = [p for p in base.parameters() if p.is_floating_point()]
-        if all(p.dtype == dtype for p in params):
-            model = base
-        else:
-            model = copy.deepcopy(base)
-            for p in model.parameters():
-                if p.is_floating_point():
-                    p.data = p.data.to(dtype)
-        cache[dtype] = model.eval()
-    return cache[dtype]
 
 
 def _sample(model, tokenizer, prompts, *, max_new_tokens, num_samples, temperature, noise, noise_kind, seed, device):
@@ -150,6 +135,7 @@ def run_diagnose(
     compare: tuple[torch.dtype, torch.dtype] = (torch.float32, torch.bfloat16),
     noise: float = 0.0,
     noise_kind: str = "uniform",
+    mantissa_bits: int | None = None,
     seed: int = 0,
     temperature: float = 1.0,
     rule: str | None = DEFAULT_RULE,
@@ -169,7 +155,8 @@ def run_diagnose(
         texts: texts to score by teacher forcing (or prompts, with ``max_new_tokens > 0``).
         compare: ``(training dtype, rollout dtype)``.
         noise: hard bound ε of the injected logit perturbation on the rollout side (0: none).
-        noise_kind: ``"uniform"`` or ``"clipped_gaussian"``.
+        noise_kind: ``"uniform"``, ``"clipped_gaussian"`` or ``"lift"``.
+        mantissa_bits: round the rollout side's weights to this many mantissa bits (``None``: not rounded).
         seed: seeds the noise and the sampling.
         temperature: divides the logits on both sides (as a sampler and the trainer do).
         rule: safe-vocabulary rule string for the pruning analysis (``None``/``"none"``: skipped).
@@ -188,7 +175,7 @@ def run_diagnose(
     import numpy as np
     from tqdm.auto import tqdm
 
-    from trl_integration.rollout import logit_noise
+    from trl_integration.rollout import logit_delta
 
     if not texts:
         raise ValueError("no texts to score")
@@ -200,6 +187,7 @@ def run_diagnose(
         raise ValueError(f"temperature={temperature!r} is out of range: accepted > 0")
     if eps is not None and not (math.isfinite(eps) and eps >= 0):
         raise ValueError(f"eps={eps!r} is out of range: accepted a finite float >= 0")
+    check_mantissa_bits(mantissa_bits, compare[1])
     rule_obj = parse_rule(rule)
     use_rule = not isinstance(rule_obj, NoPruning)
     train_dtype, rollout_dtype = compare
@@ -207,8 +195,8 @@ def run_diagnose(
         tokenizer.pad_token = tokenizer.eos_token
     device = next(model.parameters()).device
     cache: dict = {}
-    model_a = _model_in(model, train_dtype, cache)
-    model_b = _model_in(model, rollout_dtype, cache)
+    model_a = model_in(model, train_dtype, cache)
+    model_b = rollout_side(model, rollout_dtype, mantissa_bits, cache)
     same_engine = model_a is model_b
     gen = torch.Generator(device=device).manual_seed(seed)
 
@@ -245,7 +233,7 @@ def run_diagnose(
             za = za_all[i : i + step].double() / temperature
             zb = zb_all[i : i + step].double() / temperature
             if noise > 0:
-                zb = zb + logit_noise(zb.shape, noise, noise_kind, generator=gen, device=zb.device, dtype=torch.float64)
+                zb = zb + logit_delta(zb, noise, noise_kind, generator=gen)
             y = y_all[i : i + step].unsqueeze(-1)
             la = za.log_softmax(-1).gather(-1, y).squeeze(-1)
             lb = zb.log_softmax(-1).gather(-1, y).squeeze(-1)
@@ -330,6 +318,7 @@ def run_diagnose(
         "rollout_dtype": _dtype_name(rollout_dtype),
         "noise": float(noise),
         "noise_kind": noise_kind if noise > 0 else None,
+        "rollout_mantissa_bits": mantissa_bits,
         "seed": int(seed),
         "temperature": float(temperature),
         "n_texts": len(texts),

@@ -1,5 +1,7 @@
-"""Figures of the mismatch lab: per-token gap against the bound, and mean gap by probability bucket.
+"""Figures of the mismatch lab: the tail diagnostic, per-token gap against the bound, and mean gap by bucket.
 
+- ``tail_mismatch.png``: the tail diagnostic (:mod:`trl_integration.lab.tail`): per bucket of training probability,
+  the signed mean ``log mu - log pi`` of the sampled tokens (± one standard error), one bar per prompt source;
 - ``mismatch_vs_p.png``: ``|log pi - log mu|`` of every scored token (a seeded subset of at most ``max_points``)
   against its training probability ``p`` on a logit axis, with the bound ``log(p + (1 - p) e^(2 eps))`` at the
   reference eps;
@@ -17,7 +19,57 @@ import torch
 from safevocab.bounds import logprob_mismatch_bound
 from trl_integration.lab.engine import DiagnoseResult
 
-__all__ = ["plot_mismatch_vs_p", "plot_bucket_means"]
+__all__ = ["plot_tail_mismatch", "plot_mismatch_vs_p", "plot_bucket_means"]
+
+#: How the tail diagnostic's prompt sources are labelled in the figure.
+SOURCE_LABELS = {"task": "task prompts", "free_text": "free text"}
+
+
+def plot_tail_mismatch(summary: dict, path: Path) -> None:
+    """Draw ``tail_mismatch.png`` from ``summary["tail"]`` (see the module docstring) to ``path``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    tail = summary["tail"]
+    sources = list(tail["sources"].items())
+    names = [r["name"] for r in sources[0][1]["buckets"]] if sources else []
+    x = np.arange(len(names))
+    width = 0.8 / max(1, len(sources))
+    fig, ax = plt.subplots(figsize=(6.8, 4.4), dpi=110)
+    for i, (source, data) in enumerate(sources):
+        rows = data["buckets"]
+        mean = [np.nan if r["signed_mean"] is None else r["signed_mean"] for r in rows]
+        err = [0.0 if r["signed_se"] is None else r["signed_se"] for r in rows]
+        offset = (i - (len(sources) - 1) / 2) * width
+        label = f"{tail.get('labels', {}).get(source, SOURCE_LABELS.get(source, source))} ({data['n_tokens']} tokens)"
+        ax.bar(x + offset, mean, width, yerr=err, capsize=3, label=label, color=f"C{i}", alpha=0.85)
+        for xi, r in zip(x, rows):
+            ax.annotate(f"n={r['n']}", (xi + offset, 0.0), xytext=(0, -11 if (r["signed_mean"] or 0) >= 0 else 4),
+                        textcoords="offset points", ha="center", fontsize=6)
+    ax.axhline(0.0, color="black", lw=0.8)
+    ax.set_xticks(x, names, rotation=15, fontsize=8)
+    ax.set_xlabel("bucket of training probability p = π(y) of the sampled token")
+    ax.set_ylabel("mean log μ(y) − log π(y)  (nats)")
+    ax.set_title(f"tail mismatch on sampled tokens: {mismatch_source(summary)}\n(> 0: the rollout over-samples "
+                 "these tokens; bars ± 1 standard error)", fontsize=9)
+    ax.legend(fontsize=8, loc="best")
+    ax.grid(True, axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def mismatch_source(summary: dict) -> str:
+    """The rollout side's mismatch sources in words (``"float32 vs bfloat16, lift ε=1"``)."""
+    parts = [f"{summary['train_dtype']} vs {summary['rollout_dtype']}"]
+    if summary.get("rollout_mantissa_bits") is not None:
+        parts.append(f"weights rounded to {summary['rollout_mantissa_bits']} mantissa bits")
+    if summary["noise"] > 0:
+        parts.append(f"{summary['noise_kind']} ε={summary['noise']:g}")
+    return ", ".join(parts)
 
 
 def plot_mismatch_vs_p(result: DiagnoseResult, path: Path, max_points: int) -> None:
@@ -65,10 +117,7 @@ def plot_mismatch_vs_p(result: DiagnoseResult, path: Path, max_points: int) -> N
     ax.set_ylim(bottom=floor / 2)
     ax.set_xlabel("training probability p of the token")
     ax.set_ylabel("|Δ log p|  (nats)")
-    title = f"{s['train_dtype']} vs {s['rollout_dtype']}"
-    if s["noise"] > 0:
-        title += f" + {s['noise_kind']} noise ε={s['noise']:g}"
-    ax.set_title(f"{title}: {s['frac_within_bound'] * 100:.1f}% within the bound")
+    ax.set_title(f"{mismatch_source(s)}: {s['frac_within_bound'] * 100:.1f}% within the bound")
     ax.legend(fontsize=8, loc="lower left")
     ax.grid(True, which="major", alpha=0.3)
     fig.tight_layout()

@@ -1,4 +1,5 @@
-"""Outputs of the mismatch lab: ``summary.json``, the figures, and the summary table printed on the console."""
+"""Outputs of the mismatch lab: ``summary.json``, the figures, and the summary table printed on the console (the
+tail diagnostic first, when the summary has one)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ __all__ = ["write_outputs", "print_summary"]
 
 def write_outputs(result: DiagnoseResult, output_dir: str | os.PathLike, plots: bool = True,
                   max_points: int = 20000) -> list[Path]:
-    """Write ``summary.json`` and (``plots=True``) ``mismatch_vs_p.png`` and ``bucket_means.png``.
+    """Write ``summary.json`` and (``plots=True``) ``tail_mismatch.png`` (when ``result.summary`` has the tail
+    diagnostic, ``"tail"``), ``mismatch_vs_p.png`` and ``bucket_means.png``.
 
     Args:
         result: the `DiagnoseResult` to write.
@@ -28,15 +30,20 @@ def write_outputs(result: DiagnoseResult, output_dir: str | os.PathLike, plots: 
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
     files = [out / "summary.json"]
+    tail = plots and result.summary.get("tail") is not None
+    if tail:
+        files.append(out / "tail_mismatch.png")
     if plots:
         files += [out / "mismatch_vs_p.png", out / "bucket_means.png"]
     result.summary["files"] = [f.name for f in files]
     files[0].write_text(json.dumps(result.summary, indent=2, allow_nan=False) + "\n", encoding="utf-8")
     if plots:
-        from trl_integration.lab.figures import plot_bucket_means, plot_mismatch_vs_p
+        from trl_integration.lab.figures import plot_bucket_means, plot_mismatch_vs_p, plot_tail_mismatch
 
-        plot_mismatch_vs_p(result, files[1], max_points)
-        plot_bucket_means(result, files[2])
+        if tail:
+            plot_tail_mismatch(result.summary, out / "tail_mismatch.png")
+        plot_mismatch_vs_p(result, out / "mismatch_vs_p.png", max_points)
+        plot_bucket_means(result, out / "bucket_means.png")
     return files
 
 
@@ -44,15 +51,43 @@ def _fmt(x: float | None) -> str:
     return "-" if x is None else f"{x:.3g}"
 
 
+def _tail_lines(summary: dict) -> list[tuple[str, str]]:
+    """The tail diagnostic's rows: per prompt source and bucket, the signed mean ``log mu - log pi`` ± its SE."""
+    tail = summary.get("tail")
+    if not tail:
+        return []
+    from trl_integration.lab.figures import SOURCE_LABELS, mismatch_source
+
+    lines = [("tail mismatch", f"mean log μ − log π of sampled tokens ({tail['num_samples']} × ≤ "
+                               f"{tail['max_new_tokens']} tokens per prompt); {mismatch_source(summary)}")]
+    for source, data in tail["sources"].items():
+        label = tail.get("labels", {}).get(source, SOURCE_LABELS.get(source, source))
+        overall = "-" if data["signed_mean"] is None else f"{data['signed_mean']:+.4g}"
+        lines.append((f"  {source}", f"{label}: {data['n_tokens']} tokens from {data['n_prompts']} prompts, "
+                                     f"mean {overall}"))
+        for r in data["buckets"]:
+            if r["n"] == 0:
+                value = "-"
+            else:
+                se = "" if r["signed_se"] is None else f" ± {r['signed_se']:.2g}"
+                value = f"{r['signed_mean']:+.4g}{se}"
+            lines.append((f"    {r['name']}", f"{value:<20} n={r['n']:<6d} ({r['frac'] * 100:.1f}% of tokens)"))
+    return lines
+
+
 def print_summary(summary: dict, files: list[Path]) -> None:
-    """Print the summary as a table (rich when available), ending with the written ``files``."""
+    """Print the summary as a table (rich when available), the tail diagnostic first, ending with the written
+    ``files``."""
     model = str(summary["model"])
     if is_tiny_model(model):
         model = f"{TINY_MODEL_NAME} (bundled)"
     lines = [
         ("model", model),
+        *_tail_lines(summary),
         ("compare (train:rollout)", f"{summary['train_dtype']}:{summary['rollout_dtype']}"),
         ("injected noise", f"{summary['noise']:g} ({summary['noise_kind']})" if summary["noise"] else "none"),
+        ("rollout weights", "as trained" if summary.get("rollout_mantissa_bits") is None
+                            else f"rounded to {summary['rollout_mantissa_bits']} mantissa bits"),
         ("tokens scored", f"{summary['n_tokens']} in {summary['n_sequences']} sequences ({summary['mode']})"),
         ("eps_max (logit gap)", f"{summary['eps_max']:.4g}  (p50 {summary['eps_quantiles']['p50']:.3g}, "
                                 f"p99 {summary['eps_quantiles']['p99']:.3g})"),

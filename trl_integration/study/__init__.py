@@ -1,10 +1,14 @@
 """``safevocab study``: remedies for training–inference mismatch compared arm by arm, over several seeds.
 
-- :mod:`~trl_integration.study.arms`: the arms (``ARM_NAMES``, ``arm_overrides``) and ``StudySettings``;
+- :mod:`~trl_integration.study.task`: ``StudyTask``, what a study trains and evaluates on (data, reward, metric);
+- :mod:`~trl_integration.study.tasks`: ``load_task``, a task from ``arithmetic``, ``freetext`` or ``module:function``;
+- :mod:`~trl_integration.study.arms`: the arms (``ARM_NAMES``, ``DEFAULT_ARMS``, ``arm_overrides``) and
+  ``StudySettings``;
 - :mod:`~trl_integration.study.run`: ``run_study``, every (arm, seed) trained in-process with held-out evaluations;
+- :mod:`~trl_integration.study.resume`: ``--resume``, the finished runs a study keeps;
 - :mod:`~trl_integration.study.aggregate`: ``summarize``, mean ± std over seeds per arm;
 - :mod:`~trl_integration.study.report`: ``report.md`` and ``results.json`` (``render_report``, ``write_report``);
-- :mod:`~trl_integration.study.plots`: one PNG per metric (``PLOTS``).
+- :mod:`~trl_integration.study.plots`: one PNG per metric (``plot_specs``, ``PLOTS``).
 
 The command line is :mod:`trl_integration.commands.study` (``add_study_subparser``, ``build_parser`` and ``main``
 still import from here, with a ``FutureWarning``). See ``docs/results.md``.
@@ -12,17 +16,25 @@ still import from here, with a ``FutureWarning``). See ``docs/results.md``.
 
 from trl_integration._moved import moved
 from trl_integration.study.aggregate import summarize
-from trl_integration.study.arms import ARM_DESCRIPTIONS, ARM_NAMES, StudySettings, arm_overrides
-from trl_integration.study.plots import PLOTS
+from trl_integration.study.arms import ARM_DESCRIPTIONS, ARM_NAMES, DEFAULT_ARMS, StudySettings, arm_overrides
+from trl_integration.study.plots import PLOTS, plot_specs
 from trl_integration.study.report import render_report, write_report
-from trl_integration.study.run import HeldOutAccuracyCallback, run_study, settings_command
+from trl_integration.study.run import HeldOutAccuracyCallback, HeldOutMetricCallback, run_study, settings_command
+from trl_integration.study.task import StudyTask
+from trl_integration.study.tasks import BUILTIN_TASKS, load_task
 
 __all__ = [
     "ARM_NAMES",
+    "DEFAULT_ARMS",
     "ARM_DESCRIPTIONS",
     "PLOTS",
+    "plot_specs",
     "StudySettings",
+    "StudyTask",
+    "BUILTIN_TASKS",
+    "load_task",
     "arm_overrides",
+    "HeldOutMetricCallback",
     "HeldOutAccuracyCallback",
     "run_study",
     "settings_command",

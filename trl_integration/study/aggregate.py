@@ -1,11 +1,11 @@
 """Aggregation of a study's runs: per-run outcomes, then mean ± sample std over the seeds of each arm.
 
-Per run (:func:`run_metrics`): the held-out accuracy before training, at the last step (*final*) and the best after
-step 0; the training reward of the first and of the last ``FINAL_REWARD_STEPS`` steps; and means over all steps of
-the log-ppl gap, k3 KL, out-of-set fraction, IS clipped/masked fraction, gradient norm and response length. Per arm
-(:func:`summarize`): mean and standard deviation (``n - 1``) of each over the seeds that finished, the final-accuracy
-difference to ``no_remedy`` paired by seed, the length-decay detector's decisions, and whether the arm reproduced an
-earlier arm step for step.
+Per run (:func:`run_metrics`): the task's held-out metric (``results["task"]["metric_name"]``, e.g. greedy accuracy)
+before training, at the last step (*final*) and the best after step 0; the training reward of the first and of the
+last ``FINAL_REWARD_STEPS`` steps; and means over all steps of the log-ppl gap, k3 KL, out-of-set fraction, IS
+clipped/masked fraction, gradient norm and response length. Per arm (:func:`summarize`): mean and standard
+deviation (``n - 1``) of each over the seeds that finished, the final-metric difference to ``no_remedy`` paired by
+seed, the length-decay detector's decisions, and whether the arm reproduced an earlier arm step for step.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["FINAL_REWARD_STEPS", "run_metrics", "summarize"]
+__all__ = ["FINAL_REWARD_STEPS", "OUTCOMES", "metric_name", "run_metrics", "summarize"]
 
 #: Steps averaged for the "final reward" of a run.
 FINAL_REWARD_STEPS = 10
@@ -30,10 +30,20 @@ def _mean_std(values: Sequence[float]) -> tuple[float | None, float | None]:
     return mean, math.sqrt(sum((v - mean) ** 2 for v in vals) / (len(vals) - 1))
 
 
-def run_metrics(run: dict) -> dict[str, float | None]:
-    """Scalar outcomes of one run (None where undefined)."""
+#: The per-run outcomes `summarize` aggregates (``*_metric``: the task's held-out metric).
+OUTCOMES = ("initial_metric", "final_metric", "best_metric", "final_reward", "first_reward", "log_ppl_gap", "k3_kl",
+            "out_of_set_frac", "is_clipped_frac", "grad_norm", "mean_length", "wall_time_s")
+
+
+def metric_name(results: dict) -> str:
+    """The held-out metric's name in ``results`` (``"accuracy"`` in files written before tasks existed)."""
+    return (results.get("task") or {}).get("metric_name", "accuracy")
+
+
+def run_metrics(run: dict, metric: str = "accuracy") -> dict[str, float | None]:
+    """Scalar outcomes of one run (None where undefined); ``metric`` names the held-out metric's series."""
     ev = run.get("eval") or {}
-    steps, acc = ev.get("step") or [], ev.get("accuracy") or []
+    steps, acc = ev.get("step") or [], ev.get(metric) or []
     after = [a for s, a in zip(steps, acc) if s > 0]
     series = run.get("series") or {}
 
@@ -44,9 +54,9 @@ def run_metrics(run: dict) -> dict[str, float | None]:
         return sum(vals) / len(vals) if vals else None
 
     return {
-        "initial_accuracy": acc[0] if steps and steps[0] == 0 else None,
-        "final_accuracy": after[-1] if after else None,
-        "best_accuracy": max(after) if after else None,
+        "initial_metric": acc[0] if steps and steps[0] == 0 else None,
+        "final_metric": after[-1] if after else None,
+        "best_metric": max(after) if after else None,
         "final_reward": mean_of("reward", FINAL_REWARD_STEPS),
         "first_reward": (lambda v: sum(v) / len(v) if v else None)(
             [x for x in (series.get("reward") or [])[:FINAL_REWARD_STEPS] if x is not None]),
@@ -62,9 +72,10 @@ def run_metrics(run: dict) -> dict[str, float | None]:
 
 def summarize(results: dict) -> dict[str, dict]:
     """Per arm: run counts and mean/std over the successful seeds of each outcome of `run_metrics`, plus the
-    final-accuracy difference to ``no_remedy`` paired by seed (when both ran)."""
+    final-metric difference to ``no_remedy`` paired by seed (when both ran)."""
     arms = list(results["arms"])
-    per_run = {(r["arm"], r["seed"]): (r, run_metrics(r)) for r in results["runs"]}
+    metric = metric_name(results)
+    per_run = {(r["arm"], r["seed"]): (r, run_metrics(r, metric)) for r in results["runs"]}
     summary: dict[str, dict] = {}
     for arm in arms:
         runs = [(r, m) for (a, _), (r, m) in per_run.items() if a == arm]
@@ -76,19 +87,17 @@ def summarize(results: dict) -> dict[str, dict]:
             "not_run": [r["seed"] for r, _ in runs if r["status"] == "not_run"],
             "seeds_ok": [r["seed"] for r, _ in ok],
         }
-        for key in ("initial_accuracy", "final_accuracy", "best_accuracy", "final_reward", "first_reward",
-                    "log_ppl_gap", "k3_kl", "out_of_set_frac", "is_clipped_frac", "grad_norm", "mean_length",
-                    "wall_time_s"):
+        for key in OUTCOMES:
             mean, std = _mean_std([m[key] for _, m in ok])
             entry[key] = {"mean": mean, "std": std, "n": sum(m[key] is not None for _, m in ok)}
         diffs = []
         for r, m in ok:
             base = per_run.get(("no_remedy", r["seed"]))
             if arm != "no_remedy" and base is not None and base[0]["status"] == "ok":
-                if m["final_accuracy"] is not None and base[1]["final_accuracy"] is not None:
-                    diffs.append(m["final_accuracy"] - base[1]["final_accuracy"])
+                if m["final_metric"] is not None and base[1]["final_metric"] is not None:
+                    diffs.append(m["final_metric"] - base[1]["final_metric"])
         mean, std = _mean_std(diffs)
-        entry["final_accuracy_vs_no_remedy"] = {"mean": mean, "std": std, "n": len(diffs)}
+        entry["final_metric_vs_no_remedy"] = {"mean": mean, "std": std, "n": len(diffs)}
         decays = [r.get("length_decay") for r, _ in ok if r.get("length_decay")]
         if decays:
             entry["length_decay"] = {
@@ -105,7 +114,7 @@ def summarize(results: dict) -> dict[str, dict]:
 
 def _same_runs(results: dict, arm: str, other: str) -> bool:
     """Whether ``arm`` and ``other`` finished the same seeds with identical reward, gradient-norm and held-out
-    accuracy series (e.g. ``dvp_length_decay`` when no surge is detected under a constant LR)."""
+    metric series (e.g. ``dvp_length_decay`` when no surge is detected under a constant LR)."""
     runs = {r["seed"]: r for r in results["runs"] if r["arm"] == arm and r["status"] == "ok"}
     others = {r["seed"]: r for r in results["runs"] if r["arm"] == other and r["status"] == "ok"}
     if not runs or set(runs) != set(others):

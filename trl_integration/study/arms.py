@@ -1,6 +1,7 @@
 """The arms of ``safevocab study`` and the settings every run shares (:class:`StudySettings`).
 
-The arms (each a set of ``SafeVocabGRPOConfig`` overrides, :func:`arm_overrides`):
+The arms (each a set of ``SafeVocabGRPOConfig`` overrides, :func:`arm_overrides`; the first five run by default,
+``DEFAULT_ARMS``):
 
 - ``no_remedy``: ``safe_vocab_rule=none`` (full vocabulary), no importance-sampling correction;
 - ``tis``: ``none`` + truncated IS (``token_truncate``, the ratio clipped above at ``is_clip_max``);
@@ -8,7 +9,10 @@ The arms (each a set of ``SafeVocabGRPOConfig`` overrides, :func:`arm_overrides`
   ``[is_clip_min, is_clip_max]`` are zeroed);
 - ``dvp``: ``dvp_rule`` (default ``min_p=0.01``) in the sampler and the trainer, no IS;
 - ``dvp_length_decay``: ``dvp`` + ``length_decay`` with ``length_decay_period="auto"`` (the LR is held until the
-  response length surges, then halved every ``round(1.8 x surge step)`` steps).
+  response length surges, then halved every ``round(1.8 x surge step)`` steps);
+- ``dvp_mis``: ``dvp`` + the ``mis`` arm's masked IS;
+- ``no_mismatch``: ``no_remedy`` with every injected mismatch switched off (no logit noise, no rounded weights, no
+  plug-in perturbation, ``rollout_dtype="auto"``): the matched zero-mismatch control, on the same seeds.
 
 Every arm shares the rest (:func:`shared_config`: the tiny GRPO job of :func:`trl_integration.demo.tiny_grpo_config`
 with the study's batch, steps, learning-rate schedule and injected mismatch); runs of the same seed share the data
@@ -21,13 +25,21 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from safevocab.mantissa import MANTISSA_BITS_RANGE
 from trl_integration.demo.config import TINY_GRPO_DEFAULTS, tiny_grpo_config_kwargs
-from trl_integration.rollout import NOISE_KINDS, ROLLOUT_DTYPES
+from trl_integration.enums import NOISE_KINDS, ROLLOUT_DTYPES
+from trl_integration.plugins import split_spec
 
-__all__ = ["ARM_NAMES", "ARM_DESCRIPTIONS", "MIS_MODES", "StudySettings", "arm_overrides", "shared_config"]
+__all__ = [
+    "ARM_NAMES", "DEFAULT_ARMS", "ARM_DESCRIPTIONS", "MIS_MODES", "StudySettings", "arm_overrides", "shared_config",
+    "resolved_max_completion_length",
+]  # fmt: skip
 
 #: The arms, in report order.
-ARM_NAMES: tuple[str, ...] = ("no_remedy", "tis", "mis", "dvp", "dvp_length_decay")
+ARM_NAMES: tuple[str, ...] = ("no_remedy", "tis", "mis", "dvp", "dvp_length_decay", "dvp_mis", "no_mismatch")
+
+#: The arms a study runs when ``--arms`` is not given (those of the bundled study, docs/results.md).
+DEFAULT_ARMS: tuple[str, ...] = ("no_remedy", "tis", "mis", "dvp", "dvp_length_decay")
 
 #: One line per arm for the report.
 ARM_DESCRIPTIONS: dict[str, str] = {
@@ -36,6 +48,8 @@ ARM_DESCRIPTIONS: dict[str, str] = {
     "mis": "rule none + masked IS",
     "dvp": "DVP: safe-vocabulary rule in sampler and trainer, no IS",
     "dvp_length_decay": "DVP + length-decay LR (period auto)",
+    "dvp_mis": "DVP + masked IS (the mis arm's)",
+    "no_mismatch": "no remedy, every injected mismatch switched off (matched zero-mismatch control)",
 }
 
 #: Modes of the ``mis`` arm (trl's masked importance sampling).
@@ -49,14 +63,20 @@ class StudySettings:
     The batch, completion length and learning rate default to the tiny demo job's (``TINY_GRPO_DEFAULTS``).
 
     Attributes:
-        arms: arm names, a subset of `ARM_NAMES`, in the order they run.
+        arms: arm names, a subset of `ARM_NAMES`, in the order they run (default `DEFAULT_ARMS`).
         seeds: training seeds; each arm runs once per seed (sampling, data order and noise seeds).
         steps: optimizer steps per run.
         eval_every: held-out evaluation every this many steps (and at step 0 and at the last step).
-        eval_num_prompts: size of the fixed held-out set (test split, seed 1, as ``safevocab-grpo``'s summary).
+        eval_num_prompts: size of the task's fixed held-out set (arithmetic: test split, seed 1).
+        task: the task (``arithmetic``, ``freetext`` or ``module:function``, see
+            :func:`trl_integration.study.tasks.load_task`): data, reward and held-out metric.
         noise: bound ε of the injected rollout logit noise (``rollout_logit_noise``); 0 disables it.
-        noise_kind: ``uniform`` or ``clipped_gaussian``.
+        noise_kind: ``uniform``, ``clipped_gaussian`` or ``lift`` (the biased, deterministic tail lift).
         rollout_dtype: precision of the ``generate`` rollouts (``auto`` = the model's, float32 here).
+        rollout_mantissa_bits: the rollouts sample with the weights rounded to this many mantissa bits (1-23;
+            ``None``: not rounded), a mismatch that follows the weights as they train.
+        rollout_perturbation: ``module:function``, a factory ``f(seed) -> LogitsProcessor`` applied to the
+            rollouts' scores (``None``: none).
         dvp_rule: safe-vocabulary rule of the ``dvp`` arms.
         mis_mode: ``token_mask`` or ``sequence_mask`` for the ``mis`` arm.
         is_clip_min: lower IS bound of the ``mis`` arm (ratios below it are masked).
@@ -65,23 +85,26 @@ class StudySettings:
         lr_scheduler_type: the Trainer's schedule for every arm but ``dvp_length_decay``.
         num_prompts_per_step: prompts per optimizer step (the batch is this times ``num_generations``).
         num_generations: completions per prompt (the GRPO group size).
-        max_completion_length: longest completion in tokens.
+        max_completion_length: longest completion in tokens (``None``: the task's, else the tiny job's 8).
         train_num_prompts: size of the training prompt pool (train split, seed 0).
-        model: model folder; ``None`` = the bundled tiny arithmetic model.
+        model: model folder; ``None`` = the task's (the bundled tiny model for ``arithmetic``).
         smooth: trailing moving-average window (steps) of the per-step training metrics in the plots.
         threads: torch intra-op threads during the study (``torch.set_num_threads``). The default 1 is the fastest
             for the tiny model on a shared CPU: 2 threads were ~6x slower per step when other jobs loaded the cores.
         output_dir: where the report, the plots and ``results.json`` go.
     """
 
-    arms: list[str] = field(default_factory=lambda: list(ARM_NAMES))
+    arms: list[str] = field(default_factory=lambda: list(DEFAULT_ARMS))
     seeds: list[int] = field(default_factory=lambda: [0, 1, 2])
     steps: int = 150
     eval_every: int = 25
     eval_num_prompts: int = 200
+    task: str = "arithmetic"
     noise: float = 0.5
     noise_kind: str = "uniform"
     rollout_dtype: str = "auto"
+    rollout_mantissa_bits: int | None = None
+    rollout_perturbation: str | None = None
     dvp_rule: str = "min_p=0.01"
     mis_mode: str = "token_mask"
     is_clip_min: float = 0.5
@@ -92,7 +115,7 @@ class StudySettings:
         TINY_GRPO_DEFAULTS["per_device_train_batch_size"] // TINY_GRPO_DEFAULTS["num_generations"]
     )
     num_generations: int = TINY_GRPO_DEFAULTS["num_generations"]
-    max_completion_length: int = TINY_GRPO_DEFAULTS["max_completion_length"]
+    max_completion_length: int | None = None
     train_num_prompts: int = 4096
     model: str | None = None
     smooth: int = 10
@@ -111,7 +134,9 @@ class StudySettings:
         for name in ("steps", "eval_every", "eval_num_prompts", "num_prompts_per_step", "num_generations",
                      "max_completion_length", "train_num_prompts", "smooth", "threads"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
+            if name == "max_completion_length" and value is None:
+                continue
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"--{name} {value!r} is out of range: accepted an integer >= 1")
         if self.num_generations < 2:
             raise ValueError(f"--num_generations {self.num_generations!r} is out of range: GRPO needs >= 2")
@@ -123,6 +148,7 @@ class StudySettings:
             raise ValueError(
                 f"--rollout_dtype {self.rollout_dtype!r} is not accepted: accepted one of {tuple(ROLLOUT_DTYPES)}"
             )
+        self._validate_mismatch_sources()
         if self.mis_mode not in MIS_MODES:
             raise ValueError(f"--mis_mode {self.mis_mode!r} is not accepted: accepted one of {MIS_MODES}")
         if not (0 <= self.is_clip_min < self.is_clip_max):
@@ -135,6 +161,20 @@ class StudySettings:
         from safevocab import parse_rule
 
         parse_rule(self.dvp_rule)  # raises ValueError naming the rule
+
+    def _validate_mismatch_sources(self) -> None:
+        if not isinstance(self.task, str) or not self.task:
+            raise ValueError(f"--task {self.task!r} is not accepted: accepted a task name or 'module:function'")
+        bits, (lo, hi) = self.rollout_mantissa_bits, MANTISSA_BITS_RANGE
+        if bits is not None and (not isinstance(bits, int) or isinstance(bits, bool) or not lo <= bits <= hi):
+            raise ValueError(f"--rollout_mantissa_bits {bits!r} is not accepted: accepted an integer in [{lo}, {hi}]")
+        if bits is not None and self.rollout_dtype in ("bfloat16", "float16"):
+            raise ValueError(
+                f"--rollout_mantissa_bits {bits} with --rollout_dtype {self.rollout_dtype} rounds the rollout twice: "
+                "accepted --rollout_dtype auto or float32"
+            )
+        if self.rollout_perturbation is not None:
+            split_spec(self.rollout_perturbation, "--rollout_perturbation")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -170,7 +210,25 @@ def arm_overrides(arm: str, settings: StudySettings) -> dict[str, Any]:
             safe_vocab_rule=settings.dvp_rule, safe_vocab_in_sampler=True, length_decay=True,
             length_decay_period="auto", **no_is,
         )
+    if arm == "dvp_mis":
+        mis = arm_overrides("mis", settings)
+        return {**mis, "safe_vocab_rule": settings.dvp_rule, "safe_vocab_in_sampler": True}
+    if arm == "no_mismatch":
+        return dict(
+            safe_vocab_rule="none", rollout_logit_noise=0.0, rollout_mantissa_bits=None, rollout_perturbation=None,
+            rollout_dtype="auto", **no_is,
+        )
     raise ValueError(f"unknown arm {arm!r}: accepted one of {list(ARM_NAMES)}")
+
+
+def resolved_max_completion_length(settings: StudySettings, task_length: int | None = None) -> int:
+    """The completion length a study trains with: ``settings.max_completion_length``, else the task's, else the
+    tiny job's (``TINY_GRPO_DEFAULTS``)."""
+    for length in (settings.max_completion_length, task_length):
+        if length is not None:
+            return length
+    return TINY_GRPO_DEFAULTS["max_completion_length"]
+
 
 def shared_config(settings: StudySettings, seed: int, output_dir: str) -> dict[str, Any]:
     """The ``SafeVocabGRPOConfig`` fields every arm shares: the tiny job with the study's batch, schedule and
@@ -180,7 +238,7 @@ def shared_config(settings: StudySettings, seed: int, output_dir: str) -> dict[s
         max_steps=settings.steps,
         per_device_train_batch_size=settings.num_prompts_per_step * settings.num_generations,
         num_generations=settings.num_generations,
-        max_completion_length=settings.max_completion_length,
+        max_completion_length=resolved_max_completion_length(settings),
         learning_rate=settings.learning_rate,
         lr_scheduler_type=settings.lr_scheduler_type,
         logging_steps=1,
@@ -192,6 +250,8 @@ def shared_config(settings: StudySettings, seed: int, output_dir: str) -> dict[s
         rollout_logit_noise=settings.noise,
         rollout_logit_noise_kind=settings.noise_kind,
         rollout_dtype=settings.rollout_dtype,
+        rollout_mantissa_bits=settings.rollout_mantissa_bits,
+        rollout_perturbation=settings.rollout_perturbation,
         rollout_logprobs=True,
         log_mismatch_metrics=True,
     )

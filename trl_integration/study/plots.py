@@ -1,7 +1,7 @@
 """Figures of ``safevocab study``: one PNG per metric, one line per arm (the mean over seeds) with a min..max band.
 
-Training metrics are smoothed with a trailing moving average of ``settings["smooth"]`` steps; the held-out accuracy
-and the learning rate are drawn as logged.
+Training metrics are smoothed with a trailing moving average of ``settings["smooth"]`` steps; the task's held-out
+metric and the learning rate are drawn as logged.
 """
 
 from __future__ import annotations
@@ -10,18 +10,25 @@ import math
 import warnings
 from pathlib import Path
 
-__all__ = ["PLOTS", "plot_metric"]
+__all__ = ["PLOTS", "plot_specs", "plot_metric"]
 
-#: The figures: file stem -> (series key, y-axis label, smoothed?). ``eval/accuracy`` is the held-out accuracy.
-PLOTS: dict[str, tuple[str, str, bool]] = {
-    "reward": ("reward", "mean reward of the training batch", True),
-    "heldout_accuracy": ("eval/accuracy", "held-out greedy accuracy", False),
-    "log_ppl_gap": ("mismatch/log_ppl_abs_diff", "log-ppl gap |log ppl_rollout - log ppl_train|", True),
-    "grad_norm": ("grad_norm", "gradient norm (before clipping)", True),
-    "out_of_set_frac": ("safevocab/out_of_set_frac", "sampled tokens outside the trainer's safe set", True),
-    "response_length": ("completions/mean_length", "mean response length (tokens)", True),
-    "learning_rate": ("learning_rate", "learning rate", False),
-}
+
+def plot_specs(metric: str = "accuracy") -> dict[str, tuple[str, str, bool]]:
+    """The figures of a study whose held-out metric is ``metric``: file stem -> (series key, y-axis label,
+    smoothed?). ``eval/<metric>`` is the held-out metric (file ``heldout_<metric>.png``)."""
+    return {
+        "reward": ("reward", "mean reward of the training batch", True),
+        f"heldout_{metric}": (f"eval/{metric}", f"held-out {metric}", False),
+        "log_ppl_gap": ("mismatch/log_ppl_abs_diff", "log-ppl gap |log ppl_rollout - log ppl_train|", True),
+        "grad_norm": ("grad_norm", "gradient norm (before clipping)", True),
+        "out_of_set_frac": ("safevocab/out_of_set_frac", "sampled tokens outside the trainer's safe set", True),
+        "response_length": ("completions/mean_length", "mean response length (tokens)", True),
+        "learning_rate": ("learning_rate", "learning rate", False),
+    }
+
+
+#: The figures of the arithmetic task's study (held-out greedy accuracy), see `plot_specs`.
+PLOTS: dict[str, tuple[str, str, bool]] = plot_specs("accuracy")
 
 
 def _smooth(values: list[float], window: int) -> list[float]:
@@ -33,13 +40,13 @@ def _smooth(values: list[float], window: int) -> list[float]:
 
 
 def _arm_curves(results: dict, arm: str, key: str, smooth: int) -> tuple[list[int], list[list[float]]] | None:
-    """Steps and one curve per successful seed of ``key`` (``eval/accuracy`` for the held-out accuracy)."""
+    """Steps and one curve per successful seed of ``key`` (``eval/<metric>`` for the held-out metric)."""
     curves: list[dict[int, float]] = []
     for r in results["runs"]:
         if r["arm"] != arm or r["status"] != "ok":
             continue
-        if key == "eval/accuracy":
-            steps, vals = r["eval"]["step"], r["eval"]["accuracy"]
+        if key.startswith("eval/"):
+            steps, vals = r["eval"]["step"], r["eval"][key[len("eval/") :]]
         else:
             steps, vals = r["series"].get("step", []), r["series"].get(key)
             if vals is None:
@@ -54,15 +61,28 @@ def _arm_curves(results: dict, arm: str, key: str, smooth: int) -> tuple[list[in
     return steps, [[c.get(st, float("nan")) for st in steps] for c in curves]
 
 
+def mismatch_label(settings: dict) -> str:
+    """The injected mismatch in a few words (``"ε=0.5 uniform, rollout auto"``)."""
+    s = settings
+    parts = [f"ε={s['noise']:g} {s['noise_kind']}" if s["noise"] > 0 else "no injected noise"]
+    if s.get("rollout_mantissa_bits") is not None:
+        parts.append(f"weights rounded to {s['rollout_mantissa_bits']} mantissa bits")
+    if s.get("rollout_perturbation"):
+        parts.append(f"perturbation {s['rollout_perturbation']}")
+    return ", ".join(parts) + f", rollout {s['rollout_dtype']}"
+
+
 def plot_metric(results: dict, stem: str, path: Path) -> None:
-    """Draw the figure ``stem`` (a key of `PLOTS`) of ``results`` to ``path``."""
+    """Draw the figure ``stem`` (a key of ``plot_specs(metric)``, the metric of ``results``) to ``path``."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import numpy as np
 
-    key, label, smoothed = PLOTS[stem]
+    from trl_integration.study.aggregate import metric_name
+
+    key, label, smoothed = plot_specs(metric_name(results))[stem]
     s = results["settings"]
     window = s["smooth"] if smoothed else 1
     fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=110)
@@ -84,7 +104,7 @@ def plot_metric(results: dict, stem: str, path: Path) -> None:
             warnings.simplefilter("ignore", RuntimeWarning)  # all-NaN columns (a step no seed logged)
             mean, lo, hi = np.nanmean(arr, axis=0), np.nanmin(arr, axis=0), np.nanmax(arr, axis=0)
         n = arr.shape[0]
-        marker = "o" if key == "eval/accuracy" else None
+        marker = "o" if key.startswith("eval/") else None
         ax.plot(steps, mean, color=color, marker=marker, ms=3, label=f"{arm} (n={n}{', = ' + same if same else ''})",
                 **style)
         if n > 1:
@@ -93,8 +113,7 @@ def plot_metric(results: dict, stem: str, path: Path) -> None:
     title = label
     if window > 1:
         title += f" ({window}-step moving average)"
-    noise = f"ε={s['noise']:g} {s['noise_kind']}" if s["noise"] > 0 else "no injected noise"
-    ax.set_title(f"{title}\n{noise}, rollout {s['rollout_dtype']}; mean over seeds, band = min..max", fontsize=9)
+    ax.set_title(f"{title}\n{mismatch_label(s)}; mean over seeds, band = min..max", fontsize=9)
     ax.set_xlabel("optimizer step")
     ax.set_ylabel(label, fontsize=8)
     if key == "learning_rate":

@@ -1,5 +1,5 @@
-"""``report.md`` and ``results.json`` of ``safevocab study``: the settings, the exact command, the accuracy and
-reward tables per arm (mean ± std over seeds), the mismatch diagnostics, failed runs and the figures."""
+"""``report.md`` and ``results.json`` of ``safevocab study``: the settings, the exact command, the held-out metric
+and reward tables per arm (mean ± std over seeds), the mismatch diagnostics, failed runs and the figures."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import os
 from pathlib import Path
 
 from trl_integration.demo.model import TINY_MODEL_NAME, is_tiny_model
-from trl_integration.study.aggregate import FINAL_REWARD_STEPS
+from trl_integration.study.aggregate import FINAL_REWARD_STEPS, metric_name
 from trl_integration.study.arms import ARM_DESCRIPTIONS
-from trl_integration.study.plots import PLOTS, plot_metric
+from trl_integration.study.plots import plot_metric, plot_specs
 
 __all__ = ["format_stat", "format_status", "render_report", "write_report", "write_json"]
 
@@ -45,19 +45,30 @@ def format_status(entry: dict) -> str:
 def _settings_rows(results: dict) -> list[tuple[str, str]]:
     s = results["settings"]
     env = results.get("environment", {})
+    task = results.get("task") or {"name": "arithmetic", "reward_funcs": ["arithmetic_reward"],
+                                   "metric_name": "accuracy", "description": ""}
     batch = s["num_prompts_per_step"] * s["num_generations"]
     mismatch = []
     if s["noise"] > 0:
         mismatch.append(f"{s['noise_kind']} logit noise, ε = {s['noise']:g} (rollout_logit_noise)")
+    if s.get("rollout_mantissa_bits") is not None:
+        bits = s["rollout_mantissa_bits"]
+        mismatch.append(f"rollout weights rounded to {bits} mantissa bits (rollout_mantissa_bits)")
+    if s.get("rollout_perturbation"):
+        mismatch.append(f"rollout perturbation {s['rollout_perturbation']}")
     mismatch.append(f"rollout_dtype {s['rollout_dtype']}")
-    if s["noise"] == 0 and s["rollout_dtype"] in ("auto", "float32"):
+    injected = s["noise"] > 0 or s.get("rollout_mantissa_bits") is not None or s.get("rollout_perturbation")
+    if not injected and s["rollout_dtype"] in ("auto", "float32"):
         mismatch.append("no injected mismatch (fp32 rollout and fp32 training)")
     model = results.get("model") or "bundled"
     if is_tiny_model(model):
         model = f"{TINY_MODEL_NAME} (bundled)"
+    metric = task["metric_name"]
+    about = f"; {task['description']}" if task.get("description") else ""
     return [
         ("model", str(model)),
-        ("task", f"arithmetic (train pool {s['train_num_prompts']} prompts, seed 0), reward arithmetic_reward"),
+        ("task", f"{task['name']} (train pool {s['train_num_prompts']} prompts, seed 0), reward "
+                 f"{', '.join(task['reward_funcs'])}{about}"),
         ("mismatch", "; ".join(mismatch)),
         ("steps per run", str(s["steps"])),
         ("batch", f"{s['num_prompts_per_step']} prompts × {s['num_generations']} generations = {batch} completions "
@@ -65,10 +76,10 @@ def _settings_rows(results: dict) -> list[tuple[str, str]]:
         ("optimiser", f"AdamW, lr {s['learning_rate']:g}, schedule {s['lr_scheduler_type']} (dvp_length_decay: "
                       "LengthDecayLR, constant until a surge), beta 0, loss dapo (trl default), temperature 1"),
         ("DVP rule", s["dvp_rule"]),
-        ("IS settings", f"tis: token_truncate, clip_max {s['is_clip_max']:g}; mis: {s['mis_mode']}, "
+        ("IS settings", f"tis: token_truncate, clip_max {s['is_clip_max']:g}; mis and dvp_mis: {s['mis_mode']}, "
                         f"[{s['is_clip_min']:g}, {s['is_clip_max']:g}]"),
         ("seeds", ", ".join(str(x) for x in s["seeds"])),
-        ("held-out evaluation", f"greedy accuracy on {s['eval_num_prompts']} test-split problems (seed 1), at step 0 "
+        ("held-out evaluation", f"{metric} on {s['eval_num_prompts']} held-out prompts of the task, at step 0 "
                                 f"and every {s['eval_every']} steps"),
         ("software", f"torch {env.get('torch')}, transformers {env.get('transformers')}, trl {env.get('trl')}, "
                      f"python {env.get('python')}, {env.get('torch_threads')} torch threads"),
@@ -93,6 +104,7 @@ def render_report(
     s = results["settings"]
     summ = results["summary"]
     arms = list(results["arms"])
+    metric = metric_name(results)
     title = title or f"safevocab study: {len(arms)} arms × {len(s['seeds'])} seeds × {s['steps']} steps"
     lines = [f"{h} {title}", ""]
     lines += [f"{hh} Command", "", "```bash", results["command"], "```", ""]
@@ -104,24 +116,24 @@ def render_report(
     for arm in arms:
         what = ARM_DESCRIPTIONS.get(arm, "custom arm")
         lines.append(f"- `{arm}`: {what} — `{_overrides_text(results['arms'][arm])}`")
-    initial = [summ[a]["initial_accuracy"]["mean"] for a in arms if summ[a]["initial_accuracy"]["mean"] is not None]
-    lines += ["", f"{hh} Held-out accuracy", ""]
+    initial = [summ[a]["initial_metric"]["mean"] for a in arms if summ[a]["initial_metric"]["mean"] is not None]
+    lines += ["", f"{hh} Held-out {metric}", ""]
     if initial:
-        lines.append(f"Held-out greedy accuracy before training: {initial[0]:.3f} (the same model for every run).")
+        lines.append(f"Held-out {metric} before training: {initial[0]:.3f} (the same model for every run).")
         lines.append("")
     lines += [
         "Mean ± sample standard deviation over the seeds that finished. *final*: at the last step; *best*: the "
         "highest of the evaluations after step 0; *Δ final vs no_remedy*: the difference to `no_remedy` with the "
         "same seed, averaged over seeds.",
         "",
-        "| arm | runs ok | final accuracy | best accuracy | Δ final vs no_remedy |",
+        f"| arm | runs ok | final {metric} | best {metric} | Δ final vs no_remedy |",
         "|---|---|---|---|---|",
     ]
     for arm in arms:
         e = summ[arm]
-        delta = "–" if arm == "no_remedy" else format_stat(e["final_accuracy_vs_no_remedy"], signed=True)
+        delta = "–" if arm == "no_remedy" else format_stat(e["final_metric_vs_no_remedy"], signed=True)
         lines.append(
-            f"| {arm} | {format_status(e)} | {format_stat(e['final_accuracy'])} | {format_stat(e['best_accuracy'])} "
+            f"| {arm} | {format_status(e)} | {format_stat(e['final_metric'])} | {format_stat(e['best_metric'])} "
             f"| {delta} |"
         )
     lines += [
@@ -147,7 +159,7 @@ def render_report(
     for arm in arms:
         if summ[arm].get("identical_to"):
             lines += ["", f"`{arm}` reproduced `{summ[arm]['identical_to']}` exactly: the same per-step reward, "
-                          "gradient norm and held-out accuracy in every seed."]
+                          f"gradient norm and held-out {metric} in every seed."]
     decays = [(a, summ[a]["length_decay"]) for a in arms if summ[a].get("length_decay")]
     for arm, d in decays:
         if d["surges_detected"] == 0:
@@ -164,13 +176,13 @@ def render_report(
     for arm, seed, err in failed:
         lines.append(f"- **{arm}, seed {seed}: failed** — `{err}` (traceback in results.json)")
     for arm, seed in not_run:
-        lines.append(f"- {arm}, seed {seed}: not run (the study was interrupted)")
+        lines.append(f"- {arm}, seed {seed}: not run (the study was interrupted; `--resume` trains what is missing)")
     if plots:
         lines += ["", f"{hh} Figures", "",
                   f"One line per arm: the mean over seeds; the band spans the smallest to the largest seed. Training "
                   f"metrics are smoothed with a trailing {s['smooth']}-step moving average (raw series in "
                   "results.json).", ""]
-        for stem, (_, label, _) in PLOTS.items():
+        for stem, (_, label, _) in plot_specs(metric).items():
             lines += [f"![{label}]({image_prefix}{stem}.png)", ""]
     return "\n".join(lines).rstrip() + "\n"
 
@@ -179,7 +191,7 @@ def _overrides_text(overrides: dict) -> str:
     return ", ".join(f"{k}={v}" for k, v in overrides.items())
 
 def write_report(results: dict, output_dir: str | os.PathLike, plots: bool = True) -> list[Path]:
-    """Write ``results.json``, ``report.md`` and (with ``plots``) one PNG per entry of `PLOTS`.
+    """Write ``results.json``, ``report.md`` and (with ``plots``) one PNG per entry of ``plot_specs(metric)``.
 
     Returns:
         The written paths, ``report.md`` first.
@@ -188,7 +200,7 @@ def write_report(results: dict, output_dir: str | os.PathLike, plots: bool = Tru
     out.mkdir(parents=True, exist_ok=True)
     files = [out / "report.md", out / "results.json"]
     if plots:
-        for stem in PLOTS:
+        for stem in plot_specs(metric_name(results)):
             plot_metric(results, stem, out / f"{stem}.png")
             files.append(out / f"{stem}.png")
     results["files"] = [f.name for f in files]

@@ -1,14 +1,17 @@
 """Running a study: every (arm, seed) trained in-process, one after the other, with held-out evaluations.
 
-Each run builds a ``SafeVocabGRPOTrainer`` on the arm's config (:mod:`trl_integration.study.arms`), evaluates greedy
-accuracy on a fixed held-out set before training and every ``eval_every`` steps (:class:`HeldOutAccuracyCallback`),
-and records the per-step training log. A run that raises is recorded as failed with what it logged so far; the
-results are written after every run, so an interrupted study keeps what it finished.
+Each run builds a ``SafeVocabGRPOTrainer`` on the arm's config (:mod:`trl_integration.study.arms`) with the task's
+data and reward (:class:`~trl_integration.study.task.StudyTask`), evaluates the task's held-out metric on its fixed
+held-out set before training and every ``eval_every`` steps (:class:`HeldOutMetricCallback`), and records the
+per-step training log. A run that raises is recorded as failed with what it logged so far; the results are written
+after every run, so an interrupted study keeps what it finished, and ``resume=True`` (``--resume``) trains only the
+runs not finished yet (:mod:`trl_integration.study.resume`).
 """
 
 from __future__ import annotations
 
 import gc
+import json
 import math
 import os
 import platform
@@ -16,15 +19,20 @@ import shlex
 import time
 import traceback
 import warnings
-from dataclasses import asdict
+from collections.abc import Callable
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
+from trl_integration.demo.model import is_tiny_model, tiny_model_path
 from trl_integration.study.aggregate import summarize
-from trl_integration.study.arms import StudySettings, arm_overrides, shared_config
+from trl_integration.study.arms import StudySettings, arm_overrides, resolved_max_completion_length, shared_config
 from trl_integration.study.report import write_json, write_report
+from trl_integration.study.resume import finished_runs
+from trl_integration.study.task import StudyTask
+from trl_integration.study.tasks import load_task
 
-__all__ = ["HeldOutAccuracyCallback", "run_study", "settings_command"]
+__all__ = ["HeldOutMetricCallback", "HeldOutAccuracyCallback", "run_study", "settings_command", "task_record"]
 
 #: Keys of the training log not kept as per-step series in ``results.json`` (every other numeric key is).
 _DROP_KEYS = ("step", "epoch", "num_tokens", "total_flos")
@@ -36,34 +44,40 @@ except ImportError:  # pragma: no cover - without the trl extra nothing here can
     _CallbackBase = object
 
 
-class HeldOutAccuracyCallback(_CallbackBase):
-    """Greedy accuracy on a fixed held-out set before training and every ``every`` optimizer steps.
+class HeldOutMetricCallback(_CallbackBase):
+    """A held-out metric on a fixed set, before training and every ``every`` optimizer steps.
 
-    The accuracy (:func:`trl_integration.demo.arithmetic.accuracy`) saves and restores torch's global random
-    state, so the evaluations do not change the training run. Results accumulate in ``self.steps`` and
-    ``self.accuracy``.
+    The metric (a :class:`~trl_integration.study.task.StudyTask`'s ``held_out_metric``) must save and restore torch's
+    global random state, so that the evaluations do not change the training run. Results accumulate in
+    ``self.steps`` and ``self.values``.
 
     Args:
         trainer: the trainer (its unwrapped model and tokenizer are evaluated).
-        dataset: rows with ``prompt`` and ``answer``.
+        dataset: the held-out rows the metric reads.
         every: evaluation period in optimizer steps (the last step is always evaluated).
+        metric: ``metric(model, tokenizer, dataset) -> float``.
+        name: what the metric measures (``"accuracy"``), for the records.
     """
 
-    def __init__(self, trainer: Any, dataset: Any, every: int) -> None:
+    def __init__(self, trainer: Any, dataset: Any, every: int, metric: Callable[[Any, Any, Any], float],
+                 name: str = "metric") -> None:
         self.trainer = trainer
         self.dataset = dataset
         self.every = every
+        self.metric = metric
+        self.name = name
         self.steps: list[int] = []
-        self.accuracy: list[float] = []
+        self.values: list[float] = []
+
+    def _metric(self) -> Callable[[Any, Any, Any], float]:
+        return self.metric
 
     def _evaluate(self, step: int) -> None:
         if self.steps and self.steps[-1] == step:
             return
-        from trl_integration.demo.arithmetic import accuracy
-
         model = self.trainer.accelerator.unwrap_model(self.trainer.model)
         self.steps.append(step)
-        self.accuracy.append(float(accuracy(model, self.trainer.processing_class, self.dataset)))
+        self.values.append(float(self._metric()(model, self.trainer.processing_class, self.dataset)))
 
     def on_train_begin(self, args, state, control, **kwargs):
         self._evaluate(state.global_step)
@@ -73,6 +87,29 @@ class HeldOutAccuracyCallback(_CallbackBase):
         if state.global_step % self.every == 0 or state.global_step >= state.max_steps:
             self._evaluate(state.global_step)
         return control
+
+
+class HeldOutAccuracyCallback(HeldOutMetricCallback):
+    """Greedy arithmetic accuracy (:func:`trl_integration.demo.arithmetic.accuracy`) as the held-out metric: the
+    :class:`HeldOutMetricCallback` of the ``arithmetic`` task, with the values also under ``self.accuracy``.
+
+    Args:
+        trainer: the trainer (its unwrapped model and tokenizer are evaluated).
+        dataset: rows with ``prompt`` and ``answer``.
+        every: evaluation period in optimizer steps (the last step is always evaluated).
+    """
+
+    def __init__(self, trainer: Any, dataset: Any, every: int) -> None:
+        super().__init__(trainer, dataset, every, metric=None, name="accuracy")  # type: ignore[arg-type]
+
+    def _metric(self) -> Callable[[Any, Any, Any], float]:
+        from trl_integration.demo.arithmetic import accuracy  # looked up at each evaluation, as it always was
+
+        return accuracy
+
+    @property
+    def accuracy(self) -> list[float]:
+        return self.values
 
 
 class _ProgressCallback(_CallbackBase):
@@ -117,15 +154,15 @@ def _series_from_history(history: list[dict]) -> dict[str, list]:
     return series
 
 
-def _run_one(arm: str, overrides: dict, seed: int, settings: StudySettings, model_path: str, train_dataset,
-             test_dataset, bar) -> dict:
+def _run_one(arm: str, overrides: dict, seed: int, settings: StudySettings, model_path: str, task: StudyTask,
+             train_dataset, test_dataset, bar) -> dict:
     """Train one (arm, seed); never raises (an exception becomes ``status="failed"``)."""
     import tempfile
 
     record: dict[str, Any] = {
         "arm": arm, "seed": seed, "status": "failed", "error": None, "traceback": None,
         "wall_time_s": None, "train_runtime_s": None,
-        "eval": {"step": [], "accuracy": []}, "series": {"step": []}, "length_decay": None,
+        "eval": {"step": [], task.metric_name: []}, "series": {"step": []}, "length_decay": None,
     }
     start = time.perf_counter()
     done_before = bar.n if bar is not None else 0
@@ -134,16 +171,17 @@ def _run_one(arm: str, overrides: dict, seed: int, settings: StudySettings, mode
         from transformers import PrinterCallback
 
         from trl_integration.config import SafeVocabGRPOConfig
-        from trl_integration.demo.arithmetic import arithmetic_reward
         from trl_integration.trainer import SafeVocabGRPOTrainer
 
         with tempfile.TemporaryDirectory(prefix="safevocab-study-") as tmp:
             config = SafeVocabGRPOConfig(**{**shared_config(settings, seed, tmp), **overrides})
             trainer = SafeVocabGRPOTrainer(
-                model=model_path, reward_funcs=arithmetic_reward, args=config, train_dataset=train_dataset
+                model=model_path, reward_funcs=list(task.reward_funcs), args=config, train_dataset=train_dataset
             )
             trainer.remove_callback(PrinterCallback)  # the study prints a progress bar, not every log line
-            evaluator = HeldOutAccuracyCallback(trainer, test_dataset, settings.eval_every)
+            evaluator = HeldOutMetricCallback(
+                trainer, test_dataset, settings.eval_every, task.held_out_metric, task.metric_name
+            )
             trainer.add_callback(evaluator)
             trainer.add_callback(_ProgressCallback(bar, f"{arm} seed {seed}"))
             trainer.train()
@@ -172,7 +210,7 @@ def _run_one(arm: str, overrides: dict, seed: int, settings: StudySettings, mode
         if trainer is not None:
             record["series"] = _series_from_history(trainer.state.log_history)
         if evaluator is not None:
-            record["eval"] = {"step": list(evaluator.steps), "accuracy": list(evaluator.accuracy)}
+            record["eval"] = {"step": list(evaluator.steps), task.metric_name: list(evaluator.values)}
         record["wall_time_s"] = time.perf_counter() - start
         del trainer
         gc.collect()
@@ -197,30 +235,59 @@ def _environment() -> dict[str, Any]:
     return env
 
 
+def task_record(task: StudyTask, spec: str) -> dict[str, Any]:
+    """What ``results.json`` keeps of a task (``spec``: how ``--task`` named it)."""
+    rewards = [getattr(f, "__name__", type(f).__name__) for f in task.reward_funcs]
+    return {"spec": spec, "name": task.name, "model_path": task.model_path, "metric_name": task.metric_name,
+            "reward_funcs": rewards, "description": task.description}
+
+
 def run_study(
     settings: StudySettings,
     *,
+    task: StudyTask | str | None = None,
     command: str | None = None,
     arm_configs: dict[str, dict[str, Any]] | None = None,
     progress: bool = True,
     plots: bool = True,
+    resume: bool = False,
 ) -> dict:
     """Run every (arm, seed), then write ``results.json``, ``report.md`` and the plots to ``settings.output_dir``.
 
     Args:
         settings: the study settings (validated here).
+        task: the task (a :class:`~trl_integration.study.task.StudyTask`, or a spec for
+            :func:`~trl_integration.study.tasks.load_task`); default: ``settings.task`` (which a task given here
+            replaces; ``results["task"]`` records what ran).
         command: the command line recorded in the report (default: ``safevocab study`` + ``sys.argv[2:]``).
         arm_configs: ``{arm name: SafeVocabGRPOConfig overrides}`` replacing `arm_overrides` for those names
             (arms not listed in ``settings.arms`` are ignored); for custom or deliberately broken arms.
         progress: show a progress bar (tqdm) over all optimizer steps.
         plots: draw the PNG plots (needs matplotlib).
+        resume: keep the finished runs of the ``results.json`` already in ``settings.output_dir`` and train only
+            the others (:mod:`~trl_integration.study.resume`: refused when the settings differ).
 
     Returns:
         The results dict (what ``results.json`` holds).
+
+    Raises:
+        ValueError: bad settings, a task that cannot be loaded, or (``resume``) settings that differ from the
+            recorded runs', before any training.
     """
     settings.validate()
+    spec = settings.task if task is None else task if isinstance(task, str) else f"{task.name} (a StudyTask object)"
+    task = load_task(settings.task if task is None else task)
+    settings = replace(
+        settings, max_completion_length=resolved_max_completion_length(settings, task.max_completion_length)
+    )
     arm_configs = dict(arm_configs or {})
     out = Path(settings.output_dir)
+    arms = {arm: arm_configs.get(arm, arm_overrides(arm, settings)) for arm in settings.arms}
+    model_path = settings.model or task.model_path
+    if is_tiny_model(model_path):
+        tiny_model_path()  # raises, saying how to rebuild it, when this install lacks the bundled model
+    previous = finished_runs(out / "results.json", settings, arms, task.name) if resume else {}
+    previous_results = json.loads((out / "results.json").read_text(encoding="utf-8")) if previous else {}
     out.mkdir(parents=True, exist_ok=True)
     full_command = settings_command(settings)
     if command is None:
@@ -228,8 +295,6 @@ def run_study(
 
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
     from tqdm.auto import tqdm
-
-    from trl_integration.demo.arithmetic import make_dataset
 
     try:
         import datasets
@@ -241,28 +306,26 @@ def run_study(
     except ImportError:  # pragma: no cover
         pass
 
-    model_path = settings.model
-    if model_path is None:
-        from trl_integration.demo.model import tiny_model_path
+    train_dataset = task.train_dataset(settings.train_num_prompts, 0)
+    test_dataset = task.held_out_dataset(settings.eval_num_prompts)
 
-        model_path = str(tiny_model_path())
-    train_dataset = make_dataset(settings.train_num_prompts, seed=0, split="train")
-    test_dataset = make_dataset(settings.eval_num_prompts, seed=1, split="test")
-
-    arms = {arm: arm_configs.get(arm, arm_overrides(arm, settings)) for arm in settings.arms}
     results: dict[str, Any] = {
         "version": 1,
         "command": command,
         "command_full": full_command,
         "settings": asdict(settings),
+        "task": task_record(task, spec),
         "model": model_path,
         "environment": _environment(),
         "arms": {a: {k: v for k, v in o.items()} for a, o in arms.items()},
-        "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "started": previous_results.get("started", time.strftime("%Y-%m-%d %H:%M:%S")),
         "wall_time_s": None,
         "runs": [],
+        "runs_trained": 0,
+        "runs_resumed": 0,
         "summary": {},
     }
+    wall_before = float(previous_results.get("wall_time_s") or 0.0)
     plan = [(arm, seed) for arm in settings.arms for seed in settings.seeds]
     import torch
 
@@ -273,14 +336,20 @@ def run_study(
     bar = tqdm(total=len(plan) * settings.steps, desc="study", unit="step", disable=not progress, dynamic_ncols=True)
     try:
         for i, (arm, seed) in enumerate(plan):
+            if (arm, seed) in previous:  # --resume: finished before, kept as it was
+                results["runs"].append(previous[(arm, seed)])
+                results["runs_resumed"] += 1
+                bar.update(settings.steps)
+                continue
             bar.set_description(f"study {i + 1}/{len(plan)} {arm} seed {seed}")
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                record = _run_one(arm, arms[arm], seed, settings, model_path, train_dataset, test_dataset, bar)
+                record = _run_one(arm, arms[arm], seed, settings, model_path, task, train_dataset, test_dataset, bar)
             results["runs"].append(record)
+            results["runs_trained"] += 1
             if record["status"] != "ok":
                 bar.write(f"safevocab study: {arm} seed {seed} FAILED: {record['error']}")
-            results["wall_time_s"] = time.perf_counter() - start
+            results["wall_time_s"] = wall_before + time.perf_counter() - start
             results["summary"] = summarize(results)
             write_json(results, out / "results.json")  # after every run: an interrupted study keeps its runs
     finally:
@@ -290,9 +359,9 @@ def run_study(
         for arm, seed in plan:  # interrupted: the runs that never started are listed as such
             if (arm, seed) not in done:
                 results["runs"].append({"arm": arm, "seed": seed, "status": "not_run", "error": "not run",
-                                        "eval": {"step": [], "accuracy": []}, "series": {"step": []},
+                                        "eval": {"step": [], task.metric_name: []}, "series": {"step": []},
                                         "wall_time_s": None, "train_runtime_s": None, "length_decay": None})
-        results["wall_time_s"] = time.perf_counter() - start
+        results["wall_time_s"] = wall_before + time.perf_counter() - start
         results["summary"] = summarize(results)
         write_report(results, out, plots=plots)
     return results
@@ -302,7 +371,7 @@ def settings_command(settings: StudySettings) -> str:
     """The ``safevocab study`` command line that reproduces ``settings`` with every flag explicit."""
     parts = ["safevocab", "study"]
     for name, value in asdict(settings).items():
-        if name == "model" and value is None:
+        if value is None:  # model, max_completion_length, rollout_mantissa_bits, rollout_perturbation: unset
             continue
         parts.append(f"--{name}")
         parts.extend(str(v) for v in value) if isinstance(value, list) else parts.append(str(value))

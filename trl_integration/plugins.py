@@ -1,0 +1,69 @@
+"""Plug-ins named as ``module:function`` (``safevocab study --task``, ``--rollout_perturbation``): import the module
+and look the function up, with one-line errors that name the setting.
+
+The module is imported as Python imports any module (``sys.path``); when it is not found there, the current folder
+is added to ``sys.path`` and the import tried again, so that a file ``./my_tasks.py`` works as ``my_tasks:make``
+from the console scripts too (whose ``sys.path`` does not start with the current folder).
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+from collections.abc import Callable
+
+__all__ = ["load_callable", "split_spec"]
+
+
+def split_spec(spec: object, name: str) -> tuple[str, str]:
+    """``"pkg.module:function"`` -> ``("pkg.module", "function")``.
+
+    Raises:
+        ValueError: ``spec`` is not a string of that form; the message names the setting ``name``.
+    """
+    module, sep, attr = spec.partition(":") if isinstance(spec, str) else ("", "", "")
+    if not (sep and module.strip() and attr.strip()) or ":" in attr:
+        raise ValueError(
+            f"{name}={spec!r} is not accepted: accepted 'module:function' (an importable module and a function in it)"
+        )
+    return module.strip(), attr.strip()
+
+
+def load_callable(spec: str, name: str) -> Callable:
+    """The callable that ``spec`` (``"module:function"``) names, imported now.
+
+    Args:
+        spec: ``"module:function"``; ``function`` may be a dotted attribute path (``"pkg.mod:Class.build"``).
+        name: the setting or flag, for the error messages (``"--task"``, ``"rollout_perturbation"``).
+
+    Raises:
+        ValueError: one line naming ``name`` and ``spec`` when the form is wrong, the module cannot be imported
+            (also when importing it raises), the attribute does not exist or is not callable.
+    """
+    module_name, attr = split_spec(spec, name)
+    try:
+        module = _import(module_name)
+    except Exception as err:  # the user's module may fail in any way while importing: one line, not a traceback
+        detail = f"{type(err).__name__}: {err}"
+        raise ValueError(f"{name}={spec!r}: cannot import module {module_name!r} ({detail})") from err
+    obj: object = module
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise ValueError(f"{name}={spec!r}: module {module_name!r} has no attribute {attr!r}")
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise ValueError(f"{name}={spec!r}: {attr!r} is a {type(obj).__name__}, not a function")
+    return obj
+
+
+def _import(module_name: str):
+    try:
+        return importlib.import_module(module_name)
+    except ModuleNotFoundError as err:
+        here = os.getcwd()
+        missing_is_ours = err.name is not None and module_name.split(".")[0] == err.name.split(".")[0]
+        if not missing_is_ours or here in sys.path:
+            raise
+        sys.path.insert(0, here)
+        return importlib.import_module(module_name)
