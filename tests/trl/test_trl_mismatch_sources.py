@@ -204,7 +204,7 @@ def test_trainer_argument_errors(tiny_model_dir, tmp_path):
 def test_safevocab_grpo_flags_parse(tmp_path):
     from trl_integration.commands.grpo import make_parser
 
-    _, cfg, _ = make_parser().parse_args_and_config(
+    _, cfg, _, _ = make_parser().parse_args_and_config(
         args=["--output_dir", str(tmp_path), "--model_name_or_path", "m", "--use_cpu", "true",
               "--rollout_mantissa_bits", "3", "--rollout_perturbation", "rollout_plugins:lift_half",
               "--rollout_logit_noise", "0.1", "--rollout_logit_noise_kind", "lift"]
