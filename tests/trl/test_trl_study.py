@@ -225,3 +225,26 @@ def test_main_job_writes_its_summary(tmp_path):
     history = json.loads((out / "log_history.json").read_text())
     assert isinstance(history, list) and any("reward" in h for h in history)
     assert any("train_runtime" in h for h in history)
+
+
+def test_paired_differences_carry_a_95_percent_interval():
+    """Worked by hand: arm a's final metrics minus no_remedy's, seed by seed, are +0.1, +0.2, +0.3 (mean 0.2,
+    sample std 0.1); t_{0.975, 2} = 4.303, so the interval is 0.2 ± 4.303 * 0.1 / sqrt(3) = [-0.0484, 0.4484].
+    The late metric averages the evaluations after half the last step (steps 6 and 10 of 0, 2, 6, 10)."""
+    from trl_integration.study.aggregate import summarize
+
+    def run(arm, seed, evals):
+        return {"arm": arm, "seed": seed, "status": "ok", "series": {}, "wall_time_s": 1.0,
+                "eval": {"step": [0, 2, 6, 10], "accuracy": evals}}  # fmt: skip
+
+    runs = []
+    for seed, (base, gain) in enumerate([(0.5, 0.1), (0.4, 0.2), (0.6, 0.3)]):
+        runs.append(run("no_remedy", seed, [0.3, 0.3, base - 0.1, base]))
+        runs.append(run("a", seed, [0.3, 0.3, base - 0.1 + gain, base + gain]))
+    summary = summarize({"arms": {"no_remedy": {}, "a": {}}, "runs": runs})
+    diff = summary["a"]["final_metric_vs_no_remedy"]
+    assert diff["n"] == 3 and abs(diff["mean"] - 0.2) < 1e-12 and abs(diff["std"] - 0.1) < 1e-12
+    assert diff["ci95"] == pytest.approx([0.2 - 4.303 * 0.1 / 3**0.5, 0.2 + 4.303 * 0.1 / 3**0.5])
+    assert summary["a"]["late_metric_vs_no_remedy"]["mean"] == pytest.approx(0.2)
+    assert summary["no_remedy"]["late_metric"]["mean"] == pytest.approx(((0.4 + 0.5) + (0.3 + 0.4) + (0.5 + 0.6)) / 6)
+    assert "final_metric_vs_no_mismatch" not in summary["a"]  # no such arm ran

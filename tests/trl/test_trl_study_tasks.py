@@ -94,7 +94,7 @@ def test_a_task_of_your_own_from_python(tmp_path):
     assert max(run["series"]["completions/max_length"]) <= 6
     assert results["task"]["name"] == "arith-em" and results["task"]["metric_name"] == "exact_match"
     report = (tmp_path / "report.md").read_text(encoding="utf-8")
-    rows = table_rows(report, "| arm | runs ok | final exact_match | best exact_match")
+    rows = table_rows(report, "| arm | runs ok | final exact_match | late exact_match | best exact_match")
     assert list(rows) == ["no_remedy"] and 0.0 <= float(rows["no_remedy"][1]) <= 1.0
     assert "](heldout_exact_match.png)" in report and "## Held-out exact_match" in report
     assert_png(tmp_path / "heldout_exact_match.png")

@@ -4,8 +4,11 @@ Per run (:func:`run_metrics`): the task's held-out metric (``results["task"]["me
 before training, at the last step (*final*) and the best after step 0; the training reward of the first and of the
 last ``FINAL_REWARD_STEPS`` steps; and means over all steps of the log-ppl gap, k3 KL, out-of-set fraction, IS
 clipped/masked fraction, gradient norm and response length. Per arm (:func:`summarize`): mean and standard
-deviation (``n - 1``) of each over the seeds that finished, the final-metric difference to ``no_remedy`` paired by
-seed, the length-decay detector's decisions, and whether the arm reproduced an earlier arm step for step.
+deviation (``n - 1``) of each over the seeds that finished, the differences of the final and late metric to
+``no_remedy`` and to ``no_mismatch`` paired by seed with a 95 % confidence interval (Student's t over the paired
+differences: ``mean ± t_{0.975, n-1} · std / sqrt(n)``), the length-decay detector's decisions, and whether the arm
+reproduced an earlier arm step for step. *late*: the mean of the held-out evaluations in the second half of
+training (steps > half the last evaluated step), less noisy than the single final evaluation.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["FINAL_REWARD_STEPS", "OUTCOMES", "metric_name", "run_metrics", "summarize"]
+__all__ = ["FINAL_REWARD_STEPS", "OUTCOMES", "BASELINES", "metric_name", "run_metrics", "summarize", "t_quantile_975"]
 
 #: Steps averaged for the "final reward" of a run.
 FINAL_REWARD_STEPS = 10
@@ -30,8 +33,33 @@ def _mean_std(values: Sequence[float]) -> tuple[float | None, float | None]:
     return mean, math.sqrt(sum((v - mean) ** 2 for v in vals) / (len(vals) - 1))
 
 
+#: Arms every other arm is compared with, paired by seed (when they ran).
+BASELINES = ("no_remedy", "no_mismatch")
+
+#: Student's t quantile t_{0.975, df} for df = 1..30 (beyond: the normal's 1.960 is within 2 %).
+_T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
+         2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
+
+
+def t_quantile_975(df: int) -> float:
+    """Two-sided 95 % Student's t quantile for ``df`` degrees of freedom (``df >= 1``)."""
+    if df < 1:
+        raise ValueError(f"df={df!r} is out of range: accepted an integer >= 1")
+    return _T975[df - 1] if df <= len(_T975) else 1.960
+
+
+def _paired(diffs: Sequence[float]) -> dict[str, Any]:
+    mean, std = _mean_std(diffs)
+    n = len(diffs)
+    ci = None
+    if std is not None:
+        half = t_quantile_975(n - 1) * std / math.sqrt(n)
+        ci = [mean - half, mean + half]
+    return {"mean": mean, "std": std, "n": n, "ci95": ci}
+
+
 #: The per-run outcomes `summarize` aggregates (``*_metric``: the task's held-out metric).
-OUTCOMES = ("initial_metric", "final_metric", "best_metric", "final_reward", "first_reward", "log_ppl_gap", "k3_kl",
+OUTCOMES = ("initial_metric", "final_metric", "late_metric", "best_metric", "final_reward", "first_reward", "log_ppl_gap", "k3_kl",
             "out_of_set_frac", "is_clipped_frac", "grad_norm", "mean_length", "wall_time_s")
 
 
@@ -45,6 +73,7 @@ def run_metrics(run: dict, metric: str = "accuracy") -> dict[str, float | None]:
     ev = run.get("eval") or {}
     steps, acc = ev.get("step") or [], ev.get(metric) or []
     after = [a for s, a in zip(steps, acc) if s > 0]
+    late = [a for s, a in zip(steps, acc) if steps and s > steps[-1] / 2]
     series = run.get("series") or {}
 
     def mean_of(key: str, last: int | None = None) -> float | None:
@@ -56,6 +85,7 @@ def run_metrics(run: dict, metric: str = "accuracy") -> dict[str, float | None]:
     return {
         "initial_metric": acc[0] if steps and steps[0] == 0 else None,
         "final_metric": after[-1] if after else None,
+        "late_metric": sum(late) / len(late) if late else None,
         "best_metric": max(after) if after else None,
         "final_reward": mean_of("reward", FINAL_REWARD_STEPS),
         "first_reward": (lambda v: sum(v) / len(v) if v else None)(
@@ -90,14 +120,16 @@ def summarize(results: dict) -> dict[str, dict]:
         for key in OUTCOMES:
             mean, std = _mean_std([m[key] for _, m in ok])
             entry[key] = {"mean": mean, "std": std, "n": sum(m[key] is not None for _, m in ok)}
-        diffs = []
-        for r, m in ok:
-            base = per_run.get(("no_remedy", r["seed"]))
-            if arm != "no_remedy" and base is not None and base[0]["status"] == "ok":
-                if m["final_metric"] is not None and base[1]["final_metric"] is not None:
-                    diffs.append(m["final_metric"] - base[1]["final_metric"])
-        mean, std = _mean_std(diffs)
-        entry["final_metric_vs_no_remedy"] = {"mean": mean, "std": std, "n": len(diffs)}
+        for base_arm in BASELINES:
+            if base_arm not in arms or arm == base_arm:
+                continue
+            for key in ("final_metric", "late_metric"):
+                diffs = []
+                for r, m in ok:
+                    base = per_run.get((base_arm, r["seed"]))
+                    if base is not None and base[0]["status"] == "ok" and None not in (m[key], base[1][key]):
+                        diffs.append(m[key] - base[1][key])
+                entry[f"{key}_vs_{base_arm}"] = _paired(diffs)
         decays = [r.get("length_decay") for r, _ in ok if r.get("length_decay")]
         if decays:
             entry["length_decay"] = {

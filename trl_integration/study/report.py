@@ -8,7 +8,7 @@ import os
 from pathlib import Path
 
 from trl_integration.demo.model import TINY_MODEL_NAME, is_tiny_model
-from trl_integration.study.aggregate import FINAL_REWARD_STEPS, metric_name
+from trl_integration.study.aggregate import BASELINES, FINAL_REWARD_STEPS, metric_name
 from trl_integration.study.arms import ARM_DESCRIPTIONS
 from trl_integration.study.plots import plot_metric, plot_specs
 
@@ -23,6 +23,17 @@ def format_stat(stat: dict | None, digits: int = 3, signed: bool = False) -> str
     text = fmt.format(stat["mean"])
     if stat.get("std") is not None:
         text += f" ± {stat['std']:.{digits}f}"
+    return text
+
+
+def format_paired(stat: dict | None, digits: int = 3) -> str:
+    """``"+mean [low, high]"`` of a paired difference with its 95 % confidence interval (``"–"`` when undefined)."""
+    if not stat or stat.get("mean") is None:
+        return "–"
+    text = f"{stat['mean']:+.{digits}f}"
+    if stat.get("ci95"):
+        low, high = stat["ci95"]
+        text += f" [{low:+.{digits}f}, {high:+.{digits}f}]"
     return text
 
 
@@ -121,20 +132,27 @@ def render_report(
     if initial:
         lines.append(f"Held-out {metric} before training: {initial[0]:.3f} (the same model for every run).")
         lines.append("")
+    baselines = [b for b in BASELINES if b in arms]
     lines += [
-        "Mean ± sample standard deviation over the seeds that finished. *final*: at the last step; *best*: the "
-        "highest of the evaluations after step 0; *Δ final vs no_remedy*: the difference to `no_remedy` with the "
-        "same seed, averaged over seeds.",
+        "Mean ± sample standard deviation over the seeds that finished. *final*: at the last step; *late*: the mean "
+        "of the evaluations in the second half of training; *best*: the highest of the evaluations after step 0; "
+        "*Δ vs X*: the difference to arm X with the same seed, averaged over seeds, with its 95 % confidence "
+        "interval (Student's t over the paired differences).",
         "",
-        f"| arm | runs ok | final {metric} | best {metric} | Δ final vs no_remedy |",
-        "|---|---|---|---|---|",
+        f"| arm | runs ok | final {metric} | late {metric} | best {metric} |"
+        + "".join(f" Δ final vs {b} | Δ late vs {b} |" for b in baselines),
+        "|---|---|---|---|---|" + "---|---|" * len(baselines),
     ]
     for arm in arms:
         e = summ[arm]
-        delta = "–" if arm == "no_remedy" else format_stat(e["final_metric_vs_no_remedy"], signed=True)
+        deltas = "".join(
+            " – | – |" if arm == b else f" {format_paired(e.get(f'final_metric_vs_{b}'))} | "
+            f"{format_paired(e.get(f'late_metric_vs_{b}'))} |"
+            for b in baselines
+        )
         lines.append(
-            f"| {arm} | {format_status(e)} | {format_stat(e['final_metric'])} | {format_stat(e['best_metric'])} "
-            f"| {delta} |"
+            f"| {arm} | {format_status(e)} | {format_stat(e['final_metric'])} | {format_stat(e['late_metric'])} | "
+            f"{format_stat(e['best_metric'])} |{deltas}"
         )
     lines += [
         "",
