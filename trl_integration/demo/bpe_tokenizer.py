@@ -27,16 +27,13 @@ MODEL_MAX_LENGTH = 512
 
 
 def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int = 4096):
-    """Train the byte-level BPE on ``texts`` and wrap it for transformers (see the module docstring).
+    """Train the byte-level BPE on ``texts``; returns it wrapped as a ``PreTrainedTokenizerFast`` (module docstring).
 
     Args:
         texts: the training texts (deterministic order: the merges depend on pair counts only, ties broken by
             ``tokenizers`` deterministically).
         vocab_size: the size of the vocabulary, special tokens included; at least 259 (3 special tokens and 256
             bytes). The result has exactly this size when the texts offer enough pairs seen twice.
-
-    Returns:
-        A ``transformers.PreTrainedTokenizerFast``.
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast

@@ -11,9 +11,9 @@ Texts and splits
     *held out* iff :func:`~trl_integration.demo.stdlib_text.is_held_out` (a hash of the text, 5%): held-out texts
     were never pretrained on and are the only source of held-out prompts; training prompts come from the other
     texts, except those that start with the same six words as a held-out text, so that no prompt is in both
-    splits (and the held-out prompts are distinct). Held-out rows are in the order of the texts' SHA-256 (a fixed pseudo-random order):
-    ``held_out_dataset(n)`` is the first ``n`` of them. ``train_dataset(n, seed)`` walks seeded permutations of
-    the training texts (a larger ``n`` extends a smaller one).
+    splits (and the held-out prompts are distinct). Held-out rows are in the order of the texts' SHA-256 (a fixed
+    pseudo-random order): ``held_out_dataset(n)`` is the first ``n`` of them. ``train_dataset(n, seed)`` walks
+    seeded permutations of the training texts (a larger ``n`` extends a smaller one).
 
 Prompt and continuation
     The prompt is the text up to the end of its ``PROMPT_WORDS`` = 6th whitespace-separated word (original
@@ -33,10 +33,13 @@ Reward (ROUGE-1 F1)
     get differing rewards from the first step; a too-long completion loses precision, a too-short one recall.
 
 Held-out metric
-    The mean reward of one completion per held-out prompt, **greedy** (deterministic, no random draw: the RNG is
-    not touched, and is saved and restored anyway), at most :data:`MAX_COMPLETION_LENGTH` new tokens, decoded with
-    ``skip_special_tokens=True`` as trl does. ``held_out_reward(..., do_sample=True, seed=...)`` samples at
-    temperature 1 instead (seeded; torch's global RNG state is restored afterwards).
+    The mean reward of one completion per held-out prompt, **sampled** at temperature 1 from the full distribution
+    (no top-k/top-p/min-p) with a fixed seed (``torch.manual_seed(0)`` before the first batch; torch's global RNG
+    state is saved before and restored after, so evaluating does not change a run), at most
+    :data:`MAX_COMPLETION_LENGTH` new tokens, decoded with ``skip_special_tokens=True`` as trl does. Sampled, not
+    greedy, because it is what GRPO optimises: in a 300-step GRPO run from the testbed (``docs/testbed.md``) the
+    sampled held-out reward rose at every evaluation while the greedy one stopped at step 50 (the greedy
+    completions of a model this small fall into repetitions). ``held_out_reward(..., do_sample=False)`` is greedy.
 """
 
 from __future__ import annotations
@@ -202,13 +205,13 @@ def held_out_reward(
     tokenizer: Any,
     dataset: Any,
     *,
-    do_sample: bool = False,
+    do_sample: bool = True,
     seed: int = 0,
     batch_size: int = 64,
     max_new_tokens: int = MAX_COMPLETION_LENGTH,
 ) -> float:
-    """Mean :func:`freetext_reward` of one completion per row of ``dataset`` (greedy unless ``do_sample``; sampling
-    is at temperature 1 from the full distribution, seeded with ``seed``). Torch's global RNG state is restored."""
+    """Mean :func:`freetext_reward` of one completion per row of ``dataset``: sampled at temperature 1 from the full
+    distribution, seeded with ``seed`` (``do_sample=False``: greedy). Torch's global RNG state is restored."""
     import torch
 
     if len(dataset) == 0:

@@ -48,7 +48,7 @@ def testbed_model_path() -> Path:
         raise FileNotFoundError(
             f"the bundled testbed model is missing from {TESTBED_DIR} (missing: {', '.join(missing)}). "
             "Rebuild it from a source checkout with `python scripts/train_testbed_model.py` "
-            "(about 15 minutes on 2 CPU cores; see docs/testbed.md), or reinstall safevocab with its package data."
+            "(about 12 minutes on 2 CPU cores; see docs/testbed.md), or reinstall safevocab with its package data."
         )
     return TESTBED_DIR
 

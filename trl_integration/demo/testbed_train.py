@@ -116,7 +116,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--output", type=Path, default=TESTBED_DIR, help="folder to write (default: the bundle)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--steps", type=int, default=500, help="optimisation steps (the schedule's length)")
+    parser.add_argument("--steps", type=int, default=900, help="optimisation steps (the schedule's length)")
     parser.add_argument("--minutes", type=float, default=None,
                         help="also stop after this many minutes of training (the result then depends on speed)")
     parser.add_argument("--threads", type=int, default=2, help="torch threads (part of what makes the bytes)")
@@ -126,9 +126,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--seq-len", type=int, default=128, help="longest training piece in tokens")
-    parser.add_argument("--batch-tokens", type=int, default=4096, help="padded tokens per batch, at most")
-    parser.add_argument("--lr", type=float, default=3e-3)
-    parser.add_argument("--warmup-steps", type=int, default=30)
+    parser.add_argument("--batch-tokens", type=int, default=2048, help="padded tokens per batch, at most")
+    parser.add_argument("--lr", type=float, default=6e-3)
+    parser.add_argument("--warmup-steps", type=int, default=50)
     parser.add_argument("--weight-decay", type=float, default=0.01)
     parser.add_argument("--max-files", type=int, default=None, help="read only the first N stdlib files (tests)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
@@ -230,9 +230,10 @@ def main(argv=None) -> dict:
         "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "output"},
         "history": history,
     }
-    size = save_model_folder(model, tokenizer, args.output)
-    size += save_task_texts(args.output, texts)
+    save_model_folder(model, tokenizer, args.output)
+    save_task_texts(args.output, texts)
     (args.output / BUILD_INFO_FILE).write_text(json.dumps(info, indent=2) + "\n")
+    size = sum(f.stat().st_size for f in args.output.iterdir() if f.is_file())
     print(f"done: {steps_done} steps in {train_seconds:.0f}s (load {load_before[0]:.1f} at the start), "
           f"train loss {loss_ema:.3f}, held-out loss {info['held_out_loss']}; saved to {args.output} "
           f"({size / 2**20:.2f} MiB)", flush=True)
