@@ -37,9 +37,9 @@ Held-out metric
     (no top-k/top-p/min-p) with a fixed seed (``torch.manual_seed(0)`` before the first batch; torch's global RNG
     state is saved before and restored after, so evaluating does not change a run), at most
     :data:`MAX_COMPLETION_LENGTH` new tokens, decoded with ``skip_special_tokens=True`` as trl does. Sampled, not
-    greedy, because it is what GRPO optimises: in a 300-step GRPO run from the testbed (``docs/testbed.md``) the
-    sampled held-out reward rose at every evaluation while the greedy one stopped at step 50 (the greedy
-    completions of a model this small fall into repetitions). ``held_out_reward(..., do_sample=False)`` is greedy.
+    greedy, because it is what GRPO optimises: in two 300-step GRPO runs from the testbed (``docs/testbed.md``) the
+    sampled held-out reward rose at every evaluation (0.05 to 0.10) while the greedy one moved little after step 50
+    (the greedy completions of a model this small fall into repetitions). ``do_sample=False`` is greedy.
 """
 
 from __future__ import annotations
