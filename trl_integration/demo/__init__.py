@@ -1,4 +1,4 @@
-"""The bundled demo: a tiny arithmetic model, its tokenizer, its task and data, and the tiny GRPO job.
+"""The bundled demo: a tiny arithmetic model, the testbed model, their tasks and data, and the tiny GRPO job.
 
 Everything needed to run GRPO out of the box, offline, on a CPU:
 
@@ -10,7 +10,14 @@ Everything needed to run GRPO out of the box, offline, on a CPU:
 - :mod:`~trl_integration.demo.data`: the ``synthetic`` smoke-test task (repeat a character), any tokenizer;
 - :mod:`~trl_integration.demo.config`: ``tiny_grpo_config()``, the GRPO settings every demo run starts from;
 - :mod:`~trl_integration.demo.train`: the supervised training that produced the weights
-  (``python scripts/train_tiny_model.py``).
+  (``python scripts/train_tiny_model.py``);
+- :mod:`~trl_integration.demo.testbed`: ``testbed_model_path()``, the bundled 1.5M-parameter Llama with a
+  4096-token BPE vocabulary (``demo/assets/testbed``), pretrained on the stdlib's docstrings and comments
+  (:mod:`~trl_integration.demo.stdlib_text`, :mod:`~trl_integration.demo.bpe_tokenizer`,
+  :mod:`~trl_integration.demo.testbed_train`: ``python scripts/train_testbed_model.py``);
+- :mod:`~trl_integration.demo.freetext`: the free-text task (continue a held-out docstring, ROUGE-1 F1 reward) and
+  ``freetext_task()``; :mod:`~trl_integration.demo.arithmetic_task`: ``arithmetic_task()`` (study tasks);
+- :mod:`~trl_integration.demo.recipe`: the Llama, optimiser and schedule both models share.
 
 Names are imported lazily: ``import trl_integration.demo`` imports neither trl nor transformers.
 """
@@ -31,6 +38,13 @@ __all__ = [
     "accuracy",
     "synthetic_dataset",
     "repeat_char_reward",
+    "TESTBED_MODEL_NAME",
+    "testbed_model_path",
+    "load_testbed_model",
+    "load_testbed_tokenizer",
+    "freetext_reward",
+    "freetext_task",
+    "arithmetic_task",
 ]
 
 _LAZY = {
@@ -45,6 +59,13 @@ _LAZY = {
     "accuracy": "arithmetic",
     "synthetic_dataset": "data",
     "repeat_char_reward": "data",
+    "TESTBED_MODEL_NAME": "testbed",
+    "testbed_model_path": "testbed",
+    "load_testbed_model": "testbed",
+    "load_testbed_tokenizer": "testbed",
+    "freetext_reward": "freetext",
+    "freetext_task": "freetext",
+    "arithmetic_task": "arithmetic_task",
 }
 
 

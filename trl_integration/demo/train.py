@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import random
 import sys
@@ -41,7 +40,8 @@ from tqdm.auto import tqdm  # noqa: E402
 
 from trl_integration.demo.arithmetic import accuracy, make_dataset, sample_problems  # noqa: E402
 from trl_integration.demo.model import TINY_MODEL_DIR  # noqa: E402
-from trl_integration.demo.tokenizer import build_tokenizer, write_portable_tokenizer_class  # noqa: E402
+from trl_integration.demo.recipe import adamw_warmup_cosine, build_llama, save_model_folder  # noqa: E402
+from trl_integration.demo.tokenizer import build_tokenizer  # noqa: E402
 
 __all__ = ["build_model", "encode_batch", "parse_args", "main"]
 
@@ -49,32 +49,19 @@ DEFAULT_OUTPUT = TINY_MODEL_DIR
 
 
 def build_model(tokenizer, args):
-    """A small ``LlamaForCausalLM`` (RoPE, untied LM head) sized by ``args`` for ``tokenizer``."""
-    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+    """A small ``LlamaForCausalLM`` (RoPE, untied LM head) sized by ``args`` for ``tokenizer``.
 
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
+    The context bound (``max_position_embeddings`` 512) sits well above any prompt + completion of the task,
+    including trl's default 256 new tokens.
+    """
+    return build_llama(
+        tokenizer,
         hidden_size=args.hidden_size,
         intermediate_size=args.intermediate_size,
-        num_hidden_layers=args.layers,
-        num_attention_heads=args.heads,
-        num_key_value_heads=args.heads,
-        # RoPE has no learned positions: this only bounds the context engines allocate (vLLM's max_model_len),
-        # so it is set well above any prompt + completion of the task, including trl's default 256 new tokens.
+        layers=args.layers,
+        heads=args.heads,
         max_position_embeddings=512,
-        rope_theta=10000.0,
-        tie_word_embeddings=False,
-        pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
     )
-    model = LlamaForCausalLM(config)
-    model.generation_config = GenerationConfig(
-        pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-    )
-    return model
 
 
 def encode_batch(problems, vocab, pad_id, eos_id):
@@ -145,22 +132,9 @@ def main(argv=None) -> dict:
     for prompt, answer in probe:
         assert tokenizer(prompt + answer)["input_ids"] == [vocab[c] for c in prompt + answer]
 
-    decay, no_decay = [], []
-    for name, param in model.named_parameters():
-        (no_decay if param.ndim < 2 else decay).append(param)
-    optimizer = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=args.lr,
-        betas=(0.9, 0.98),
+    optimizer, scheduler = adamw_warmup_cosine(
+        model, lr=args.lr, weight_decay=args.weight_decay, warmup_steps=args.warmup_steps, max_steps=args.max_steps
     )
-
-    def lr_factor(step: int) -> float:
-        if step < args.warmup_steps:
-            return (step + 1) / args.warmup_steps
-        progress = (step - args.warmup_steps) / max(1, args.max_steps - args.warmup_steps)
-        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
-
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
 
     history = []
     start = time.perf_counter()
@@ -215,10 +189,7 @@ def main(argv=None) -> dict:
         flush=True,
     )
     if not args.no_save:
-        args.output_dir.mkdir(parents=True, exist_ok=True)
-        model.save_pretrained(args.output_dir, safe_serialization=True)
-        tokenizer.save_pretrained(args.output_dir)
-        write_portable_tokenizer_class(args.output_dir / "tokenizer_config.json")
+        save_model_folder(model, tokenizer, args.output_dir)
         (args.output_dir / "train_info.json").write_text(json.dumps(info, indent=2) + "\n")
         size = sum(f.stat().st_size for f in args.output_dir.iterdir() if f.is_file())
         print(f"saved to {args.output_dir} ({size / 2**20:.2f} MiB)", flush=True)
