@@ -158,8 +158,9 @@ def run_parsed(args: argparse.Namespace, command: str | None = None, prog: str =
     print(f"{prog}: wrote {Path(settings.output_dir) / 'report.md'} ({results['wall_time_s']:.0f} s{resumed})")
     for arm in results["arms"]:
         e = summ[arm]
-        print(f"  {arm:<18} runs ok {format_status(e):<12} final {metric} {format_stat(e['final_metric'])}  "
-              f"best {format_stat(e['best_metric'])}  final reward {format_stat(e['final_reward'])}")
+        print(f"  {arm:<18} runs ok {format_status(e):<12} held-out {metric}: final {format_stat(e['final_metric'])}  "
+              f"late {format_stat(e['late_metric'])}  best {format_stat(e['best_metric'])};  training reward, last "
+              f"steps {format_stat(e['final_reward'])}")
     failed = sum(len(summ[a]["failed"]) for a in results["arms"])
     return 1 if failed else 0
 
