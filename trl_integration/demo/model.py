@@ -29,14 +29,11 @@ def tiny_model_path() -> Path:
         FileNotFoundError: if the folder or one of :data:`TINY_MODEL_FILES` is missing (e.g. an install that
             did not ship the package data); the message says how to rebuild it.
     """
-    missing = [name for name in TINY_MODEL_FILES if not (TINY_MODEL_DIR / name).is_file()]
-    if missing:
-        raise FileNotFoundError(
-            f"the bundled tiny model is missing from {TINY_MODEL_DIR} (missing: {', '.join(missing)}). "
-            "Rebuild it from a source checkout with `python scripts/train_tiny_model.py` "
-            "(about 10 minutes on a CPU; see docs/tiny_model.md), or reinstall safevocab with its package data."
-        )
-    return TINY_MODEL_DIR
+    from trl_integration.demo.recipe import bundled_folder  # torch and transformers only when asked
+
+    return bundled_folder(
+        TINY_MODEL_DIR, TINY_MODEL_FILES, "tiny model", "`python scripts/train_tiny_model.py` (about 10 minutes on a CPU; see docs/tiny_model.md)"
+    )
 
 
 def is_tiny_model(path: str | Path) -> bool:

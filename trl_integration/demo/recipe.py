@@ -18,7 +18,7 @@ import torch
 
 from trl_integration.demo.tokenizer import write_portable_tokenizer_class
 
-__all__ = ["build_llama", "adamw_warmup_cosine", "save_model_folder"]
+__all__ = ["build_llama", "adamw_warmup_cosine", "optimizer_step", "save_model_folder", "bundled_folder"]
 
 
 def build_llama(
@@ -78,6 +78,29 @@ def adamw_warmup_cosine(
         return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
 
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
+
+
+def optimizer_step(
+    loss: torch.Tensor, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler, max_grad_norm: float = 1.0
+) -> None:
+    """One update of both recipes: backward of ``loss``, gradients clipped to ``max_grad_norm``, AdamW, schedule."""
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
+    optimizer.step()
+    scheduler.step()
+
+
+def bundled_folder(folder: Path, files: tuple[str, ...], what: str, rebuild: str) -> Path:
+    """``folder`` if it holds every one of ``files``; else ``FileNotFoundError`` naming the missing files and how to
+    rebuild them (``rebuild``: the command and its duration), as an install without the package data would be."""
+    missing = [name for name in files if not (folder / name).is_file()]
+    if missing:
+        raise FileNotFoundError(
+            f"the bundled {what} is missing from {folder} (missing: {', '.join(missing)}). "
+            f"Rebuild it from a source checkout with {rebuild}, or reinstall safevocab with its package data."
+        )
+    return folder
 
 
 def save_model_folder(model, tokenizer, folder: Path) -> int:

@@ -43,14 +43,11 @@ def testbed_model_path() -> Path:
         FileNotFoundError: if the folder or one of :data:`TESTBED_MODEL_FILES` is missing (e.g. an install that did
             not ship the package data); the message says how to rebuild it.
     """
-    missing = [name for name in TESTBED_MODEL_FILES if not (TESTBED_DIR / name).is_file()]
-    if missing:
-        raise FileNotFoundError(
-            f"the bundled testbed model is missing from {TESTBED_DIR} (missing: {', '.join(missing)}). "
-            "Rebuild it from a source checkout with `python scripts/train_testbed_model.py` "
-            "(about 12 minutes on 2 CPU cores; see docs/testbed.md), or reinstall safevocab with its package data."
-        )
-    return TESTBED_DIR
+    from trl_integration.demo.recipe import bundled_folder  # torch and transformers only when asked
+
+    return bundled_folder(
+        TESTBED_DIR, TESTBED_MODEL_FILES, "testbed model", "`python scripts/train_testbed_model.py` (about 12 minutes on 2 CPU cores; see docs/testbed.md)"
+    )
 
 
 def load_testbed_model(**kwargs: Any):

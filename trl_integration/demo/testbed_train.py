@@ -49,7 +49,7 @@ from tqdm.auto import tqdm  # noqa: E402
 
 from trl_integration.demo.bpe_tokenizer import train_bpe_tokenizer  # noqa: E402
 from trl_integration.demo.freetext import save_task_texts  # noqa: E402
-from trl_integration.demo.recipe import adamw_warmup_cosine, build_llama, save_model_folder  # noqa: E402
+from trl_integration.demo.recipe import adamw_warmup_cosine, build_llama, optimizer_step, save_model_folder  # noqa: E402
 from trl_integration.demo.stdlib_text import corpus_sha256, is_held_out, stdlib_dir, stdlib_texts  # noqa: E402
 from trl_integration.demo.testbed import BUILD_INFO_FILE, TESTBED_DIR  # noqa: E402
 
@@ -184,11 +184,7 @@ def main(argv=None) -> dict:
             epoch += 1
         input_ids, mask, labels = _tensors([train_seqs[i] for i in batches[order.pop()]], tokenizer.pad_token_id)
         loss = model(input_ids=input_ids, attention_mask=mask, labels=labels).loss
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        scheduler.step()
+        optimizer_step(loss, model, optimizer, scheduler)
         steps_done = step + 1
         loss_ema = loss.item() if loss_ema is None else 0.98 * loss_ema + 0.02 * loss.item()
         bar.set_postfix(loss=f"{loss_ema:.3f}")

@@ -40,7 +40,7 @@ from tqdm.auto import tqdm  # noqa: E402
 
 from trl_integration.demo.arithmetic import accuracy, make_dataset, sample_problems  # noqa: E402
 from trl_integration.demo.model import TINY_MODEL_DIR  # noqa: E402
-from trl_integration.demo.recipe import adamw_warmup_cosine, build_llama, save_model_folder  # noqa: E402
+from trl_integration.demo.recipe import adamw_warmup_cosine, build_llama, optimizer_step, save_model_folder  # noqa: E402
 from trl_integration.demo.tokenizer import build_tokenizer  # noqa: E402
 
 __all__ = ["build_model", "encode_batch", "parse_args", "main"]
@@ -150,11 +150,7 @@ def main(argv=None) -> dict:
             problems.extend(p for p in batch if p[0] not in val_prompts)
         input_ids, mask, labels = encode_batch(problems, vocab, tokenizer.pad_token_id, tokenizer.eos_token_id)
         loss = model(input_ids=input_ids, attention_mask=mask, labels=labels).loss
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        scheduler.step()
+        optimizer_step(loss, model, optimizer, scheduler)
         steps_done = step + 1
         loss_ema = loss.item() if loss_ema is None else 0.95 * loss_ema + 0.05 * loss.item()
         if steps_done % args.eval_every == 0 or steps_done == args.max_steps:
