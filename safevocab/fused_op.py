@@ -104,6 +104,7 @@ class FusedSafeLogProbs(torch.autograd.Function):
             stats.in_safe, stats.safe_size, stats.entropy, set_max,
         )
         ctx.sparse_chunks = sparse_chunks
+        ctx.weight_shape = tuple(weight.shape)
         ctx.transform = transform
         ctx.chunk_rows = chunk_rows
         ctx.backend, ctx.rule, ctx.support = backend, rule, support
@@ -124,6 +125,11 @@ class FusedSafeLogProbs(torch.autograd.Function):
     def _backward(ctx, grad_logprobs, grad_log_kept, grad_entropy):
         (hidden, weight, bias, targets, threshold, row_max, log_sum_safe, log_sum_full, in_safe, safe_size,
          entropy, set_max) = ctx.saved_tensors
+        if tuple(weight.shape) != ctx.weight_shape:  # e.g. a ZeRO-3 weight partitioned again after the forward
+            raise RuntimeError(
+                f"weight has shape {tuple(weight.shape)} in backward but {ctx.weight_shape} in forward: a sharded weight "
+                "gathered only around the forward needs weight_gather= (see fused_safe_logprobs)"
+            )
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         n_rows, stat = hidden.shape[0], log_sum_safe.dtype
 
