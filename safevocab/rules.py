@@ -69,6 +69,10 @@ class ShiftedLogits:
     def __init__(self, z: torch.Tensor, z_max: torch.Tensor, out: torch.Tensor | None = None):
         self.z, self.z_max = z, z_max
         self._out, self._exp, self._total = out, None, None
+        #: ``(row, col, t)`` of ``z`` viewed as ``[rows, V]``, set by a rule that found its threshold ``t`` ``[rows]``
+        #: from candidate entries: every entry with ``z >= t`` is among them (``top_p``), so any set ``{z >= t'}``
+        #: with ``t' >= t`` can be read off them.
+        self.cover: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     @property
     def exp(self) -> torch.Tensor:
@@ -311,8 +315,10 @@ class TopP(SafeVocabRule):
             return torch.full_like(logits.z_max, -math.inf)
         vocab = z.shape[-1]
         flat_from = None if kept_from is None else kept_from.reshape(-1, 1)
-        t = nucleus_threshold(z.reshape(-1, vocab), logits.exp.reshape(-1, vocab), self.q, flat_from)
-        return t.view(logits.z_max.shape)
+        t, cover = nucleus_threshold(z.reshape(-1, vocab), logits.exp.reshape(-1, vocab), self.q, flat_from)
+        t = t.view(logits.z_max.shape)
+        logits.cover = (*cover, t.reshape(-1))
+        return t
 
 
 # The sampler's order (HF generate and vLLM): top_k, then top_p, then min_p; min_prob last.

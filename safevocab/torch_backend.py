@@ -40,7 +40,7 @@ from safevocab.threads import single_threaded
 __all__ = ["TorchBackend", "chunk_rows_for", "row_blocks", "torch_forward", "dense_backward", "full_softmax_backward"]
 
 #: Bytes of one fp32 row block: the element-wise passes of a block stay in L2/L3 between them.
-ROW_BLOCK_BYTES = 2 * 2**20
+ROW_BLOCK_BYTES = 4 * 2**20
 #: ``x = z - m`` is clamped to this before products with ``exp(x)``: the exponential is already 0 far above it (fp32
 #: below -104, fp64 below -745), so the clamp changes no product, only keeps ``0 * -inf`` from making a NaN.
 _X_FLOOR = -2.0e4
@@ -166,6 +166,17 @@ def _forward_block(
             x = z.sub_(z_max)  # z is not needed any more: the backward recomputes it
             stats.entropy[at] = stats.log_sum_full[at] - torch.linalg.vecdot(e, x) / logits.total.squeeze(-1)
         return entries
+    cover = logits.cover if support is None else None
+    if cover is not None and bool((t.squeeze(-1) >= cover[2]).all()):
+        # the rule's candidates hold every entry with z >= t (top_p): S's entries without a pass over the vocabulary
+        row, col, _ = cover
+        at_flat = row * vocab + col
+        inside = (z.reshape(-1).index_select(0, at_flat) >= t.squeeze(-1).index_select(0, row)).nonzero().squeeze(-1)
+        row, col = row.index_select(0, inside), col.index_select(0, inside)
+        stats.safe_size[at] = torch.bincount(row, minlength=n)
+        stats.in_safe[at] = (z.gather(-1, targets.unsqueeze(-1)) >= t).squeeze(-1)
+        entries = _kept_sums(z, z_max, e, row, col, stats, at)
+        return entries if budget is not None and row.numel() <= budget else None
     keep = torch.ge(z, t, out=scratch.keep[:n])
     if support is not None:
         keep &= _support_keep(support, at, scratch.replayed[:n])
@@ -174,16 +185,7 @@ def _forward_block(
     stats.in_safe[at] = keep.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     total_kept = int(counts.sum())
     if support is None and budget is not None and total_kept <= budget:
-        row, col = keep.nonzero(as_tuple=True)
-        kept_z = z[row, col]
-        shifted = kept_z - z_max.squeeze(-1)[row]  # fl(z - m): the forward's own rounding, as in e
-        kept_e = e[row, col].to(torch.float64)
-        sum_safe = torch.zeros(n, dtype=torch.float64, device=z.device).index_add_(0, row, kept_e)
-        stats.log_sum_safe[at] = sum_safe.log()
-        if stats.entropy is not None:
-            weighted = torch.zeros_like(sum_safe).index_add_(0, row, kept_e * shifted.to(torch.float64))
-            stats.entropy[at] = (sum_safe.log() - weighted / sum_safe).to(stats.entropy.dtype)
-        return row, col, shifted
+        return _kept_sums(z, z_max, e, *keep.nonzero(as_tuple=True), stats, at)
     if support is not None:
         return _replayed_block(z, z_max, keep, stats, at, budget, total_kept)
     keep_f = scratch.keep_f[:n].copy_(keep)
@@ -194,6 +196,21 @@ def _forward_block(
         x = z.sub_(z_max).clamp_min_(_X_FLOOR)  # e = 0 below the floor: the clamp only keeps 0 * x finite
         stats.entropy[at] = sum_safe.log() - torch.linalg.vecdot(masked, x) / sum_safe
     return None
+
+
+def _kept_sums(z, z_max, e, row, col, stats: RowStats, at: slice) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``log sum_S e`` (and the entropy) of a row block from the entries ``(row, col)`` of ``S``, in float64:
+    ``O(|S|)`` work. Returns the entries ``(row, col, z - m)``."""
+    n, vocab = z.shape
+    flat = row * vocab + col  # flat positions: index_select is several times faster than z[row, col]
+    shifted = z.reshape(-1).index_select(0, flat) - z_max.squeeze(-1).index_select(0, row)  # fl(z - m), as in e
+    kept_e = e.reshape(-1).index_select(0, flat).to(torch.float64)
+    sum_safe = torch.zeros(n, dtype=torch.float64, device=z.device).index_add_(0, row, kept_e)
+    stats.log_sum_safe[at] = sum_safe.log()
+    if stats.entropy is not None:
+        weighted = torch.zeros_like(sum_safe).index_add_(0, row, kept_e * shifted.to(torch.float64))
+        stats.entropy[at] = (sum_safe.log() - weighted / sum_safe).to(stats.entropy.dtype)
+    return row, col, shifted
 
 
 def _all_entries(z: torch.Tensor, z_max: torch.Tensor, n: int, vocab: int):
