@@ -51,6 +51,7 @@ from safevocab.chunking import (
 from safevocab.fused_backend import FusedBackend
 from safevocab.rules import SafeVocabRule
 from safevocab.support import SafeSupport
+from safevocab.threads import single_threaded
 
 __all__ = ["FusedSafeLogProbs", "SPARSE_MAX_DENSITY", "sparse_backward", "raise_on_empty_support", "raise_on_non_finite_rows"]
 
@@ -253,26 +254,39 @@ def sparse_backward(
     transform: Transform,
     grads: tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None],
 ) -> None:
-    """Safe-set part of the gradient of a chunk whose ``S`` was stored: two sparse GEMMs."""
+    """Safe-set part of the gradient of a chunk whose ``S`` was stored: two sparse GEMMs.
+
+    The ``O(|S|)`` element-wise work runs on one thread (:mod:`safevocab.threads`); the two products keep the
+    caller's threads."""
     grad_hidden, grad_weight, grad_bias = grads
     n = chunk.counts.shape[0]
     rows = slice(chunk.start, chunk.start + n)
     vocab = weight.shape[0]
-    row_of = torch.repeat_interleave(torch.arange(n, device=hidden.device), chunk.counts)
-    log_p = chunk.shifted - coef.log_sum_safe[rows][row_of]  # log pi_S
-    # -pi_S (c_S + g_H (log pi_S + H)) on S, then + g_lp at the target when it is in S
-    per_entry = coef.c_safe[rows][row_of]
-    if coef.g_ent is not None:
-        per_entry = per_entry + coef.g_ent[rows][row_of] * (log_p + coef.entropy[rows][row_of])
-    vals = log_p.exp_().mul_(per_entry).neg_()
-    is_target = chunk.cols == coef.targets[rows][row_of]
-    vals += torch.where(is_target, coef.g_lp[rows][row_of], 0.0)
-    # The softcap derivative needs the transformed logits at the kept entries: (z - m) + m.
-    z = chunk.shifted + coef.set_max[rows][row_of] if transform.softcap is not None else vals
-    vals = transform.backward_(vals, z)
+    with single_threaded(hidden.device):
+        row_of = torch.repeat_interleave(torch.arange(n, device=hidden.device), chunk.counts)
 
-    crow = torch.zeros(n + 1, device=hidden.device, dtype=torch.int32)
-    torch.cumsum(chunk.counts, 0, out=crow[1:])
+        def per_row(x: torch.Tensor) -> torch.Tensor:
+            return x[rows].index_select(0, row_of)
+
+        log_p = chunk.shifted - per_row(coef.log_sum_safe)  # log pi_S
+        # -pi_S (c_S + g_H (log pi_S + H)) on S, then + g_lp at the target when it is in S
+        per_entry = per_row(coef.c_safe)
+        if coef.g_ent is not None:
+            per_entry = per_entry + per_row(coef.g_ent) * (log_p + per_row(coef.entropy))
+        vals = log_p.exp_().mul_(per_entry).neg_()
+        is_target = chunk.cols == per_row(coef.targets)
+        vals += torch.where(is_target, per_row(coef.g_lp), 0.0)
+        # The softcap derivative needs the transformed logits at the kept entries: (z - m) + m.
+        z = chunk.shifted + per_row(coef.set_max) if transform.softcap is not None else vals
+        vals = transform.backward_(vals, z)
+        crow = torch.zeros(n + 1, device=hidden.device, dtype=torch.int32)
+        torch.cumsum(chunk.counts, 0, out=crow[1:])
+        if grad_weight is not None:
+            # G^T as CSR: entries sorted by column (a stable sort keeps rows ascending within a column)
+            order = torch.argsort(chunk.cols, stable=True)
+            crow_t = torch.zeros(vocab + 1, device=hidden.device, dtype=torch.int32)
+            torch.cumsum(torch.bincount(chunk.cols, minlength=vocab), 0, out=crow_t[1:])
+            rows_t, vals_t = row_of.index_select(0, order).to(torch.int32), vals.index_select(0, order)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*[Ss]parse.*")
         if grad_hidden is not None:
@@ -284,13 +298,7 @@ def sparse_backward(
                 g = torch.sparse_csr_tensor(crow, chunk.cols, vals, size=(n, vocab), check_invariants=False)
                 grad_hidden[rows] += torch.sparse.mm(g, weight)
         if grad_weight is not None:
-            # G^T as CSR: entries sorted by column (a stable sort keeps rows ascending within a column)
-            order = torch.argsort(chunk.cols, stable=True)
-            crow_t = torch.zeros(vocab + 1, device=hidden.device, dtype=torch.int32)
-            torch.cumsum(torch.bincount(chunk.cols, minlength=vocab), 0, out=crow_t[1:])
-            g_t = torch.sparse_csr_tensor(
-                crow_t, row_of[order].to(torch.int32), vals[order], size=(vocab, n), check_invariants=False
-            )
+            g_t = torch.sparse_csr_tensor(crow_t, rows_t, vals_t, size=(vocab, n), check_invariants=False)
             grad_weight.addmm_(g_t, hidden[rows])
     if grad_bias is not None:
         grad_bias.index_add_(0, chunk.cols.long(), vals)

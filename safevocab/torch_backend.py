@@ -108,32 +108,37 @@ def torch_forward(
     blocks = row_blocks(min(chunk_rows, n_rows), vocab)
     scratch = _Scratch(blocks[0].stop, vocab, logits_of.buf.dtype, hidden.device)
     for rows in chunk_slices(n_rows, chunk_rows):
-        n = rows.stop - rows.start
         z = logits_of(hidden[rows])
-        target_col = targets[rows].unsqueeze(-1)
-        z_y = z.gather(-1, target_col).squeeze(-1)
-        budget = None if density is None else density * n * vocab  # kept logits a sparse chunk may hold
-        kept: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]] = []  # (block start, row, col, z - m_S)
         with single_threaded(z.device):  # the GEMM above keeps the caller's threads (safevocab.threads)
-            for block in row_blocks(n, vocab):
-                at = slice(rows.start + block.start, rows.start + block.stop)
-                kept_here = _forward_block(z[block], targets[at], rule, stats, at, scratch, support, budget)
-                if budget is not None:
-                    if kept_here is None:
-                        budget = None  # a dense chunk: its blocks no longer collect entries
-                    else:
-                        budget -= kept_here[0].numel()
-                        kept.append((block.start, *kept_here))
-        stats.target_shift[rows] = z_y - stats.row_max[rows]
-        if support is not None:
-            stats.target_shift_safe[rows] = z_y - stats.set_max[rows]
-        if budget is not None:
-            row = torch.cat([r + start for start, r, _, _ in kept])
-            col = torch.cat([c for _, _, c, _ in kept])
-            shifted = torch.cat([s for _, _, _, s in kept])
-            counts = torch.bincount(row, minlength=n)
-            sparse_chunks.append(SparseChunk(rows.start, counts, col.to(torch.int32), shifted))
+            _forward_chunk(z, rows, targets, rule, stats, scratch, support, density, sparse_chunks)
     return sparse_chunks
+
+
+def _forward_chunk(z, rows: slice, targets, rule, stats: RowStats, scratch, support, density, sparse_chunks) -> None:
+    """The statistics of one chunk's logits ``z``, row block by row block; appends its CSR when sparse."""
+    n, vocab = z.shape
+    target_col = targets[rows].unsqueeze(-1)
+    z_y = z.gather(-1, target_col).squeeze(-1)
+    budget = None if density is None else density * n * vocab  # kept logits a sparse chunk may hold
+    kept: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]] = []  # (block start, row, col, z - m_S)
+    for block in row_blocks(n, vocab):
+        at = slice(rows.start + block.start, rows.start + block.stop)
+        kept_here = _forward_block(z[block], targets[at], rule, stats, at, scratch, support, budget)
+        if budget is not None:
+            if kept_here is None:
+                budget = None  # a dense chunk: its blocks no longer collect entries
+            else:
+                budget -= kept_here[0].numel()
+                kept.append((block.start, *kept_here))
+    stats.target_shift[rows] = z_y - stats.row_max[rows]
+    if support is not None:
+        stats.target_shift_safe[rows] = z_y - stats.set_max[rows]
+    if budget is not None:
+        row = torch.cat([r + start for start, r, _, _ in kept])
+        col = torch.cat([c for _, _, c, _ in kept])
+        shifted = torch.cat([s for _, _, _, s in kept])
+        counts = torch.bincount(row, minlength=n)
+        sparse_chunks.append(SparseChunk(rows.start, counts, col.to(torch.int32), shifted))
 
 
 def _forward_block(
