@@ -82,6 +82,11 @@ class ShiftedLogits:
         return self._exp
 
     @property
+    def computed(self) -> bool:
+        """Whether :attr:`exp` has been computed (by a rule)."""
+        return self._exp is not None
+
+    @property
     def total(self) -> torch.Tensor:
         """``sum_V exp(z - m)`` ``[..., 1]``."""
         if self._total is None:

@@ -33,7 +33,7 @@ from safevocab.chunking import (
     chunk_slices,
     log_normalised,
 )
-from safevocab.rules import SafeVocabRule, ShiftedLogits
+from safevocab.rules import SafeVocabRule, ShiftedLogits, finite_floor
 from safevocab.support import SafeSupport
 from safevocab.threads import single_threaded
 
@@ -157,20 +157,25 @@ def _forward_block(
     z_max = torch.amax(z, -1, keepdim=True)
     logits = ShiftedLogits(z, z_max, out=scratch.exp[:n])
     t = rule.threshold_of(logits)
-    e = logits.exp
     stats.threshold[at] = t.squeeze(-1)
     stats.row_max[at] = z_max.squeeze(-1)
-    stats.log_sum_full[at] = logits.total.squeeze(-1).log()
     if support is None and bool((t <= z.amin(-1, keepdim=True)).all()):
         # every finite logit is kept (``none``, or a rule that keeps all): S = V, nothing to mask
         stats.in_safe[at] = True
         stats.safe_size[at] = vocab
-        stats.log_sum_safe[at] = stats.log_sum_full[at]
         entries = None if budget is None or budget < n * vocab else _all_entries(z, z_max, n, vocab)
-        if stats.entropy is not None:
-            x = z.sub_(z_max)  # z is not needed any more: the backward recomputes it
-            stats.entropy[at] = stats.log_sum_full[at] - torch.linalg.vecdot(e, x) / logits.total.squeeze(-1)
+        # z is not needed any more (the backward recomputes it): exp(z - m) in place unless the rule made it already
+        if stats.entropy is None:
+            e = logits.exp if logits.computed else z.sub_(z_max).exp_()
+            stats.log_sum_full[at] = stats.log_sum_safe[at] = e.sum(-1).log()
+        else:
+            e, total = logits.exp, logits.total.squeeze(-1)
+            x = z.sub_(z_max)
+            stats.log_sum_full[at] = stats.log_sum_safe[at] = total.log()
+            stats.entropy[at] = total.log() - torch.linalg.vecdot(e, x) / total
         return entries
+    e = logits.exp
+    stats.log_sum_full[at] = logits.total.squeeze(-1).log()
     cover = logits.cover if support is None else None
     if cover is not None and bool((t.squeeze(-1) >= cover[2]).all()):
         # the rule's candidates hold every entry with z >= t (top_p): S's entries without a pass over the vocabulary
@@ -297,7 +302,9 @@ def _backward_block(z, coef: Coefficients, at: slice, transform: Transform, scra
     g_ent = None if coef.g_ent is None else coef.g_ent[at].unsqueeze(-1)
     # S = V where the threshold is at or below every logit and the forward kept all V (a recomputation that moved a
     # logit takes the checked path below)
-    all_kept = support is None and bool(((t <= z.amin(-1, keepdim=True)).squeeze(-1) & (coef.safe_size[at] == vocab)).all())
+    all_kept = support is None and bool((coef.safe_size[at] == vocab).all())
+    if all_kept and not bool((t == finite_floor(z.dtype)).all()):  # ``none`` keeps every finite logit: no -inf here
+        all_kept = bool((t <= z.amin(-1, keepdim=True)).all())
     if all_kept:
         # S = V: pi_S = pi, grad = g_lp 1[a=y] - pi ((c_S + c_F) + g_H (log pi + H))
         log_sum = coef.log_sum_full[at].unsqueeze(-1)
