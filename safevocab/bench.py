@@ -270,15 +270,21 @@ def _measure(variants: list[str], args: argparse.Namespace) -> dict[str, dict]:
     """Runs in the worker subprocess: each variant's peak memory, then timed repeats taken round-robin
     (variant by variant within each repeat), so that a machine whose load changes slows all alike."""
     device = torch.device(args.device)
+    return _measure_steps({v: (lambda v=v: _make_step(v, args, device)) for v in variants}, args)
+
+
+def _measure_steps(factories: dict[str, Callable[[], Callable[[], None]]], args: argparse.Namespace) -> dict[str, dict]:
+    """:func:`_measure` over named step factories (``fused[RULE]`` entries of :mod:`safevocab.bench_matrix` too)."""
+    device = torch.device(args.device)
     steps: dict[str, Callable[[], None]] = {}
     results: dict[str, dict] = {}
-    for variant in variants:
+    for variant, factory in factories.items():
         torch.manual_seed(args.seed)
         try:
-            steps[variant] = _make_step(variant, args, device)
+            steps[variant] = factory()
             results[variant] = {"variant": variant, "peak_bytes": _peak_bytes(steps[variant], device)}
         except Exception as err:  # a comparison that cannot run here (e.g. out of memory): say so in the table
-            if variant not in _OPTIONAL:
+            if variant.split("[")[0] not in _OPTIONAL:
                 raise
             steps.pop(variant, None)
             if device.type == "cuda":
@@ -327,7 +333,17 @@ def make_parser(prog: str = "python -m safevocab.bench") -> argparse.ArgumentPar
     p.add_argument("--liger-seq-len", dest="liger_seq_len", type=int, default=1024,
                    help="sequence length T of the `liger` variant's [N / T, T] batch, default 1024")
     p.add_argument("--json", dest="json_path", default=None, help="also write the results to this JSON file")
+    p.add_argument("--rules", default=None,
+                   help="several rules in one run, separated by ';' (a rule's parts by ','), e.g. "
+                   "\"none;min_p=0.001;top_k=50,min_p=0.01\": the floor, trl and fused under each rule, per thread count")
+    p.add_argument("--threads", default=None,
+                   help="comma list of intra-op thread counts, one worker each (e.g. 1,2); with --rules/--busy-cores")
+    p.add_argument("--busy-cores", dest="busy_cores", type=int, default=0,
+                   help="spinning processes (one busy core each) that run during the measurement, default 0")
+    p.add_argument("--replay", default=None,
+                   help="with --rules: also time support replay of this rule's sets (the fused_replay variant)")
     p.add_argument("--_worker", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--_threads", type=int, default=None, help=argparse.SUPPRESS)
     return p
 
 
@@ -387,9 +403,19 @@ def main(argv: list[str] | None = None, prog: str = "python -m safevocab.bench")
         from safevocab.logprobs import DEFAULT_MAX_CHUNK_BYTES
 
         args.max_chunk_bytes = DEFAULT_MAX_CHUNK_BYTES
+    if args._threads is not None:
+        torch.set_num_threads(args._threads)
+    if args._worker == "matrix":
+        from safevocab.bench_matrix import measure_matrix
+
+        with_trl = "trl" in args.variants.split(",") and _trl_available()
+        print(json.dumps(measure_matrix(args, _make_step, _measure_steps, with_trl)))
+        return 0
     if args._worker:
         print(json.dumps(_measure(args._worker.split(","), args)))
         return 0
+    if args.rules is not None or args.threads is not None or args.busy_cores:
+        return _main_matrix(args, argv)
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     unknown = sorted(set(variants) - set(VARIANTS))
     if unknown:
@@ -407,6 +433,29 @@ def main(argv: list[str] | None = None, prog: str = "python -m safevocab.bench")
     if args.json_path:
         with open(args.json_path, "w") as f:
             json.dump({"args": {k: v for k, v in vars(args).items() if k != "_worker"}, "results": results}, f, indent=2)
+    return 0
+
+
+def _main_matrix(args: argparse.Namespace, argv: list[str]) -> int:
+    from safevocab.bench_matrix import format_matrix, run_matrix, split_rules
+    from safevocab.rules import parse_rule
+
+    if args.rules is None:
+        args.rules = args.rule
+        argv = [*argv, "--rules", args.rule]
+    if args.threads is None:
+        args.threads = str(torch.get_num_threads())
+        argv = [*argv, "--threads", args.threads]
+    for rule in split_rules(args.rules) + ([args.replay] if args.replay else []):
+        parse_rule(rule)  # fail fast on a bad rule, before any worker starts
+    load = os.getloadavg()
+    results = run_matrix(args, argv)
+    print(format_matrix(args, results, load))
+    if args.json_path:
+        with open(args.json_path, "w") as f:
+            state = {"load_average": load, "busy_cores": args.busy_cores}
+            json.dump({"args": {k: v for k, v in vars(args).items() if not k.startswith("_")}, "machine": state,
+                       "results": results}, f, indent=2)  # fmt: skip
     return 0
 
 

@@ -57,6 +57,11 @@ class Transform:
             z.div_(self.temperature)
         return z
 
+    def softcap_derivative(self, z: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """``1 - tanh^2`` of the softcap at transformed logits ``z`` into ``out`` (see :meth:`backward_`)."""
+        torch.mul(z, self.temperature / self.softcap, out=out).square_().clamp_(max=1.0)
+        return out.neg_().add_(1.0)
+
     def backward_(self, grad_z: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         """In-place chain rule from transformed ``z`` back to raw logits.
 

@@ -237,14 +237,20 @@ def safe_log_softmax(
     # Max-shifted: (z - m) keeps full precision where m + log(sum) would round log(sum) away. m is a
     # constant shift (detached), which leaves every log-softmax value and gradient unchanged.
     shifted = z - row_max
-    lse_full = torch.logsumexp(shifted, dim=-1)
+    # shifted's maximum is exactly 0, so log sum exp(shifted) is logsumexp's own arithmetic (its max is 0) without
+    # its max pass; e is shared with the safe sum below
+    e = shifted.exp()
+    lse_full = e.sum(-1).log()
     _raise_on_non_finite_logits(logits, z, row_max.squeeze(-1), lse_full, temperature, logit_scale)
     if support is not None:
         raise_on_empty_support(keep.reshape(-1, keep.shape[-1]).sum(-1), rule)
     idx = targets.long().unsqueeze(-1)
     shifted_y = shifted.gather(-1, idx).squeeze(-1)
     in_safe = keep.gather(-1, idx).squeeze(-1)
-    lse_safe = torch.logsumexp(shifted.masked_fill(~keep, -math.inf), dim=-1)
+    if support is None:  # S holds the argmax (e = 1 there): the safe sum is >= 1
+        lse_safe = torch.where(keep, e, 0.0).sum(-1).log()
+    else:  # a replayed S may sit far below the maximum: logsumexp shifts by its own maximum
+        lse_safe = torch.logsumexp(shifted.masked_fill(~keep, -math.inf), dim=-1)
     logprobs = torch.where(in_safe, shifted_y - lse_safe, shifted_y - lse_full)
     entropy = None
     if compute_entropy:

@@ -17,6 +17,9 @@ Rules compose by intersection with ``&`` (or :func:`parse_rule` on ``"top_k=50,m
 intersection applies its parts in the sampler's order ``top_k -> top_p -> min_p -> min_prob``, each on
 the distribution renormalised over what the previous ones kept, exactly as HF ``generate`` and vLLM do.
 Every rule keeps the argmax, so the safe set is never empty.
+
+A rule reads the logits through :class:`ShiftedLogits`, which computes ``exp(z - m)`` and its row sums at most
+once: ``min_prob`` and ``top_p`` need them, and the fused op needs them for its statistics anyway.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from typing import ClassVar
 
 import torch
 
+from safevocab.nucleus import nucleus_threshold
 from safevocab.validation import integer, real
 
 __all__ = [
@@ -41,6 +45,7 @@ __all__ = [
     "parse_rule",
     "RULE_KEYS",
     "finite_floor",
+    "ShiftedLogits",
 ]
 
 
@@ -54,10 +59,52 @@ def finite_floor(dtype: torch.dtype) -> float:
     return torch.finfo(torch.float64 if dtype == torch.float64 else torch.float32).min
 
 
+class ShiftedLogits:
+    """Transformed logits ``z`` ``[..., V]`` with their row maxima ``m`` and, computed on first use, ``e = exp(z - m)``
+    and ``sum_V e``: what several rules and the fused op's statistics share, computed once.
+
+    ``out``: a preallocated buffer of ``z``'s shape and dtype for ``e`` (the fused op reuses one per chunk).
+    """
+
+    def __init__(self, z: torch.Tensor, z_max: torch.Tensor, out: torch.Tensor | None = None):
+        self.z, self.z_max = z, z_max
+        self._out, self._exp, self._total = out, None, None
+        #: ``(row, col, t)`` of ``z`` viewed as ``[rows, V]``, set by a rule that found its threshold ``t`` ``[rows]``
+        #: from candidate entries: every entry with ``z >= t`` is among them (``top_p``), so any set ``{z >= t'}``
+        #: with ``t' >= t`` can be read off them.
+        self.cover: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+    @property
+    def exp(self) -> torch.Tensor:
+        """``exp(z - m)``, the same arithmetic as ``torch.logsumexp`` (``fl(z - m)``, then ``exp``)."""
+        if self._exp is None:
+            self._exp = torch.sub(self.z, self.z_max, out=self._out).exp_() if self._out is not None else (self.z - self.z_max).exp_()
+        return self._exp
+
+    @property
+    def computed(self) -> bool:
+        """Whether :attr:`exp` has been computed (by a rule)."""
+        return self._exp is not None
+
+    @property
+    def total(self) -> torch.Tensor:
+        """``sum_V exp(z - m)`` ``[..., 1]``."""
+        if self._total is None:
+            self._total = self.exp.sum(-1, keepdim=True)
+        return self._total
+
+    def kept_total(self, kept_from: torch.Tensor | None) -> torch.Tensor:
+        """``sum exp(z - m)`` over ``{z >= kept_from}`` ``[..., 1]`` (all tokens for ``None``)."""
+        if kept_from is None:
+            return self.total
+        return torch.where(self.z >= kept_from, self.exp, 0.0).sum(-1, keepdim=True)
+
+
 class SafeVocabRule(ABC):
     """A per-position safe-vocabulary rule on transformed logits ``[..., V]``.
 
-    Subclasses implement :meth:`_raw_threshold`; users call :meth:`threshold` or :meth:`keep_mask`.
+    Subclasses implement :meth:`_raw_threshold` (and may override :meth:`_threshold_after` to share
+    :class:`ShiftedLogits`' work); users call :meth:`threshold` or :meth:`keep_mask`.
     """
 
     #: Key used in the string form, e.g. ``"min_p"``. Also the sampler order (see ``_ORDER``).
@@ -69,6 +116,13 @@ class SafeVocabRule(ABC):
     def _raw_threshold(self, z: torch.Tensor, z_max: torch.Tensor) -> torch.Tensor:
         """Threshold ``[..., 1]`` on fp32 logits ``z`` ``[..., V]`` with row maxima ``z_max`` ``[..., 1]``
         (``-inf`` marks excluded tokens)."""
+
+    def _threshold_after(self, logits: ShiftedLogits, kept_from: torch.Tensor | None) -> torch.Tensor:
+        """Threshold ``[..., 1]`` on the distribution renormalised over ``{z >= kept_from}`` (the rules applied
+        before; ``None``: every token). By default the dropped logits are masked to ``-inf`` for
+        :meth:`_raw_threshold`; the built-in rules read what they need from ``logits`` instead."""
+        z = logits.z if kept_from is None else logits.z.masked_fill(logits.z < kept_from, -math.inf)
+        return self._raw_threshold(z, logits.z_max)
 
     @property
     def parts(self) -> tuple[SafeVocabRule, ...]:
@@ -94,9 +148,14 @@ class SafeVocabRule(ABC):
         """:meth:`threshold` and the row maximum ``z_max`` ``[..., 1]``, sharing one pass over ``z``."""
         z = stat_float(z)
         z_max = z.amax(dim=-1, keepdim=True)
-        t = self._raw_threshold(z, z_max)
+        return self.threshold_of(ShiftedLogits(z, z_max)), z_max
+
+    @torch.no_grad()
+    def threshold_of(self, logits: ShiftedLogits) -> torch.Tensor:
+        """:meth:`threshold` of stat-dtype logits whose row maxima are known (the fused op's entry point)."""
+        t = self._threshold_after(logits, None)
         # Floor first, then cap: a row whose every logit lies below the floor still keeps its argmax.
-        return torch.minimum(t.clamp_min(finite_floor(z.dtype)), z_max), z_max
+        return torch.minimum(t.clamp_min(finite_floor(logits.z.dtype)), logits.z_max)
 
     @torch.no_grad()
     def keep_mask(self, z: torch.Tensor) -> torch.Tensor:
@@ -143,6 +202,9 @@ class NoPruning(SafeVocabRule):
     def _raw_threshold(self, z: torch.Tensor, z_max: torch.Tensor) -> torch.Tensor:
         return torch.full_like(z_max, -math.inf)
 
+    def _threshold_after(self, logits: ShiftedLogits, kept_from: torch.Tensor | None) -> torch.Tensor:
+        return torch.full_like(logits.z_max, -math.inf)
+
     def __str__(self) -> str:
         return "none"
 
@@ -167,6 +229,9 @@ class MinP(SafeVocabRule):
     def _raw_threshold(self, z: torch.Tensor, z_max: torch.Tensor) -> torch.Tensor:
         return z_max + math.log(self.rho)
 
+    def _threshold_after(self, logits: ShiftedLogits, kept_from: torch.Tensor | None) -> torch.Tensor:
+        return logits.z_max + math.log(self.rho)  # the argmax is always kept: the renormalised maximum is m
+
 
 @dataclass(frozen=True)
 class MinProb(SafeVocabRule):
@@ -183,8 +248,12 @@ class MinProb(SafeVocabRule):
         return float(self.tau)
 
     def _raw_threshold(self, z: torch.Tensor, z_max: torch.Tensor) -> torch.Tensor:
+        return self._threshold_after(ShiftedLogits(z, z_max), None)
+
+    def _threshold_after(self, logits: ShiftedLogits, kept_from: torch.Tensor | None) -> torch.Tensor:
         # p_a >= tau  <=>  z_a >= logsumexp(z) + log(tau); ``threshold`` caps it at z_max (argmax kept).
-        return torch.logsumexp(z, dim=-1, keepdim=True) + math.log(self.tau)
+        # logsumexp's own arithmetic: m + log sum exp(z - m), over the kept tokens.
+        return (logits.z_max + logits.kept_total(kept_from).log()) + math.log(self.tau)
 
 
 @dataclass(frozen=True)
@@ -204,6 +273,10 @@ class TopK(SafeVocabRule):
     def value(self) -> int:
         return int(self.k)
 
+    def _threshold_after(self, logits: ShiftedLogits, kept_from: torch.Tensor | None) -> torch.Tensor:
+        z = logits.z if kept_from is None else logits.z.masked_fill(logits.z < kept_from, -math.inf)
+        return self._raw_threshold(z, logits.z_max)
+
     def _raw_threshold(self, z: torch.Tensor, z_max: torch.Tensor) -> torch.Tensor:
         if self.k >= z.shape[-1]:
             return torch.full_like(z_max, -math.inf)
@@ -217,13 +290,15 @@ class TopP(SafeVocabRule):
     Follows HF ``TopPLogitsWarper``/vLLM ``top_p``: a token is removed when the mass of the tokens at or
     below it (ascending order) is ``<= 1 - q``; ``q = 1`` keeps every token (no truncation). Tokens tied with the last kept one are all kept (the
     samplers break such ties by sort order instead; ties do not occur on continuous logits).
-    Needs a full sort of each row: the most expensive rule.
+    The threshold is found without sorting the vocabulary (:func:`safevocab.nucleus.nucleus_threshold`, a radix select
+    on the probabilities with float64 masses); HF's fp32 sort and cumulative sum can differ from it only where the mass
+    at the boundary is within fp32 rounding of ``q``.
     """
 
     q: float
     key: ClassVar[str] = "top_p"
-    # sorted values (fp32) + sort indices (int64) + cumulative sums (fp32)
-    scratch_bytes_per_logit: ClassVar[int] = 16
+    # the candidates' bool mask
+    scratch_bytes_per_logit: ClassVar[int] = 1
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "q", real("top_p", self.q, lambda x: 0.0 < x <= 1.0, "0 < top_p <= 1"))
@@ -237,11 +312,18 @@ class TopP(SafeVocabRule):
             # top_p=1 is "no truncation" for HF and vLLM: keep every token, also those whose probability
             # underflows to 0 in the cumulative sum below.
             return torch.full_like(z_max, -math.inf)
-        sorted_z = torch.sort(z, dim=-1).values  # ascending
-        cum = torch.softmax(sorted_z, dim=-1).cumsum_(dim=-1)
-        n_removed = (cum <= 1.0 - self.q).sum(dim=-1, keepdim=True)
-        n_removed.clamp_(max=z.shape[-1] - 1)  # the largest token is always kept
-        return sorted_z.gather(-1, n_removed)
+        return self._threshold_after(ShiftedLogits(z, z_max), None)
+
+    def _threshold_after(self, logits: ShiftedLogits, kept_from: torch.Tensor | None) -> torch.Tensor:
+        z = logits.z
+        if self.q >= 1.0:
+            return torch.full_like(logits.z_max, -math.inf)
+        vocab = z.shape[-1]
+        flat_from = None if kept_from is None else kept_from.reshape(-1, 1)
+        t, cover = nucleus_threshold(z.reshape(-1, vocab), logits.exp.reshape(-1, vocab), self.q, flat_from)
+        t = t.view(logits.z_max.shape)
+        logits.cover = (*cover, t.reshape(-1))
+        return t
 
 
 # The sampler's order (HF generate and vLLM): top_k, then top_p, then min_p; min_prob last.
@@ -284,13 +366,16 @@ class Intersection(SafeVocabRule):
         return max(p.scratch_bytes_per_logit for p in self.rules) + 4  # + the masked copy of z
 
     def _raw_threshold(self, z: torch.Tensor, z_max: torch.Tensor) -> torch.Tensor:
-        t = torch.full_like(z_max, -math.inf)
-        for part in self.rules:
-            # Renormalising over the kept set does not move logits, so masking the dropped ones to -inf
-            # is all it takes to apply the next rule to the renormalised distribution.
-            masked = z if part is self.rules[0] else z.masked_fill(z < t, -math.inf)
+        return self._threshold_after(ShiftedLogits(z, z_max), None)
+
+    def _threshold_after(self, logits: ShiftedLogits, kept_from: torch.Tensor | None) -> torch.Tensor:
+        t = torch.full_like(logits.z_max, -math.inf) if kept_from is None else kept_from
+        for i, part in enumerate(self.rules):
+            # Renormalising over the kept set does not move logits: each part sees the distribution over
+            # {z >= t} (the tokens the previous parts kept).
+            part_t = part._threshold_after(logits, kept_from if i == 0 else t)
             # Capped at the row maximum, so every step keeps the argmax, as the samplers do.
-            t = torch.minimum(torch.maximum(t, part._raw_threshold(masked, z_max)), z_max)
+            t = torch.minimum(torch.maximum(t, part_t), logits.z_max)
         return t
 
 

@@ -437,4 +437,4 @@ def test_fused_matches_materialised_on_boundary_rules_past_the_first_chunk(monke
 
 def _per_logit(rule: str) -> int:
     """fp32 scratch bytes per logit of the torch backend (``safevocab.torch_backend.chunk_rows_for``)."""
-    return 3 * 4 + 2 + parse_rule(rule).scratch_bytes_per_logit
+    return 4

@@ -165,7 +165,7 @@ def main(argv: list[str] | None = None) -> dict:
     print(
         f"overhead of SafeVocabGRPOTrainer: {100 * result['overhead']:+.1f}% (median of {len(ratios)} per-step "
         f"ratios; interquartile range {100 * low:+.1f}% to {100 * high:+.1f}%; ratio of means "
-        f"{100 * result['overhead_of_means']:+.1f}%) (target <= +5%)"
+        f"{100 * result['overhead_of_means']:+.1f}%) (target <= +2%)"
     )
     return result
 

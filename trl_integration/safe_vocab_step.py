@@ -360,7 +360,7 @@ class PendingGeneration:
         """Add one micro-batch's result; whether the generation batch is now complete."""
         self.rows.append((result.metrics, result.counts))
         self.records.append(result.record)
-        return len(self.rows) == self.expected
+        return len(self.records) == self.expected  # rows may start with the batch's own (rollout coverage)
 
 
 @dataclass

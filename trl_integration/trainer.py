@@ -354,9 +354,9 @@ class SafeVocabGRPOTrainer(GRPOTrainerBridge):
         `SCORE_IN_LOSS` and :meth:`grpo_loss` does the rest per micro-batch) or from one more no-grad pass
         (``safe_vocab_scoring``)."""
         mode = "train" if self.model.training else "eval"
-        self._check_rollout_logprobs(output, mode)
+        coverage = self._check_rollout_logprobs(output, mode)  # logged with the batch's metrics: one gather per batch
         if self._stock_head and not self._step_settings(output).measures:
-            return  # nothing to mask or measure: stay exactly trl (no extra forward pass)
+            return self._log_reduced_metrics(mode, coverage)  # nothing to mask or measure: stay exactly trl
 
         # trl ran an old-policy pass when the batch carries old_per_token_logps.
         old = output.get("old_per_token_logps")
@@ -365,27 +365,28 @@ class SafeVocabGRPOTrainer(GRPOTrainerBridge):
             train_logps = old
         elif score_in_loss(self.args.safe_vocab_scoring, self._micro_batches_per_generation(mode), self.loss_type):
             output[SCORE_IN_LOSS] = torch.tensor(True)
-            self._batch.pending[mode] = PendingGeneration(self._micro_batches_per_generation(mode))
+            self._batch.pending[mode] = PendingGeneration(self._micro_batches_per_generation(mode), list(coverage))
             return
         else:
             train_logps, stats = self._score_generation_batch(output)
         result = self._apply_step(output, train_logps, stats, whole_batch=True)
-        self._log_reduced_metrics(mode, [(result.metrics, result.counts)])
+        self._log_reduced_metrics(mode, [*coverage, (result.metrics, result.counts)])
         self.last_generation = result.record
 
-    def _check_rollout_logprobs(self, output: dict, mode: str) -> None:
-        """Log the share of loss tokens with a recorded rollout log-probability; on the ``generate`` path a batch
-        with unrecorded tokens (NaN) drops its rollout log-probabilities and trains without generate-path IS."""
+    def _check_rollout_logprobs(self, output: dict, mode: str) -> list[tuple[dict, dict]]:
+        """The metric row of the share of loss tokens with a recorded rollout log-probability (none without them); on
+        the ``generate`` path a batch with unrecorded tokens (NaN) drops them and trains without generate-path IS."""
         rollout = output.get("sampling_per_token_logps")
         if rollout is None or not self._uses_rollout_logprobs:
-            return
+            return []
         frac, n, gap = rollout_logprobs_coverage(rollout, output["completion_mask"], output.get("tool_mask"))
-        self._log_reduced_metrics(mode, [({ROLLOUT_LOGPROBS_FRAC: frac}, {ROLLOUT_LOGPROBS_FRAC: n})])
+        row = ({ROLLOUT_LOGPROBS_FRAC: frac}, {ROLLOUT_LOGPROBS_FRAC: n})
         # vLLM keeps trl's convention (a NaN token gets ratio 1); a partial generate-path recording is not used.
         # Decided over all processes: every rank must then log the same metrics (they are gathered together).
         if not self.use_vllm:
             if bool(self.accelerator.gather(gap.reshape(1).to(self.accelerator.device, torch.float32)).max() > 0):
                 del output["sampling_per_token_logps"]
+        return [row]
 
     def _step_settings(self, batch: dict) -> StepSettings:
         """The :class:`~trl_integration.safe_vocab_step.StepSettings` of a batch: the importance ratio and the
@@ -431,7 +432,7 @@ class SafeVocabGRPOTrainer(GRPOTrainerBridge):
         Every process ends with the same values, equal to what one process would compute on the whole batch. A
         metric without a count weighs every row equally. NaN (undefined here) values and zero counts are
         ignored; a metric undefined everywhere is skipped."""
-        names, table = metric_rows(rows)
+        names, table = metric_rows(rows) if rows else ([], None)
         if not names:
             return
         device = self.accelerator.device

@@ -6,7 +6,6 @@ from collections.abc import Sequence
 
 import torch
 
-from safevocab.bounds import sequence_kl, sequence_tv
 from safevocab.mismatch.common import (
     DEFAULT_BUCKETS,
     LOG_RATIO_BOUND,
@@ -168,15 +167,18 @@ def safe_set_metrics(
     if mask.shape[0] == 0:
         seq_tv = seq_kl = as_scalar(NAN)
     else:
-        # Padding counts as kept mass 1 (DESIGN section 4).
-        kept = log_kept.exp()
-        seq_tv = as_scalar(sequence_tv(kept, mask))
-        seq_kl = as_scalar(sequence_kl(kept, mask))
+        # Padding counts as kept mass 1 (DESIGN section 4): log kept = 0 there. The sequence_tv / sequence_kl
+        # formulas (unweighted), on log kept directly: no round trip through exp, no per-step input validation.
+        seq_log_kept = log_kept.sum(dim=-1)
+        seq_tv = as_scalar((-torch.expm1(seq_log_kept)).mean())
+        seq_kl = as_scalar((-seq_log_kept).mean())
+    # the three token means in one reduction
+    means = (torch.stack([(~in_safe.bool()).double(), pruned, safe_size.double()]) * m).sum(dim=(1, 2)) / m.sum()
     out = {
-        "safevocab/out_of_set_frac": masked_mean((~in_safe.bool()).double(), m),
-        "safevocab/pruned_mass_mean": masked_mean(pruned, m),
+        "safevocab/out_of_set_frac": as_scalar(means[0]),
+        "safevocab/pruned_mass_mean": as_scalar(means[1]),
         "safevocab/pruned_mass_max": masked_extreme(pruned, mask, largest=True),
-        "safevocab/safe_size_mean": masked_mean(safe_size.double(), m),
+        "safevocab/safe_size_mean": as_scalar(means[2]),
         "safevocab/seq_tv_estimate": seq_tv,
         "safevocab/seq_kl_estimate": seq_kl,
     }
