@@ -101,6 +101,23 @@ def test_a_task_of_your_own_from_python(tmp_path):
     assert not (tmp_path / "heldout_accuracy.png").exists()
 
 
+def test_a_study_from_python_leaves_the_callers_logging_and_progress_bars_as_they_were(tmp_path):
+    """The study quiets transformers and datasets while it runs; a caller's later trainer keeps its progress bar
+    (transformers sets ``disable_tqdm`` from the logging level: once left at "error", every later run had none)."""
+    import datasets
+    from transformers import TrainingArguments
+    from transformers.utils import logging as hf_logging
+
+    settings = StudySettings(arms=["no_remedy"], seeds=[0], steps=1, eval_every=1, eval_num_prompts=4,
+                             num_prompts_per_step=2, num_generations=2, train_num_prompts=8, output_dir=str(tmp_path))
+    before = (hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled(), datasets.is_progress_bar_enabled())
+    run_study(settings, task="arithmetic", progress=False, plots=False)
+    after = (hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled(), datasets.is_progress_bar_enabled())
+    assert after == before
+    if before[0] <= hf_logging.WARNING:
+        assert TrainingArguments(output_dir=str(tmp_path / "later"), report_to="none").disable_tqdm is False
+
+
 #: The CI smoke run: every new option at once, 1 seed, 2 steps (the arms are given per invocation).
 SMOKE = [
     "--task", "arithmetic", "--noise", "0.5", "--noise_kind", "lift", "--rollout_mantissa_bits", "3",

@@ -242,6 +242,35 @@ def task_record(task: StudyTask, spec: str) -> dict[str, Any]:
             "reward_funcs": rewards, "description": task.description}
 
 
+def _quiet_libraries() -> Callable[[], None]:
+    """Silence transformers' logging and the progress bars of transformers and datasets during the study.
+
+    Returns the function that puts back what was there: these are process-wide settings, and a study run from Python
+    (a notebook, a test) must not leave the caller's later training without its progress bar (transformers derives
+    ``disable_tqdm`` from the logging level).
+    """
+    try:
+        import datasets
+        from transformers.utils import logging as hf_logging
+    except ImportError:  # pragma: no cover
+        return lambda: None
+    verbosity = hf_logging.get_verbosity()
+    hf_bars = hf_logging.is_progress_bar_enabled()
+    datasets_bars = datasets.is_progress_bar_enabled()
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    datasets.disable_progress_bars()
+
+    def restore() -> None:
+        hf_logging.set_verbosity(verbosity)
+        if hf_bars:
+            hf_logging.enable_progress_bar()
+        if datasets_bars:
+            datasets.enable_progress_bars()
+
+    return restore
+
+
 def run_study(
     settings: StudySettings,
     *,
@@ -296,16 +325,7 @@ def run_study(
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
     from tqdm.auto import tqdm
 
-    try:
-        import datasets
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.set_verbosity_error()
-        hf_logging.disable_progress_bar()
-        datasets.disable_progress_bars()
-    except ImportError:  # pragma: no cover
-        pass
-
+    restore_libraries = _quiet_libraries()
     train_dataset = task.train_dataset(settings.train_num_prompts, 0)
     test_dataset = task.held_out_dataset(settings.eval_num_prompts)
 
@@ -363,6 +383,7 @@ def run_study(
                                         "wall_time_s": None, "train_runtime_s": None, "length_decay": None})
         results["wall_time_s"] = wall_before + time.perf_counter() - start
         results["summary"] = summarize(results)
+        restore_libraries()
         write_report(results, out, plots=plots)
     return results
 
