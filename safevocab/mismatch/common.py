@@ -34,15 +34,17 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return as_scalar((x.double() * mask).sum() / mask.sum())
 
 
-def masked_extreme(x: torch.Tensor, mask: torch.Tensor, largest: bool) -> torch.Tensor:
-    """Max (``largest``) or min of ``x`` over ``mask``; NaN when nothing counts."""
+def masked_max(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Max of ``x`` over the bool ``mask`` as a 0-dim tensor of ``x``'s dtype; NaN when nothing counts."""
     if x.numel() == 0:
-        return as_scalar(NAN)
+        return torch.tensor(NAN, dtype=x.dtype, device=x.device)
+    return torch.where(mask.any(), torch.where(mask, x, -math.inf).amax(), NAN)
+
+
+def masked_extreme(x: torch.Tensor, mask: torch.Tensor, largest: bool) -> torch.Tensor:
+    """Max (``largest``) or min of ``x`` over ``mask`` as a 0-dim fp32 tensor; NaN when nothing counts."""
     mask = mask.bool()
-    fill = -math.inf if largest else math.inf
-    vals = torch.where(mask, x, fill)
-    extreme = vals.amax() if largest else vals.amin()
-    return as_scalar(torch.where(mask.any(), extreme, NAN))
+    return as_scalar(masked_max(x, mask) if largest else -masked_max(-x, mask))
 
 
 def check_mask(mask: torch.Tensor, *tensors: torch.Tensor) -> torch.Tensor:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -10,11 +11,9 @@ from safevocab.mismatch.common import (
     DEFAULT_BUCKETS,
     LOG_RATIO_BOUND,
     NAN,
-    as_scalar,
     check_mask,
     item_count,
-    masked_extreme,
-    masked_mean,
+    masked_max,
     paired_log_ratio,
 )
 from safevocab.mismatch.formulas import bucket_mismatch, chi2_terms, k3_terms, sequence_chi2
@@ -29,6 +28,15 @@ _SEQ_KEYS = (
     "mismatch/ppl_ratio",
     "mismatch/chi2_seq",
 )
+
+#: The keys of `mismatch_metrics`, in the order its values are computed.
+_MISMATCH_KEYS = tuple(
+    f"mismatch/{key}"
+    for key in (
+        "kl", "k3_kl", "chi2_token", "abs_logp_diff_mean", "abs_logp_diff_max", "training_ppl", "rollout_ppl",
+        "log_ppl_diff", "log_ppl_abs_diff", "log_ppl_diff_max", "log_ppl_diff_min", "ppl_ratio", "chi2_seq",
+    )
+)  # fmt: skip
 
 
 @torch.no_grad()  # diagnostics: logged, never differentiated
@@ -62,29 +70,28 @@ def mismatch_metrics(
     train, rollout, log_r, mask = paired_log_ratio(train_logps, rollout_logps, mask)
     m = mask.double()
     # Token statistics (kl, k3_kl, chi2_token, mean |log r|), summed in one call.
-    token_terms = torch.stack([rollout - train, k3_terms(log_r), chi2_terms(log_r), log_r.abs()])
-    token_means = ((token_terms * m).sum(dim=(1, 2)) / m.sum()).float()
+    abs_log_r = log_r.abs()
+    token_terms = torch.stack([rollout - train, k3_terms(log_r), chi2_terms(log_r), abs_log_r])
+    token_means = (token_terms * m).sum(dim=(1, 2)) / m.sum()
     # Sequence statistics over the rows with a counted token; gap_b as in log_ppl_gap.
     mean_train, mean_rollout, gap = (torch.stack([train, rollout, rollout - train]) * m).sum(-1) / m.sum(-1)
     rows = mask.any(-1)
     n_seq = rows.sum()
     per_row = torch.stack([torch.exp(-mean_train), torch.exp(-mean_rollout), gap, gap.abs(), torch.exp(gap)])
-    seq_means = (torch.where(rows, per_row, 0.0).sum(-1) / n_seq).float()
-    out = {
-        "mismatch/kl": token_means[0],
-        "mismatch/k3_kl": token_means[1],
-        "mismatch/chi2_token": token_means[2] - 1.0,
-        "mismatch/abs_logp_diff_mean": token_means[3],
-        "mismatch/abs_logp_diff_max": masked_extreme(log_r.abs(), mask, largest=True),
-        "mismatch/training_ppl": seq_means[0],
-        "mismatch/rollout_ppl": seq_means[1],
-        "mismatch/log_ppl_diff": seq_means[2],
-        "mismatch/log_ppl_abs_diff": seq_means[3],
-        "mismatch/log_ppl_diff_max": masked_extreme(gap, rows, largest=True),
-        "mismatch/log_ppl_diff_min": masked_extreme(gap, rows, largest=False),
-        "mismatch/ppl_ratio": seq_means[4],
-        "mismatch/chi2_seq": as_scalar(sequence_chi2(log_r, m)),
-    }
+    seq_means = torch.where(rows, per_row, 0.0).sum(-1) / n_seq
+    abs_max = masked_max(abs_log_r, mask)
+    if mask.numel() == 0:
+        gap_max = gap_min = torch.tensor(NAN, dtype=torch.float64)
+    else:  # max gap and -min gap over the rows in one reduction
+        gap_max, neg_gap_min = torch.where(rows, torch.stack([gap, -gap]), -math.inf).amax(-1)
+        gap_max, gap_min = torch.where(n_seq > 0, torch.stack([gap_max, -neg_gap_min]), NAN)
+    values = torch.stack([
+        token_means[0], token_means[1], token_means[2], token_means[3], abs_max,
+        seq_means[0], seq_means[1], seq_means[2], seq_means[3], gap_max, gap_min, seq_means[4],
+        sequence_chi2(log_r, m),
+    ]).float()  # fmt: skip
+    values[2] -= 1.0  # chi2_token = E[r^2] - 1, in fp32 as before
+    out = dict(zip(_MISMATCH_KEYS, values.unbind()))
     if not return_counts:
         return out
     n_tok, n_seq = item_count(mask.sum()), item_count(n_seq)
@@ -132,6 +139,13 @@ def bucket_mismatch_metrics(
     return (out, counts) if return_counts else out
 
 
+_SAFE_SET_KEYS = tuple(
+    f"safevocab/{key}"
+    for key in ("out_of_set_frac", "pruned_mass_mean", "pruned_mass_max", "safe_size_mean", "seq_tv_estimate",
+                "seq_kl_estimate")
+)  # fmt: skip
+
+
 @torch.no_grad()  # diagnostics: logged, never differentiated
 def safe_set_metrics(
     in_safe: torch.Tensor,
@@ -165,27 +179,28 @@ def safe_set_metrics(
     log_kept = log_kept_mass.double().clamp(max=0.0) * m
     pruned = -torch.expm1(log_kept)  # m_t, exactly 0 at padding
     if mask.shape[0] == 0:
-        seq_tv = seq_kl = as_scalar(NAN)
+        seq_tv = seq_kl = torch.tensor(NAN, dtype=torch.float64)
     else:
         # Padding counts as kept mass 1 (DESIGN section 4): log kept = 0 there. The sequence_tv / sequence_kl
         # formulas (unweighted), on log kept directly: no round trip through exp, no per-step input validation.
         seq_log_kept = log_kept.sum(dim=-1)
-        seq_tv = as_scalar((-torch.expm1(seq_log_kept)).mean())
-        seq_kl = as_scalar((-seq_log_kept).mean())
+        seq_tv = (-torch.expm1(seq_log_kept)).mean()
+        seq_kl = (-seq_log_kept).mean()
+    pruned_max = masked_max(pruned, mask)
     # the three token means in one reduction
     means = (torch.stack([(~in_safe.bool()).double(), pruned, safe_size.double()]) * m).sum(dim=(1, 2)) / m.sum()
-    out = {
-        "safevocab/out_of_set_frac": as_scalar(means[0]),
-        "safevocab/pruned_mass_mean": as_scalar(means[1]),
-        "safevocab/pruned_mass_max": masked_extreme(pruned, mask, largest=True),
-        "safevocab/safe_size_mean": as_scalar(means[2]),
-        "safevocab/seq_tv_estimate": seq_tv,
-        "safevocab/seq_kl_estimate": seq_kl,
-    }
+    values = torch.stack([means[0], means[1], pruned_max, means[2], seq_tv, seq_kl]).float()
+    out = dict(zip(_SAFE_SET_KEYS, values.unbind()))
     if not return_counts:
         return out
     n_tok, n_seq = item_count(mask.sum()), item_count(mask.shape[0])
     return out, {k: n_seq if k.startswith("safevocab/seq_") else n_tok for k in out}
+
+
+_IS_KEYS = tuple(
+    f"mismatch/{key}"
+    for key in ("is_raw_mean", "is_raw_min", "is_raw_max", "is_mean", "is_min", "is_max", "is_clipped_frac", "is_ess")
+)
 
 
 @torch.no_grad()  # diagnostics: logged, never differentiated
@@ -222,19 +237,16 @@ def importance_ratio_metrics(
     w = ratio.double()
     v = valid.double()
     n = v.sum()
-    sum_w = (w * v).sum()
-    sum_w2 = (w.square() * v).sum()
-    ess = as_scalar(sum_w.square() / (n * sum_w2)) if n > 0 and sum_w2 > 0 else as_scalar(NAN)
-    out = {
-        "mismatch/is_raw_mean": masked_mean(raw, v),
-        "mismatch/is_raw_min": masked_extreme(raw, valid, largest=False),
-        "mismatch/is_raw_max": masked_extreme(raw, valid, largest=True),
-        "mismatch/is_mean": masked_mean(w, v),
-        "mismatch/is_min": masked_extreme(w, valid, largest=False),
-        "mismatch/is_max": masked_extreme(w, valid, largest=True),
-        "mismatch/is_clipped_frac": masked_mean(clipped.double(), v),
-        "mismatch/is_ess": ess,
-    }
+    # Four sums in one reduction (raw, w, clipped, w^2), the four extremes in one max over [raw, w, -raw, -w].
+    sum_raw, sum_w, sum_clipped, sum_w2 = (torch.stack([raw, w, clipped.double(), w.square()]) * v).flatten(1).sum(1)
+    if valid.numel() == 0:
+        raw_max = w_max = raw_min = w_min = torch.tensor(NAN, dtype=torch.float64)
+    else:
+        signed = torch.where(valid, torch.stack([raw, w, -raw, -w]), -math.inf).flatten(1).amax(1)
+        raw_max, w_max, raw_min, w_min = torch.where(n > 0, signed * signed.new_tensor([1.0, 1.0, -1.0, -1.0]), NAN)
+    ess = torch.where((n > 0) & (sum_w2 > 0), sum_w.square() / (n * sum_w2), NAN)
+    row = torch.stack([sum_raw / n, raw_min, raw_max, sum_w / n, w_min, w_max, sum_clipped / n, ess]).float()
+    out = dict(zip(_IS_KEYS, row.unbind()))
     if not return_counts:
         return out
     return out, dict.fromkeys(out, item_count(n))
