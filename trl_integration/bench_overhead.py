@@ -72,6 +72,8 @@ def _timed_step(trainer, batches, seed: int) -> float:
 def main(argv: list[str] | None = None) -> dict:
     from trl_integration.config import DEFAULT_RULE, SCORING_MODES
 
+    from transformers.hf_argparser import string_to_bool  # TRL-style true/false values
+
     parser = argparse.ArgumentParser(prog="python -m trl_integration.bench_overhead", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=None, help="model path (default: the bundled tiny model)")
     parser.add_argument("--rule", default=DEFAULT_RULE, help=f"min_p rule used by both samplers (default {DEFAULT_RULE})")
@@ -91,6 +93,11 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument(
         "--safe_vocab_scoring", default="auto", choices=SCORING_MODES,
         help="SafeVocabGRPOConfig.safe_vocab_scoring of the SafeVocab trainer (default auto)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--log_mismatch_metrics", type=string_to_bool, default=True, metavar="{true,false}",
+        help="SafeVocabGRPOConfig.log_mismatch_metrics of the SafeVocab trainer (default true): false measures the "
+        "trainer without the mismatch/* metrics",
     )  # fmt: skip
     args = parser.parse_args(argv)
 
@@ -120,7 +127,8 @@ def main(argv: list[str] | None = None) -> dict:
         "SafeVocabGRPOTrainer": (
             SafeVocabGRPOTrainer,
             SafeVocabGRPOConfig,
-            {"safe_vocab_rule": args.rule, "safe_vocab_scoring": args.safe_vocab_scoring},
+            {"safe_vocab_rule": args.rule, "safe_vocab_scoring": args.safe_vocab_scoring,
+             "log_mismatch_metrics": args.log_mismatch_metrics},
         ),
     }
     times: dict[str, list[float]] = {name: [] for name in arms}
