@@ -144,6 +144,8 @@ def main(argv: list[str] | None = None) -> dict:
                 trainer, batches = trainers[name]
                 times[name].append(_timed_step(trainer, batches, seed=args.seed * 100_003 + step))
         tokens = {name: metric_store(trainers[name][0])["train"]["num_tokens"][-1] for name in names}
+        safe_keys = metric_store(trainers[names[1]][0])["train"]
+        logged_mismatch = "mismatch/kl" in safe_keys  # one of mismatch_metrics (the IS ones are logged regardless)
     stock, safe = (times[name][args.skip :] for name in names)
     ratios = sorted(s / k for s, k in zip(safe, stock))
     quartiles = statistics.quantiles(ratios, n=4) if len(ratios) >= 2 else [ratios[0]] * 3
@@ -157,12 +159,14 @@ def main(argv: list[str] | None = None) -> dict:
         "overhead_of_means": statistics.mean(safe) / statistics.mean(stock) - 1.0,
         "n_pairs": len(ratios),
         "same_completions": len(set(tokens.values())) == 1,
+        "safevocab_logged_mismatch_metrics": logged_mismatch,
         "torch_threads": torch.get_num_threads(),
     }
     print(
         f"model={model} rule={args.rule} pairs={args.steps} (first {args.skip} skipped) "
         f"num_iterations={args.num_iterations} learning_rate={args.learning_rate:g} "
-        f"safe_vocab_scoring={args.safe_vocab_scoring} torch threads={result['torch_threads']}; "
+        f"safe_vocab_scoring={args.safe_vocab_scoring} log_mismatch_metrics={args.log_mismatch_metrics} "
+        f"torch threads={result['torch_threads']}; "
         f"both trainers processed the same tokens: {'yes' if result['same_completions'] else 'no'}"
     )
     print("| trainer | median step time (s) | mean step time (s) |")

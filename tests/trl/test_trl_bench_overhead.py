@@ -13,3 +13,10 @@ def test_bench_overhead_pairs_steps_on_identical_batches(capsys):
     assert result["same_completions"]
     assert result["stock_median_s"] > 0 and result["safevocab_median_s"] > 0
     assert "overhead of SafeVocabGRPOTrainer" in out and "| stock GRPOTrainer |" in out
+    assert result["safevocab_logged_mismatch_metrics"]  # the default: the trainer as users run it
+
+
+def test_bench_overhead_can_measure_the_trainer_without_its_mismatch_metrics(capsys):
+    result = bench_overhead.main(["--steps", "2", "--skip", "1", "--log_mismatch_metrics", "false"])
+    assert not result["safevocab_logged_mismatch_metrics"] and result["same_completions"]
+    assert "log_mismatch_metrics=False" in capsys.readouterr().out
