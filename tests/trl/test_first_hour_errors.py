@@ -36,6 +36,12 @@ def _bad_inputs(tmp_path):
     empty.write_text("")
     no_prompt = tmp_path / "no_prompt.jsonl"
     no_prompt.write_text('{"text": "hi"}\n')
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text('{"prompt": "1+1="}\n{not json\n')
+    mixed = tmp_path / "mixed"
+    mixed.mkdir()
+    (mixed / "a.jsonl").write_text('{"prompt": "1+1="}\n')
+    (mixed / "b.jsonl").write_text('{"question": 1}\n')
     out = ["--output_dir", str(tmp_path / "run")]
     model = ["--model_name_or_path", TINY]
     return {
@@ -85,7 +91,33 @@ def _bad_inputs(tmp_path):
                                         "datasets[0].path 'a.jsonl': no such file"),
         "mixture unknown key": ([*model, "--config", str(_mixture(tmp_path, "key", [{"pth": "json"}])), "--reward_funcs",
                                  "accuracy_reward", *out], "pth"),
+        # found by a new user's trial (each reached the model load, or trained, before)
+        "zero processes": (["--num_processes", "0", *out], "--num_processes 0"),
+        "negative processes": (["--num_processes", "-1", *out], "--num_processes -1"),
+        "unparsable data file": ([*model, "--dataset_name", str(broken), "--reward_funcs", "accuracy_reward", *out],
+                                 "cannot be read"),
+        "folder of mismatched files": ([*model, "--dataset_name", str(mixed), "--reward_funcs", "accuracy_reward", *out],
+                                       "cannot be read"),
+        "reward not a function": ([*model, "--dataset_name", "synthetic", "--reward_funcs", "os.sep", *out],
+                                  "not a function"),
+        "negative learning rate": (["--learning_rate", "-1", *out], "--learning_rate"),
+        "zero batch size": (["--per_device_train_batch_size", "0", *out], "--per_device_train_batch_size"),
+        "zero completion length": (["--max_completion_length", "0", *out], "--max_completion_length"),
+        "output dir is a file": (["--output_dir", str(empty)], "--output_dir"),
+        "report_to not installed": (["--report_to", _missing_integration(), *out], "--report_to"),
+        "model folder without config": (["--model_name_or_path", str(tmp_path), *out], "config.json"),
+        "negative eval prompts": (["--eval_num_prompts", "-1", *out], "--eval_num_prompts"),
+        "empty rule": (["--safe_vocab_rule", "", *out], "--safe_vocab_rule ''"),
+        "empty rule with =": (["--safe_vocab_rule=", *out], "--safe_vocab_rule ''"),
     }  # fmt: skip
+
+
+def _missing_integration() -> str:
+    """A logging integration whose package this environment lacks (wandb, unless it is installed)."""
+    from transformers.integrations import get_available_reporting_integrations
+
+    available = set(get_available_reporting_integrations())
+    return next(n for n in ("wandb", "comet_ml", "neptune", "clearml", "mlflow", "dvclive") if n not in available)
 
 
 def _yaml(tmp_path, name, mapping):
@@ -117,7 +149,11 @@ def _prompts(tmp_path):
         "missing reward module", "missing reward function", "unknown reward name", "no reward for a custom dataset",
         "bad safe_vocab_support", "bad rollout dtype", "unknown accelerate config", "num_processes not an int",
         "abbreviated launcher flag", "unknown yaml key", "mixture missing file", "mixture fraction on one entry",
-        "mixture builder without files", "mixture unknown key", "mixture on the command line",
+        "mixture builder without files", "mixture unknown key", "mixture on the command line", "zero processes",
+        "negative processes", "unparsable data file", "folder of mismatched files", "reward not a function",
+        "negative learning rate", "zero batch size", "zero completion length", "output dir is a file",
+        "report_to not installed", "model folder without config", "negative eval prompts", "empty rule",
+        "empty rule with =",
     ],
 )  # fmt: skip
 def test_bad_input_is_one_line_and_exit_2_before_the_model_loads(case, tmp_path, capsys, no_model_load):

@@ -29,7 +29,7 @@ from trl_integration.commands.broken_run import BROKEN_RUN, BrokenRunError, Rewa
 from trl_integration.commands.differences import format_differences, settings_that_differ
 from trl_integration.commands.errors import fail
 from trl_integration.commands.launch import launch, launcher_flags, running_under_launch
-from trl_integration.commands.preflight import check_before_loading, check_mixture
+from trl_integration.commands.preflight import check_before_loading, check_empty_rule, check_mixture
 from trl_integration.config import SafeVocabGRPOConfig
 from trl_integration.demo.config import TINY_GRPO_DEFAULTS, tiny_grpo_config_kwargs
 from trl_integration.demo.data import SYNTHETIC_DATASET_NAME, repeat_char_reward, synthetic_dataset
@@ -149,6 +149,19 @@ def _usage_errors(debug: bool, context: str = "") -> Iterator[None]:
 
 
 @contextmanager
+def _unreadable_data() -> Iterator[None]:
+    """A data file ``datasets`` cannot parse (a bad JSON line, columns that differ between files) as a ValueError
+    with the parser's own reason, which ``datasets`` keeps as the error's cause."""
+    from datasets.exceptions import DatasetGenerationError
+
+    try:
+        yield
+    except DatasetGenerationError as err:
+        reason = err.__cause__ or err
+        raise ValueError(f"the data cannot be read: {type(reason).__name__}: {reason}") from err
+
+
+@contextmanager
 def _mixture_key_errors() -> Iterator[None]:
     """A ``datasets:`` entry with a key trl's ``DatasetConfig`` does not have: name the key and the accepted ones."""
     import dataclasses
@@ -239,6 +252,12 @@ def load_train_dataset(script_args: SafeVocabScriptArguments, dataset_args: Data
         os.path.exists(os.path.join(name, f)) for f in ("dataset_info.json", "state.json", "dataset_dict.json")
     ):
         dataset = datasets.load_from_disk(name)
+    elif os.path.isdir(name):  # a folder of data files, read by datasets' packaged builders: no bar on stderr
+        datasets.disable_progress_bars()
+        try:
+            dataset = datasets.load_dataset(name, name=script_args.dataset_config)
+        finally:
+            datasets.enable_progress_bars()
     elif os.path.isfile(name) and os.path.splitext(name)[1] in builders:
         if os.path.getsize(name) == 0:
             raise ValueError(f"{name!r} is empty")
@@ -299,10 +318,14 @@ def resolve_reward_funcs(script_args: SafeVocabScriptArguments) -> list:
         elif "." in name:
             module_path, attr = name.rsplit(".", 1)
             sys.path.insert(0, os.getcwd())
-            funcs.append(getattr(importlib.import_module(module_path), attr))
+            func = getattr(importlib.import_module(module_path), attr)
+            if not callable(func) or isinstance(func, type):  # trl would take a string as a reward model's path
+                raise ValueError(f"{name!r} is a {type(func).__name__}, not a function: accepted a reward function "
+                                 "f(prompts, completions, **kwargs) -> list[float]")  # fmt: skip
+            funcs.append(func)
         else:
             raise ValueError(
-                f"unknown reward function {name!r}: accepted 'repeat_char_reward', 'accuracy_reward', "
+                f"unknown reward function {name!r}: accepted 'repeat_char_reward', 'arithmetic_reward', 'accuracy_reward', "
                 "'reasoning_accuracy_reward', 'think_format_reward' or a dotted import path"
             )
     return funcs
@@ -335,6 +358,8 @@ def run(argv: list[str] | None = None):
         parser.set_defaults(
             model_name_or_path=str(tiny_model_path()), dataset_name=ARITHMETIC_DATASET_NAME, **tiny_grpo_config_kwargs()
         )
+    with _usage_errors(debug):
+        check_empty_rule(argv)
     config = _config_path(argv)
     if config is not None and not os.path.isfile(config):
         raise SystemExit(fail(PROG, f"--config {config!r}: no such file"))
@@ -383,7 +408,7 @@ def run(argv: list[str] | None = None):
             raise SystemExit(status)
         return None
     data_context = "datasets: in --config: " if mixture else f"--dataset_name {script_args.dataset_name}: "
-    with _usage_errors(debug, data_context):
+    with _usage_errors(debug, data_context), _unreadable_data():
         train_dataset, eval_dataset = load_train_dataset(script_args, dataset_args)
         if hasattr(train_dataset, "__len__") and len(train_dataset) == 0:
             split = "train" if mixture else script_args.dataset_train_split

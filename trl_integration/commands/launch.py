@@ -77,6 +77,8 @@ def launcher_flags(leftover: list[str], error: Callable[[str], None]) -> list[st
         stray = flags_unknown or [parsed.training_script]
         error(f"unrecognized argument{'s' if len(stray) > 1 else ''} {' '.join(stray)}: accepted this command's "
               "flags (--help) and `accelerate launch` flags such as --num_processes N or --accelerate_config NAME")  # fmt: skip
+    if parsed.num_processes is not None and parsed.num_processes < 1:
+        error(f"--num_processes {parsed.num_processes}: accepted an integer >= 1")
     if (parsed.num_processes or 1) > 1 and not any(f.split("=")[0] in _DISTRIBUTION_FLAGS for f in flags):
         flags = ["--multi_gpu", *flags]
     if parsed.num_machines is None and "--config_file" not in flags:  # accelerate's defaults, without its warning

@@ -9,7 +9,10 @@ checks read only the parsed arguments and the file system: nothing here loads a 
   sent to the Hub.
 - ``--dataset_name``: likewise; a data file name (``.json``/``.jsonl``/``.csv``/``.parquet``) must exist.
 - ``--temperature`` > 0 (sampling divides by it), ``--max_steps`` a positive integer or -1 (trl's "train by
-  epochs"; other negatives would silently train by epochs), ``--num_train_epochs`` > 0.
+  epochs"; other negatives would silently train by epochs), ``--num_train_epochs`` > 0; batch size, gradient
+  accumulation, completion length and logging steps > 0, ``--learning_rate`` finite and >= 0, the prompt counts
+  >= 0; a local model directory holding ``config.json``; ``--output_dir`` not a file; every ``--report_to``
+  integration installed.
 - a dataset mixture (``datasets:`` in the ``--config`` YAML, trl's ``DatasetMixtureConfig``): every entry's ``path``
   a ``datasets`` builder name, an existing local path or a Hub id, its local ``data_files`` existing, ``fraction``
   set for all entries or none (each > 0), and no ``fraction`` when streaming.
@@ -20,7 +23,7 @@ from __future__ import annotations
 import os
 import re
 
-__all__ = ["check_before_loading", "check_mixture", "DATA_FILE_SUFFIXES", "DATASETS_BUILDERS"]
+__all__ = ["check_before_loading", "check_empty_rule", "check_mixture", "DATA_FILE_SUFFIXES", "DATASETS_BUILDERS"]
 
 #: Local data files ``safevocab-grpo`` loads with the matching ``datasets`` builder.
 DATA_FILE_SUFFIXES = (".json", ".jsonl", ".csv", ".parquet")
@@ -76,6 +79,71 @@ def check_before_loading(script_args, training_args, model_args, builtin_dataset
         )
     if training_args.max_steps == -1 and not training_args.num_train_epochs > 0:
         raise ValueError(f"--num_train_epochs {training_args.num_train_epochs}: accepted > 0")
+    _check_numbers(script_args, training_args)
+    if model and os.path.isdir(os.path.expanduser(model)) and not _has_config(os.path.expanduser(model)):
+        raise ValueError(
+            f"--model_name_or_path {model!r}: the directory has no config.json: accepted a directory written by "
+            "save_pretrained (config.json and the weights)"
+        )
+    output_dir = training_args.output_dir
+    if output_dir and os.path.exists(output_dir) and not os.path.isdir(output_dir):
+        raise ValueError(f"--output_dir {output_dir!r} is a file: accepted a directory (created when missing)")
+    _check_report_to(training_args.report_to)
+
+
+def check_empty_rule(argv: list[str]) -> None:
+    """``--safe_vocab_rule ''`` (an unset shell variable) refused: the config reads an empty rule as ``none``, which
+    would silently turn the pruning off. Checked on the command line, before the config normalises the rule."""
+    for i, arg in enumerate(argv):
+        value = arg.split("=", 1)[1] if arg.startswith("--safe_vocab_rule=") else (
+            argv[i + 1] if arg == "--safe_vocab_rule" and i + 1 < len(argv) else None)  # fmt: skip
+        if value is not None and not value.strip():
+            raise ValueError("--safe_vocab_rule '': accepted a rule such as min_p=0.001 or top_k=50, or 'none' for "
+                             "no pruning")  # fmt: skip
+
+
+def _has_config(folder: str) -> bool:
+    # A PEFT adapter folder (adapter_config.json) also loads: trl resolves its base model.
+    return any(os.path.isfile(os.path.join(folder, f)) for f in ("config.json", "adapter_config.json"))
+
+
+def _check_numbers(script_args, training_args) -> None:
+    """Sizes and rates that trl or torch would reject only once the model is loaded (or take silently)."""
+    positive = {
+        "--per_device_train_batch_size": training_args.per_device_train_batch_size,
+        "--gradient_accumulation_steps": training_args.gradient_accumulation_steps,
+        "--max_completion_length": training_args.max_completion_length,
+        "--logging_steps": training_args.logging_steps,
+    }
+    for flag, value in positive.items():
+        if value is not None and not value > 0:
+            raise ValueError(f"{flag} {value}: accepted > 0")
+    rate = training_args.learning_rate
+    if not (rate >= 0 and rate != float("inf")):
+        raise ValueError(f"--learning_rate {rate}: accepted a finite value >= 0")
+    for flag in ("eval_num_prompts", "arithmetic_num_prompts", "synthetic_num_prompts"):
+        value = getattr(script_args, flag, None)
+        if value is not None and value < 0:
+            raise ValueError(f"--{flag} {value}: accepted an integer >= 0 (0 skips it)"
+                             if flag == "eval_num_prompts" else f"--{flag} {value}: accepted an integer > 0")
+
+
+def _check_report_to(report_to) -> None:
+    """Every ``--report_to`` integration installed (transformers raises only when the Trainer is built)."""
+    names = [report_to] if isinstance(report_to, str) else list(report_to or [])
+    names = [n for n in names if n not in ("none", "all")]
+    if not names:
+        return
+    from transformers.integrations import get_available_reporting_integrations
+    from transformers.integrations.integration_utils import INTEGRATION_TO_CALLBACK
+
+    available = set(get_available_reporting_integrations())
+    for name in names:
+        if name not in INTEGRATION_TO_CALLBACK:
+            raise ValueError(f"--report_to {name!r}: accepted 'none', 'all' or one of {sorted(INTEGRATION_TO_CALLBACK)}")
+        if name not in available:
+            raise ValueError(f"--report_to {name!r}: its package is not installed (pip install {name}), or pass "
+                             "--report_to none")  # fmt: skip
 
 
 def _data_file_names(data_files) -> list[str]:
