@@ -48,6 +48,8 @@ def run_summary(trainer, accuracy_before: float | None = None, accuracy_after: f
         "steps": trainer.state.global_step,
         "train_runtime_s": next((h["train_runtime"] for h in trainer.state.log_history if "train_runtime" in h), None),
         "rule": trainer.args.safe_vocab_rule,
+        # what the trainer and the sampler used: the rule composed with an explicit sampler top_k/top_p/min_p
+        "effective_rule": str(trainer.args.safe_vocab_effective_rule or trainer.args.safe_vocab_rule),
         "reward_first": _mean_of(history, "reward", first=True),
         "reward_last": _mean_of(history, "reward", first=False),
         "accuracy_before": accuracy_before,
@@ -74,7 +76,8 @@ def print_run_summary(trainer, accuracy_before: float | None = None, accuracy_af
     rows = [
         ("steps", fmt(summary["steps"])),
         ("train time (s)", fmt(summary["train_runtime_s"])),
-        ("safe-vocabulary rule", summary["rule"]),
+        ("safe-vocabulary rule", summary["rule"] if summary["effective_rule"] == summary["rule"]
+         else f"{summary['effective_rule']} (--safe_vocab_rule {summary['rule']} with the sampler's own)"),
         ("reward, first -> last steps", f"{fmt(summary['reward_first'])} -> {fmt(summary['reward_last'])}"),
     ]
     if accuracy_before is not None:

@@ -346,7 +346,7 @@ def test_accelerate_configs_load(name):
 
 
 def test_training_config_keeps_one_safe_vocabulary():
-    from trl_integration.cli import make_parser
+    from trl_integration.commands.grpo import make_parser
 
     raw = yaml.safe_load((RECIPES / "dvp_grpo.yaml").read_text())
     assert raw["safe_vocab_in_sampler"] is True and raw["rollout_dtype"] == "auto"
@@ -359,22 +359,22 @@ def test_training_config_keeps_one_safe_vocabulary():
 
 def test_readme_launch_lines_parse():
     """Every launch line of examples/recipes/README.md parses: accelerate's own parser for the launcher part,
-    ``trl_integration.cli.make_parser()`` for the training flags, trl's vllm-serve parser for the server."""
+    ``trl_integration.commands.grpo.make_parser()`` for the training flags, trl's vllm-serve parser for the server."""
     from accelerate.commands.config.config_args import load_config_from_file
     from accelerate.commands.launch import launch_command_parser
     from trl.scripts.vllm_serve import build_command
     from trl.scripts.vllm_serve import make_parser as vllm_serve_parser
 
-    from trl_integration.cli import make_parser
+    from trl_integration.commands.grpo import make_parser
 
     lines = _code_lines((RECIPES / "README.md").read_text())
     seen = {"train": [], "serve": []}
     on_cpu = [] if torch.cuda.is_available() else ["--use_cpu", "true"]  # bf16 (the GPU default) needs a GPU
     for line in lines:
         tokens = _strip_env(shlex.split(line))
-        if tokens[:2] == ["accelerate", "launch"] and "trl_integration.cli" in tokens:
+        if tokens[:2] == ["accelerate", "launch"] and "trl_integration.commands.grpo" in tokens:
             launch = launch_command_parser().parse_args(tokens[2:])
-            assert launch.module and launch.training_script == "trl_integration.cli", line
+            assert launch.module and launch.training_script == "trl_integration.commands.grpo", line
             load_config_from_file(str(ROOT / launch.config_file))
             cli_args = list(launch.training_script_args)
             cli_args = [str(ROOT / a) if a.startswith("examples/recipes/") else a for a in cli_args]

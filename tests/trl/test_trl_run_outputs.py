@@ -49,3 +49,25 @@ def test_the_curves_are_drawn_with_or_without_the_safe_set_and_mismatch_metrics(
 def test_no_reward_logged_means_no_figure(tmp_path):
     assert write_training_curves([{"step": 1, "train_runtime": 1.0}], tmp_path) is None
     assert not (tmp_path / PLOT_FILE).exists()
+
+
+def test_the_summary_shows_the_rule_the_run_used_when_the_sampler_composes_with_it(tmp_path, capsys):
+    """--top_k 5 with the default min_p=0.001: the sampler and the trainer use 'top_k=5,min_p=0.001' (the effective
+    rule); the summary said 'min_p=0.001' before."""
+    out = tmp_path / "run"
+    run(["--max_steps", "1", "--top_k", "5", "--eval_num_prompts", "0", "--output_dir", str(out)])
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["rule"] == "min_p=0.001" and summary["effective_rule"] == "top_k=5,min_p=0.001"
+    table = capsys.readouterr().out
+    assert "top_k=5,min_p=0.001 (--safe_vocab_rule min_p=0.001" in " ".join(table.split())
+
+
+def test_the_commands_run_as_a_module(tmp_path):
+    """``python -m trl_integration.commands grpo --help``, as ``safevocab grpo --help``."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "trl_integration.commands", "grpo", "--help"], capture_output=True,
+                          text=True, timeout=300, cwd=tmp_path)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "--reward_funcs" in done.stdout and "arithmetic_reward" in done.stdout

@@ -71,7 +71,8 @@ class SafeVocabScriptArguments(ScriptArguments):
         default=None,
         metadata={
             "help": "Reward functions: 'repeat_char_reward' (the synthetic task's reward, the default with "
-            "--dataset_name synthetic), trl's 'accuracy_reward', 'reasoning_accuracy_reward', 'think_format_reward', "
+            "--dataset_name synthetic), 'arithmetic_reward' (the arithmetic task's, the default with --dataset_name "
+            "arithmetic: the main job), trl's 'accuracy_reward', 'reasoning_accuracy_reward', 'think_format_reward', "
             "or any dotted import path ('my_pkg.rewards.my_reward')."
         },
     )

@@ -3,8 +3,8 @@
 The main job (``safevocab-grpo`` with no arguments), ``safevocab study``, the overhead benchmark, the examples and
 the trl tests all build their ``SafeVocabGRPOConfig`` with :func:`tiny_grpo_config` (or its keyword arguments,
 :func:`tiny_grpo_config_kwargs`, where a parser takes defaults) and override only what they change. The batch is
-8 prompts x 8 completions of at most 8 tokens (the arithmetic answers take 1-5), 200 steps at a constant
-``1e-4``, no KL term (``beta=0``), nothing saved or reported.
+8 prompts x 8 completions of at most 8 tokens (the arithmetic answers take 1-5), 200 steps from a learning rate of
+``1e-4`` decayed linearly to 0 (trl's default schedule), no KL term (``beta=0``), nothing saved or reported.
 """
 
 from __future__ import annotations
