@@ -66,6 +66,7 @@ __all__ = [
     "check_vllm_server_device",
     "use_cpu_weight_sync",
     "colocated_engine_dtype",
+    "shut_down_colocated_engine",
 ]
 
 #: The trl releases this integration is tested against: ``TRL_MIN <= version < TRL_MAX``.
@@ -251,6 +252,20 @@ def use_cpu_weight_sync(vllm_generation) -> bool:
 
     vllm_generation.sync_weights = sync_weights
     return True
+
+
+def shut_down_colocated_engine(trainer) -> bool:
+    """Shut a colocated vLLM engine (``trainer.vllm_generation.llm``) down now; returns whether there was one.
+
+    Call it before ``Trainer.end()``: vLLM otherwise tears the engine down from a finalizer at interpreter exit,
+    after ``end()`` destroyed the process group, and prints a traceback (``ValueError: Invalid process group
+    specified``) under a run that succeeded."""
+    from trl_integration import vllm_sync
+
+    generation = getattr(trainer, "vllm_generation", None)
+    if getattr(generation, "mode", None) != "colocate" or getattr(generation, "llm", None) is None:
+        return False
+    return vllm_sync.shut_down_engine(generation.llm)
 
 
 @contextmanager

@@ -141,3 +141,13 @@ def reload_engine_weights(llm: Any, named_weights: Iterable[tuple[str, torch.Ten
     runner.reload_weights(weights_iterator=cloned(), is_checkpoint_format=True)
     llm.reset_prefix_cache()
     return count
+
+
+def shut_down_engine(llm: Any) -> bool:
+    """Shut an in-process ``vllm.LLM``'s engine down now, while ``torch.distributed`` is still up (its client's
+    ``shutdown`` detaches the finalizer that would otherwise do it at exit). Returns whether it had one."""
+    engine_core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+    if engine_core is None or not hasattr(engine_core, "shutdown"):
+        return False
+    engine_core.shutdown()
+    return True

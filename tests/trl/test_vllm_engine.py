@@ -316,3 +316,19 @@ def test_rule_mode_does_not_see_the_engines_perturbed_sets(engines, tmp_path):
     record = trainer.last_generation
     gap = (_loss_tokens(record, "train_logps") - _loss_tokens(record, "rollout_logps")).abs().max().item()
     assert gap > 1e-2, gap
+
+
+def test_the_colocate_command_ends_without_a_traceback(tmp_path):
+    """`safevocab-grpo --use_vllm --vllm_mode colocate` (docs/vllm.md's command): rc 0, and no traceback after the
+    summary. vLLM tore its engine down from a finalizer at exit, after Trainer.end() had destroyed the process group:
+    'ValueError: Invalid process group specified' under a run that succeeded."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "trl_integration.commands.grpo", "--use_vllm", "--vllm_mode", "colocate",
+               "--max_steps", "1", "--eval_num_prompts", "0", "--output_dir", str(tmp_path / "run")]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "safevocab-grpo summary" in done.stdout
+    assert "Traceback" not in done.stderr, done.stderr[-3000:]

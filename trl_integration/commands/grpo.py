@@ -33,6 +33,7 @@ from trl_integration.commands.preflight import check_before_loading, check_empty
 from trl_integration.config import SafeVocabGRPOConfig
 from trl_integration.demo.config import TINY_GRPO_DEFAULTS, tiny_grpo_config_kwargs
 from trl_integration.demo.data import SYNTHETIC_DATASET_NAME, repeat_char_reward, synthetic_dataset
+from trl_integration.trl_private import shut_down_colocated_engine
 
 #: The command's name in messages and ``--help`` (the same for ``safevocab grpo``).
 PROG = "safevocab-grpo"
@@ -448,6 +449,7 @@ def run(argv: list[str] | None = None):
         from trl_integration.summary import print_run_summary
 
         print_run_summary(trainer, accuracy_before=before, accuracy_after=after)
+    shut_down_colocated_engine(trainer)  # before end(): vLLM's own teardown at exit needs the process group
     if hasattr(trainer, "end"):  # transformers >= 5.18: finish the trackers, destroy the process group
         trainer.end()
     return trainer
