@@ -30,16 +30,14 @@ from trl_integration.commands.differences import format_differences, settings_th
 from trl_integration.commands.errors import fail
 from trl_integration.commands.launch import launch, launcher_flags, running_under_launch
 from trl_integration.commands.preflight import check_before_loading, check_empty_rule, check_mixture
+from trl_integration.commands.train_data import ARITHMETIC_DATASET_NAME, load_train_dataset, unreadable_data
 from trl_integration.config import SafeVocabGRPOConfig
 from trl_integration.demo.config import TINY_GRPO_DEFAULTS, tiny_grpo_config_kwargs
-from trl_integration.demo.data import SYNTHETIC_DATASET_NAME, repeat_char_reward, synthetic_dataset
+from trl_integration.demo.data import SYNTHETIC_DATASET_NAME, repeat_char_reward
 from trl_integration.trl_private import shut_down_colocated_engine
 
 #: The command's name in messages and ``--help`` (the same for ``safevocab grpo``).
 PROG = "safevocab-grpo"
-
-#: ``--dataset_name arithmetic``: the bundled model's task (``trl_integration.demo.arithmetic``).
-ARITHMETIC_DATASET_NAME = "arithmetic"
 
 #: Settings of the main job (no ``--model_name_or_path`` and no ``--config``): GRPO with DVP on the bundled
 #: tiny model and the arithmetic task, with the tiny job's settings (``trl_integration.demo.config``: 200 steps of
@@ -151,19 +149,6 @@ def _usage_errors(debug: bool, context: str = "") -> Iterator[None]:
 
 
 @contextmanager
-def _unreadable_data() -> Iterator[None]:
-    """A data file ``datasets`` cannot parse (a bad JSON line, columns that differ between files) as a ValueError
-    with the parser's own reason, which ``datasets`` keeps as the error's cause."""
-    from datasets.exceptions import DatasetGenerationError
-
-    try:
-        yield
-    except DatasetGenerationError as err:
-        reason = err.__cause__ or err
-        raise ValueError(f"the data cannot be read: {type(reason).__name__}: {reason}") from err
-
-
-@contextmanager
 def _mixture_key_errors() -> Iterator[None]:
     """A ``datasets:`` entry with a key trl's ``DatasetConfig`` does not have: name the key and the accepted ones."""
     import dataclasses
@@ -217,79 +202,6 @@ def _config_path(argv: list[str]) -> str | None:
 def bundled_job_requested(argv: list[str]) -> bool:
     """No model and no config file given: run the main job on the bundled tiny model."""
     return not any(a.split("=")[0] in ("--model_name_or_path", "--config") for a in argv)
-
-
-def load_train_dataset(script_args: SafeVocabScriptArguments, dataset_args: DatasetMixtureConfig | None = None):
-    """``(train, eval-or-None)`` datasets for ``--dataset_name``, or for the mixture of ``dataset_args``.
-
-    ``synthetic`` (the default when neither is given) is the built-in task; a local directory
-    written by ``save_to_disk`` is loaded with ``load_from_disk``; a local ``.json/.jsonl/.csv/.parquet`` file with
-    the matching ``datasets`` builder; anything else (a directory of data files, a Hub id) goes to
-    ``datasets.load_dataset``. A mixture (``datasets:`` in the YAML) is loaded by trl's own ``get_dataset``, as
-    ``trl grpo`` does (its ``test`` split, with ``test_split_size``, is the eval set); it replaces
-    ``--dataset_name``.
-    """
-    import datasets
-
-    name = script_args.dataset_name
-    if dataset_args is not None and dataset_args.datasets:
-        from trl import get_dataset
-
-        datasets.disable_progress_bars()  # local files load in a moment: no bars on stderr
-        try:
-            dataset = get_dataset(dataset_args)
-        finally:
-            datasets.enable_progress_bars()
-        name = "datasets: in --config"
-    elif name == SYNTHETIC_DATASET_NAME:
-        return synthetic_dataset(script_args.synthetic_num_prompts), None
-    if name == ARITHMETIC_DATASET_NAME:
-        from trl_integration.demo.arithmetic import make_dataset
-
-        return make_dataset(script_args.arithmetic_num_prompts, seed=0, split="train"), None
-    builders = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
-    if dataset_args is not None and dataset_args.datasets:
-        pass  # loaded above
-    elif os.path.isdir(name) and any(
-        os.path.exists(os.path.join(name, f)) for f in ("dataset_info.json", "state.json", "dataset_dict.json")
-    ):
-        dataset = datasets.load_from_disk(name)
-    elif os.path.isdir(name):  # a folder of data files, read by datasets' packaged builders: no bar on stderr
-        datasets.disable_progress_bars()
-        try:
-            dataset = datasets.load_dataset(name, name=script_args.dataset_config)
-        finally:
-            datasets.enable_progress_bars()
-    elif os.path.isfile(name) and os.path.splitext(name)[1] in builders:
-        if os.path.getsize(name) == 0:
-            raise ValueError(f"{name!r} is empty")
-        datasets.disable_progress_bars()  # a local file loads in a moment: no bar on stderr
-        try:
-            dataset = datasets.load_dataset(builders[os.path.splitext(name)[1]], data_files=name)
-        finally:
-            datasets.enable_progress_bars()
-    else:
-        dataset = datasets.load_dataset(name, name=script_args.dataset_config, streaming=script_args.dataset_streaming)
-    if isinstance(dataset, (datasets.DatasetDict, datasets.IterableDatasetDict)):
-        if dataset_args is not None and dataset_args.datasets:  # get_dataset names its splits train and test
-            return _with_prompt(dataset["train"], name), dataset.get("test")
-        if script_args.dataset_train_split not in dataset:
-            raise ValueError(
-                f"dataset {name!r} has no split {script_args.dataset_train_split!r} (--dataset_train_split): "
-                f"it has {list(dataset)}"
-            )
-        train = dataset[script_args.dataset_train_split]
-        test = dataset.get(script_args.dataset_test_split)
-    else:
-        train, test = dataset, None
-    return _with_prompt(train, name), test
-
-
-def _with_prompt(train, name: str):
-    columns = train.column_names or []
-    if "prompt" not in columns:
-        raise ValueError(f"dataset {name!r} needs a 'prompt' column; it has {columns}")
-    return train
 
 
 def resolve_reward_funcs(script_args: SafeVocabScriptArguments) -> list:
@@ -410,7 +322,7 @@ def run(argv: list[str] | None = None):
             raise SystemExit(status)
         return None
     data_context = "datasets: in --config: " if mixture else f"--dataset_name {script_args.dataset_name}: "
-    with _usage_errors(debug, data_context), _unreadable_data():
+    with _usage_errors(debug, data_context), unreadable_data():
         train_dataset, eval_dataset = load_train_dataset(script_args, dataset_args)
         if hasattr(train_dataset, "__len__") and len(train_dataset) == 0:
             split = "train" if mixture else script_args.dataset_train_split
