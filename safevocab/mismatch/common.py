@@ -41,6 +41,18 @@ def masked_max(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return torch.where(mask.any(), torch.where(mask, x, -math.inf).amax(), NAN)
 
 
+def masked_max_min(xs: Sequence[torch.Tensor], mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``([K] maxima, [K] minima)`` of each of the ``K`` tensors ``xs`` (each of ``mask``'s shape) over the bool
+    ``mask``, in one reduction (the max over ``[x_1..x_K, -x_1..-x_K]``); NaN where nothing counts."""
+    k = len(xs)
+    if mask.numel() == 0:
+        nan = torch.full((k,), NAN, dtype=xs[0].dtype, device=xs[0].device)
+        return nan, nan
+    signed = torch.where(mask, torch.stack([*xs, *(-x for x in xs)]), -math.inf).flatten(1).amax(1)
+    signed = torch.where(mask.any(), signed, NAN)
+    return signed[:k], -signed[k:]
+
+
 def masked_extreme(x: torch.Tensor, mask: torch.Tensor, largest: bool) -> torch.Tensor:
     """Max (``largest``) or min of ``x`` over ``mask`` as a 0-dim fp32 tensor; NaN when nothing counts."""
     mask = mask.bool()

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 import torch
@@ -14,6 +13,7 @@ from safevocab.mismatch.common import (
     check_mask,
     item_count,
     masked_max,
+    masked_max_min,
     paired_log_ratio,
 )
 from safevocab.mismatch.formulas import bucket_mismatch, chi2_terms, k3_terms, sequence_chi2
@@ -80,11 +80,7 @@ def mismatch_metrics(
     per_row = torch.stack([torch.exp(-mean_train), torch.exp(-mean_rollout), gap, gap.abs(), torch.exp(gap)])
     seq_means = torch.where(rows, per_row, 0.0).sum(-1) / n_seq
     abs_max = masked_max(abs_log_r, mask)
-    if mask.numel() == 0:
-        gap_max = gap_min = torch.tensor(NAN, dtype=torch.float64)
-    else:  # max gap and -min gap over the rows in one reduction
-        gap_max, neg_gap_min = torch.where(rows, torch.stack([gap, -gap]), -math.inf).amax(-1)
-        gap_max, gap_min = torch.where(n_seq > 0, torch.stack([gap_max, -neg_gap_min]), NAN)
+    (gap_max,), (gap_min,) = masked_max_min([gap], rows)
     values = torch.stack([
         token_means[0], token_means[1], token_means[2], token_means[3], abs_max,
         seq_means[0], seq_means[1], seq_means[2], seq_means[3], gap_max, gap_min, seq_means[4],
@@ -237,13 +233,9 @@ def importance_ratio_metrics(
     w = ratio.double()
     v = valid.double()
     n = v.sum()
-    # Four sums in one reduction (raw, w, clipped, w^2), the four extremes in one max over [raw, w, -raw, -w].
+    # Four sums in one reduction (raw, w, clipped, w^2), the four extremes in another.
     sum_raw, sum_w, sum_clipped, sum_w2 = (torch.stack([raw, w, clipped.double(), w.square()]) * v).flatten(1).sum(1)
-    if valid.numel() == 0:
-        raw_max = w_max = raw_min = w_min = torch.tensor(NAN, dtype=torch.float64)
-    else:
-        signed = torch.where(valid, torch.stack([raw, w, -raw, -w]), -math.inf).flatten(1).amax(1)
-        raw_max, w_max, raw_min, w_min = torch.where(n > 0, signed * signed.new_tensor([1.0, 1.0, -1.0, -1.0]), NAN)
+    (raw_max, w_max), (raw_min, w_min) = masked_max_min([raw, w], valid)
     ess = torch.where((n > 0) & (sum_w2 > 0), sum_w.square() / (n * sum_w2), NAN)
     row = torch.stack([sum_raw / n, raw_min, raw_max, sum_w / n, w_min, w_max, sum_clipped / n, ess]).float()
     out = dict(zip(_IS_KEYS, row.unbind()))

@@ -20,6 +20,21 @@ ARITHMETIC_DATASET_NAME = "arithmetic"
 
 
 @contextmanager
+def _without_progress_bars() -> Iterator[None]:
+    """No ``datasets`` progress bars on stderr while local data loads (it takes a moment); the caller's setting is
+    put back after."""
+    import datasets
+
+    enabled = datasets.is_progress_bar_enabled()
+    datasets.disable_progress_bars()
+    try:
+        yield
+    finally:
+        if enabled:
+            datasets.enable_progress_bars()
+
+
+@contextmanager
 def unreadable_data() -> Iterator[None]:
     """A data file ``datasets`` cannot parse (a bad JSON line, columns that differ between files) as a ValueError
     with the parser's own reason, which ``datasets`` keeps as the error's cause."""
@@ -51,11 +66,8 @@ def load_train_dataset(script_args: ScriptArguments, dataset_args: DatasetMixtur
     if dataset_args is not None and dataset_args.datasets:
         from trl import get_dataset
 
-        datasets.disable_progress_bars()  # local files load in a moment: no bars on stderr
-        try:
+        with _without_progress_bars():  # local files load in a moment: no bars on stderr
             dataset = get_dataset(dataset_args)
-        finally:
-            datasets.enable_progress_bars()
         name = "datasets: in --config"
     elif name == SYNTHETIC_DATASET_NAME:
         return synthetic_dataset(script_args.synthetic_num_prompts), None
@@ -70,20 +82,14 @@ def load_train_dataset(script_args: ScriptArguments, dataset_args: DatasetMixtur
         os.path.exists(os.path.join(name, f)) for f in ("dataset_info.json", "state.json", "dataset_dict.json")
     ):
         dataset = datasets.load_from_disk(name)
-    elif os.path.isdir(name):  # a folder of data files, read by datasets' packaged builders: no bar on stderr
-        datasets.disable_progress_bars()
-        try:
+    elif os.path.isdir(name):  # a folder of data files, read by datasets' packaged builders
+        with _without_progress_bars():
             dataset = datasets.load_dataset(name, name=script_args.dataset_config)
-        finally:
-            datasets.enable_progress_bars()
     elif os.path.isfile(name) and os.path.splitext(name)[1] in builders:
         if os.path.getsize(name) == 0:
             raise ValueError(f"{name!r} is empty")
-        datasets.disable_progress_bars()  # a local file loads in a moment: no bar on stderr
-        try:
+        with _without_progress_bars():
             dataset = datasets.load_dataset(builders[os.path.splitext(name)[1]], data_files=name)
-        finally:
-            datasets.enable_progress_bars()
     else:
         dataset = datasets.load_dataset(name, name=script_args.dataset_config, streaming=script_args.dataset_streaming)
     if isinstance(dataset, (datasets.DatasetDict, datasets.IterableDatasetDict)):
