@@ -26,6 +26,7 @@ import os
 import statistics
 import tempfile
 import time
+from collections.abc import Iterator
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
@@ -50,7 +51,13 @@ def _make_trainer(trainer_cls, config_cls, model: str, dataset, reward, output_d
     trainer = trainer_cls(model=model, reward_funcs=reward, args=config_cls(**kwargs), train_dataset=dataset)
     trainer.create_optimizer_and_scheduler(num_training_steps=steps)
     trainer.current_gradient_accumulation_steps = trainer.args.gradient_accumulation_steps
-    return trainer, iter(trainer.get_train_dataloader())
+    return trainer, _epochs(trainer)
+
+
+def _epochs(trainer) -> Iterator:
+    """The trainer's batches, epoch after epoch (as the Trainer does), so that ``--steps`` may exceed one epoch."""
+    while True:
+        yield from trainer.get_train_dataloader()
 
 
 def _timed_step(trainer, batches, seed: int) -> float:

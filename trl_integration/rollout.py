@@ -144,7 +144,7 @@ class RolloutLogprobRecorder(LogitsProcessor):
         self._pending: torch.Tensor | None = None  # the latest step's scores; its token comes with the next call
         self._closed: list[tuple[torch.Tensor, torch.Tensor]] = []  # (scores, tokens) not scored yet
         self._closed_bytes = 0
-        self._steps: list[torch.Tensor] = []  # [batch] log-probabilities of the scored steps
+        self._steps: list[torch.Tensor] = []  # [steps, batch] log-probabilities of the scored steps, per call
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         if self.prompt_length is None:
@@ -171,7 +171,7 @@ class RolloutLogprobRecorder(LogitsProcessor):
         scores = torch.cat([s for s, _ in self._closed])
         tokens = torch.cat([t for _, t in self._closed])
         out = safe_log_softmax(scores, tokens, self.rule, temperature=self.temperature)
-        self._steps.extend(out.logprobs.split(batch))
+        self._steps.append(out.logprobs.view(-1, batch))  # [steps, batch], steps in order
         self._closed, self._closed_bytes = [], 0
 
     def finalize(self, sequences: torch.Tensor) -> torch.Tensor:
@@ -185,15 +185,17 @@ class RolloutLogprobRecorder(LogitsProcessor):
             self._close_step(sequences[:, -1])
         self._score_closed()
         steps = sequences.shape[1] - self.prompt_length
-        if steps != len(self._steps):
+        scored = sum(chunk.shape[0] for chunk in self._steps)
+        if steps != scored:
             raise RuntimeError(
-                f"rollout log-prob recorder saw {len(self._steps)} decoding steps but generate returned {steps} "
+                f"rollout log-prob recorder saw {scored} decoding steps but generate returned {steps} "
                 "new tokens per sequence"
             )
         batch = sequences.shape[0]
-        self.logprobs = (
-            torch.stack(self._steps, dim=1) if self._steps else torch.zeros(batch, 0, device=sequences.device)
-        )
+        if not self._steps:
+            self.logprobs = torch.zeros(batch, 0, device=sequences.device)
+        else:
+            self.logprobs = (self._steps[0] if len(self._steps) == 1 else torch.cat(self._steps)).T.contiguous()
         self._steps = []
         return self.logprobs
 
@@ -205,6 +207,29 @@ class RolloutLogprobRecorder(LogitsProcessor):
             raise RuntimeError(f"{len(completion_ids)} completions but {self.logprobs.shape[0]} recorded rows")
         rows = self.logprobs.cpu().tolist()  # one conversion, then plain list slicing
         return [row[: len(ids)] for row, ids in zip(rows, completion_ids)]
+
+    def padded(self, lengths: list[int], width: int, device: torch.device | str | None = None) -> torch.Tensor:
+        """trl's ``sampling_per_token_logps`` tensor built from :meth:`per_sequence`'s lists, made directly: the
+        recorded ``[batch, width]`` log-probabilities, ``0.0`` after each completion's ``lengths[i]`` tokens (trl's
+        right padding, to ``width`` columns), fp32. The same values without trl's one tensor per completion.
+
+        Args:
+            lengths: each completion's number of tokens (at most the recorded steps).
+            width: the padded completion length of trl's ``completion_ids``.
+            device: where the tensor goes (default: the recorder's).
+        """
+        if self.logprobs is None:
+            raise RuntimeError("call finalize() after generate before reading the recorded log-probabilities")
+        if len(lengths) != self.logprobs.shape[0]:
+            raise RuntimeError(f"{len(lengths)} completions but {self.logprobs.shape[0]} recorded rows")
+        recorded = self.logprobs.float()
+        steps = recorded.shape[1]
+        if width > steps:
+            recorded = torch.nn.functional.pad(recorded, (0, width - steps))
+        recorded = recorded[:, :width]
+        columns = torch.arange(width, device=recorded.device)
+        length = torch.tensor(lengths, device=recorded.device).unsqueeze(1)
+        return torch.where(columns < length, recorded, 0.0).to(device if device is not None else recorded.device)
 
 
 #: Logit distance (nats of transformed logit) below the top token at which `lift_perturbation` reaches ``eps``.

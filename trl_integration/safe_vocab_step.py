@@ -26,13 +26,11 @@ from dataclasses import dataclass, field
 import torch
 
 from safevocab.correction import ImportanceRatio, importance_sampling_ratio
-from safevocab.mismatch import (
-    DEFAULT_BUCKETS,
-    bucket_mismatch_metrics,
-    importance_ratio_metrics,
-    mismatch_metrics,
-    safe_set_metrics,
-)
+from safevocab.mismatch import DEFAULT_BUCKETS
+from safevocab.mismatch.common import paired_log_ratio
+from safevocab.mismatch.metrics import bucket_row, importance_ratio_row, mismatch_row, safe_set_row
+from safevocab.mismatch.row import MetricRow
+from trl_integration.batch_metrics import MASKED_TOKEN_FRAC, masked_token_row, metric_rows, trl_sampling_row
 from trl_integration.enums import OUT_OF_SET_MODES, SCORING_MODES
 from trl_integration.support_replay import replay_metrics
 
@@ -48,6 +46,7 @@ __all__ = [
     "PendingGeneration",
     "BatchState",
     "out_of_set_masks",
+    "step_metric_row",
     "step_metrics",
     "safe_vocabulary_step",
     "old_policy_stats",
@@ -60,14 +59,12 @@ __all__ = [
 #: Metric: share of the loss tokens of a generation batch whose rollout log-probability was recorded.
 ROLLOUT_LOGPROBS_FRAC = "safevocab/rollout_logprobs_frac"
 
-#: Metric: share of the counted tokens that the out-of-set masking removed from the loss.
-MASKED_TOKEN_FRAC = "safevocab/masked_token_frac"
+#: Keys of :func:`~safevocab.mismatch.mismatch_metrics` re-logged under ``mismatch/removed/`` (zero-mismatch setting).
+_REMOVED_KEYS = ("abs_logp_diff_mean", "abs_logp_diff_max", "k3_kl", "log_ppl_abs_diff", "chi2_token")
 
 #: trl loss types normalised by ``num_items_in_batch`` (the loss tokens of the whole generation batch).
 COUNT_NORMALISED_LOSSES = ("dapo", "cispo", "vespo")
 
-#: Keys of :func:`~safevocab.mismatch.mismatch_metrics` re-logged under ``mismatch/removed/`` (zero-mismatch setting).
-_REMOVED_KEYS = ("abs_logp_diff_mean", "abs_logp_diff_max", "k3_kl", "log_ppl_abs_diff", "chi2_token")
 
 
 @dataclass
@@ -194,7 +191,7 @@ def out_of_set_masks(
     return OutOfSetMasks(base=base, keep=keep, tool_mask=new_tool_mask, loss_mask=completion_mask * new_tool_mask)
 
 
-def step_metrics(
+def step_metric_row(
     stats: SafeTokenStats,
     masks: OutOfSetMasks,
     train_logps: torch.Tensor,
@@ -202,12 +199,12 @@ def step_metrics(
     ratio: ImportanceRatio | None,
     settings: StepSettings,
     measured_rollout_logps: torch.Tensor | None = None,
-) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor | float]]:
-    """The metric row ``(values, counts)`` of one batch: every value with the number of items it averages over.
+) -> MetricRow:
+    """The metric row of one batch (see the module docstring for what it holds).
 
     Args:
         stats: the safe-set statistics of the scoring pass.
-        masks: the batch's :func:`out_of_set_masks`.
+        masks: the batch's :func:`~trl_integration.safe_vocab_step.out_of_set_masks`.
         train_logps: ``[B, T]`` the training log-probabilities of the sampled tokens.
         rollout_logps: ``[B, T]`` the rollout log-probabilities, or ``None`` (none recorded).
         ratio: the batch's importance ratio, or ``None``.
@@ -217,26 +214,39 @@ def step_metrics(
     """
     # Inference mode: the values are only logged, and dozens of small ops per step run about twice as fast.
     with torch.inference_mode():
-        metrics, counts = safe_set_metrics(
-            stats.in_safe, stats.log_kept_mass, stats.safe_size, masks.base, return_counts=True
-        )
         counted = masks.counted
-        metrics[MASKED_TOKEN_FRAC] = _frac(counted & ~masks.keep, counted)
-        counts[MASKED_TOKEN_FRAC] = counted.sum()
+        groups = [
+            safe_set_row(stats.in_safe, stats.log_kept_mass, stats.safe_size, masks.base),
+            masked_token_row(counted, masks.keep),
+        ]
         if settings.replay:
-            _merge(metrics, counts, replay_metrics(stats, counted))
+            groups.append(MetricRow.from_dicts(*replay_metrics(stats, counted)))
         loss_mask = masks.loss_mask
         if ratio is not None:
-            _merge(metrics, counts, importance_ratio_metrics(ratio.log_raw, ratio.ratio, ratio.clipped, loss_mask, True))
+            groups.append(importance_ratio_row(ratio.log_raw, ratio.ratio, ratio.clipped, loss_mask))
             if settings.sampling_metrics:
-                _merge(metrics, counts, _trl_sampling_metrics(train_logps, rollout_logps, ratio, loss_mask))
+                groups.append(trl_sampling_row(train_logps, rollout_logps, ratio, loss_mask))
         if settings.mismatch_metrics:
-            _merge(metrics, counts, mismatch_metrics(train_logps, rollout_logps, loss_mask, return_counts=True))
-            buckets = list(settings.mismatch_buckets)
-            _merge(metrics, counts, bucket_mismatch_metrics(train_logps, rollout_logps, loss_mask, buckets, True))
+            paired = paired_log_ratio(train_logps, rollout_logps, loss_mask)  # shared by the two groups
+            groups.append(mismatch_row(*paired))
+            groups.append(bucket_row(*paired, settings.mismatch_buckets))
         if measured_rollout_logps is not None:
-            _merge(metrics, counts, _removed_mismatch_metrics(train_logps, measured_rollout_logps, loss_mask))
-    return metrics, counts
+            removed = mismatch_row(*paired_log_ratio(train_logps, measured_rollout_logps, loss_mask))
+            groups.append(removed.select([f"mismatch/{k}" for k in _REMOVED_KEYS], [f"mismatch/removed/{k}" for k in _REMOVED_KEYS]))
+        return MetricRow.cat(groups)
+
+
+def step_metrics(
+    stats: SafeTokenStats,
+    masks: OutOfSetMasks,
+    train_logps: torch.Tensor,
+    rollout_logps: torch.Tensor | None,
+    ratio: ImportanceRatio | None,
+    settings: StepSettings,
+    measured_rollout_logps: torch.Tensor | None = None,
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """:func:`step_metric_row` as ``(values, counts)`` dictionaries (``{name: 0-dim tensor}``)."""
+    return step_metric_row(stats, masks, train_logps, rollout_logps, ratio, settings, measured_rollout_logps).dicts()
 
 
 @dataclass
@@ -247,16 +257,25 @@ class StepResult:
         entries: the batch entries to set (``tool_mask``; ``importance_sampling_ratio`` with importance sampling;
             ``sampling_per_token_logps`` in the zero-mismatch setting).
         loss_mask: ``[B, T]`` the loss tokens after the out-of-set masking (``num_items_in_batch`` counts them).
-        metrics: the local metric values (empty when not measured).
-        counts: the number of items each value averages over.
+        row: the local metric row (:func:`~trl_integration.batch_metrics.step_metric_row`), ``None`` when not
+            measured.
         record: the tensors of ``trainer.last_generation``.
     """
 
     entries: dict[str, torch.Tensor]
     loss_mask: torch.Tensor
-    metrics: dict = field(default_factory=dict)
-    counts: dict = field(default_factory=dict)
+    row: MetricRow | None = None
     record: dict = field(default_factory=dict)
+
+    @property
+    def metrics(self) -> dict[str, torch.Tensor]:
+        """The local metric values, ``{name: 0-dim tensor}`` (empty when not measured)."""
+        return {} if self.row is None else self.row.dicts()[0]
+
+    @property
+    def counts(self) -> dict[str, torch.Tensor]:
+        """The number of items each value of :attr:`metrics` averages over."""
+        return {} if self.row is None else self.row.dicts()[1]
 
 
 @torch.no_grad()
@@ -305,9 +324,9 @@ def safe_vocabulary_step(
         entries["importance_sampling_ratio"] = ratio.ratio
 
     # 3. Metrics.
-    metrics, counts = {}, {}
+    row = None
     if measure:
-        metrics, counts = step_metrics(stats, masks, train_logps, rollout_logps, ratio, settings, measured_rollout_logps)
+        row = step_metric_row(stats, masks, train_logps, rollout_logps, ratio, settings, measured_rollout_logps)
 
     record = {
         "train_logps": train_logps.detach(),
@@ -322,7 +341,7 @@ def safe_vocabulary_step(
         # zero_mismatch: the recorder's rollout log-probabilities before the replacement (else None).
         "measured_rollout_logps": None if measured_rollout_logps is None else measured_rollout_logps.detach(),
     }
-    return StepResult(entries=entries, loss_mask=masks.loss_mask, metrics=metrics, counts=counts, record=record)
+    return StepResult(entries=entries, loss_mask=masks.loss_mask, row=row, record=record)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -353,12 +372,16 @@ class PendingGeneration:
     (``safe_vocab_scoring``); complete once all ``expected`` micro-batches have been seen."""
 
     expected: int
-    rows: list[tuple[dict, dict]] = field(default_factory=list)
+    rows: list[MetricRow | tuple[dict, dict]] = field(default_factory=list)
     records: list[dict] = field(default_factory=list)
 
     def add(self, result: StepResult) -> bool:
         """Add one micro-batch's result; whether the generation batch is now complete."""
-        self.rows.append((result.metrics, result.counts))
+        if result.row is not None:
+            if not self.records and self.rows:  # the batch's own rows (rollout coverage) join its first micro-batch's
+                self.rows = [MetricRow.cat([*self.rows, result.row])]
+            else:
+                self.rows.append(result.row)
         self.records.append(result.record)
         return len(self.records) == self.expected  # rows may start with the batch's own (rollout coverage)
 
@@ -373,12 +396,15 @@ class BatchState:
         last_stats: the safe-set statistics of the latest scoring pass.
         replay: the loss forward run ahead of trl's loss code, until trl asks for it.
         pending: per mode (``"train"``/``"eval"``), the generation batch whose step runs in the loss.
+        recorded_rollout: during a single-turn ``generate`` rollout, ``(recorder, completion lengths)``: the recorded
+            log-probabilities that become trl's ``sampling_per_token_logps`` tensor once trl has built the batch.
     """
 
     captured: list[tuple[torch.Tensor, SafeTokenStats]] | None = None
     last_stats: SafeTokenStats | None = None
     replay: LossReplay | None = None
     pending: dict[str, PendingGeneration] = field(default_factory=dict)
+    recorded_rollout: tuple | None = None
 
     def keep(self, logps: torch.Tensor, stats: SafeTokenStats) -> None:
         """Record a scoring pass."""
@@ -422,21 +448,6 @@ def score_in_loss(choice: str, micro_batches: int, loss_type: str) -> bool:
     return micro_batches == 1 or loss_type not in COUNT_NORMALISED_LOSSES
 
 
-def metric_rows(rows: list[tuple[dict, dict]]) -> tuple[list[str], torch.Tensor]:
-    """``(names, table)``: the metric names of ``rows`` (first-seen order) and a CPU float64 ``[rows, 2, names]``
-    table of each row's values (NaN where a row lacks the metric) and counts (1 where it has none), ready for one
-    gather across processes and :func:`safevocab.mismatch.reduce_gathered`."""
-    names = list(dict.fromkeys(name for metrics, _ in rows for name in metrics))
-    nan = float("nan")
-    table = torch.stack(
-        [
-            _float64_row([metrics.get(n, nan) for n in names] + [counts.get(n, 1.0) for n in names])
-            for metrics, counts in rows
-        ]
-    )
-    return names, table.reshape(len(rows), 2, len(names))
-
-
 def concat_records(records: list[dict]) -> dict:
     """The ``last_generation`` tensors of a generation batch from those of its micro-batches."""
     if len(records) == 1:
@@ -445,56 +456,3 @@ def concat_records(records: list[dict]) -> dict:
         key: None if records[0][key] is None else torch.cat([record[key] for record in records]) for key in records[0]
     }
 
-
-# ----------------------------------------------------------------------------------------------------------------
-# helpers
-
-
-def _float64_row(values: list) -> torch.Tensor:
-    """A CPU float64 row from 0-dim tensors and Python numbers, built with the fewest torch calls: on CPU, reading
-    a scalar costs a fraction of a microsecond while stacking mixed dtypes costs a few per entry; on an
-    accelerator, one stack (one transfer) instead of one host sync per value."""
-    at = [i for i, v in enumerate(values) if isinstance(v, torch.Tensor)]
-    if all(values[i].device.type == "cpu" for i in at):
-        return torch.tensor([float(v) for v in values], dtype=torch.float64)
-    row = torch.tensor([0.0 if isinstance(v, torch.Tensor) else float(v) for v in values], dtype=torch.float64)
-    row[at] = torch.stack([values[i].reshape(()).to(torch.float64) for i in at]).cpu()
-    return row
-
-
-def _merge(metrics: dict, counts: dict, result: tuple[dict, dict]) -> None:
-    """Add a ``(metrics, counts)`` pair (a ``*_metrics(..., return_counts=True)`` result) to the running dicts."""
-    metrics.update(result[0])
-    counts.update(result[1])
-
-
-def _frac(selected: torch.Tensor, among: torch.Tensor) -> torch.Tensor:
-    n = among.sum()
-    if n == 0:
-        return torch.tensor(float("nan"))
-    return (selected.sum().double() / n).float()
-
-
-def _removed_mismatch_metrics(train_logps, measured_rollout_logps, mask) -> tuple[dict, dict]:
-    """zero_mismatch: the gap between the training and the *measured* rollout log-probabilities that the
-    replacement removed, as ``mismatch/removed/<key>``, with the counts of each value."""
-    full, counts = mismatch_metrics(train_logps, measured_rollout_logps, mask, return_counts=True)
-    keys = {f"mismatch/removed/{k}": f"mismatch/{k}" for k in _REMOVED_KEYS}
-    return {k: full[v] for k, v in keys.items()}, {k: counts[v] for k, v in keys.items()}
-
-
-def _trl_sampling_metrics(train_logps, rollout_logps, ratio, mask) -> tuple[dict, dict]:
-    """trl's ``sampling/*`` metrics (post-truncation), which trl logs only on the vLLM path, with their counts."""
-    m = mask.bool() & ~torch.isnan(rollout_logps)
-    delta = (train_logps - rollout_logps).abs()[m]
-    flat = ratio.ratio.flatten() if ratio.sequence_level else ratio.ratio[mask.bool()]
-    nan = torch.tensor(float("nan"))
-    metrics = {
-        "sampling/sampling_logp_difference/mean": delta.mean() if delta.numel() else nan,
-        "sampling/sampling_logp_difference/max": delta.max() if delta.numel() else nan,
-        "sampling/importance_sampling_ratio/min": flat.min() if flat.numel() else nan,
-        "sampling/importance_sampling_ratio/mean": flat.mean() if flat.numel() else nan,
-        "sampling/importance_sampling_ratio/max": flat.max() if flat.numel() else nan,
-    }
-    counts = {k: float(delta.numel() if "logp_difference" in k else flat.numel()) for k in metrics}
-    return metrics, counts

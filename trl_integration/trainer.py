@@ -50,8 +50,9 @@ import torch
 from accelerate.utils import is_peft_model
 
 from safevocab import NoPruning
-from safevocab.mismatch import reduce_gathered
+from safevocab.mismatch import MetricRow
 from safevocab.schedulers import LengthDecayLR
+from trl_integration.batch_metrics import reduce_across_processes
 from trl_integration.callbacks import LengthDecayCallback
 from trl_integration.config import SafeVocabGRPOConfig
 from trl_integration.enums import ROLLOUT_DTYPES
@@ -67,7 +68,6 @@ from trl_integration.safe_vocab_step import (
     StepResult,
     StepSettings,
     concat_records,
-    metric_rows,
     old_policy_stats,
     rollout_logprobs_coverage,
     safe_vocabulary_step,
@@ -287,7 +287,12 @@ class SafeVocabGRPOTrainer(GRPOTrainerBridge):
             )
         if recorder is not None and recorder.failure is not None:
             fallback = recorder.failure
-        if recorder is not None and fallback is None:
+        if recorder is not None and fallback is None and self._rollout_logprobs_as_tensor():
+            # Single-turn: hand trl no lists (it would build one tensor per completion) and set its padded tensor
+            # from the recording in generate_and_score (the same values). Tool turns append to trl's lists.
+            self._batch.recorded_rollout = (recorder, [len(ids) for ids in completion_ids])
+            logprobs = None
+        elif recorder is not None and fallback is None:
             logprobs = recorder.per_sequence(completion_ids)
         elif fallback is not None:
             # NaN marks "not recorded" (trl's own convention for vLLM tokens without a log-probability);
@@ -295,6 +300,10 @@ class SafeVocabGRPOTrainer(GRPOTrainerBridge):
             self._warn_rollout_logprobs_fallback(fallback)
             logprobs = [[math.nan] * len(ids) for ids in completion_ids]
         return completion_ids, logprobs
+
+    def _rollout_logprobs_as_tensor(self) -> bool:
+        """Whether trl's rollouts are single-turn (no tools): trl's tool loop extends its lists of log-probabilities."""
+        return not self.tools
 
     def _warn_rollout_logprobs_fallback(self, reason: str) -> None:
         """One warning per run: rollout log-probabilities could not be recorded, the batch trains without them."""
@@ -309,14 +318,18 @@ class SafeVocabGRPOTrainer(GRPOTrainerBridge):
         )
 
     def generate_and_score(self, inputs):
-        self._batch.captured = []
+        self._batch.captured, self._batch.recorded_rollout = [], None
         if self._replay is not None:
             self._replay.begin_generation()
         try:
             output = self.stock_generate_and_score(inputs)
-            captured = self._batch.captured
+            captured, recorded = self._batch.captured, self._batch.recorded_rollout
         finally:
-            self._batch.captured = None
+            self._batch.captured = self._batch.recorded_rollout = None
+        if recorded is not None:
+            recorder, lengths = recorded
+            completion_ids = output["completion_ids"]
+            output["sampling_per_token_logps"] = recorder.padded(lengths, completion_ids.shape[1], completion_ids.device)
         if self._replay is not None:
             self._replay.attach(output)
         self._apply_safe_vocabulary(output, captured)
@@ -370,17 +383,17 @@ class SafeVocabGRPOTrainer(GRPOTrainerBridge):
         else:
             train_logps, stats = self._score_generation_batch(output)
         result = self._apply_step(output, train_logps, stats, whole_batch=True)
-        self._log_reduced_metrics(mode, [*coverage, (result.metrics, result.counts)])
+        self._log_reduced_metrics(mode, [MetricRow.cat([*coverage, result.row])])
         self.last_generation = result.record
 
-    def _check_rollout_logprobs(self, output: dict, mode: str) -> list[tuple[dict, dict]]:
+    def _check_rollout_logprobs(self, output: dict, mode: str) -> list[MetricRow]:
         """The metric row of the share of loss tokens with a recorded rollout log-probability (none without them); on
         the ``generate`` path a batch with unrecorded tokens (NaN) drops them and trains without generate-path IS."""
         rollout = output.get("sampling_per_token_logps")
         if rollout is None or not self._uses_rollout_logprobs:
             return []
         frac, n, gap = rollout_logprobs_coverage(rollout, output["completion_mask"], output.get("tool_mask"))
-        row = ({ROLLOUT_LOGPROBS_FRAC: frac}, {ROLLOUT_LOGPROBS_FRAC: n})
+        row = MetricRow((ROLLOUT_LOGPROBS_FRAC,), frac.float().reshape(1), n.double().reshape(1))
         # vLLM keeps trl's convention (a NaN token gets ratio 1); a partial generate-path recording is not used.
         # Decided over all processes: every rank must then log the same metrics (they are gathered together).
         if not self.use_vllm:
@@ -424,25 +437,11 @@ class SafeVocabGRPOTrainer(GRPOTrainerBridge):
         return result
 
     @torch.no_grad()
-    def _log_reduced_metrics(self, mode: str, rows: list[tuple[dict, dict]]) -> None:
-        """Gather local metric rows (``(values, counts)`` of a batch, or of each of its micro-batches) across
-        processes in one call and append their reductions (:func:`safevocab.mismatch.reduce_gathered`:
-        count-weighted means, max, min) to trl's metric store (``metric_store``).
-
-        Every process ends with the same values, equal to what one process would compute on the whole batch. A
-        metric without a count weighs every row equally. NaN (undefined here) values and zero counts are
-        ignored; a metric undefined everywhere is skipped."""
-        names, table = metric_rows(rows) if rows else ([], None)
-        if not names:
-            return
-        device = self.accelerator.device
-        # float64 (exact counts, full-precision weighted sums), except where the device has none (MPS).
-        dtype = torch.float32 if device.type == "mps" else torch.float64
-        gathered = self.accelerator.gather(table.to(device=device, dtype=dtype))
-        reduced = reduce_gathered(names, gathered[:, 0], gathered[:, 1])
-        for name in names:
-            if name in reduced:
-                self.metric_store[mode][name].append(reduced[name])
+    def _log_reduced_metrics(self, mode: str, rows: list[MetricRow]) -> None:
+        """Append the reductions of local metric rows across processes (one gather,
+        :func:`~trl_integration.batch_metrics.reduce_across_processes`) to trl's metric store (``metric_store``)."""
+        for name, value in reduce_across_processes(rows, self.accelerator.gather, self.accelerator.device).items():
+            self.metric_store[mode][name].append(value)
 
     # ------------------------------------------------------------------------------------------------------
     # loss

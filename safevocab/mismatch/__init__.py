@@ -53,6 +53,7 @@ from safevocab.mismatch.metrics import (
     safe_set_metrics,
 )
 from safevocab.mismatch.reduce import reduce_gathered, reduction
+from safevocab.mismatch.row import MetricRow
 
 __all__ = [
     "DEFAULT_BUCKETS",
@@ -73,4 +74,5 @@ __all__ = [
     "safe_set_metrics",
     "importance_ratio_metrics",
     "reduce_gathered",
+    "MetricRow",
 ]

@@ -176,15 +176,7 @@ def bucket_mismatch(
     """
     edges = check_edges(edges)
     train, _, log_r, mask = paired_log_ratio(train_logps, rollout_logps, mask)
-    p = train.exp()
-    k = len(edges) + 1
-    # bucket j holds edges[j-1] <= p < edges[j]: bucketize with right=True; masked tokens go to an extra bin k
-    inner = torch.tensor(edges, dtype=torch.float64, device=p.device)
-    bucket = torch.where(mask, torch.bucketize(p, inner, right=True), k).flatten()
-    count = torch.bincount(bucket, minlength=k + 1)[:k]
-    sums = torch.stack(
-        [torch.bincount(bucket, weights=w.flatten(), minlength=k + 1)[:k] for w in (log_r.abs(), log_r)]
-    )
+    count, sums = bucket_counts_and_sums(train, log_r, mask, edges)
     means = (sums / count).cpu()  # 0/0 = NaN for an empty bucket
     return BucketMismatch(
         names=bucket_names(edges),
@@ -194,6 +186,24 @@ def bucket_mismatch(
         abs_diff_mean=means[0],
         diff_mean=means[1],
     )
+
+
+def bucket_counts_and_sums(
+    train: torch.Tensor, log_r: torch.Tensor, mask: torch.Tensor, edges: Sequence[float]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(count, sums)``: the ``[K]`` int64 number of counted tokens per bucket of ``p_t = exp(train_t)`` and the
+    ``[2, K]`` float64 sums of ``|log r_t|`` and ``log r_t`` over them (`bucket_mismatch`'s buckets; zero-filled
+    float64 inputs and the bool mask of `~safevocab.mismatch.common.paired_log_ratio`, checked ``edges``)."""
+    p = train.exp()
+    k = len(edges) + 1
+    # bucket j holds edges[j-1] <= p < edges[j]: bucketize with right=True; masked tokens go to an extra bin k
+    inner = torch.tensor(edges, dtype=torch.float64, device=p.device)
+    bucket = torch.where(mask, torch.bucketize(p, inner, right=True), k).flatten()
+    count = torch.bincount(bucket, minlength=k + 1)[:k]
+    sums = torch.stack(
+        [torch.bincount(bucket, weights=w.flatten(), minlength=k + 1)[:k] for w in (log_r.abs(), log_r)]
+    )
+    return count, sums
 
 
 @dataclass

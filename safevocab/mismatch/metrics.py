@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import torch
@@ -11,12 +12,14 @@ from safevocab.mismatch.common import (
     LOG_RATIO_BOUND,
     NAN,
     check_mask,
-    item_count,
+    bucket_names,
+    check_edges,
     masked_max,
     masked_max_min,
     paired_log_ratio,
 )
-from safevocab.mismatch.formulas import bucket_mismatch, chi2_terms, k3_terms, sequence_chi2
+from safevocab.mismatch.formulas import bucket_counts_and_sums, chi2_terms, k3_terms, sequence_chi2
+from safevocab.mismatch.row import MetricRow, counts_vector
 
 _SEQ_KEYS = (
     "mismatch/training_ppl",
@@ -67,7 +70,17 @@ def mismatch_metrics(
         ``(metrics, counts)`` where ``counts[key]`` is the number of tokens (token keys) or sequences (sequence
         keys) the value is computed over.
     """
-    train, rollout, log_r, mask = paired_log_ratio(train_logps, rollout_logps, mask)
+    row = mismatch_row(*paired_log_ratio(train_logps, rollout_logps, mask))
+    return row.dicts() if return_counts else row.dicts()[0]
+
+
+#: For each key of `mismatch_metrics`: 1 if a sequence key (counted in sequences), else 0 (in tokens).
+_MISMATCH_COUNT_PATTERN = tuple(int(key in _SEQ_KEYS) for key in _MISMATCH_KEYS)
+
+
+def mismatch_row(train: torch.Tensor, rollout: torch.Tensor, log_r: torch.Tensor, mask: torch.Tensor) -> MetricRow:
+    """`mismatch_metrics` as a :class:`~safevocab.mismatch.row.MetricRow`, from the output of
+    `~safevocab.mismatch.common.paired_log_ratio` (which `bucket_row` shares)."""
     m = mask.double()
     # Token statistics (kl, k3_kl, chi2_token, mean |log r|), summed in one call.
     abs_log_r = log_r.abs()
@@ -87,11 +100,7 @@ def mismatch_metrics(
         sequence_chi2(log_r, m),
     ]).float()  # fmt: skip
     values[2] -= 1.0  # chi2_token = E[r^2] - 1, in fp32 as before
-    out = dict(zip(_MISMATCH_KEYS, values.unbind()))
-    if not return_counts:
-        return out
-    n_tok, n_seq = item_count(mask.sum()), item_count(n_seq)
-    return out, {k: n_seq if k in _SEQ_KEYS else n_tok for k in out}
+    return MetricRow(_MISMATCH_KEYS, values, counts_vector(_MISMATCH_COUNT_PATTERN, mask.sum(), n_seq))
 
 
 @torch.no_grad()  # diagnostics: logged, never differentiated
@@ -119,20 +128,32 @@ def bucket_mismatch_metrics(
         ``{key: 0-dim fp32 tensor}``; with ``return_counts``, the pair ``(metrics, counts)``: the bucket's token
         count for ``abs_diff``/``diff``, all counted tokens for ``token_frac``.
     """
-    b = bucket_mismatch(train_logps, rollout_logps, mask, edges)
-    # One conversion of each [K] vector, then views of it (one tensor per key costs more than the statistics).
-    abs_diff, diff, frac = torch.stack([b.abs_diff_mean, b.diff_mean, b.frac]).float()
-    bucket_counts = b.count.double()
-    out: dict[str, torch.Tensor] = {}
-    counts: dict[str, torch.Tensor] = {}
-    total = item_count(b.count.sum())
-    for j, name in enumerate(b.names):
-        out[f"mismatch/abs_diff/{name}"] = abs_diff[j]
-        out[f"mismatch/diff/{name}"] = diff[j]
-        out[f"mismatch/token_frac/{name}"] = frac[j]
-        counts[f"mismatch/abs_diff/{name}"] = counts[f"mismatch/diff/{name}"] = bucket_counts[j]
-        counts[f"mismatch/token_frac/{name}"] = total
-    return (out, counts) if return_counts else out
+    row = bucket_row(*paired_log_ratio(train_logps, rollout_logps, mask), edges)
+    return row.dicts() if return_counts else row.dicts()[0]
+
+
+def bucket_row(
+    train: torch.Tensor, rollout: torch.Tensor, log_r: torch.Tensor, mask: torch.Tensor, edges: Sequence[float]
+) -> MetricRow:
+    """`bucket_mismatch_metrics` as a :class:`~safevocab.mismatch.row.MetricRow`, from the output of
+    `~safevocab.mismatch.common.paired_log_ratio` (``rollout`` is not used: ``log_r`` holds it)."""
+    names, edges = _bucket_keys(tuple(edges))
+    count, sums = bucket_counts_and_sums(train, log_r, mask, edges)
+    count = count.double()
+    k = count.shape[0]
+    total = count.sum()
+    # Per bucket: abs_diff and diff (means over the bucket; 0/0 = NaN when empty) and token_frac (share of all).
+    values = torch.cat([sums / count, (count / total).unsqueeze(0)]).T.reshape(-1).float()
+    counts = torch.stack([count, count, total.expand(k)]).T.reshape(-1)
+    return MetricRow(names, values, counts)
+
+
+@functools.lru_cache(maxsize=32)
+def _bucket_keys(edges: tuple[float, ...]) -> tuple[tuple[str, ...], list[float]]:
+    """The keys of `bucket_mismatch_metrics` (per bucket: abs_diff, diff, token_frac) and the checked edges."""
+    edges = check_edges(edges)
+    keys = tuple(f"mismatch/{kind}/{name}" for name in bucket_names(edges) for kind in ("abs_diff", "diff", "token_frac"))
+    return keys, edges
 
 
 _SAFE_SET_KEYS = tuple(
@@ -170,6 +191,18 @@ def safe_set_metrics(
         ``{"safevocab/<key>": 0-dim fp32 tensor}`` for the keys above; with ``return_counts``, the pair
         ``(metrics, counts)``: counted tokens for the token keys, rows ``B`` for the two sequence estimates.
     """
+    row = safe_set_row(in_safe, log_kept_mass, safe_size, mask)
+    return row.dicts() if return_counts else row.dicts()[0]
+
+
+#: For each key of `safe_set_metrics`: 1 if a sequence estimate (counted in rows), else 0 (in tokens).
+_SAFE_SET_COUNT_PATTERN = tuple(int(key.startswith("safevocab/seq_")) for key in _SAFE_SET_KEYS)
+
+
+def safe_set_row(
+    in_safe: torch.Tensor, log_kept_mass: torch.Tensor, safe_size: torch.Tensor, mask: torch.Tensor
+) -> MetricRow:
+    """`safe_set_metrics` as a :class:`~safevocab.mismatch.row.MetricRow`."""
     mask = check_mask(mask, in_safe, log_kept_mass, safe_size)
     m = mask.double()
     log_kept = log_kept_mass.double().clamp(max=0.0) * m
@@ -186,11 +219,7 @@ def safe_set_metrics(
     # the three token means in one reduction
     means = (torch.stack([(~in_safe.bool()).double(), pruned, safe_size.double()]) * m).sum(dim=(1, 2)) / m.sum()
     values = torch.stack([means[0], means[1], pruned_max, means[2], seq_tv, seq_kl]).float()
-    out = dict(zip(_SAFE_SET_KEYS, values.unbind()))
-    if not return_counts:
-        return out
-    n_tok, n_seq = item_count(mask.sum()), item_count(mask.shape[0])
-    return out, {k: n_seq if k.startswith("safevocab/seq_") else n_tok for k in out}
+    return MetricRow(_SAFE_SET_KEYS, values, counts_vector(_SAFE_SET_COUNT_PATTERN, mask.sum(), mask.shape[0]))
 
 
 _IS_KEYS = tuple(
@@ -222,6 +251,14 @@ def importance_ratio_metrics(
         ``{"mismatch/<key>": 0-dim fp32 tensor}`` for the keys above; with ``return_counts``, the pair
         ``(metrics, counts)``.
     """
+    row = importance_ratio_row(log_raw, ratio, clipped, mask)
+    return row.dicts() if return_counts else row.dicts()[0]
+
+
+def importance_ratio_row(
+    log_raw: torch.Tensor, ratio: torch.Tensor, clipped: torch.Tensor, mask: torch.Tensor
+) -> MetricRow:
+    """`importance_ratio_metrics` as a :class:`~safevocab.mismatch.row.MetricRow`."""
     mask = mask.to(torch.bool)
     valid = mask if log_raw.shape == mask.shape else mask.any(dim=-1, keepdim=True)
     if log_raw.shape != valid.shape or ratio.shape != valid.shape or clipped.shape != valid.shape:
@@ -237,8 +274,5 @@ def importance_ratio_metrics(
     sum_raw, sum_w, sum_clipped, sum_w2 = (torch.stack([raw, w, clipped.double(), w.square()]) * v).flatten(1).sum(1)
     (raw_max, w_max), (raw_min, w_min) = masked_max_min([raw, w], valid)
     ess = torch.where((n > 0) & (sum_w2 > 0), sum_w.square() / (n * sum_w2), NAN)
-    row = torch.stack([sum_raw / n, raw_min, raw_max, sum_w / n, w_min, w_max, sum_clipped / n, ess]).float()
-    out = dict(zip(_IS_KEYS, row.unbind()))
-    if not return_counts:
-        return out
-    return out, dict.fromkeys(out, item_count(n))
+    values = torch.stack([sum_raw / n, raw_min, raw_max, sum_w / n, w_min, w_max, sum_clipped / n, ess]).float()
+    return MetricRow(_IS_KEYS, values, counts_vector((0,) * len(_IS_KEYS), n))

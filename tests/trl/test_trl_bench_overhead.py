@@ -20,3 +20,20 @@ def test_bench_overhead_can_measure_the_trainer_without_its_mismatch_metrics(cap
     result = bench_overhead.main(["--steps", "2", "--skip", "1", "--log_mismatch_metrics", "false"])
     assert not result["safevocab_logged_mismatch_metrics"] and result["same_completions"]
     assert "log_mismatch_metrics=False" in capsys.readouterr().out
+
+
+def test_bench_overhead_steps_may_exceed_one_epoch_of_its_dataset(tmp_path):
+    """--steps 300 ran out of batches (StopIteration) with the bundled 2,048 prompts at 8 per step: the batches
+    restart epoch after epoch, as the Trainer's do."""
+    from trl_integration.demo.arithmetic import arithmetic_reward, make_dataset
+    from trl_integration.demo.model import tiny_model_path
+
+    from trl_integration import SafeVocabGRPOConfig, SafeVocabGRPOTrainer
+
+    dataset = make_dataset(16, seed=0, split="train")  # two steps' worth of prompts
+    trainer, batches = bench_overhead._make_trainer(
+        SafeVocabGRPOTrainer, SafeVocabGRPOConfig, str(tiny_model_path()), dataset, arithmetic_reward,
+        str(tmp_path), 5, {"learning_rate": 0.0},
+    )  # fmt: skip
+    for step in range(5):  # 2.5 epochs
+        bench_overhead._timed_step(trainer, batches, seed=step)

@@ -306,3 +306,19 @@ def test_eval_logs_safe_vocabulary_metrics(tiny_model_dir, tmp_path):
     assert evals and math.isfinite(evals[-1]["eval_loss"])
     assert evals[-1]["eval_safevocab/safe_size_mean"] == pytest.approx(5.0, abs=0.5)
     assert "eval_mismatch/k3_kl" in evals[-1]
+
+
+@pytest.mark.parametrize("pad_to_multiple_of", [None, 16], ids=["unpadded", "pad_to_multiple_of"])
+def test_single_turn_rollout_logprobs_equal_trls_own_tensor(tiny_model_dir, tmp_path, monkeypatch, pad_to_multiple_of):
+    """Single-turn rollouts hand trl no per-completion lists: the trainer sets trl's padded
+    ``sampling_per_token_logps`` from the recording itself. It must be exactly the tensor trl builds from the lists
+    (the path tool turns still take), padding after each completion's end included."""
+    trainer = make_trainer(tiny_model_dir, tmp_path, pad_to_multiple_of=pad_to_multiple_of, max_completion_length=12)
+    direct = generate_batch(trainer, n_prompts=4)
+    monkeypatch.setattr(trainer, "_rollout_logprobs_as_tensor", lambda: False)
+    via_trl = generate_batch(trainer, n_prompts=4)
+    assert torch.equal(direct["completion_ids"], via_trl["completion_ids"])  # the same rollout (same seed)
+    lengths = direct["completion_mask"].sum(1)
+    assert (lengths < direct["completion_ids"].shape[1]).any()  # some completions end early: padding is exercised
+    assert direct["sampling_per_token_logps"].dtype == via_trl["sampling_per_token_logps"].dtype
+    assert torch.equal(direct["sampling_per_token_logps"], via_trl["sampling_per_token_logps"])
