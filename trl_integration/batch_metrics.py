@@ -79,10 +79,11 @@ def reduce_across_processes(
 
 
 def masked_token_row(counted: torch.Tensor, keep: torch.Tensor) -> MetricRow:
-    """``safevocab/masked_token_frac`` (share of the ``counted`` tokens not kept) over the counted tokens."""
-    n = counted.sum()
-    frac = (counted & ~keep).sum().double() / n  # 0/0 = NaN when nothing counts
-    return MetricRow((MASKED_TOKEN_FRAC,), frac.float().reshape(1), n.double().reshape(1))
+    """``safevocab/masked_token_frac`` (share of the ``counted`` tokens not kept) over the counted tokens, from
+    ``[..., B, T]`` bool masks (leading dimensions give one row per batch of a stack)."""
+    n = counted.sum(dim=(-2, -1))
+    frac = (counted & ~keep).sum(dim=(-2, -1)).double() / n  # 0/0 = NaN when nothing counts
+    return MetricRow((MASKED_TOKEN_FRAC,), frac.float().unsqueeze(-1), n.double().unsqueeze(-1))
 
 
 def trl_sampling_row(
@@ -90,15 +91,15 @@ def trl_sampling_row(
 ) -> MetricRow:
     """trl's ``sampling/*`` metrics (post-truncation), which trl logs only on the vLLM path: ``|log pi - log mu|``
     over the loss tokens with a rollout log-probability, the ratio over its entries (every sequence's at sequence
-    level, the loss tokens' at token level)."""
+    level, the loss tokens' at token level); ``[..., B, T]`` inputs, leading dimensions give one row per batch."""
     m = mask.bool() & ~torch.isnan(rollout_logps)
-    delta = (train_logps - rollout_logps).abs()  # in the log-probabilities' dtype, as trl
-    r = ratio.ratio
+    delta = (train_logps - rollout_logps).abs().double()  # the difference in the log-probabilities' dtype, as trl
+    r = ratio.ratio.double()
     r_mask = torch.ones_like(r, dtype=torch.bool) if ratio.sequence_level else mask.bool()
-    n_delta, n_ratio = m.sum(), r_mask.sum()
-    (delta_max,), _ = masked_max_min([delta.double()], m)
-    (r_max,), (r_min,) = masked_max_min([r.double()], r_mask)
-    sum_delta = torch.where(m, delta.double(), 0.0).sum()
-    sum_r = torch.where(r_mask, r.double(), 0.0).sum()
-    values = torch.stack([sum_delta / n_delta, delta_max, r_min, sum_r / n_ratio, r_max]).float()
+    n_delta, n_ratio = m.sum(dim=(-2, -1)), r_mask.sum(dim=(-2, -1))
+    (delta_max,), _ = masked_max_min([delta], m, dims=2)
+    (r_max,), (r_min,) = masked_max_min([r], r_mask, dims=2)
+    sum_delta = torch.where(m, delta, 0.0).sum(dim=(-2, -1))
+    sum_r = torch.where(r_mask, r, 0.0).sum(dim=(-2, -1))
+    values = torch.stack([sum_delta / n_delta, delta_max, r_min, sum_r / n_ratio, r_max], dim=-1).float()
     return MetricRow(_SAMPLING_KEYS, values, counts_vector((0, 0, 1, 1, 1), n_delta, n_ratio))

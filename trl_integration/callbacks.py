@@ -7,6 +7,7 @@ import math
 from transformers import TrainerCallback
 
 from safevocab.schedulers import LengthDecayLR
+from trl_integration.trl_private import metric_store as trl_metric_store
 
 __all__ = ["LengthDecayCallback"]
 
@@ -38,7 +39,7 @@ class LengthDecayCallback(TrainerCallback):
             length = pending.pop(0)
             if scheduler.detector is not None and math.isfinite(length):
                 scheduler.observe_length(state.global_step, length)
-        metrics = self.trainer.metric_store["train"]
+        metrics = trl_metric_store(self.trainer)["train"]  # appends only: the queued metrics can wait for the log
         metrics["lr"].append(float(scheduler.get_last_lr()[0]))
         metrics["safevocab/lr_decay_active"].append(float(scheduler.decay_active))
         detector = scheduler.detector

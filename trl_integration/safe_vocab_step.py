@@ -20,6 +20,7 @@ For a batch with completion mask ``c``, loss-only mask ``u`` (trl's ``tool_mask`
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -27,7 +28,7 @@ import torch
 
 from safevocab.correction import ImportanceRatio, importance_sampling_ratio
 from safevocab.mismatch import DEFAULT_BUCKETS
-from safevocab.mismatch.common import paired_log_ratio
+from safevocab.mismatch.common import zero_filled_pair
 from safevocab.mismatch.metrics import bucket_row, importance_ratio_row, mismatch_row, safe_set_row
 from safevocab.mismatch.row import MetricRow
 from trl_integration.batch_metrics import MASKED_TOKEN_FRAC, masked_token_row, metric_rows, trl_sampling_row
@@ -41,6 +42,7 @@ __all__ = [
     "SafeTokenStats",
     "StepSettings",
     "OutOfSetMasks",
+    "StepMetricInputs",
     "StepResult",
     "LossReplay",
     "PendingGeneration",
@@ -191,6 +193,27 @@ def out_of_set_masks(
     return OutOfSetMasks(base=base, keep=keep, tool_mask=new_tool_mask, loss_mask=completion_mask * new_tool_mask)
 
 
+@dataclass
+class StepMetricInputs:
+    """What the metric row of one batch is computed from (the arguments of :func:`step_metric_row`), kept until the
+    trainer's metrics are read."""
+
+    stats: SafeTokenStats
+    masks: OutOfSetMasks
+    train_logps: torch.Tensor
+    rollout_logps: torch.Tensor | None
+    ratio: ImportanceRatio | None
+    settings: StepSettings
+    measured_rollout_logps: torch.Tensor | None = None
+
+    def row(self) -> MetricRow:
+        """:func:`step_metric_row` of these inputs."""
+        return step_metric_row(
+            self.stats, self.masks, self.train_logps, self.rollout_logps, self.ratio, self.settings,
+            self.measured_rollout_logps,
+        )  # fmt: skip
+
+
 def step_metric_row(
     stats: SafeTokenStats,
     masks: OutOfSetMasks,
@@ -200,7 +223,8 @@ def step_metric_row(
     settings: StepSettings,
     measured_rollout_logps: torch.Tensor | None = None,
 ) -> MetricRow:
-    """The metric row of one batch (see the module docstring for what it holds).
+    """The metric row of one batch (see the module docstring for what it holds); inputs with a leading dimension
+    (a stack of batches ``[S, B, T]``, :mod:`trl_integration.metric_queue`) give one row per batch, ``[S, K]``.
 
     Args:
         stats: the safe-set statistics of the scoring pass.
@@ -221,17 +245,17 @@ def step_metric_row(
         ]
         if settings.replay:
             groups.append(MetricRow.from_dicts(*replay_metrics(stats, counted)))
-        loss_mask = masks.loss_mask
+        loss_mask = masks.loss_mask.bool()
         if ratio is not None:
             groups.append(importance_ratio_row(ratio.log_raw, ratio.ratio, ratio.clipped, loss_mask))
             if settings.sampling_metrics:
                 groups.append(trl_sampling_row(train_logps, rollout_logps, ratio, loss_mask))
         if settings.mismatch_metrics:
-            paired = paired_log_ratio(train_logps, rollout_logps, loss_mask)  # shared by the two groups
+            paired = zero_filled_pair(train_logps, rollout_logps, loss_mask)  # shared by the two groups
             groups.append(mismatch_row(*paired))
             groups.append(bucket_row(*paired, settings.mismatch_buckets))
         if measured_rollout_logps is not None:
-            removed = mismatch_row(*paired_log_ratio(train_logps, measured_rollout_logps, loss_mask))
+            removed = mismatch_row(*zero_filled_pair(train_logps, measured_rollout_logps, loss_mask))
             groups.append(removed.select([f"mismatch/{k}" for k in _REMOVED_KEYS], [f"mismatch/removed/{k}" for k in _REMOVED_KEYS]))
         return MetricRow.cat(groups)
 
@@ -257,15 +281,20 @@ class StepResult:
         entries: the batch entries to set (``tool_mask``; ``importance_sampling_ratio`` with importance sampling;
             ``sampling_per_token_logps`` in the zero-mismatch setting).
         loss_mask: ``[B, T]`` the loss tokens after the out-of-set masking (``num_items_in_batch`` counts them).
-        row: the local metric row (:func:`~trl_integration.batch_metrics.step_metric_row`), ``None`` when not
-            measured.
+        metric_inputs: what the batch's metric row is computed from (``None`` when not measured): the trainer
+            computes the rows of several batches at once when trl reads its metrics (:mod:`~trl_integration.metric_queue`).
         record: the tensors of ``trainer.last_generation``.
     """
 
     entries: dict[str, torch.Tensor]
     loss_mask: torch.Tensor
-    row: MetricRow | None = None
+    metric_inputs: StepMetricInputs | None = None
     record: dict = field(default_factory=dict)
+
+    @functools.cached_property
+    def row(self) -> MetricRow | None:
+        """The local metric row (:func:`step_metric_row`), ``None`` when not measured."""
+        return None if self.metric_inputs is None else self.metric_inputs.row()
 
     @property
     def metrics(self) -> dict[str, torch.Tensor]:
@@ -324,9 +353,9 @@ def safe_vocabulary_step(
         entries["importance_sampling_ratio"] = ratio.ratio
 
     # 3. Metrics.
-    row = None
+    metric_inputs = None
     if measure:
-        row = step_metric_row(stats, masks, train_logps, rollout_logps, ratio, settings, measured_rollout_logps)
+        metric_inputs = StepMetricInputs(stats, masks, train_logps, rollout_logps, ratio, settings, measured_rollout_logps)
 
     record = {
         "train_logps": train_logps.detach(),
@@ -341,7 +370,7 @@ def safe_vocabulary_step(
         # zero_mismatch: the recorder's rollout log-probabilities before the replacement (else None).
         "measured_rollout_logps": None if measured_rollout_logps is None else measured_rollout_logps.detach(),
     }
-    return StepResult(entries=entries, loss_mask=masks.loss_mask, row=row, record=record)
+    return StepResult(entries=entries, loss_mask=masks.loss_mask, metric_inputs=metric_inputs, record=record)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -372,16 +401,13 @@ class PendingGeneration:
     (``safe_vocab_scoring``); complete once all ``expected`` micro-batches have been seen."""
 
     expected: int
-    rows: list[MetricRow | tuple[dict, dict]] = field(default_factory=list)
+    rows: list[MetricRow | StepMetricInputs] = field(default_factory=list)
     records: list[dict] = field(default_factory=list)
 
     def add(self, result: StepResult) -> bool:
         """Add one micro-batch's result; whether the generation batch is now complete."""
-        if result.row is not None:
-            if not self.records and self.rows:  # the batch's own rows (rollout coverage) join its first micro-batch's
-                self.rows = [MetricRow.cat([*self.rows, result.row])]
-            else:
-                self.rows.append(result.row)
+        if result.metric_inputs is not None:
+            self.rows.append(result.metric_inputs)
         self.records.append(result.record)
         return len(self.records) == self.expected  # rows may start with the batch's own (rollout coverage)
 

@@ -52,7 +52,7 @@ from accelerate.utils import is_peft_model
 from safevocab import NoPruning
 from safevocab.mismatch import MetricRow
 from safevocab.schedulers import LengthDecayLR
-from trl_integration.batch_metrics import reduce_across_processes
+from trl_integration.metric_queue import MetricQueue, QueuedMetrics, queue_capacity
 from trl_integration.callbacks import LengthDecayCallback
 from trl_integration.config import SafeVocabGRPOConfig
 from trl_integration.enums import ROLLOUT_DTYPES
@@ -80,6 +80,7 @@ from trl_integration.trl_private import (
     GRPOTrainerBridge,
     disable_gradient_checkpointing,
     mark_scheduler_created,
+    metric_store,
 )
 
 __all__ = ["SafeVocabGRPOTrainer", "SafeTokenStats"]
@@ -92,7 +93,7 @@ SCORE_IN_LOSS = "safevocab_score_in_loss"
 _FORWARD_KEYS = tuple(key for key in SCORING_KEYWORDS if key != "compute_aux_loss")
 
 
-class SafeVocabGRPOTrainer(GRPOTrainerBridge):
+class SafeVocabGRPOTrainer(QueuedMetrics, GRPOTrainerBridge):
     """GRPO with safe-vocabulary (Dynamic Vocabulary Pruning) log-probabilities.
 
     Takes the same arguments as ``trl.GRPOTrainer``; ``args`` must be a
@@ -124,6 +125,9 @@ class SafeVocabGRPOTrainer(GRPOTrainerBridge):
             )
         #: What the overrides hand each other within a generation batch (scoring passes, replay, pending metrics).
         self._batch = BatchState()
+        #: Metric rows of generation batches, computed together when trl reads its metrics (QueuedMetrics).
+        self._metric_queue = MetricQueue(queue_capacity(args.per_device_train_batch_size * args.steps_per_generation,
+                                                        args.max_completion_length))
         #: Why rollout log-probabilities were missing, once warned (one warning per run).
         self._rollout_logprobs_fallback: str | None = None
         #: Tensors of the latest generation batch (train/rollout log-probs, masks, ratios), for inspection.
@@ -335,7 +339,7 @@ class SafeVocabGRPOTrainer(GRPOTrainerBridge):
         self._apply_safe_vocabulary(output, captured)
         if self.args.length_decay and self.model.training:
             # trl has just logged the gathered (all-process) mean completion length of this generation.
-            lengths = self.metric_store["train"].get("completions/mean_length")
+            lengths = metric_store(self)["train"].get("completions/mean_length")  # trl's own: no need to flush
             if lengths:
                 self.pending_mean_lengths.append(float(lengths[-1]))
         return output
@@ -383,7 +387,7 @@ class SafeVocabGRPOTrainer(GRPOTrainerBridge):
         else:
             train_logps, stats = self._score_generation_batch(output)
         result = self._apply_step(output, train_logps, stats, whole_batch=True)
-        self._log_reduced_metrics(mode, [MetricRow.cat([*coverage, result.row])])
+        self._log_reduced_metrics(mode, [*coverage, result.metric_inputs])
         self.last_generation = result.record
 
     def _check_rollout_logprobs(self, output: dict, mode: str) -> list[MetricRow]:
@@ -435,13 +439,6 @@ class SafeVocabGRPOTrainer(GRPOTrainerBridge):
         if whole_batch:
             batch["num_items_in_batch"] = self.accelerator.gather(result.loss_mask.sum()).sum()
         return result
-
-    @torch.no_grad()
-    def _log_reduced_metrics(self, mode: str, rows: list[MetricRow]) -> None:
-        """Append the reductions of local metric rows across processes (one gather,
-        :func:`~trl_integration.batch_metrics.reduce_across_processes`) to trl's metric store (``metric_store``)."""
-        for name, value in reduce_across_processes(rows, self.accelerator.gather, self.accelerator.device).items():
-            self.metric_store[mode][name].append(value)
 
     # ------------------------------------------------------------------------------------------------------
     # loss

@@ -186,6 +186,7 @@ def run_schedule(schedule: str, args, output_dir: str) -> dict:
     from accelerate import PartialState
     from transformers import TrainerCallback
 
+    from safevocab.mismatch import MetricRow
     from trl_integration import SafeVocabGRPOTrainer
     from trl_integration.demo import make_dataset, tiny_grpo_config, tiny_model_path
 
@@ -244,8 +245,13 @@ def run_schedule(schedule: str, args, output_dir: str) -> dict:
     log_reduced = trainer._log_reduced_metrics
 
     def recording(mode, rows):
-        # one row per generation batch here (steps_per_generation=1): this rank's values and counts
-        local.append({n: [float(v), float(counts.get(n, 1.0))] for metrics, counts in rows for n, v in metrics.items()})
+        # one generation batch (steps_per_generation=1): this rank's values and counts, from its rows (computed ones,
+        # or the step inputs the trainer queues and computes when trl logs)
+        entry = {}
+        for row in rows:
+            row = row if isinstance(row, MetricRow) else row.row()
+            entry.update({n: [v, c] for n, v, c in zip(row.names, row.values.tolist(), row.counts.tolist())})
+        local.append(entry)
         return log_reduced(mode, rows)
 
     trainer._log_reduced_metrics = recording

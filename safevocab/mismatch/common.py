@@ -34,23 +34,35 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return as_scalar((x.double() * mask).sum() / mask.sum())
 
 
-def masked_max(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Max of ``x`` over the bool ``mask`` as a 0-dim tensor of ``x``'s dtype; NaN when nothing counts."""
+def masked_max(x: torch.Tensor, mask: torch.Tensor, dims: int | None = None) -> torch.Tensor:
+    """Max of ``x`` over the bool ``mask`` in ``x``'s dtype; NaN when nothing counts. Reduces the last ``dims``
+    dimensions (default: all, a 0-dim result); the leading ones stay (e.g. a stack of batches)."""
+    dims = mask.dim() if dims is None else dims
     if x.numel() == 0:
-        return torch.tensor(NAN, dtype=x.dtype, device=x.device)
-    return torch.where(mask.any(), torch.where(mask, x, -math.inf).amax(), NAN)
+        return torch.full(x.shape[: x.dim() - dims], NAN, dtype=x.dtype, device=x.device)
+    masked = torch.where(mask, x, -math.inf)
+    return torch.where(_flat(mask, dims).any(-1), _flat(masked, dims).amax(-1), NAN)
 
 
-def masked_max_min(xs: Sequence[torch.Tensor], mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``([K] maxima, [K] minima)`` of each of the ``K`` tensors ``xs`` (each of ``mask``'s shape) over the bool
-    ``mask``, in one reduction (the max over ``[x_1..x_K, -x_1..-x_K]``); NaN where nothing counts."""
+def masked_max_min(
+    xs: Sequence[torch.Tensor], mask: torch.Tensor, dims: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``([K, ...] maxima, [K, ...] minima)`` of each of the ``K`` tensors ``xs`` (each of ``mask``'s shape) over the
+    bool ``mask``, in one reduction (the max over ``[x_1..x_K, -x_1..-x_K]``); NaN where nothing counts. Reduces the
+    last ``dims`` dimensions (default: all); the leading ones stay."""
     k = len(xs)
+    dims = mask.dim() if dims is None else dims
     if mask.numel() == 0:
-        nan = torch.full((k,), NAN, dtype=xs[0].dtype, device=xs[0].device)
+        nan = torch.full((k, *mask.shape[: mask.dim() - dims]), NAN, dtype=xs[0].dtype, device=xs[0].device)
         return nan, nan
-    signed = torch.where(mask, torch.stack([*xs, *(-x for x in xs)]), -math.inf).flatten(1).amax(1)
-    signed = torch.where(mask.any(), signed, NAN)
+    signed = _flat(torch.where(mask, torch.stack([*xs, *(-x for x in xs)]), -math.inf), dims).amax(-1)
+    signed = torch.where(_flat(mask, dims).any(-1), signed, NAN)
     return signed[:k], -signed[k:]
+
+
+def _flat(x: torch.Tensor, dims: int) -> torch.Tensor:
+    """``x`` with its last ``dims`` dimensions flattened into one (a new one of size 1 when ``dims`` is 0)."""
+    return x.unsqueeze(-1) if dims == 0 else x.flatten(-dims)
 
 
 def masked_extreme(x: torch.Tensor, mask: torch.Tensor, largest: bool) -> torch.Tensor:
@@ -70,7 +82,12 @@ def check_mask(mask: torch.Tensor, *tensors: torch.Tensor) -> torch.Tensor:
 
 def paired_log_ratio(train_logps: torch.Tensor, rollout_logps: torch.Tensor, mask: torch.Tensor):
     """Validated float64 ``(train, rollout, log_r, mask)`` with NaN tokens removed from the mask and zeroed."""
-    mask = check_mask(mask, train_logps, rollout_logps)
+    return zero_filled_pair(train_logps, rollout_logps, check_mask(mask, train_logps, rollout_logps))
+
+
+def zero_filled_pair(train_logps: torch.Tensor, rollout_logps: torch.Tensor, mask: torch.Tensor):
+    """`paired_log_ratio` on inputs already checked (bool ``mask``; any leading dimensions, e.g. a stack of
+    batches ``[S, B, T]``)."""
     mask = mask & ~torch.isnan(rollout_logps) & ~torch.isnan(train_logps)
     train = torch.where(mask, train_logps.double(), 0.0)
     rollout = torch.where(mask, rollout_logps.double(), 0.0)

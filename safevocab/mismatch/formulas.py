@@ -113,7 +113,7 @@ def sequence_chi2(log_r: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
     """`chi2_sequence` from zero-filled ``log r`` and 0/1 weights, branch-free (NaN = 0/0 when no row counts)."""
     rows = m.sum(-1) > 0
     seq = (log_r * m).sum(-1).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
-    return torch.where(rows, torch.exp(2.0 * seq), 0.0).sum() / rows.sum() - 1.0
+    return torch.where(rows, torch.exp(2.0 * seq), 0.0).sum(-1) / rows.sum(-1) - 1.0
 
 
 @dataclass
@@ -191,19 +191,24 @@ def bucket_mismatch(
 def bucket_counts_and_sums(
     train: torch.Tensor, log_r: torch.Tensor, mask: torch.Tensor, edges: Sequence[float]
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(count, sums)``: the ``[K]`` int64 number of counted tokens per bucket of ``p_t = exp(train_t)`` and the
-    ``[2, K]`` float64 sums of ``|log r_t|`` and ``log r_t`` over them (`bucket_mismatch`'s buckets; zero-filled
-    float64 inputs and the bool mask of `~safevocab.mismatch.common.paired_log_ratio`, checked ``edges``)."""
+    """``(count, sums)``: the ``[..., K]`` int64 number of counted tokens per bucket of ``p_t = exp(train_t)`` and the
+    ``[2, ..., K]`` float64 sums of ``|log r_t|`` and ``log r_t`` over them (`bucket_mismatch`'s buckets), from the
+    zero-filled float64 ``[..., B, T]`` inputs and bool mask of `~safevocab.mismatch.common.paired_log_ratio` and
+    checked ``edges``; leading dimensions (a stack of batches) are kept."""
     p = train.exp()
     k = len(edges) + 1
-    # bucket j holds edges[j-1] <= p < edges[j]: bucketize with right=True; masked tokens go to an extra bin k
+    lead = tuple(train.shape[:-2])
+    n_lead = math.prod(lead)
+    # bucket j holds edges[j-1] <= p < edges[j]: bucketize with right=True; masked tokens go to an extra bin k.
     inner = torch.tensor(edges, dtype=torch.float64, device=p.device)
-    bucket = torch.where(mask, torch.bucketize(p, inner, right=True), k).flatten()
-    count = torch.bincount(bucket, minlength=k + 1)[:k]
-    sums = torch.stack(
-        [torch.bincount(bucket, weights=w.flatten(), minlength=k + 1)[:k] for w in (log_r.abs(), log_r)]
-    )
-    return count, sums
+    bucket = torch.where(mask, torch.bucketize(p, inner, right=True), k)
+    if lead:  # each batch of the stack counts into its own k + 1 bins
+        bucket = bucket + torch.arange(0, n_lead * (k + 1), k + 1, device=p.device).view(*lead, 1, 1)
+    bins = n_lead * (k + 1)
+    flat = bucket.flatten()
+    count = torch.bincount(flat, minlength=bins).view(*lead, k + 1)[..., :k]
+    sums = torch.stack([torch.bincount(flat, weights=w.flatten(), minlength=bins) for w in (log_r.abs(), log_r)])
+    return count, sums.view(2, *lead, k + 1)[..., :k]
 
 
 @dataclass

@@ -79,28 +79,30 @@ _MISMATCH_COUNT_PATTERN = tuple(int(key in _SEQ_KEYS) for key in _MISMATCH_KEYS)
 
 
 def mismatch_row(train: torch.Tensor, rollout: torch.Tensor, log_r: torch.Tensor, mask: torch.Tensor) -> MetricRow:
-    """`mismatch_metrics` as a :class:`~safevocab.mismatch.row.MetricRow`, from the output of
-    `~safevocab.mismatch.common.paired_log_ratio` (which `bucket_row` shares)."""
+    """`mismatch_metrics` as a :class:`~safevocab.mismatch.row.MetricRow`, from the ``[..., B, T]`` output of
+    `~safevocab.mismatch.common.paired_log_ratio` (which `bucket_row` shares); leading dimensions (a stack of
+    batches) give rows of ``[..., K]`` values, one per batch."""
     m = mask.double()
     # Token statistics (kl, k3_kl, chi2_token, mean |log r|), summed in one call.
     abs_log_r = log_r.abs()
     token_terms = torch.stack([rollout - train, k3_terms(log_r), chi2_terms(log_r), abs_log_r])
-    token_means = (token_terms * m).sum(dim=(1, 2)) / m.sum()
+    token_means = (token_terms * m).sum(dim=(-2, -1)) / m.sum(dim=(-2, -1))
     # Sequence statistics over the rows with a counted token; gap_b as in log_ppl_gap.
     mean_train, mean_rollout, gap = (torch.stack([train, rollout, rollout - train]) * m).sum(-1) / m.sum(-1)
     rows = mask.any(-1)
-    n_seq = rows.sum()
+    n_seq = rows.sum(-1)
     per_row = torch.stack([torch.exp(-mean_train), torch.exp(-mean_rollout), gap, gap.abs(), torch.exp(gap)])
     seq_means = torch.where(rows, per_row, 0.0).sum(-1) / n_seq
-    abs_max = masked_max(abs_log_r, mask)
-    (gap_max,), (gap_min,) = masked_max_min([gap], rows)
+    abs_max = masked_max(abs_log_r, mask, dims=2)
+    (gap_max,), (gap_min,) = masked_max_min([gap], rows, dims=1)
     values = torch.stack([
         token_means[0], token_means[1], token_means[2], token_means[3], abs_max,
         seq_means[0], seq_means[1], seq_means[2], seq_means[3], gap_max, gap_min, seq_means[4],
         sequence_chi2(log_r, m),
-    ]).float()  # fmt: skip
-    values[2] -= 1.0  # chi2_token = E[r^2] - 1, in fp32 as before
-    return MetricRow(_MISMATCH_KEYS, values, counts_vector(_MISMATCH_COUNT_PATTERN, mask.sum(), n_seq))
+    ], dim=-1).float()  # fmt: skip
+    values[..., 2] -= 1.0  # chi2_token = E[r^2] - 1, in fp32 as before
+    counts = counts_vector(_MISMATCH_COUNT_PATTERN, mask.sum(dim=(-2, -1)), n_seq)
+    return MetricRow(_MISMATCH_KEYS, values, counts)
 
 
 @torch.no_grad()  # diagnostics: logged, never differentiated
@@ -135,16 +137,17 @@ def bucket_mismatch_metrics(
 def bucket_row(
     train: torch.Tensor, rollout: torch.Tensor, log_r: torch.Tensor, mask: torch.Tensor, edges: Sequence[float]
 ) -> MetricRow:
-    """`bucket_mismatch_metrics` as a :class:`~safevocab.mismatch.row.MetricRow`, from the output of
-    `~safevocab.mismatch.common.paired_log_ratio` (``rollout`` is not used: ``log_r`` holds it)."""
+    """`bucket_mismatch_metrics` as a :class:`~safevocab.mismatch.row.MetricRow`, from the ``[..., B, T]`` output
+    of `~safevocab.mismatch.common.paired_log_ratio` (``rollout`` is not used: ``log_r`` holds it); leading
+    dimensions give rows of ``[..., K]`` values."""
     names, edges = _bucket_keys(tuple(edges))
     count, sums = bucket_counts_and_sums(train, log_r, mask, edges)
     count = count.double()
-    k = count.shape[0]
-    total = count.sum()
+    total = count.sum(-1, keepdim=True)
     # Per bucket: abs_diff and diff (means over the bucket; 0/0 = NaN when empty) and token_frac (share of all).
-    values = torch.cat([sums / count, (count / total).unsqueeze(0)]).T.reshape(-1).float()
-    counts = torch.stack([count, count, total.expand(k)]).T.reshape(-1)
+    lead = count.shape[:-1]
+    values = torch.stack([sums[0] / count, sums[1] / count, count / total], dim=-1).reshape(*lead, -1).float()
+    counts = torch.stack([count, count, total.expand_as(count)], dim=-1).reshape(*lead, -1)
     return MetricRow(names, values, counts)
 
 
@@ -191,7 +194,7 @@ def safe_set_metrics(
         ``{"safevocab/<key>": 0-dim fp32 tensor}`` for the keys above; with ``return_counts``, the pair
         ``(metrics, counts)``: counted tokens for the token keys, rows ``B`` for the two sequence estimates.
     """
-    row = safe_set_row(in_safe, log_kept_mass, safe_size, mask)
+    row = safe_set_row(in_safe, log_kept_mass, safe_size, check_mask(mask, in_safe, log_kept_mass, safe_size))
     return row.dicts() if return_counts else row.dicts()[0]
 
 
@@ -202,24 +205,28 @@ _SAFE_SET_COUNT_PATTERN = tuple(int(key.startswith("safevocab/seq_")) for key in
 def safe_set_row(
     in_safe: torch.Tensor, log_kept_mass: torch.Tensor, safe_size: torch.Tensor, mask: torch.Tensor
 ) -> MetricRow:
-    """`safe_set_metrics` as a :class:`~safevocab.mismatch.row.MetricRow`."""
-    mask = check_mask(mask, in_safe, log_kept_mass, safe_size)
+    """`safe_set_metrics` as a :class:`~safevocab.mismatch.row.MetricRow`, on ``[..., B, T]`` inputs of one shape
+    (leading dimensions give rows of ``[..., K]`` values)."""
+    mask = mask.to(torch.bool)
     m = mask.double()
     log_kept = log_kept_mass.double().clamp(max=0.0) * m
     pruned = -torch.expm1(log_kept)  # m_t, exactly 0 at padding
-    if mask.shape[0] == 0:
-        seq_tv = seq_kl = torch.tensor(NAN, dtype=torch.float64)
+    n_seq = mask.shape[-2]
+    if n_seq == 0:
+        seq_tv = seq_kl = torch.full(mask.shape[:-2], NAN, dtype=torch.float64, device=mask.device)
     else:
         # Padding counts as kept mass 1 (DESIGN section 4): log kept = 0 there. The sequence_tv / sequence_kl
         # formulas (unweighted), on log kept directly: no round trip through exp, no per-step input validation.
         seq_log_kept = log_kept.sum(dim=-1)
-        seq_tv = (-torch.expm1(seq_log_kept)).mean()
-        seq_kl = (-seq_log_kept).mean()
-    pruned_max = masked_max(pruned, mask)
+        seq_tv = (-torch.expm1(seq_log_kept)).mean(-1)
+        seq_kl = (-seq_log_kept).mean(-1)
+    pruned_max = masked_max(pruned, mask, dims=2)
     # the three token means in one reduction
-    means = (torch.stack([(~in_safe.bool()).double(), pruned, safe_size.double()]) * m).sum(dim=(1, 2)) / m.sum()
-    values = torch.stack([means[0], means[1], pruned_max, means[2], seq_tv, seq_kl]).float()
-    return MetricRow(_SAFE_SET_KEYS, values, counts_vector(_SAFE_SET_COUNT_PATTERN, mask.sum(), mask.shape[0]))
+    terms = torch.stack([(~in_safe.bool()).double(), pruned, safe_size.double()])
+    means = (terms * m).sum(dim=(-2, -1)) / m.sum(dim=(-2, -1))
+    values = torch.stack([means[0], means[1], pruned_max, means[2], seq_tv, seq_kl], dim=-1).float()
+    counts = counts_vector(_SAFE_SET_COUNT_PATTERN, mask.sum(dim=(-2, -1)), n_seq)
+    return MetricRow(_SAFE_SET_KEYS, values, counts)
 
 
 _IS_KEYS = tuple(
@@ -258,7 +265,8 @@ def importance_ratio_metrics(
 def importance_ratio_row(
     log_raw: torch.Tensor, ratio: torch.Tensor, clipped: torch.Tensor, mask: torch.Tensor
 ) -> MetricRow:
-    """`importance_ratio_metrics` as a :class:`~safevocab.mismatch.row.MetricRow`."""
+    """`importance_ratio_metrics` as a :class:`~safevocab.mismatch.row.MetricRow`, on ``[..., B, T]`` (or
+    ``[..., B, 1]``) inputs (leading dimensions give rows of ``[..., K]`` values)."""
     mask = mask.to(torch.bool)
     valid = mask if log_raw.shape == mask.shape else mask.any(dim=-1, keepdim=True)
     if log_raw.shape != valid.shape or ratio.shape != valid.shape or clipped.shape != valid.shape:
@@ -269,10 +277,11 @@ def importance_ratio_row(
     raw = torch.exp(log_raw.double().clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND))
     w = ratio.double()
     v = valid.double()
-    n = v.sum()
+    n = v.sum(dim=(-2, -1))
     # Four sums in one reduction (raw, w, clipped, w^2), the four extremes in another.
-    sum_raw, sum_w, sum_clipped, sum_w2 = (torch.stack([raw, w, clipped.double(), w.square()]) * v).flatten(1).sum(1)
-    (raw_max, w_max), (raw_min, w_min) = masked_max_min([raw, w], valid)
+    sum_raw, sum_w, sum_clipped, sum_w2 = (torch.stack([raw, w, clipped.double(), w.square()]) * v).sum(dim=(-2, -1))
+    (raw_max, w_max), (raw_min, w_min) = masked_max_min([raw, w], valid, dims=2)
     ess = torch.where((n > 0) & (sum_w2 > 0), sum_w.square() / (n * sum_w2), NAN)
-    values = torch.stack([sum_raw / n, raw_min, raw_max, sum_w / n, w_min, w_max, sum_clipped / n, ess]).float()
+    row = [sum_raw / n, raw_min, raw_max, sum_w / n, w_min, w_max, sum_clipped / n, ess]
+    values = torch.stack(row, dim=-1).float()
     return MetricRow(_IS_KEYS, values, counts_vector((0,) * len(_IS_KEYS), n))

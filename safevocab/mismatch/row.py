@@ -21,8 +21,8 @@ class MetricRow:
 
     Attributes:
         names: the ``K`` metric keys.
-        values: ``[K]`` fp32 values (NaN where undefined).
-        counts: ``[K]`` float64 number of items each value is computed over.
+        values: ``[K]`` fp32 values (NaN where undefined); ``[..., K]`` for a stack of batches (one row each).
+        counts: ``[K]`` (``[..., K]``) float64 number of items each value is computed over.
     """
 
     names: tuple[str, ...]
@@ -31,12 +31,19 @@ class MetricRow:
 
     def dicts(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         """``(metrics, counts)`` as ``{name: 0-dim tensor}`` views of the two vectors (the ``return_counts`` form)."""
+        if self.values.dim() != 1:
+            raise ValueError(f"values has shape {tuple(self.values.shape)}: dicts() takes one row, [K]")
         return dict(zip(self.names, self.values.unbind())), dict(zip(self.names, self.counts.unbind()))
 
     def select(self, names: Sequence[str], rename: Sequence[str] | None = None) -> MetricRow:
         """The metrics ``names`` of this row, in that order, optionally under the new names ``rename``."""
         index = _index(tuple(self.names.index(n) for n in names), self.values.device)
-        return MetricRow(tuple(rename or names), self.values.index_select(0, index), self.counts.index_select(0, index))
+        values, counts = self.values.index_select(-1, index), self.counts.index_select(-1, index)
+        return MetricRow(tuple(rename or names), values, counts)
+
+    def unstack(self) -> list[MetricRow]:
+        """The rows of a ``[S, K]`` stack, one per batch."""
+        return [MetricRow(self.names, v, c) for v, c in zip(self.values.unbind(), self.counts.unbind())]
 
     @classmethod
     def cat(cls, rows: Iterable[MetricRow]) -> MetricRow:
@@ -47,7 +54,7 @@ class MetricRow:
         names = tuple(n for row in rows for n in row.names)
         if len(set(names)) != len(names):
             raise ValueError(f"names={names}: accepted rows without a repeated metric name")
-        return cls(names, torch.cat([r.values for r in rows]), torch.cat([r.counts for r in rows]))
+        return cls(names, torch.cat([r.values for r in rows], dim=-1), torch.cat([r.counts for r in rows], dim=-1))
 
     @classmethod
     def from_dicts(cls, metrics: dict, counts: dict) -> MetricRow:
@@ -61,12 +68,16 @@ class MetricRow:
 
 
 def counts_vector(pattern: tuple[int, ...], *counts: torch.Tensor | int) -> torch.Tensor:
-    """``[K]`` float64 counts, ``counts[pattern[k]]`` for metric ``k`` (e.g. tokens for the token metrics, sequences
-    for the sequence metrics of a group), in two torch calls."""
+    """``[..., K]`` float64 counts, ``counts[pattern[k]]`` for metric ``k`` (e.g. tokens for the token metrics,
+    sequences for the sequence metrics of a group); each count a ``[...]`` tensor (one per batch of a stack) or
+    a number."""
     tensors = [c for c in counts if isinstance(c, torch.Tensor)]
     device = tensors[0].device if tensors else torch.device("cpu")
-    base = torch.stack([torch.as_tensor(c, dtype=torch.float64, device=device).reshape(()) for c in counts])
-    return base.index_select(0, _index(pattern, device))
+    shape = tensors[0].shape if tensors else torch.Size()
+    base = torch.stack(
+        [torch.as_tensor(c, dtype=torch.float64, device=device).expand(shape) for c in counts], dim=-1
+    )
+    return base.index_select(-1, _index(pattern, device))
 
 
 @functools.lru_cache(maxsize=256)

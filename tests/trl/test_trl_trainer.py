@@ -121,7 +121,7 @@ def test_out_of_set_tokens_are_masked(tiny_model_dir, tmp_path, out_of_set):
         assert not loss_mask[bad_rows].any()
         assert torch.equal(loss_mask[~bad_rows], completion[~bad_rows])
     assert out["num_items_in_batch"].item() == loss_mask.sum().item()
-    frac = trainer._metrics["train"]["safevocab/out_of_set_frac"][-1]
+    frac = trainer.metric_store["train"]["safevocab/out_of_set_frac"][-1]
     assert frac == pytest.approx(outside.sum().item() / completion.sum().item())
     # the attention mask (completion_mask) is untouched: only the loss mask changed
     assert torch.equal(out["completion_mask"].bool(), completion)
@@ -168,7 +168,7 @@ def test_fp32_rollout_ratio_is_one_and_stock_trl_is_offset(tiny_model_dir, tmp_p
     assert log_r.abs().max().item() < 1e-4
     ratio = out["importance_sampling_ratio"][mask]
     assert ratio.mean().item() == pytest.approx(1.0, abs=1e-4)
-    assert ours._metrics["train"]["mismatch/is_raw_mean"][-1] == pytest.approx(1.0, abs=1e-4)
+    assert ours.metric_store["train"]["mismatch/is_raw_mean"][-1] == pytest.approx(1.0, abs=1e-4)
 
     # Stock trl's training log-probabilities on the very same tokens (its own fused head, temperature only).
     stock = make_trainer(
@@ -203,14 +203,14 @@ def test_stock_semantics_reproduced_with_sampler_mismatch(tiny_model_dir, tmp_pa
     sampler_kept = safe_log_softmax(logits, out["completion_ids"], TopK(5)).log_kept_mass
     log_r = g["log_raw_ratio"][mask]
     torch.testing.assert_close(log_r, sampler_kept[mask], atol=1e-4, rtol=1e-4)
-    assert trainer._metrics["train"]["mismatch/is_raw_mean"][-1] < 0.99
+    assert trainer.metric_store["train"]["mismatch/is_raw_mean"][-1] < 0.99
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_rollout_precision_mismatch_metrics(tiny_model_dir, tmp_path, dtype):
     trainer = make_trainer(tiny_model_dir, tmp_path, safe_vocab_rule="min_p=0.05", rollout_dtype=dtype)
     generate_batch(trainer, n_prompts=4)
-    m = {k: v[-1] for k, v in trainer._metrics["train"].items()}
+    m = {k: v[-1] for k, v in trainer.metric_store["train"].items()}
     if dtype == "bfloat16":
         assert m["mismatch/abs_logp_diff_mean"] > 1e-3
         assert m["mismatch/k3_kl"] > 1e-7
