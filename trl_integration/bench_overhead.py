@@ -151,7 +151,8 @@ def main(argv: list[str] | None = None) -> dict:
                 trainer, batches = trainers[name]
                 times[name].append(_timed_step(trainer, batches, seed=args.seed * 100_003 + step))
         tokens = {name: metric_store(trainers[name][0])["train"]["num_tokens"][-1] for name in names}
-        safe_keys = trainers[names[1]][0].metric_store["train"]  # with the trainer's queued metrics
+        trainers[names[1]][0].flush_metrics()  # the trainer's queued metrics (computed when trl logs)
+        safe_keys = metric_store(trainers[names[1]][0])["train"]
         logged_mismatch = "mismatch/kl" in safe_keys  # one of mismatch_metrics (the IS ones are logged regardless)
     stock, safe = (times[name][args.skip :] for name in names)
     ratios = sorted(s / k for s, k in zip(safe, stock))

@@ -49,9 +49,13 @@ _PADDING = {
 }  # fmt: skip
 
 
-def queue_capacity(rows_per_batch: int, max_completion_length: int) -> int:
+def queue_capacity(rows_per_batch: int, max_completion_length: int | None) -> int:
     """How many generation batches a queue holds: :data:`MAX_QUEUED_BATCHES`, fewer for batches whose inputs would
-    keep more than :data:`MAX_QUEUED_BYTES` alive, at least 1. From configuration values, the same on every process."""
+    keep more than :data:`MAX_QUEUED_BYTES` alive, at least 1; 1 (no queue) when the completion length is not
+    bounded (``None``). From configuration values only, so that it is the same on every process (their batches'
+    actual sizes differ, and the flush is collective)."""
+    if max_completion_length is None:
+        return 1
     per_batch = max(1, rows_per_batch * max_completion_length * BYTES_PER_POSITION)
     return max(1, min(MAX_QUEUED_BATCHES, MAX_QUEUED_BYTES // per_batch))
 
@@ -97,8 +101,8 @@ class MetricQueue:
 
 class QueuedMetrics:
     """The trainer's side of the queue (a mixin before trl's trainer): ``_log_reduced_metrics`` queues a generation
-    batch's rows, ``log`` flushes the queue before trl reads its store, and ``metric_store`` is trl's store with
-    the queued metrics in it. Needs ``self._metric_queue`` and ``self.accelerator``."""
+    batch's rows and ``log`` flushes the queue before trl reads its store (``metric_store``, which holds the
+    values of the batches flushed so far). Needs ``self._metric_queue`` and ``self.accelerator``."""
 
     _metric_queue: MetricQueue
 
@@ -106,21 +110,18 @@ class QueuedMetrics:
         """Queue a generation batch's metric rows; computed, reduced across processes and appended to trl's metric
         store when trl reads it (:meth:`log`) or the queue is full."""
         if self._metric_queue.add(mode, rows):
-            self._flush_metrics()
+            self.flush_metrics()
 
     @torch.no_grad()
-    def _flush_metrics(self) -> None:
+    def flush_metrics(self) -> None:
+        """Compute the queued batches' metrics and append them to trl's store (``metric_store``). Collective: every
+        process must call it (it gathers across processes), as the Trainer calls :meth:`log`."""
         self._metric_queue.flush(trl_metric_store(self), self.accelerator.gather, self.accelerator.device)
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        self._flush_metrics()  # on every process: the queued rows are gathered across processes
+        """trl's ``log``, after :meth:`flush_metrics` (the Trainer calls it on every process)."""
+        self.flush_metrics()
         super().log(logs, start_time)
-
-    @property
-    def metric_store(self) -> dict:
-        """trl's ``{mode: {name: [values]}}`` store of logged metrics, with the queued batches' metrics in it."""
-        self._flush_metrics()
-        return trl_metric_store(self)
 
 
 def step_metric_rows(inputs: list[StepMetricInputs]) -> list[MetricRow]:

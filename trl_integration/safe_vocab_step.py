@@ -460,7 +460,7 @@ def rollout_logprobs_coverage(
     counted = mask.bool()
     recorded = counted & ~torch.isnan(rollout_logps)
     n = counted.sum()
-    frac = (recorded.sum().double() / n).float() if n > 0 else torch.tensor(float("nan"))
+    frac = (recorded.sum().double() / n).float()  # 0/0 = NaN when nothing counts, on the batch's device
     return frac, n, (recorded != counted).any()
 
 

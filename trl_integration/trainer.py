@@ -126,8 +126,8 @@ class SafeVocabGRPOTrainer(QueuedMetrics, GRPOTrainerBridge):
         #: What the overrides hand each other within a generation batch (scoring passes, replay, pending metrics).
         self._batch = BatchState()
         #: Metric rows of generation batches, computed together when trl reads its metrics (QueuedMetrics).
-        self._metric_queue = MetricQueue(queue_capacity(args.per_device_train_batch_size * args.steps_per_generation,
-                                                        args.max_completion_length))
+        rows = max(args.per_device_train_batch_size * args.steps_per_generation, args.per_device_eval_batch_size)
+        self._metric_queue = MetricQueue(queue_capacity(rows, args.max_completion_length))
         #: Why rollout log-probabilities were missing, once warned (one warning per run).
         self._rollout_logprobs_fallback: str | None = None
         #: Tensors of the latest generation batch (train/rollout log-probs, masks, ratios), for inspection.
@@ -306,8 +306,9 @@ class SafeVocabGRPOTrainer(QueuedMetrics, GRPOTrainerBridge):
         return completion_ids, logprobs
 
     def _rollout_logprobs_as_tensor(self) -> bool:
-        """Whether trl's rollouts are single-turn (no tools): trl's tool loop extends its lists of log-probabilities."""
-        return not self.tools
+        """Whether trl's rollouts are single-turn (no tools: trl's tool loop extends its lists of log-probabilities) and
+        trl's own (a ``rollout_func`` that calls generation itself hands its own log-probabilities over)."""
+        return not self.tools and self.rollout_func is None
 
     def _warn_rollout_logprobs_fallback(self, reason: str) -> None:
         """One warning per run: rollout log-probabilities could not be recorded, the batch trains without them."""

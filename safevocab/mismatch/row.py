@@ -91,8 +91,7 @@ def _index(order: tuple[int, ...], device: torch.device) -> torch.Tensor:
 def _vector(items: list, dtype: torch.dtype) -> torch.Tensor:
     """A 1-D tensor from 0-dim tensors and numbers: one ``torch.tensor`` on CPU (reading a CPU scalar costs less than
     stacking it), one stack (one transfer, no host sync per value) on an accelerator."""
-    tensors = [x for x in items if isinstance(x, torch.Tensor)]
-    if all(t.device.type == "cpu" for t in tensors):
+    devices = [x.device for x in items if isinstance(x, torch.Tensor) and x.device.type != "cpu"]
+    if not devices:
         return torch.tensor([float(x) for x in items], dtype=dtype)
-    device = tensors[0].device
-    return torch.stack([torch.as_tensor(x, dtype=dtype, device=device).reshape(()) for x in items])
+    return torch.stack([torch.as_tensor(x, dtype=dtype, device=devices[0]).reshape(()) for x in items])

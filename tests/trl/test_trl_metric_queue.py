@@ -118,3 +118,40 @@ def test_a_trainer_that_queues_its_metrics_logs_what_one_without_a_queue_logs(ti
             if name.startswith(("mismatch/", "safevocab/", "sampling/")):
                 assert with_queue[name] == pytest.approx(value, rel=1e-5, abs=1e-7, nan_ok=True), name
     assert any(not math.isclose(h["mismatch/kl"], 0.0) for h in logs[1])  # a mismatch was measured
+
+
+def test_an_unbounded_completion_length_builds_a_trainer_without_a_queue(tiny_model_dir, tmp_path):
+    """trl accepts max_completion_length=None; the queue's size cannot be bounded then (it raised a TypeError)."""
+    assert queue_capacity(64, None) == 1
+    trainer = make_trainer(tiny_model_dir, tmp_path, max_completion_length=None)
+    assert trainer._metric_queue.capacity == 1
+
+
+def test_rows_of_a_batch_where_nothing_counts_stay_on_the_batch_device():
+    """On an accelerator, an undefined share (nothing counts) was a CPU NaN beside the device's counts, and joining
+    the rows failed. The meta device stands in for a GPU here."""
+    from safevocab.mismatch import MetricRow
+    from trl_integration.safe_vocab_step import ROLLOUT_LOGPROBS_FRAC, rollout_logprobs_coverage
+    from trl_integration.support_replay import replay_metrics
+
+    completion = torch.zeros(2, 3, dtype=torch.long, device="meta")
+    frac, n, _ = rollout_logprobs_coverage(torch.zeros(2, 3, device="meta"), completion, None)
+    assert frac.device.type == "meta"
+    coverage = MetricRow((ROLLOUT_LOGPROBS_FRAC,), frac.float().reshape(1), n.double().reshape(1))
+    stats = SafeTokenStats(*(torch.zeros(2, 3, device="meta") for _ in range(3)), replay_size=torch.zeros(2, 3, dtype=torch.long, device="meta"), rule_safe_size=torch.zeros(2, 3, dtype=torch.long, device="meta"))  # fmt: skip
+    replay = MetricRow.from_dicts(*replay_metrics(stats, completion.bool()))
+    assert {replay.values.device.type, replay.counts.device.type} == {"meta"}
+    assert MetricRow.cat([coverage, replay]).values.device.type == "meta"
+
+
+def test_a_rollout_func_keeps_handing_trl_its_own_log_probabilities(tiny_model_dir, tmp_path):
+    """The recorded tensor replaces trl's lists only for trl's own single-turn generation, not under a rollout_func
+    (which may call trl's generation and hand over log-probabilities of its own)."""
+    plain = make_trainer(tiny_model_dir, tmp_path / "plain")
+    assert plain._rollout_logprobs_as_tensor()
+    args = SafeVocabGRPOConfig(**grpo_kwargs(tmp_path / "func"))
+    custom = SafeVocabGRPOTrainer(
+        model=tiny_model_dir, reward_funcs=vowel_reward, args=args, train_dataset=prompt_dataset(),
+        processing_class=build_tokenizer(), rollout_func=lambda prompts, trainer: None,
+    )  # fmt: skip
+    assert not custom._rollout_logprobs_as_tensor()

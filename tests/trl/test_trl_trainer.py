@@ -49,7 +49,9 @@ def generate_batch(trainer, n_prompts: int = 2):
     g = trainer.num_generations
     inputs = [{"prompt": PROMPTS[i]} for i in range(n_prompts) for _ in range(g)]
     torch.manual_seed(0)
-    return trainer._generate_and_score_completions(inputs)
+    output = trainer._generate_and_score_completions(inputs)
+    trainer.flush_metrics()  # the trainer computes its metrics when trl logs: now
+    return output
 
 
 def logged(trainer, key):
