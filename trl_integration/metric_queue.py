@@ -1,6 +1,6 @@
 """The trainer's metrics of several generation batches, computed and reduced together when trl reads them.
 
-Every generation batch has a metric row (:func:`~trl_integration.safe_vocab_step.step_metric_row`, about fifty
+Every generation batch has a metric row (:meth:`~trl_integration.safe_vocab_step.StepMetricInputs.row`, about fifty
 values). On a small model each torch call costs more than its arithmetic, so computing a row per batch costs about
 1 ms a step (1.5 % of the bundled job's step); stacked, the rows of ``S`` batches cost the same calls once. The
 queue keeps each batch's inputs (:class:`~trl_integration.safe_vocab_step.StepMetricInputs`, references to tensors
@@ -164,20 +164,25 @@ def _stacked(items: list[StepMetricInputs]) -> StepMetricInputs:
     if first.ratio is not None:
         ratio = replace(first.ratio, **_stack_fields([item.ratio for item in items], ImportanceRatio, "sequence_level"))
     return StepMetricInputs(
-        stats=SafeTokenStats(**_stack_fields([item.stats for item in items], SafeTokenStats, "replay_size", "rule_safe_size")),
+        stats=SafeTokenStats(
+            **_stack_fields([item.stats for item in items], SafeTokenStats, "replay_size", "rule_safe_size")
+        ),
         masks=OutOfSetMasks(**_stack_fields([item.masks for item in items], OutOfSetMasks)),
         train_logps=_stack([item.train_logps for item in items], _PADDING["train_logps"]),
         rollout_logps=None if first.rollout_logps is None else _stack([item.rollout_logps for item in items], 0.0),
         ratio=ratio,
         settings=first.settings,
         measured_rollout_logps=(
-            None if first.measured_rollout_logps is None else _stack([item.measured_rollout_logps for item in items], 0.0)
+            None
+            if first.measured_rollout_logps is None
+            else _stack([item.measured_rollout_logps for item in items], 0.0)
         ),
     )
 
 
 def _stack_fields(objects: list, cls: type, *skip: str) -> dict[str, torch.Tensor]:
-    return {f.name: _stack([getattr(o, f.name) for o in objects], _PADDING[f.name]) for f in fields(cls) if f.name not in skip}
+    names = [f.name for f in fields(cls) if f.name not in skip]
+    return {name: _stack([getattr(o, name) for o in objects], _PADDING[name]) for name in names}
 
 
 def _stack(tensors: list[torch.Tensor], padding: float | bool | int) -> torch.Tensor:
@@ -198,4 +203,6 @@ def _joined(rows: list[MetricRow]) -> list[MetricRow]:
     return rows
 
 
-__all__ = ["MetricQueue", "QueuedMetrics", "queue_capacity", "step_metric_rows", "MAX_QUEUED_BATCHES", "MAX_QUEUED_BYTES"]
+__all__ = [
+    "MetricQueue", "QueuedMetrics", "queue_capacity", "step_metric_rows", "MAX_QUEUED_BATCHES", "MAX_QUEUED_BYTES",
+]  # fmt: skip

@@ -48,7 +48,6 @@ __all__ = [
     "PendingGeneration",
     "BatchState",
     "out_of_set_masks",
-    "step_metric_row",
     "step_metrics",
     "safe_vocabulary_step",
     "old_policy_stats",
@@ -195,8 +194,19 @@ def out_of_set_masks(
 
 @dataclass
 class StepMetricInputs:
-    """What the metric row of one batch is computed from (the arguments of :func:`step_metric_row`), kept until the
-    trainer's metrics are read."""
+    """What the metric row of one batch is computed from, kept until the trainer's metrics are read
+    (:mod:`trl_integration.metric_queue` stacks the inputs of several batches).
+
+    Attributes:
+        stats: the safe-set statistics of the scoring pass.
+        masks: the batch's :func:`out_of_set_masks`.
+        train_logps: ``[B, T]`` the training log-probabilities of the sampled tokens.
+        rollout_logps: ``[B, T]`` the rollout log-probabilities, or ``None`` (none recorded).
+        ratio: the batch's importance ratio, or ``None``.
+        settings: which groups of metrics to compute.
+        measured_rollout_logps: zero-mismatch setting: the rollout log-probabilities before the replacement, whose
+            gap to the training ones is logged under ``mismatch/removed/*``.
+    """
 
     stats: SafeTokenStats
     masks: OutOfSetMasks
@@ -207,57 +217,33 @@ class StepMetricInputs:
     measured_rollout_logps: torch.Tensor | None = None
 
     def row(self) -> MetricRow:
-        """:func:`step_metric_row` of these inputs."""
-        return step_metric_row(
-            self.stats, self.masks, self.train_logps, self.rollout_logps, self.ratio, self.settings,
-            self.measured_rollout_logps,
-        )  # fmt: skip
-
-
-def step_metric_row(
-    stats: SafeTokenStats,
-    masks: OutOfSetMasks,
-    train_logps: torch.Tensor,
-    rollout_logps: torch.Tensor | None,
-    ratio: ImportanceRatio | None,
-    settings: StepSettings,
-    measured_rollout_logps: torch.Tensor | None = None,
-) -> MetricRow:
-    """The metric row of one batch (see the module docstring for what it holds); inputs with a leading dimension
-    (a stack of batches ``[S, B, T]``, :mod:`trl_integration.metric_queue`) give one row per batch, ``[S, K]``.
-
-    Args:
-        stats: the safe-set statistics of the scoring pass.
-        masks: the batch's :func:`~trl_integration.safe_vocab_step.out_of_set_masks`.
-        train_logps: ``[B, T]`` the training log-probabilities of the sampled tokens.
-        rollout_logps: ``[B, T]`` the rollout log-probabilities, or ``None`` (none recorded).
-        ratio: the batch's importance ratio, or ``None``.
-        settings: which groups of metrics to compute.
-        measured_rollout_logps: zero-mismatch setting: the rollout log-probabilities before the replacement, whose
-            gap to the training ones is logged under ``mismatch/removed/*``.
-    """
-    # Inference mode: the values are only logged, and dozens of small ops per step run about twice as fast.
-    with torch.inference_mode():
-        counted = masks.counted
-        groups = [
-            safe_set_row(stats.in_safe, stats.log_kept_mass, stats.safe_size, masks.base),
-            masked_token_row(counted, masks.keep),
-        ]
-        if settings.replay:
-            groups.append(MetricRow.from_dicts(*replay_metrics(stats, counted)))
-        loss_mask = masks.loss_mask.bool()
-        if ratio is not None:
-            groups.append(importance_ratio_row(ratio.log_raw, ratio.ratio, ratio.clipped, loss_mask))
-            if settings.sampling_metrics:
-                groups.append(trl_sampling_row(train_logps, rollout_logps, ratio, loss_mask))
-        if settings.mismatch_metrics:
-            paired = zero_filled_pair(train_logps, rollout_logps, loss_mask)  # shared by the two groups
-            groups.append(mismatch_row(*paired))
-            groups.append(bucket_row(*paired, settings.mismatch_buckets))
-        if measured_rollout_logps is not None:
-            removed = mismatch_row(*zero_filled_pair(train_logps, measured_rollout_logps, loss_mask))
-            groups.append(removed.select([f"mismatch/{k}" for k in _REMOVED_KEYS], [f"mismatch/removed/{k}" for k in _REMOVED_KEYS]))
-        return MetricRow.cat(groups)
+        """The metric row of the batch (see the module docstring for what it holds). Inputs with a leading dimension
+        (a stack of batches, ``[S, B, T]``) give one row per batch, ``[S, K]``."""
+        stats, masks, ratio, settings = self.stats, self.masks, self.ratio, self.settings
+        train_logps, rollout_logps, measured = self.train_logps, self.rollout_logps, self.measured_rollout_logps
+        # Inference mode: the values are only logged, and dozens of small ops per step run about twice as fast.
+        with torch.inference_mode():
+            counted = masks.counted
+            groups = [
+                safe_set_row(stats.in_safe, stats.log_kept_mass, stats.safe_size, masks.base),
+                masked_token_row(counted, masks.keep),
+            ]
+            if settings.replay:
+                groups.append(MetricRow.from_dicts(*replay_metrics(stats, counted)))
+            loss_mask = masks.loss_mask.bool()
+            if ratio is not None:
+                groups.append(importance_ratio_row(ratio.log_raw, ratio.ratio, ratio.clipped, loss_mask))
+                if settings.sampling_metrics:
+                    groups.append(trl_sampling_row(train_logps, rollout_logps, ratio, loss_mask))
+            if settings.mismatch_metrics:
+                paired = zero_filled_pair(train_logps, rollout_logps, loss_mask)  # shared by the two groups
+                groups.append(mismatch_row(*paired))
+                groups.append(bucket_row(*paired, settings.mismatch_buckets))
+            if measured is not None:
+                removed = mismatch_row(*zero_filled_pair(train_logps, measured, loss_mask))
+                keys = [f"mismatch/{k}" for k in _REMOVED_KEYS]
+                groups.append(removed.select(keys, [f"mismatch/removed/{k}" for k in _REMOVED_KEYS]))
+            return MetricRow.cat(groups)
 
 
 def step_metrics(
@@ -269,8 +255,10 @@ def step_metrics(
     settings: StepSettings,
     measured_rollout_logps: torch.Tensor | None = None,
 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """:func:`step_metric_row` as ``(values, counts)`` dictionaries (``{name: 0-dim tensor}``)."""
-    return step_metric_row(stats, masks, train_logps, rollout_logps, ratio, settings, measured_rollout_logps).dicts()
+    """The metric row of one batch (:meth:`StepMetricInputs.row`) as ``(values, counts)`` dictionaries
+    (``{name: 0-dim tensor}``)."""
+    inputs = StepMetricInputs(stats, masks, train_logps, rollout_logps, ratio, settings, measured_rollout_logps)
+    return inputs.row().dicts()
 
 
 @dataclass
@@ -282,7 +270,8 @@ class StepResult:
             ``sampling_per_token_logps`` in the zero-mismatch setting).
         loss_mask: ``[B, T]`` the loss tokens after the out-of-set masking (``num_items_in_batch`` counts them).
         metric_inputs: what the batch's metric row is computed from (``None`` when not measured): the trainer
-            computes the rows of several batches at once when trl reads its metrics (:mod:`~trl_integration.metric_queue`).
+            computes the rows of several batches at once when trl reads its metrics
+            (:mod:`~trl_integration.metric_queue`).
         record: the tensors of ``trainer.last_generation``.
     """
 
@@ -293,7 +282,7 @@ class StepResult:
 
     @functools.cached_property
     def row(self) -> MetricRow | None:
-        """The local metric row (:func:`step_metric_row`), ``None`` when not measured."""
+        """The local metric row (:meth:`StepMetricInputs.row`), ``None`` when not measured."""
         return None if self.metric_inputs is None else self.metric_inputs.row()
 
     @property

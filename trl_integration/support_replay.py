@@ -116,7 +116,8 @@ def replay_metrics(stats, counted: torch.Tensor) -> tuple[dict, dict]:
     ``|S_rule & R|``, minus the tokens of probability 0). ``stats`` is a
     :class:`~trl_integration.safe_vocab_step.SafeTokenStats` (not imported: that module imports this one)."""
     replayed = counted & (stats.replay_size > 0) if stats.replay_size is not None else torch.zeros_like(counted)
-    metrics = {REPLAY_FRAC: _frac(replayed, counted), SUPPORT_DISAGREEMENT: torch.full((), float("nan"), device=counted.device)}
+    nan = torch.full((), float("nan"), device=counted.device)
+    metrics = {REPLAY_FRAC: _frac(replayed, counted), SUPPORT_DISAGREEMENT: nan}
     if stats.replay_size is not None:
         same = (stats.rule_safe_size == stats.replay_size) & (stats.safe_size == stats.replay_size)
         metrics[SUPPORT_DISAGREEMENT] = _frac(replayed & ~same, replayed)

@@ -334,7 +334,8 @@ class SafeVocabGRPOTrainer(QueuedMetrics, GRPOTrainerBridge):
         if recorded is not None:
             recorder, lengths = recorded
             completion_ids = output["completion_ids"]
-            output["sampling_per_token_logps"] = recorder.padded(lengths, completion_ids.shape[1], completion_ids.device)
+            width, device = completion_ids.shape[1], completion_ids.device
+            output["sampling_per_token_logps"] = recorder.padded(lengths, width, device)
         if self._replay is not None:
             self._replay.attach(output)
         self._apply_safe_vocabulary(output, captured)

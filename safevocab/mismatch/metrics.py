@@ -155,7 +155,8 @@ def bucket_row(
 def _bucket_keys(edges: tuple[float, ...]) -> tuple[tuple[str, ...], list[float]]:
     """The keys of `bucket_mismatch_metrics` (per bucket: abs_diff, diff, token_frac) and the checked edges."""
     edges = check_edges(edges)
-    keys = tuple(f"mismatch/{kind}/{name}" for name in bucket_names(edges) for kind in ("abs_diff", "diff", "token_frac"))
+    kinds = ("abs_diff", "diff", "token_frac")
+    keys = tuple(f"mismatch/{kind}/{name}" for name in bucket_names(edges) for kind in kinds)
     return keys, edges
 
 

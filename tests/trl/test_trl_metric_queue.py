@@ -138,7 +138,8 @@ def test_rows_of_a_batch_where_nothing_counts_stay_on_the_batch_device():
     frac, n, _ = rollout_logprobs_coverage(torch.zeros(2, 3, device="meta"), completion, None)
     assert frac.device.type == "meta"
     coverage = MetricRow((ROLLOUT_LOGPROBS_FRAC,), frac.float().reshape(1), n.double().reshape(1))
-    stats = SafeTokenStats(*(torch.zeros(2, 3, device="meta") for _ in range(3)), replay_size=torch.zeros(2, 3, dtype=torch.long, device="meta"), rule_safe_size=torch.zeros(2, 3, dtype=torch.long, device="meta"))  # fmt: skip
+    sizes = torch.zeros(2, 3, dtype=torch.long, device="meta")
+    stats = SafeTokenStats(*(torch.zeros(2, 3, device="meta") for _ in range(3)), replay_size=sizes, rule_safe_size=sizes)
     replay = MetricRow.from_dicts(*replay_metrics(stats, completion.bool()))
     assert {replay.values.device.type, replay.counts.device.type} == {"meta"}
     assert MetricRow.cat([coverage, replay]).values.device.type == "meta"
