@@ -52,11 +52,11 @@ from accelerate.utils import is_peft_model
 from safevocab import NoPruning
 from safevocab.mismatch import MetricRow
 from safevocab.schedulers import LengthDecayLR
-from trl_integration.metric_queue import MetricQueue, QueuedMetrics, queue_capacity
 from trl_integration.callbacks import LengthDecayCallback
 from trl_integration.config import SafeVocabGRPOConfig
 from trl_integration.enums import ROLLOUT_DTYPES
 from trl_integration.lm_head import SafeHeadState, add_safe_lm_head
+from trl_integration.metric_queue import MetricQueue, QueuedMetrics, queue_capacity
 from trl_integration.rollout import recording_generate, rollout_recorder
 from trl_integration.rollout_mismatch import PerturbationArg, RolloutMismatch
 from trl_integration.safe_vocab_step import (
