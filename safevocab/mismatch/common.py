@@ -20,11 +20,6 @@ def as_scalar(x: torch.Tensor | float) -> torch.Tensor:
     return torch.as_tensor(x, dtype=torch.float32).detach().reshape(())
 
 
-def item_count(n: torch.Tensor | int) -> torch.Tensor:
-    """A count as a 0-dim float64 tensor (what `reduce_gathered` weighs a process's value by)."""
-    return torch.as_tensor(n, dtype=torch.float64).detach().reshape(())
-
-
 # The metrics run every training step on small tensors, where each torch call costs more than its arithmetic:
 # the helpers below are branch-free (no host sync on a GPU) and compute several statistics per call.
 
