@@ -224,6 +224,13 @@ def test_held_out_metric_scores_completions_and_keeps_the_rng(model, tokenizer):
     assert torch.equal(torch.random.get_rng_state(), state)
     assert sampled == held_out_reward(model, tokenizer, data, seed=5) != held_out_reward(model, tokenizer, data, seed=6)
     assert 0.0 < sampled < 1.0 and 0.0 < greedy < 1.0
+    # min_p samples from the rule's safe vocabulary: min_p=1 keeps only the most probable token (greedy), a small
+    # min_p changes some completions but not the RNG state
+    assert held_out_reward(model, tokenizer, data, seed=5, min_p=1.0) == pytest.approx(greedy, abs=1e-9)
+    assert held_out_reward(model, tokenizer, data, seed=5, min_p=0.05) != sampled
+    assert torch.equal(torch.random.get_rng_state(), state)
+    with pytest.raises(ValueError, match=r"min_p=0\.0 is out of range"):
+        held_out_reward(model, tokenizer, data, min_p=0.0)
 
 
 def test_freetext_task_is_a_study_task():
@@ -313,3 +320,16 @@ def test_the_free_text_task_keeps_the_policy_in_the_tail(model, tokenizer):
     assert tail.numel() > 300 and head.numel() >= 15
     assert 0.05 < float(tail.mean()) < 0.35  # positive: the noisy sampler over-weights the tail tokens it drew
     assert abs(float(head.mean())) < 0.2  # and hardly the head (where mu ~ pi); few tokens, hence the margin
+
+
+def test_rule_eval_example_task_scores_on_the_rules_support(model, tokenizer):
+    """examples/study_task_rule_eval.py loads through ``--task``'s loader and samples its held-out completions
+    under min_p=0.01 (the same numbers as `held_out_reward` with that rule, not the full distribution's)."""
+    from trl_integration.study.tasks import load_task
+
+    task = load_task("examples.study_task_rule_eval:freetext_rule_eval_task")
+    assert task.name == "freetext_rule_eval" and task.metric_name == "reward_min_p"
+    data = held_out_dataset(8)
+    ruled = task.held_out_metric(model, tokenizer, data)
+    assert ruled == held_out_reward(model, tokenizer, data, min_p=0.01)
+    assert ruled != held_out_reward(model, tokenizer, data)

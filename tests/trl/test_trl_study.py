@@ -248,3 +248,28 @@ def test_paired_differences_carry_a_95_percent_interval():
     assert summary["a"]["late_metric_vs_no_remedy"]["mean"] == pytest.approx(0.2)
     assert summary["no_remedy"]["late_metric"]["mean"] == pytest.approx(((0.4 + 0.5) + (0.3 + 0.4) + (0.5 + 0.6)) / 6)
     assert "final_metric_vs_no_mismatch" not in summary["a"]  # no such arm ran
+
+
+@pytest.mark.parametrize("stem", ["heldout_reward", "reward"])
+def test_figure_titles_fit_the_figure(stem):
+    """Every line of a figure's title is inside the figure: the subtitle of a study with rounded rollout weights
+    and a plug-in perturbation (the longest mismatch label) was one line, cut at both edges of the PNG."""
+    import matplotlib.pyplot as plt
+
+    from trl_integration.study.plots import draw_metric
+
+    settings = {"noise": 2.0, "noise_kind": "lift", "rollout_mantissa_bits": 2, "rollout_dtype": "auto", "smooth": 2,
+                "rollout_perturbation": "my_project.perturbations:heavier_tail"}
+    runs = [{"arm": arm, "seed": 0, "status": "ok", "eval": {"step": [0, 2], "reward": [0.1, 0.2]},
+             "series": {"step": [1, 2], "reward": [0.1, 0.3]}} for arm in ("no_remedy", "dvp")]
+    results = {"settings": settings, "arms": {"no_remedy": {}, "dvp": {}}, "runs": runs,
+               "summary": {"no_remedy": {}, "dvp": {}}, "task": {"metric_name": "reward"}}
+    fig = draw_metric(results, stem)
+    try:
+        renderer = fig.canvas.get_renderer()
+        figure_box = fig.bbox
+        title_box = fig.axes[0].title.get_window_extent(renderer)
+        assert figure_box.x0 <= title_box.x0 and title_box.x1 <= figure_box.x1, (title_box, figure_box)
+        assert title_box.y1 <= figure_box.y1, (title_box, figure_box)
+    finally:
+        plt.close(fig)

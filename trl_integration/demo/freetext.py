@@ -209,9 +209,14 @@ def held_out_reward(
     seed: int = 0,
     batch_size: int = 64,
     max_new_tokens: int = MAX_COMPLETION_LENGTH,
+    min_p: float | None = None,
 ) -> float:
     """Mean :func:`freetext_reward` of one completion per row of ``dataset``: sampled at temperature 1 from the full
-    distribution, seeded with ``seed`` (``do_sample=False``: greedy). Torch's global RNG state is restored."""
+    distribution, seeded with ``seed`` (``do_sample=False``: greedy). Torch's global RNG state is restored.
+
+    ``min_p`` (in (0, 1]) samples from the safe vocabulary of the rule ``min_p=<min_p>`` instead of the full
+    distribution (tokens with p ≥ min_p · p_max, renormalised: transformers' ``min_p``), as a policy trained with
+    that rule would be deployed; ``1.0`` keeps only the most probable token (greedy, ties aside)."""
     import torch
 
     if len(dataset) == 0:
@@ -221,7 +226,9 @@ def held_out_reward(
     was_training = model.training
     model.eval()
     rng_state = torch.random.get_rng_state()
-    sampling = dict(do_sample=True, temperature=1.0, top_k=None, top_p=None, min_p=None) if do_sample else dict(
+    if min_p is not None and not 0.0 < min_p <= 1.0:
+        raise ValueError(f"min_p={min_p!r} is out of range: accepted a float in (0, 1] or None")
+    sampling = dict(do_sample=True, temperature=1.0, top_k=None, top_p=None, min_p=min_p) if do_sample else dict(
         do_sample=False)
     total = 0.0
     try:

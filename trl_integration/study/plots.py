@@ -7,10 +7,16 @@ metric and the learning rate are drawn as logged.
 from __future__ import annotations
 
 import math
+import textwrap
 import warnings
 from pathlib import Path
+from typing import Any
 
-__all__ = ["PLOTS", "plot_specs", "plot_metric"]
+__all__ = ["PLOTS", "plot_specs", "draw_metric", "plot_metric"]
+
+#: Characters per line of a figure's subtitle: a 9-point line of this length fits the 6.4-inch figure with room to
+#: spare (the one-line subtitle of a study with rounded weights was cut at both edges).
+SUBTITLE_WIDTH = 80
 
 
 def plot_specs(metric: str = "accuracy") -> dict[str, tuple[str, str, bool]]:
@@ -74,6 +80,15 @@ def mismatch_label(settings: dict) -> str:
 
 def plot_metric(results: dict, stem: str, path: Path) -> None:
     """Draw the figure ``stem`` (a key of ``plot_specs(metric)``, the metric of ``results``) to ``path``."""
+    import matplotlib.pyplot as plt
+
+    fig = draw_metric(results, stem)
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def draw_metric(results: dict, stem: str) -> Any:
+    """The matplotlib figure ``stem`` of `plot_metric`, not yet saved (the caller closes it)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -113,7 +128,8 @@ def plot_metric(results: dict, stem: str, path: Path) -> None:
     title = label
     if window > 1:
         title += f" ({window}-step moving average)"
-    ax.set_title(f"{title}\n{mismatch_label(s)}; mean over seeds, band = min..max", fontsize=9)
+    subtitle = textwrap.fill(f"{mismatch_label(s)}; mean over seeds, band = min..max", SUBTITLE_WIDTH)
+    ax.set_title(f"{title}\n{subtitle}", fontsize=9)
     ax.set_xlabel("optimizer step")
     ax.set_ylabel(label, fontsize=8)
     if key == "learning_rate":
@@ -121,5 +137,4 @@ def plot_metric(results: dict, stem: str, path: Path) -> None:
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=7, loc="best")
     fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+    return fig
