@@ -8,6 +8,9 @@ comparison stays paired), everything else unchanged::
     safevocab study --task examples.study_task_rule_eval:freetext_rule_eval_task --arms no_remedy dvp ...
 
 (run from the repository root; from this folder, ``--task study_task_rule_eval:freetext_rule_eval_task``).
+
+The scoring rule is ``RULE_MIN_P`` below, not the study's ``--dvp_rule``: a study whose DVP arms use another rule
+scores under 0.01 unless this constant is changed to match (the report's "task" row says which rule scored).
 """
 
 from __future__ import annotations

@@ -229,8 +229,15 @@ def test_held_out_metric_scores_completions_and_keeps_the_rng(model, tokenizer):
     assert held_out_reward(model, tokenizer, data, seed=5, min_p=1.0) == pytest.approx(greedy, abs=1e-9)
     assert held_out_reward(model, tokenizer, data, seed=5, min_p=0.05) != sampled
     assert torch.equal(torch.random.get_rng_state(), state)
-    with pytest.raises(ValueError, match=r"min_p=0\.0 is out of range"):
-        held_out_reward(model, tokenizer, data, min_p=0.0)
+    model.train()
+    for bad in (0.0, 1.5, float("nan"), "0.01", True):  # one line naming min_p; the model is left as it was
+        with pytest.raises(ValueError, match=r"min_p=.* is out of range: accepted a float in \(0, 1\]"):
+            held_out_reward(model, tokenizer, data, min_p=bad)
+        assert model.training
+    with pytest.raises(ValueError, match=r"min_p=0\.01 needs do_sample=True"):
+        held_out_reward(model, tokenizer, data, min_p=0.01, do_sample=False)
+    assert model.training
+    model.eval()
 
 
 def test_freetext_task_is_a_study_task():

@@ -142,6 +142,7 @@ def test_smoke_every_new_option_and_resume(tmp_path, monkeypatch, capsys):
     first = json.loads((tmp_path / "study" / "results.json").read_text(encoding="utf-8"))
     assert len(trained) == 2 and rollout_plugins.SEEDS_SEEN == [0, 0]
     assert [(r["arm"], r["status"]) for r in first["runs"]] == [("no_remedy", "ok"), ("dvp_mis", "ok")]
+    assert first["task"]["spec"] == "arithmetic"  # what --task said (was "arithmetic (a StudyTask object)")
 
     # The same study with one more arm, resumed: only the new arm trains; the finished runs are kept as they were.
     assert safevocab_main(["study", *SMOKE, "--arms", "no_remedy", "dvp_mis", "no_mismatch", "--resume",

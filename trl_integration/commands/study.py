@@ -86,7 +86,8 @@ def make_parser(prog: str = PROG) -> argparse.ArgumentParser:
     p.add_argument("--eval_every", type=int, default=d.eval_every,
                    help="held-out evaluation every K steps, plus step 0 and the last (default: %(default)s)")
     p.add_argument("--eval_num_prompts", type=int, default=d.eval_num_prompts,
-                   help="held-out test-split problems scored greedily (default: %(default)s)")
+                   help="held-out prompts the task's metric scores (arithmetic: test-split problems, greedy; freetext: "
+                        "stdlib texts, sampled) (default: %(default)s)")
     p.add_argument("--noise", type=float, default=d.noise, metavar="EPS",
                    help="bound of the injected rollout logit noise, 0 for none (default: %(default)s)")
     p.add_argument("--noise_kind", choices=NOISE_KINDS, default=d.noise_kind,
@@ -145,10 +146,11 @@ def run_parsed(args: argparse.Namespace, command: str | None = None, prog: str =
         settings.validate()
         if settings.model is not None and not Path(settings.model).is_dir():
             raise ValueError(f"--model {settings.model!r} is not a folder (save_pretrained output)")
-        task = load_task(settings.task)
+        task = load_task(settings.task)  # a bad --task fails here, in one line, before anything is written
         if settings.rollout_perturbation is not None:
             load_callable(settings.rollout_perturbation, "--rollout_perturbation")
-        results = run_study(settings, task=task, command=command, progress=not args.quiet, plots=not args.no_plots,
+        # the spec, not the loaded task, so that results.json records what --task said
+        results = run_study(settings, command=command, progress=not args.quiet, plots=not args.no_plots,
                             resume=args.resume)  # a resumed study refuses other settings before any training
     except (ValueError, FileNotFoundError) as err:
         return fail(prog, str(err))

@@ -216,18 +216,31 @@ def held_out_reward(
 
     ``min_p`` (in (0, 1]) samples from the safe vocabulary of the rule ``min_p=<min_p>`` instead of the full
     distribution (tokens with p ≥ min_p · p_max, renormalised: transformers' ``min_p``), as a policy trained with
-    that rule would be deployed; ``1.0`` keeps only the most probable token (greedy, ties aside)."""
+    that rule would be deployed; ``1.0`` keeps only the most probable token (greedy, ties aside). It needs
+    ``do_sample=True``.
+
+    Raises:
+        ValueError: one line naming the argument: an empty ``dataset``, a ``min_p`` that is not a number in (0, 1],
+            or ``min_p`` with ``do_sample=False``. The model is not touched then.
+    """
+    import math
+
     import torch
 
     if len(dataset) == 0:
         raise ValueError("dataset is empty")
+    if min_p is not None:
+        # bool is an int: min_p=True would silently mean 1.0 (greedy)
+        if isinstance(min_p, bool) or not isinstance(min_p, (int, float)) or not (
+                math.isfinite(min_p) and 0.0 < min_p <= 1.0):
+            raise ValueError(f"min_p={min_p!r} is out of range: accepted a float in (0, 1] or None")
+        if not do_sample:
+            raise ValueError(f"min_p={min_p!r} needs do_sample=True: a greedy completion has no support to restrict")
     prompts, references = list(dataset["prompt"]), list(dataset["continuation"])
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()
     rng_state = torch.random.get_rng_state()
-    if min_p is not None and not 0.0 < min_p <= 1.0:
-        raise ValueError(f"min_p={min_p!r} is out of range: accepted a float in (0, 1] or None")
     sampling = dict(do_sample=True, temperature=1.0, top_k=None, top_p=None, min_p=min_p) if do_sample else dict(
         do_sample=False)
     total = 0.0
