@@ -230,8 +230,12 @@ def test_held_out_metric_scores_completions_and_keeps_the_rng(model, tokenizer):
     assert held_out_reward(model, tokenizer, data, seed=5, min_p=0.05) != sampled
     assert torch.equal(torch.random.get_rng_state(), state)
     model.train()
-    for bad in (0.0, 1.5, float("nan"), "0.01", True):  # one line naming min_p; the model is left as it was
+    for bad in (0.0, 1.5, float("nan")):  # one line naming min_p; the model is left as it was
         with pytest.raises(ValueError, match=r"min_p=.* is out of range: accepted a float in \(0, 1\]"):
+            held_out_reward(model, tokenizer, data, min_p=bad)
+        assert model.training
+    for bad in ("0.01", True):  # not a number (True would mean 1.0, greedy): the project's TypeError line
+        with pytest.raises(TypeError, match=r"min_p must be a real number"):
             held_out_reward(model, tokenizer, data, min_p=bad)
         assert model.training
     with pytest.raises(ValueError, match=r"min_p=0\.01 needs do_sample=True"):

@@ -220,20 +220,18 @@ def held_out_reward(
     ``do_sample=True``.
 
     Raises:
-        ValueError: one line naming the argument: an empty ``dataset``, a ``min_p`` that is not a number in (0, 1],
+        ValueError: one line naming the argument: an empty ``dataset``, a ``min_p`` outside (0, 1] (NaN included),
             or ``min_p`` with ``do_sample=False``. The model is not touched then.
+        TypeError: ``min_p`` is not a real number (a string, a bool).
     """
-    import math
-
     import torch
+
+    from safevocab.validation import real
 
     if len(dataset) == 0:
         raise ValueError("dataset is empty")
     if min_p is not None:
-        # bool is an int: min_p=True would silently mean 1.0 (greedy)
-        if isinstance(min_p, bool) or not isinstance(min_p, (int, float)) or not (
-                math.isfinite(min_p) and 0.0 < min_p <= 1.0):
-            raise ValueError(f"min_p={min_p!r} is out of range: accepted a float in (0, 1] or None")
+        min_p = real("min_p", min_p, lambda x: 0.0 < x <= 1.0, "a float in (0, 1] or None")
         if not do_sample:
             raise ValueError(f"min_p={min_p!r} needs do_sample=True: a greedy completion has no support to restrict")
     prompts, references = list(dataset["prompt"]), list(dataset["continuation"])
