@@ -8,8 +8,10 @@ Every public entry point checks its arguments before any work and raises
 A *real number* is any real scalar a user may hold: a Python ``int``/``float``, a numpy scalar
 (``np.float32(0.1)``, ``np.int64(50)``), a 0-dim numpy array, or a 0-dim real ``torch.Tensor``
 (``torch.tensor(0.7)``). Booleans are not numbers here (``True`` as a temperature is a bug). An
-*integer* is the same with an integer type; floats are refused even when integral, as ``range`` does.
-The functions return plain Python ``float``/``int`` so that callers store hashable, printable values.
+*integer* is the same with an integer type; floats are refused even when integral, as ``range`` does. A
+*boolean* flag is ``True``/``False`` (a numpy or 0-dim torch bool too): ``"yes"``, ``1`` or ``None`` are refused,
+since any of them would otherwise be read by truthiness. The functions return plain Python ``float``/``int``/``bool``
+so that callers store hashable, printable values.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["real", "integer", "check_range", "is_real_scalar"]
+__all__ = ["real", "integer", "boolean", "check_range", "is_real_scalar"]
 
 
 def _unwrap(value: object) -> object:
@@ -100,3 +102,19 @@ def integer(
     as_int = int(scalar)
     check_range(name, scalar, ok is None or ok(as_int), accepted)
     return as_int
+
+
+def boolean(name: str, value: object) -> bool:
+    """``value`` as a Python ``bool`` after checking its type: ``True``/``False``, a numpy bool or a 0-dim torch bool.
+
+    Raises:
+        TypeError: anything else (a string, ``None``, an int, a tensor with elements).
+    """
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, torch.Tensor) and value.dim() == 0 and value.dtype == torch.bool:
+        return bool(value.item())
+    # numpy without importing it: a numpy bool scalar or 0-dim array has ``ndim == 0`` and ``dtype.kind == "b"``
+    if getattr(value, "ndim", None) == 0 and getattr(getattr(value, "dtype", None), "kind", None) == "b":
+        return bool(value.item())
+    raise TypeError(f"{name} must be a bool (True or False), got {_describe(value)}")
