@@ -15,7 +15,7 @@ value.
 ``trainer.reward_funcs`` (the user's functions and an environment's ``get_reward``) in a :class:`CheckedReward`
 that calls it unchanged and then checks its output:
 
-- not a sequence (a float, ``None``, a string): ``TypeError`` naming the function and what it returned;
+- not iterable (a float, ``None``, a string): ``TypeError`` naming the function and what it returned;
 - an element trl cannot turn into a float32 (a string, a list): ``TypeError`` naming the function, the
   completion and the element;
 - ``+inf`` or ``-inf``: ``ValueError`` naming the function, the completion and ``trainer_state.global_step``
