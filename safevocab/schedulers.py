@@ -9,19 +9,18 @@ for an 8B one).
 
 - :class:`LengthDecayLR` is a plain ``torch.optim.lr_scheduler.LRScheduler`` (per-group LRs,
   ``state_dict``/``load_state_dict``), usable with any training loop.
-- :class:`SurgeDetector` watches a stream of mean lengths online and says when the surge happened.
+- :class:`~safevocab.surge_detector.SurgeDetector` (re-exported here) watches a stream of mean lengths online and
+  says when the surge happened.
 """
 
 from __future__ import annotations
 
-import math
-import statistics
-from collections import deque
 from typing import Any
 
 import torch
 from torch.optim.lr_scheduler import LRScheduler
 
+from safevocab.surge_detector import SurgeDetector
 from safevocab.validation import integer, real
 
 __all__ = ["LengthDecayLR", "SurgeDetector"]
@@ -139,116 +138,3 @@ class LengthDecayLR(LRScheduler):
 
     def _get_closed_form_lr(self) -> list[float]:
         return self.get_lr()
-
-
-class SurgeDetector:
-    """Online detection of a surge in the mean response length.
-
-    Each :meth:`update` appends ``(step, mean_length)``. A surge is declared when the median of the
-    last ``window`` lengths is at least ``ratio`` times the median of the ``baseline_window``
-    lengths just before them. Medians make one outlier batch harmless, and comparing two adjacent
-    windows (rather than a fixed start) ignores the slow, steady growth of response length that
-    RL on reasoning tasks usually shows: only a jump within about ``window`` steps counts.
-
-    Args:
-        window: recent steps compared with the baseline (default 10).
-        baseline_window: steps before them forming the baseline (default 30).
-        ratio: how many times the baseline the recent median must reach (default 1.5; a surge
-            typically doubles or triples the length).
-        warmup: no detection before this many updates (default 20: early lengths move fast
-            while the model learns the format).
-        factor: ``decay_period = round(factor * surge_step)`` (default 1.8, the paper's choice).
-
-    Attributes:
-        surge_step: the step at which the surge started (the first step of the recent window whose
-            length reached ``ratio`` times the baseline), ``None`` before detection.
-        detected_at: the step at which :meth:`update` returned ``True``.
-        decay_period: ``round(factor * surge_step)`` (at least 1), ``None`` before detection.
-    """
-
-    def __init__(
-        self,
-        window: int = 10,
-        baseline_window: int = 30,
-        ratio: float = 1.5,
-        warmup: int = 20,
-        factor: float = 1.8,
-    ) -> None:
-        window = _check_period(window, "window")
-        baseline_window = _check_period(baseline_window, "baseline_window")
-        ratio = real("ratio", ratio, lambda x: x > 1.0, "a finite ratio > 1")
-        warmup = integer("warmup", warmup, lambda x: x >= 0, "an integer >= 0")
-        factor = real("factor", factor, lambda x: x > 0, "a finite factor > 0")
-        self.window, self.baseline_window = window, baseline_window
-        self.ratio, self.warmup, self.factor = ratio, warmup, factor
-        self.history: deque[tuple[int, float]] = deque(maxlen=window + baseline_window)
-        self.n_updates = 0
-        self.surge_step: int | None = None
-        self.detected_at: int | None = None
-
-    @property
-    def decay_period(self) -> int | None:
-        if self.surge_step is None:
-            return None
-        return max(1, round(self.factor * self.surge_step))
-
-    @property
-    def detected(self) -> bool:
-        return self.surge_step is not None
-
-    def update(self, step: int, mean_length: float) -> bool:
-        """Record the mean response length at ``step``; ``True`` exactly once, when the surge is detected.
-
-        Args:
-            step: the optimizer step, an integer (Python, numpy or a 0-dim tensor).
-            mean_length: the mean completion length, a real number of any kind (``np.float32``, a 0-dim
-                tensor, ...). NaN or infinite lengths (a step with no completions) are ignored.
-
-        Raises:
-            TypeError: ``step`` is not an integer or ``mean_length`` not a real number (a string, ``None``).
-            ValueError: ``step < 0`` or ``mean_length < 0``.
-        """
-        step = integer("step", step, lambda x: x >= 0, "an integer step >= 0")
-        mean_length = real("mean_length", mean_length, lambda x: x >= 0 or math.isnan(x), "a length >= 0", finite=False)
-        if self.detected or not math.isfinite(mean_length):
-            return False
-        self.history.append((step, mean_length))
-        self.n_updates += 1
-        if self.n_updates < max(self.warmup, self.window + self.baseline_window):
-            return False
-        items = list(self.history)
-        baseline = statistics.median(length for _, length in items[: self.baseline_window])
-        recent = items[self.baseline_window :]
-        threshold = self.ratio * baseline
-        if baseline <= 0 or statistics.median(length for _, length in recent) < threshold:
-            return False
-        self.surge_step = next(s for s, length in recent if length >= threshold)
-        self.detected_at = int(step)
-        return True
-
-    def state_dict(self) -> dict[str, Any]:
-        """Everything needed to resume detection exactly (plain Python values)."""
-        return {
-            "window": self.window,
-            "baseline_window": self.baseline_window,
-            "ratio": self.ratio,
-            "warmup": self.warmup,
-            "factor": self.factor,
-            "history": list(self.history),
-            "n_updates": self.n_updates,
-            "surge_step": self.surge_step,
-            "detected_at": self.detected_at,
-        }
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.__init__(  # type: ignore[misc]
-            window=state["window"],
-            baseline_window=state["baseline_window"],
-            ratio=state["ratio"],
-            warmup=state["warmup"],
-            factor=state["factor"],
-        )
-        self.history.extend((int(s), float(v)) for s, v in state["history"])
-        self.n_updates = int(state["n_updates"])
-        self.surge_step = state["surge_step"]
-        self.detected_at = state["detected_at"]

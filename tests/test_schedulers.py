@@ -144,31 +144,34 @@ def test_flat_trace_never_fires():
     assert det.surge_step is None and det.decay_period is None
 
 
+@pytest.mark.parametrize("baseline", ["median", "ema"])
 @pytest.mark.parametrize("seed", range(20))
-def test_noisy_flat_no_false_alarm(seed):
+def test_noisy_flat_no_false_alarm(seed, baseline):
     rng = random.Random(seed)
     lengths = [1000 * (1 + 0.15 * rng.gauss(0, 1)) + (2000 if rng.random() < 0.02 else 0) for _ in range(600)]
-    assert feed(SurgeDetector(), lengths) == []
+    assert feed(SurgeDetector(baseline=baseline), lengths) == []
 
 
+@pytest.mark.parametrize("baseline", ["median", "ema"])
 @pytest.mark.parametrize("seed", range(10))
-def test_surge_near_step_100_gives_period_near_180(seed):
+def test_surge_near_step_100_gives_period_near_180(seed, baseline):
     rng = random.Random(seed)
     lengths = []
     for step in range(1, 301):
         base = 1000 if step < 100 else min(3000, 1000 + 700 * (step - 99))  # triples within 3 steps
         lengths.append(base * (1 + 0.08 * rng.gauss(0, 1)))
-    det = SurgeDetector()
+    det = SurgeDetector(baseline=baseline)
     fired = feed(det, lengths)
     assert len(fired) == 1 and 100 <= fired[0] <= 110  # detected within a few steps, once
     assert 98 <= det.surge_step <= 103
     assert 176 <= det.decay_period <= 186
 
 
+@pytest.mark.parametrize("baseline", ["median", "ema"])
 @pytest.mark.parametrize("total_growth_steps", [150, 400, 1000])
-def test_gradual_growth_is_not_a_surge(total_growth_steps):
+def test_gradual_growth_is_not_a_surge(total_growth_steps, baseline):
     lengths = [1000 + 2000 * min(1.0, step / total_growth_steps) for step in range(1, 1201)]
-    assert feed(SurgeDetector(), lengths) == []
+    assert feed(SurgeDetector(baseline=baseline), lengths) == []
 
 
 def test_detector_state_dict_resume():
