@@ -18,11 +18,11 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 
 import torch
 
-__all__ = ["real", "integer", "boolean", "check_range", "is_real_scalar"]
+__all__ = ["real", "integer", "boolean", "check_range", "is_real_scalar", "require_keys"]
 
 
 def _unwrap(value: object) -> object:
@@ -118,3 +118,17 @@ def boolean(name: str, value: object) -> bool:
     if getattr(value, "ndim", None) == 0 and getattr(getattr(value, "dtype", None), "kind", None) == "b":
         return bool(value.item())
     raise TypeError(f"{name} must be a bool (True or False), got {_describe(value)}")
+
+
+def require_keys(name: str, mapping: object, keys: Iterable[str], accepted: str) -> None:
+    """Check that ``mapping`` is a dict holding every key of ``keys`` (a saved state, a checkpoint's content).
+
+    Raises:
+        TypeError: ``mapping`` is not a mapping (``"<name> must be a dict, got <type>: <value>"``).
+        ValueError: one line naming every missing key: ``"<name> lacks 'a', 'b': accepted <accepted>"``.
+    """
+    if not isinstance(mapping, Mapping):
+        raise TypeError(f"{name} must be a dict, got {_describe(mapping)}")
+    missing = [key for key in keys if key not in mapping]
+    if missing:
+        raise ValueError(f"{name} lacks {', '.join(repr(key) for key in missing)}: accepted {accepted}")
