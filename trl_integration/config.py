@@ -125,6 +125,11 @@ class SafeVocabGRPOConfig(GRPOConfig):
             exactly 1, every `mismatch/*` gap exactly 0). The gap measured before the replacement is logged
             under `mismatch/removed/*`. The tokens are still sampled by `generate`, whose float-level
             differences stay in the sampling itself (see docs/mismatch.md). Generate path only.
+        resume_allow_missing_state (`bool`, defaults to `False`):
+            Resume from a checkpoint that lacks `optimizer.pt`, `scheduler.pt` (or its length-decay state),
+            `rng_state.pth` (`rng_state_<rank>.pth` per process) or `scaler.pt` (with fp16): by default such a
+            checkpoint is refused, naming the missing files; with `True` it is accepted with a warning naming what
+            starts fresh (see :mod:`trl_integration.checkpoints`).
     """
 
     safe_vocab_rule: str = field(
@@ -296,10 +301,21 @@ class SafeVocabGRPOConfig(GRPOConfig):
     length_surge_factor: float = field(
         default=1.8, metadata={"help": "Auto period = round(factor x surge step) (the paper's 1.8)."}
     )
+    resume_allow_missing_state: bool = field(
+        default=False,
+        metadata={
+            "help": "Resume from a checkpoint that lacks optimizer.pt, scheduler.pt (or its length-decay state), "
+            "rng_state.pth (rng_state_<rank>.pth per process) or scaler.pt (fp16): refused by default, naming the "
+            "missing files; true accepts it with a warning naming what starts fresh."
+        },
+    )
 
     def __post_init__(self):
         # Validate our own fields before trl's (cheap, and the errors name what the user typed).
         check_length_decay(self)
+        if not isinstance(self.resume_allow_missing_state, bool):
+            value = self.resume_allow_missing_state
+            raise TypeError(f"resume_allow_missing_state must be True or False, got {type(value).__name__}: {value!r}")
         rule = parse_rule(self.safe_vocab_rule)
         self.safe_vocab_rule = str(rule)
         self._rule = rule
