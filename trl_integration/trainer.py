@@ -53,6 +53,7 @@ from safevocab import NoPruning
 from safevocab.mismatch import MetricRow
 from safevocab.schedulers import LengthDecayLR
 from trl_integration.callbacks import LengthDecayCallback
+from trl_integration.checkpoints import AtomicCheckpoints
 from trl_integration.config import SafeVocabGRPOConfig
 from trl_integration.enums import ROLLOUT_DTYPES
 from trl_integration.lm_head import SafeHeadState, add_safe_lm_head
@@ -94,7 +95,7 @@ SCORE_IN_LOSS = "safevocab_score_in_loss"
 _FORWARD_KEYS = tuple(key for key in SCORING_KEYWORDS if key != "compute_aux_loss")
 
 
-class SafeVocabGRPOTrainer(QueuedMetrics, GRPOTrainerBridge):
+class SafeVocabGRPOTrainer(QueuedMetrics, AtomicCheckpoints, GRPOTrainerBridge):
     """GRPO with safe-vocabulary (Dynamic Vocabulary Pruning) log-probabilities.
 
     Takes the same arguments as ``trl.GRPOTrainer``; ``args`` must be a
