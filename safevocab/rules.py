@@ -42,7 +42,7 @@ import torch
 from safevocab.engine_order import ENGINES, check_engine, composition_stages, print_order
 from safevocab.nucleus import nucleus_threshold
 from safevocab.shifted_logits import ShiftedLogits
-from safevocab.validation import integer, real
+from safevocab.validation import integer, real, real_text
 
 __all__ = [
     "SafeVocabRule",
@@ -122,7 +122,14 @@ class SafeVocabRule(ABC):
 
     @torch.no_grad()
     def threshold_and_max(self, z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """:meth:`threshold` and the row maximum ``z_max`` ``[..., 1]``, sharing one pass over ``z``."""
+        """:meth:`threshold` and the row maximum ``z_max`` ``[..., 1]``, sharing one pass over ``z``.
+
+        Raises:
+            ValueError: ``z`` has no vocabulary dimension or an empty one (``V = 0``): there is no argmax to keep,
+                and no sampler draws from an empty vocabulary. Zero positions (``[0, V]``) are fine.
+        """
+        if z.dim() < 1 or z.shape[-1] == 0:
+            raise ValueError(f"z.shape={tuple(z.shape)}: expected [..., V] with a vocabulary size V >= 1")
         z = stat_float(z)
         z_max = z.amax(dim=-1, keepdim=True)
         return self.threshold_of(ShiftedLogits(z, z_max)), z_max
@@ -152,7 +159,10 @@ class SafeVocabRule(ABC):
         engine = check_engine(engine)
         if engine == self.engine:
             return self
-        return dataclasses.replace(self, engine=engine)
+        copy = dataclasses.replace(self, engine=engine)
+        if hasattr(self, "_text"):
+            object.__setattr__(copy, "_text", self._text)  # the value as the user gave it prints the same
+        return copy
 
     def sampler_kwargs(self) -> dict[str, float | int]:
         """Keyword arguments that make the rule's engine sample from the same set: HF ``generate``
@@ -176,7 +186,7 @@ class SafeVocabRule(ABC):
 
     def __str__(self) -> str:
         """The rule's spec, parts in the engine's order; the engine is not part of it (see :func:`parse_rule`)."""
-        return ",".join(f"{p.key}={p.value!r}" for p in self.parts)
+        return ",".join(f"{p.key}={getattr(p, '_text', '') or repr(p.value)}" for p in self.parts)
 
     def __repr__(self) -> str:
         return self._repr(with_engine=True)
@@ -226,12 +236,14 @@ class MinP(SafeVocabRule):
     """
 
     rho: float
+    _text: str = field(default="", init=False, repr=False, compare=False)  # rho as given, for str()
     key: ClassVar[str] = "min_p"
 
     def __post_init__(self) -> None:
         super().__post_init__()
         given = self.rho
         object.__setattr__(self, "rho", real("min_p", given, lambda x: 0.0 < x <= 1.0, "0 < min_p <= 1"))
+        object.__setattr__(self, "_text", real_text(given))
 
     @property
     def value(self) -> float:
@@ -251,12 +263,14 @@ class MinProb(SafeVocabRule):
     Matches HF ``EpsilonLogitsWarper`` (``epsilon_cutoff``); vLLM and SGLang have no equivalent."""
 
     tau: float
+    _text: str = field(default="", init=False, repr=False, compare=False)  # tau as given, for str()
     key: ClassVar[str] = "min_prob"
 
     def __post_init__(self) -> None:
         super().__post_init__()
         given = self.tau
         object.__setattr__(self, "tau", real("min_prob", given, lambda x: 0.0 < x < 1.0, "0 < min_prob < 1"))
+        object.__setattr__(self, "_text", real_text(given))
 
     @property
     def value(self) -> float:
@@ -312,6 +326,7 @@ class TopP(SafeVocabRule):
     """
 
     q: float
+    _text: str = field(default="", init=False, repr=False, compare=False)  # q as given, for str()
     key: ClassVar[str] = "top_p"
     # the candidates' bool mask
     scratch_bytes_per_logit: ClassVar[int] = 1
@@ -320,6 +335,7 @@ class TopP(SafeVocabRule):
         super().__post_init__()
         given = self.q
         object.__setattr__(self, "q", real("top_p", given, lambda x: 0.0 < x <= 1.0, "0 < top_p <= 1"))
+        object.__setattr__(self, "_text", real_text(given))
 
     @property
     def value(self) -> float:
@@ -436,7 +452,9 @@ def parse_rule(spec: str | SafeVocabRule | None, engine: str | None = None) -> S
             engine for a rule; a rule of another engine is returned with the given one (:meth:`SafeVocabRule.with_engine`).
 
     ``str(rule)`` gives the canonical spec (parts in the engine's order; the engine itself is not part of a spec),
-    and ``parse_rule(str(rule), engine=rule.engine) == rule`` for every rule.
+    and ``parse_rule(str(rule), engine=rule.engine) == rule`` for every rule whose values were given as Python
+    numbers or strings (a float32 value prints as its shortest float32 decimal, which parses to the float64
+    nearest it).
 
     Raises:
         ValueError: on an unknown key, a repeated key, a malformed item, an out-of-range value or an unknown

@@ -9,7 +9,9 @@ A *real number* is any real scalar a user may hold: a Python ``int``/``float``, 
 (``np.float32(0.1)``, ``np.int64(50)``), a 0-dim numpy array, or a 0-dim real ``torch.Tensor``
 (``torch.tensor(0.7)``). Booleans are not numbers here (``True`` as a temperature is a bug). An
 *integer* is the same with an integer type; floats are refused even when integral, as ``range`` does.
-The functions return plain Python ``float``/``int`` so that callers store hashable, printable values.
+The functions return plain Python ``float``/``int`` so that callers store hashable, printable values;
+:func:`real_text` gives the shortest decimal of a real in the precision it was given in (``np.float32(0.1)``:
+``"0.1"``, not the ``"0.10000000149011612"`` of its float64 value).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["real", "integer", "check_range", "is_real_scalar"]
+__all__ = ["real", "integer", "check_range", "is_real_scalar", "real_text"]
 
 
 def _unwrap(value: object) -> object:
@@ -100,3 +102,32 @@ def integer(
     as_int = int(scalar)
     check_range(name, scalar, ok is None or ok(as_int), accepted)
     return as_int
+
+
+def _narrow_float_dtype(value: object) -> torch.dtype | None:
+    """The torch dtype of a 0-dim float32/float16/bfloat16 tensor or numpy value; ``None`` for anything else."""
+    if isinstance(value, torch.Tensor):
+        return value.dtype if value.dim() == 0 and value.dtype in (torch.float32, torch.float16, torch.bfloat16) else None
+    dtype = getattr(value, "dtype", None)
+    if getattr(value, "ndim", None) == 0 and getattr(dtype, "kind", None) == "f":
+        return {4: torch.float32, 2: torch.float16}.get(getattr(dtype, "itemsize", 0))
+    return None
+
+
+def real_text(value: object) -> str:
+    """The shortest decimal that gives back the real ``value`` in the precision it was given in.
+
+    A Python ``float``/``int`` or a float64 value: ``repr(float(value))``. A float32/float16/bfloat16 value (numpy
+    scalar or 0-dim array, 0-dim tensor): the shortest decimal that rounds back to it in that dtype, so
+    ``np.float32(0.1)`` gives ``"0.1"`` (what the user wrote) while ``float(np.float32(0.1))`` is
+    ``0.10000000149011612``. Call it on a value :func:`real` accepted.
+    """
+    as_float = float(_unwrap(value))  # type: ignore[arg-type]
+    dtype = _narrow_float_dtype(value)
+    if dtype is None or not math.isfinite(as_float):
+        return repr(as_float)
+    for digits in range(1, 18):
+        text = repr(float(f"{as_float:.{digits}g}"))
+        if torch.tensor(float(text), dtype=dtype).item() == as_float:
+            return text
+    return repr(as_float)  # pragma: no cover - 9 digits always round-trip a float32

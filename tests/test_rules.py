@@ -1,7 +1,9 @@
 """Rules: semantics, parsing round-trip, errors, and agreement with transformers' own warpers."""
 
 import math
+import re
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given
@@ -75,6 +77,29 @@ def test_mixed_engines_and_unknown_engines_are_refused_in_one_line():
         MinP(0.1, engine="HF")
     with pytest.raises(TypeError, match="engine must be a str, got NoneType"):
         TopK(3, engine=None)
+
+
+def test_float32_values_print_as_given():
+    """issue 28: ``MinP(np.float32(0.1))`` printed ``min_p=0.10000000149011612``; the value itself is unchanged."""
+    given32 = MinP(np.float32(0.1))
+    assert str(given32) == "min_p=0.1"
+    assert given32.rho == float(np.float32(0.1)) == MinP(0.10000000149011612).rho  # the stored threshold is the same
+    assert torch.equal(given32.threshold(random_logits(0)), MinP(0.10000000149011612).threshold(random_logits(0)))
+    assert str(MinP(0.10000000149011612)) == "min_p=0.10000000149011612"  # a float64 prints all its digits
+    assert str(TopP(torch.tensor(0.7)) & MinProb(np.float32(1e-5))) == "top_p=0.7,min_prob=1e-05"
+    assert str(MinP(np.float16(0.1), engine="vllm")) == str(MinP(np.float32(0.1)).with_engine("vllm")) == "min_p=0.1"
+
+
+@pytest.mark.parametrize("rule", [MinP(0.1), MinProb(0.1), TopK(2), TopP(0.5), NoPruning(), TopK(2) & TopP(0.5)])
+@pytest.mark.parametrize("shape", [(3, 0), (0,), ()])
+def test_an_empty_vocabulary_is_refused_in_one_line(rule, shape):
+    """issue 28: ``MinP.threshold`` on an empty last dimension raised a raw ``IndexError`` (amax of nothing). An
+    empty vocabulary has no argmax to keep and nothing to sample, so it is refused as ``safe_log_softmax`` does."""
+    with pytest.raises(ValueError, match=rf"^z.shape={re.escape(str(shape))}: expected \[..., V\] with a vocabulary size V >= 1$"):
+        rule.threshold(torch.zeros(shape))
+    with pytest.raises(ValueError, match="V >= 1"):
+        rule.keep_mask(torch.zeros(shape))
+    assert rule.threshold(torch.zeros(0, 5)).shape == (0, 1)  # no positions is fine
 
 
 def test_canonical_order_is_sampler_order():
