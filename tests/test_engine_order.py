@@ -35,9 +35,7 @@ import torch
 
 from safevocab import fused_safe_logprobs, parse_rule, safe_log_softmax, transform_logits
 
-transformers = pytest.importorskip("transformers", reason="the HF reference needs transformers")
-from transformers import GenerationConfig, TopPLogitsWarper  # noqa: E402
-from transformers.generation.utils import GenerationMixin  # noqa: E402
+pytest.importorskip("transformers", reason="the HF reference needs transformers")
 
 TEMPERATURES = (0.6, 0.7, 1.0, 1.3, 2.0)
 VOCABS = (4, 7, 16, 50, 257)
@@ -88,14 +86,19 @@ def spec_of(params: dict[str, float | int]) -> str:
 # ---------------------------------------------------------------------------------------------- the engines' samplers
 
 
-class _Generate(GenerationMixin):
-    """Just enough of a model for ``GenerationMixin._get_logits_processor`` (a decoder-only config)."""
-
-    config = types.SimpleNamespace(is_encoder_decoder=False)
-
-
 def hf_sets(z: torch.Tensor, temperature: float, params: dict) -> tuple[torch.Tensor, torch.Tensor]:
-    """(kept by ``generate``'s processors, kept with the set of its ``top_p`` step widened to the whole tie)."""
+    """(kept by ``generate``'s processors, kept with the set of its ``top_p`` step widened to the whole tie).
+
+    transformers is imported here, not at collection: its generation utilities import triton, which
+    ``tests/test_kernels.py`` must import first (under Triton's interpreter)."""
+    from transformers import GenerationConfig, TopPLogitsWarper
+    from transformers.generation.utils import GenerationMixin
+
+    class _Generate(GenerationMixin):
+        """Just enough of a model for ``GenerationMixin._get_logits_processor`` (a decoder-only config)."""
+
+        config = types.SimpleNamespace(is_encoder_decoder=False)
+
     config = GenerationConfig(
         do_sample=True, temperature=temperature, top_k=params.get("top_k", 0), top_p=params.get("top_p", 1.0),
         min_p=params.get("min_p"), epsilon_cutoff=params.get("min_prob", 0.0),
