@@ -22,6 +22,7 @@ import torch
 __all__ = [
     "Transform",
     "chunk_slices",
+    "forward_chunks_of",
     "ChunkLogits",
     "SparseChunk",
     "RowStats",
@@ -81,6 +82,20 @@ class Transform:
 def chunk_slices(n_rows: int, chunk_rows: int) -> list[slice]:
     """The row slices of the chunks, identical in forward and backward."""
     return [slice(start, min(start + chunk_rows, n_rows)) for start in range(0, n_rows, chunk_rows)]
+
+
+def forward_chunks_of(idx: torch.Tensor, n_rows: int, chunk_rows: int) -> list[tuple[slice, torch.Tensor]]:
+    """The forward chunks (:func:`chunk_slices`) holding the rows ``idx`` (ascending), each with the positions of
+    those rows inside it: ``[(rows, local)]``, ``rows.start + local`` a part of ``idx``."""
+    if idx.numel() == 0:
+        return []
+    chunk_of = torch.div(idx, chunk_rows, rounding_mode="floor")
+    chunks, counts = torch.unique_consecutive(chunk_of, return_counts=True)
+    out = []
+    for chunk, part in zip(chunks.tolist(), idx.split(counts.tolist())):
+        start = chunk * chunk_rows
+        out.append((slice(start, min(start + chunk_rows, n_rows)), part - start))
+    return out
 
 
 class ChunkLogits:

@@ -25,9 +25,14 @@ Backward forms ``grad_z = g_lp 1[a=y] - pi_S (c_S + g_H (log pi_S + H)) - c_F pi
     same buffer shape: BLAS results depend on layout and alignment, and a boundary token one ulp off would
     leave ``S``), rebuilds ``S = {z >= t}`` and checks it against the saved ``|S|``.
 - the **full-softmax part** ``-c_F pi + g_lp 1[a=y not in S]`` (targets outside ``S`` with a gradient,
-  or a gradient on ``log_kept_mass``) does not depend on ``S``: rows of sparse chunks that need it
-  recompute only their own logits (the backend's ``full_softmax_backward``, through the same logits path as
-  its forward).
+  or a gradient on ``log_kept_mass``) does not depend on ``S``, but
+  ``pi = exp((z - m) - log sum_V exp(z - m))`` is normalised with the forward's ``m`` and ``log sum_V``, so
+  ``z`` must be the forward's bit for bit. Dense chunks form it with the rest; a sparse chunk holding rows
+  that need it is recomputed whole, with the same call on the same operands as its forward, and only those
+  rows are folded and enter the gradient GEMMs (the backend's ``full_softmax_backward``: one GEMM per such
+  chunk). Recomputing only those rows (``hidden.index_select``) changes the GEMM's layout: a logit one ulp
+  ``delta`` off becomes a factor ``exp(delta / T)`` against the forward's normaliser, unbounded at small
+  ``T``. It also makes the part cancel exactly against the stored safe-set part where ``S = V``.
 
 Non-finite input is detected from the row statistics (a non-finite ``m`` or ``log sum_V``) and raised as a
 one-line ``ValueError`` naming the argument (:func:`raise_on_non_finite_rows`).

@@ -22,6 +22,8 @@ from safevocab import (
     safe_log_softmax,
     transform_logits,
 )
+from out_of_set_cases import audit_case, check_case
+
 from safevocab.chunking import ChunkLogits
 from safevocab.schedulers import LengthDecayLR, SurgeDetector
 
@@ -96,6 +98,16 @@ def test_out_of_set_targets_in_a_sparse_chunk_keep_the_stored_set(monkeypatch):
     ref = safe_log_softmax(hidden.detach() @ w2.t(), targets, "top_k=3")
     (want,) = torch.autograd.grad(-(ref.logprobs.sum() + ref.log_kept_mass.sum()), (w2,))
     torch.testing.assert_close(g, want, rtol=1e-5, atol=1e-6)
+
+
+def test_out_of_set_rows_of_a_stored_set_get_the_forward_softmax():
+    """Issue 28 N1, the audit's reproducer (N=4, V=26, H=3, weights x300/sqrt(H), 5 ids banned, top_k=1, T=1e-6,
+    a gradient on rows 0-2 only) and the next 39 seeds of its generator: the full-softmax part of rows whose S was
+    stored is normalised with the forward's row max and log-sum, so it must use the forward's logits. Before the
+    fix it recomputed them on ``hidden.index_select`` of those rows: an ulp off, a factor exp(delta / T) (seed 6:
+    max|dW| 9.2e33, 1.7e27 x the softmax bound; the materialised path: 2.6e6)."""
+    for seed in [6, *range(6), *range(7, 40)]:
+        check_case(audit_case(seed), "torch")
 
 
 # ---------------------------------------------------------------------------------------------- 2. max-shifted arithmetic
