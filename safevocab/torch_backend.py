@@ -292,7 +292,7 @@ def dense_backward(
             for block in row_blocks(rows.stop - rows.start, vocab):
                 at = slice(rows.start + block.start, rows.start + block.stop)
                 _backward_block(z[block], coef, at, transform, scratch, support, check_sizes)
-        accumulate_chunk_grads(z, h, weight, rows, grads)  # z now holds the logits gradient
+        accumulate_chunk_grads(z, h, weight, rows, grads, coef.grad_shift)  # z now holds the logits gradient
 
 
 def _backward_block(z, coef: Coefficients, at: slice, transform: Transform, scratch: _Scratch, support, check_sizes):
@@ -333,7 +333,7 @@ def _backward_block(z, coef: Coefficients, at: slice, transform: Transform, scra
     grad.scatter_add_(-1, coef.targets[at].unsqueeze(-1), coef.g_lp[at].unsqueeze(-1))
     if cap_factor is not None:
         grad.mul_(cap_factor)
-    scale = transform.logit_scale / transform.temperature
+    scale = transform.logit_scale / transform.temperature / coef.grad_shift  # the shift: see Coefficients
     if scale != 1.0:
         grad.mul_(scale)
 
@@ -405,8 +405,10 @@ def full_softmax_backward(
         grad.mul_(coef.c_full[at].neg().unsqueeze(-1))
         grad.scatter_add_(-1, coef.targets[at].unsqueeze(-1), coef.g_target_out[at].unsqueeze(-1))
         grad = transform.backward_(grad, z)
+        if coef.grad_shift != 1.0:
+            grad.mul_(1.0 / coef.grad_shift)
         del z
-        accumulate_chunk_grads(grad, hidden.index_select(0, at), weight, at, grads)
+        accumulate_chunk_grads(grad, hidden.index_select(0, at), weight, at, grads, coef.grad_shift)
         del grad
 
 

@@ -27,6 +27,11 @@ The checks (:func:`check_case`), each element-wise against that bound ``B``:
    logit_scale / T`` away from the reference's (0 for exact inputs), which moves every probability by a factor
    within ``exp(+-2 delta)``, so ``|got - want| <= (2 (exp(2 delta) - 1) + 2^-17) B``. Rows whose safe set such a
    ``delta`` could change (the reference's ambiguity check) are skipped.
+
+fp16 at ``1 / T > 65504`` (issue 28 D6; :func:`fp16_near_tie_case`, :func:`check_fp16_case`): dyadic fp16 inputs
+with a group of tokens one fp16 ulp apart, targets in it, a fixed bias that keeps it on top; where the float64
+gradients of ``hidden`` and ``weight`` fit fp16, the fused ones must be finite and within ``2^-9`` of the softmax
+bound of them (the logits gradient is rounded to fp16, 2^-11, before the GEMMs, and so is the result).
 """
 
 from __future__ import annotations
@@ -304,7 +309,10 @@ def run_cases(backend: str, temperature: float, count: int, first_seed: int = 0,
     return results
 
 
-# ---------------------------------------------------------------------------------------------- the audit's reproducer
+# ---------------------------------------------------------------------------------------------- fp16 at 1/T > 65504
+
+#: fp16's resolution of the logits gradient (2^-11, rounded once for the GEMMs) and of the result (2^-11).
+FP16_TOL = 2.0**-9
 
 
 def audit_inputs(seed: int, n: int = 4, v: int = 26, h: int = 3, banned: int = 5):
@@ -328,3 +336,70 @@ def audit_case(seed: int, temperature: float = 1e-6) -> Case:
         seed, hidden, weight, bias, targets, [("top_k", 1)], temperature, 1.0, exact=False, dense=None,
         max_chunk_bytes=DEFAULT_MAX_CHUNK_BYTES, a=a, b=torch.zeros(4, dtype=torch.float64),
     )
+
+
+def d6_inputs():
+    """Issue 28 D6: two tokens whose fp16 weights differ by one ulp (2^-10), logits 1/16 and 1/16 + 2^-14 (exact in
+    fp16), the target the smaller one. At T = 1e-5 their logits gradients are +-0.998 / T = +-9.98e4 > 65504, while
+    d/dh = 9.98e4 (W_0 - W_1) = -97.4 and d/dW = +-9.98e4 h = +-6237 fit fp16."""
+    hidden = torch.tensor([[2.0**-4, 0.5]], dtype=torch.float16)
+    weight = torch.tensor([[1.0, 0.0], [1.0 + 2.0**-10, 0.0], [-1.0, -1.0]], dtype=torch.float16)
+    return hidden, weight, torch.tensor([0])
+
+
+def fp16_near_tie_case(seed: int, temperature: float) -> Case:
+    """fp16 dyadic inputs with a group of tokens whose weights are one fp16 ulp (2^-10) apart and targets in that
+    group: at ``1 / T > 65504`` their logits gradients leave fp16's range while the gradients of ``hidden`` (a
+    difference of near-equal weight rows) and of ``weight`` (times a small ``hidden``) may fit."""
+    g = torch.Generator().manual_seed(seed)
+    n, h, v = (int(torch.randint(lo, hi + 1, (1,), generator=g)) for lo, hi in ((1, 4), (1, 4), (3, 12)))
+    weight = torch.randint(-8, 9, (v, h), generator=g).double() / 8
+    group = torch.randperm(v, generator=g)[: int(torch.randint(2, 4, (1,), generator=g))]
+    weight[group] = weight[group[0]] + torch.randint(-1, 2, (group.numel(), h), generator=g).double() * 2.0**-10
+    # |h| <= 2^-3 at T = 1e-5, 2^-7 at T = 1e-6: dW = grad_z h may fit, and h 2^-10 / T is a gap of a few units
+    scale = 2.0 ** round(math.log2(temperature * 2**13))
+    hidden = torch.randint(-8, 9, (n, h), generator=g).double() / 8 * scale
+    targets = group[torch.randint(0, group.numel(), (n,), generator=g)]
+    bias = torch.full((v,), -1.0, dtype=torch.float64)
+    bias[group] = 0.0  # the group holds the largest logits (|hidden @ weight.T| <= 1/2): the others have pi = 0
+    parts = ([], [("min_p", 0.1)], [("top_k", 2)])[seed % 3]
+    a = torch.randn(n, generator=g, dtype=torch.float64)
+    b = torch.randn(n, generator=g, dtype=torch.float64) * (seed % 2)
+    return Case(
+        seed, hidden.half(), weight.half(), bias.half(), targets, parts, temperature, 1.0, exact=True, dense=None,
+        max_chunk_bytes=2**20, a=a, b=b, bias_grad=False,  # a fixed bias: db sums 1/T-sized entries over rows
+    )
+
+
+def fp16_reference_grads(case: Case):
+    """(dh, dW) of the float64 reference on the library's logits: the fp16 GEMM's result (exact products, one
+    rounding to fp16) divided by T in fp32; the largest |logits gradient|; the reference's outputs."""
+    h64, w64 = case.hidden.double().requires_grad_(), case.weight.double().requires_grad_()
+    raw = h64 @ w64.t() + case.bias.double()
+    rounded = (raw.detach().half().float() / case.temperature).double()
+    exact_z = raw / case.temperature
+    z = exact_z + (rounded - exact_z).detach()
+    ref = reference(z, case.targets, case.parts, tol_z=8 * EPS32 * (1 + float(rounded.abs().max())), tol_p=1e-4)
+    dh, dw, draw = torch.autograd.grad(_loss(ref, case), (h64, w64, raw))
+    return (dh, dw), float(draw.abs().max()), ref
+
+
+def check_fp16_case(case: Case, backend: str, device: str = "cpu") -> bool | None:
+    """Where the true gradients fit fp16 (with room for fp16 rounding), the fused ones are finite and within
+    ``FP16_TOL`` x the softmax bound of them. Returns whether a logits gradient left fp16's range (the case
+    exercises D6), or ``None`` when not compared (an ambiguous set, or true gradients beyond fp16)."""
+    want, logits_grad, ref = fp16_reference_grads(case)
+    if ref.ambiguous:
+        return None
+    bounds = softmax_bounds(case)[:2]
+    room = 65504 - max(float((FP16_TOL * b).max()) for b in bounds)
+    if max(float(w.abs().max()) for w in want) >= room:
+        return None
+    got, out = fused_grads(case, backend, device)
+    assert torch.equal(out.in_safe.cpu(), ref.in_safe), f"{case}, {backend}: safe sets differ from the reference's"
+    for name, g, w, bound in zip(NAMES, got, want, bounds):
+        g = g.double()
+        assert bool(torch.isfinite(g).all()), f"{case}, {backend}: non-finite fp16 d{name} {g} (float64: {w})"
+        err = float(((g - w).abs() / bound.clamp_min(1e-300)).max())
+        assert err <= FP16_TOL, f"{case}, {backend}: fp16 d{name} {g} off the float64 {w} by {err:.3g} x the bound"
+    return logits_grad > 65504

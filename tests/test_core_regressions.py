@@ -22,7 +22,7 @@ from safevocab import (
     safe_log_softmax,
     transform_logits,
 )
-from out_of_set_cases import audit_case, check_case
+from out_of_set_cases import audit_case, check_case, d6_inputs
 
 from safevocab.chunking import ChunkLogits
 from safevocab.schedulers import LengthDecayLR, SurgeDetector
@@ -148,6 +148,22 @@ def test_fp16_gradient_at_small_temperature_is_finite():
     (g,) = torch.autograd.grad(out.logprobs.sum(), (weight,))
     assert torch.isfinite(g).all()
     assert g[0].item() == pytest.approx(20000 / 3, rel=1e-2) and abs(g.float().sum().item()) < 20
+
+
+def test_fp16_backward_beyond_65504_over_temperature_is_finite():
+    """Issue 28 D6: T = 1e-5, two tokens one fp16 ulp apart and near-tied, the target the smaller one. The logits
+    gradient (+-9.98e4) leaves fp16's range, d/dh (-97.4) and d/dW (+-6237) do not; before the fix d/dh was NaN."""
+    hidden, weight, targets = d6_inputs()
+    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    out = fused_safe_logprobs(h, w, targets, "none", temperature=1e-5)
+    got = torch.autograd.grad(out.logprobs.sum(), (h, w))
+    h64, w64 = hidden.double().requires_grad_(), weight.double().requires_grad_()
+    logits = (h64 @ w64.t()) / 1e-5  # exact in fp16 and fp32 here
+    want = torch.autograd.grad(torch.log_softmax(logits, -1)[0, 0], (h64, w64))
+    assert want[0][0, 0].item() == pytest.approx(-97.4, abs=0.05)
+    for g, wnt in zip(got, want):
+        assert torch.isfinite(g).all(), g
+        torch.testing.assert_close(g.double(), wnt, rtol=2**-9, atol=1e-3)
 
 
 # ---------------------------------------------------------------------------------------------- 3. non-finite input raises

@@ -1,5 +1,5 @@
-"""Fuzz: fused gradients of targets outside the safe set that receive a gradient (torch backend; the Triton
-backend runs the same cases in ``test_kernels.py``).
+"""Fuzz: fused gradients of targets outside the safe set that receive a gradient, and fp16 gradients at
+``1 / T > 65504`` (torch backend; the Triton backend runs the same cases in ``test_kernels.py``).
 
 The other fuzzers mostly mask out-of-set rows (or draw exact inputs, on which every GEMM layout agrees). Here the
 loss is unmasked, inputs are mostly continuous with raw logits up to ~10^3 and the sparse backward is forced, so
@@ -16,7 +16,7 @@ import os
 
 import pytest
 import torch
-from out_of_set_cases import run_cases
+from out_of_set_cases import check_fp16_case, fp16_near_tie_case, run_cases
 
 CASES = int(os.environ.get("SAFEVOCAB_OUT_OF_SET_CASES", "200"))
 TEMPERATURES = (1e-2, 1e-3, 1e-6)
@@ -40,3 +40,18 @@ def test_out_of_set_gradients_match_the_materialised_path_and_reference(temperat
 @pytest.mark.parametrize("temperature", TEMPERATURES)
 def test_out_of_set_gradients_match_the_materialised_path_and_reference_2k(temperature):
     run_cases("torch", temperature, 2000, first_seed=10**6)
+
+
+def fp16_cases(backend: str, temperature: float, count: int) -> None:
+    """``count`` near-tie fp16 cases: finite and close wherever the true gradients fit fp16; most of them must
+    have a logits gradient beyond 65504 (the ones that gave NaN/inf before)."""
+    outcomes = [check_fp16_case(fp16_near_tie_case(seed, temperature), backend) for seed in range(count)]
+    overflowing = sum(o is True for o in outcomes)
+    compared = sum(o is not None for o in outcomes)
+    print(f"{backend} fp16 T={temperature:g}: {compared} of {count} compared, {overflowing} with a logits gradient > 65504")
+    assert overflowing >= 0.3 * count, f"only {overflowing} of {count} cases exercise a logits gradient beyond fp16"
+
+
+@pytest.mark.parametrize("temperature", [1e-5, 1e-6])
+def test_fp16_gradients_are_finite_wherever_the_true_ones_fit(temperature):
+    fp16_cases("torch", temperature, CASES)

@@ -200,8 +200,9 @@ def triton_dense_backward(
                 softcap=transform.softcap,
                 logit_scale=transform.logit_scale,
                 transform_in_kernel=logits_of.in_kernel,
+                grad_shift=coef.grad_shift,
             )
-            accumulate_chunk_grads(out, h, weight, rows, grads)  # out: the logits gradient, inputs' dtype
+            accumulate_chunk_grads(out, h, weight, rows, grads, coef.grad_shift)  # out: the logits gradient, inputs' dtype
             del z, out
 
 
@@ -237,9 +238,9 @@ def triton_full_softmax_backward(
                 pick(coef.log_sum_full), torch.zeros(at.numel(), device=z.device, dtype=coef.c_full.dtype), pick(coef.c_full),
                 pick(coef.g_target_out), None, None,
                 temperature=transform.temperature, softcap=transform.softcap, logit_scale=transform.logit_scale,
-                transform_in_kernel=logits_of.in_kernel,
+                transform_in_kernel=logits_of.in_kernel, grad_shift=coef.grad_shift,
             )
-            accumulate_chunk_grads(out, hidden.index_select(0, at), weight, at, grads)
+            accumulate_chunk_grads(out, hidden.index_select(0, at), weight, at, grads, coef.grad_shift)
             del z, out
 
 
