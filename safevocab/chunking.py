@@ -87,17 +87,21 @@ def chunk_slices(n_rows: int, chunk_rows: int) -> list[slice]:
     return [slice(start, min(start + chunk_rows, n_rows)) for start in range(0, n_rows, chunk_rows)]
 
 
-def forward_chunks_of(idx: torch.Tensor, n_rows: int, chunk_rows: int) -> list[tuple[slice, torch.Tensor]]:
-    """The forward chunks (:func:`chunk_slices`) holding the rows ``idx`` (ascending), each with the positions of
-    those rows inside it: ``[(rows, local)]``, ``rows.start + local`` a part of ``idx``."""
+def forward_chunks_of(
+    idx: torch.Tensor, n_rows: int, chunk_rows: int
+) -> list[tuple[slice, slice | torch.Tensor]]:
+    """The forward chunks (:func:`chunk_slices`) holding the rows ``idx`` (ascending), each with the rows to fold:
+    ``[(rows, at)]``, ``at`` the slice ``rows`` itself (the whole chunk, no gather) when ``idx`` holds at least half
+    of its rows, else that chunk's part of ``idx``. The whole chunk is for callers to whose other rows the
+    computation adds nothing (the full-softmax part: zero coefficients there)."""
     if idx.numel() == 0:
         return []
     chunk_of = torch.div(idx, chunk_rows, rounding_mode="floor")
     chunks, counts = torch.unique_consecutive(chunk_of, return_counts=True)
-    out = []
+    out: list[tuple[slice, slice | torch.Tensor]] = []
     for chunk, part in zip(chunks.tolist(), idx.split(counts.tolist())):
-        start = chunk * chunk_rows
-        out.append((slice(start, min(start + chunk_rows, n_rows)), part - start))
+        rows = slice(chunk * chunk_rows, min((chunk + 1) * chunk_rows, n_rows))
+        out.append((rows, rows if 2 * part.numel() >= rows.stop - rows.start else part))
     return out
 
 

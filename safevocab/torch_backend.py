@@ -398,9 +398,12 @@ def full_softmax_backward(
     ulp ``delta`` off, and ``exp(delta / T)`` against the forward's normaliser is unbounded at small ``T``. Only
     the rows ``idx`` go through the element-wise pass and the gradient GEMMs."""
     logits_of = ChunkLogits(hidden, weight, bias, transform, min(chunk_rows, hidden.shape[0]))  # the forward's buffer
-    for rows, local in forward_chunks_of(idx, hidden.shape[0], chunk_rows):
-        z = logits_of(hidden[rows]).index_select(0, local)  # the forward's logits of the chosen rows
-        at = local + rows.start
+    for rows, at in forward_chunks_of(idx, hidden.shape[0], chunk_rows):
+        z = logits_of(hidden[rows])
+        if isinstance(at, slice):  # the whole chunk: its other rows have c_F = 0 and g_lp 1[y not in S] = 0
+            h = hidden[rows]
+        else:  # the forward's logits of the chosen rows
+            z, h = z.index_select(0, at - rows.start), hidden.index_select(0, at)
         grad = log_normalised(z, coef.row_max[at].unsqueeze(-1), coef.log_sum_full[at].unsqueeze(-1)).exp_()
         grad.mul_(coef.c_full[at].neg().unsqueeze(-1))
         grad.scatter_add_(-1, coef.targets[at].unsqueeze(-1), coef.g_target_out[at].unsqueeze(-1))
@@ -408,7 +411,7 @@ def full_softmax_backward(
         if coef.grad_shift != 1.0:
             grad.mul_(1.0 / coef.grad_shift)
         del z
-        accumulate_chunk_grads(grad, hidden.index_select(0, at), weight, at, grads, coef.grad_shift)
+        accumulate_chunk_grads(grad, h, weight, at, grads, coef.grad_shift)
         del grad
 
 

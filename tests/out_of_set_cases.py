@@ -25,8 +25,8 @@ The checks (:func:`check_case`), each element-wise against that bound ``B``:
 3. equal to the independent float64 reference (``safevocab_reference.py``) on the fp32-rounded logits within what
    fp32 rounding of the logits allows: the fp32 GEMM may put a transformed logit ``delta <= (H + 4) eps max|raw|
    logit_scale / T`` away from the reference's (0 for exact inputs), which moves every probability by a factor
-   within ``exp(+-2 delta)``, so ``|got - want| <= (2 (exp(2 delta) - 1) + 2^-17) B``. Rows whose safe set such a
-   ``delta`` could change (the reference's ambiguity check) are skipped.
+   within ``exp(+-2 delta)``, so ``|got - want| <= (2 (exp(2 delta) - 1) + 2^-17) B``. A case with a row whose
+   safe set such a ``delta`` could change (the reference's ambiguity check) is not compared.
 
 fp16 at ``1 / T > 65504`` (issue 28 D6; :func:`fp16_near_tie_case`, :func:`check_fp16_case`): dyadic fp16 inputs
 with a group of tokens one fp16 ulp apart, targets in it, a fixed bias that keeps it on top; where the float64

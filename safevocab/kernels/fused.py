@@ -227,20 +227,22 @@ def triton_full_softmax_backward(
     cancels exactly against the stored safe-set part where ``S`` is the whole vocabulary."""
     logits_of = _BackwardLogits(hidden, weight, bias, transform, min(chunk_rows, hidden.shape[0]), rule)
     with _device_guard(hidden.device):
-        for rows, local in forward_chunks_of(idx, hidden.shape[0], chunk_rows):
+        for rows, at in forward_chunks_of(idx, hidden.shape[0], chunk_rows):
             z, out = logits_of(hidden[rows])
-            z = z.index_select(0, local)  # the forward's logits of the chosen rows (a row-contiguous copy)
-            out = z if out.dtype == z.dtype else torch.empty(z.shape, device=z.device, dtype=out.dtype)
-            at = local + rows.start
-            pick = lambda t: t.index_select(0, at)  # noqa: E731
+            if isinstance(at, slice):  # the whole chunk: its other rows have c_F = 0 and g_lp 1[y not in S] = 0
+                h = hidden[rows]
+            else:  # the forward's logits of the chosen rows (a row-contiguous copy)
+                z, h = z.index_select(0, at - rows.start), hidden.index_select(0, at)
+                out = z if out.dtype == z.dtype else torch.empty(z.shape, device=z.device, dtype=out.dtype)
+            pick = lambda t: t[at]  # noqa: E731
             backward_fold(
                 z, out, pick(coef.targets).contiguous(), pick(coef.threshold), pick(coef.row_max), pick(coef.log_sum_safe),
-                pick(coef.log_sum_full), torch.zeros(at.numel(), device=z.device, dtype=coef.c_full.dtype), pick(coef.c_full),
+                pick(coef.log_sum_full), torch.zeros(z.shape[0], device=z.device, dtype=coef.c_full.dtype), pick(coef.c_full),
                 pick(coef.g_target_out), None, None,
                 temperature=transform.temperature, softcap=transform.softcap, logit_scale=transform.logit_scale,
                 transform_in_kernel=logits_of.in_kernel, grad_shift=coef.grad_shift,
             )
-            accumulate_chunk_grads(out, hidden.index_select(0, at), weight, at, grads, coef.grad_shift)
+            accumulate_chunk_grads(out, h, weight, at, grads, coef.grad_shift)
             del z, out
 
 
