@@ -15,6 +15,7 @@ recomputed chunk into its logits gradient. What they exchange lives here:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -22,12 +23,15 @@ import torch
 __all__ = [
     "Transform",
     "chunk_slices",
+    "forward_chunks_of",
     "ChunkLogits",
     "SparseChunk",
     "RowStats",
     "Coefficients",
     "accumulate_chunk_grads",
     "addmm_fp32",
+    "FP16_GRAD_PEAK",
+    "fp16_grad_shift",
     "log_normalised",
 ]
 
@@ -81,6 +85,24 @@ class Transform:
 def chunk_slices(n_rows: int, chunk_rows: int) -> list[slice]:
     """The row slices of the chunks, identical in forward and backward."""
     return [slice(start, min(start + chunk_rows, n_rows)) for start in range(0, n_rows, chunk_rows)]
+
+
+def forward_chunks_of(
+    idx: torch.Tensor, n_rows: int, chunk_rows: int
+) -> list[tuple[slice, slice | torch.Tensor]]:
+    """The forward chunks (:func:`chunk_slices`) holding the rows ``idx`` (ascending), each with the rows to fold:
+    ``[(rows, at)]``, ``at`` the slice ``rows`` itself (the whole chunk, no gather) when ``idx`` holds at least half
+    of its rows, else that chunk's part of ``idx``. The whole chunk is for callers to whose other rows the
+    computation adds nothing (the full-softmax part: zero coefficients there)."""
+    if idx.numel() == 0:
+        return []
+    chunk_of = torch.div(idx, chunk_rows, rounding_mode="floor")
+    chunks, counts = torch.unique_consecutive(chunk_of, return_counts=True)
+    out: list[tuple[slice, slice | torch.Tensor]] = []
+    for chunk, part in zip(chunks.tolist(), idx.split(counts.tolist())):
+        rows = slice(chunk * chunk_rows, min((chunk + 1) * chunk_rows, n_rows))
+        out.append((rows, rows if 2 * part.numel() >= rows.stop - rows.start else part))
+    return out
 
 
 class ChunkLogits:
@@ -184,6 +206,10 @@ class Coefficients:
     ``c_S = g_lp 1[y in S] - g_k`` and ``c_F = g_lp 1[y not in S] + g_k`` (``g_k``: the
     ``log_kept_mass`` gradient); ``g_target_out = g_lp 1[y not in S]`` is the target term of the
     full-softmax part.
+
+    ``grad_shift`` (a power of two, 1 unless the inputs are fp16): the backends write the logits gradient divided
+    by it, so that it fits fp16 (:func:`fp16_grad_shift`), and :func:`accumulate_chunk_grads` multiplies the
+    products back in fp32 or exactly.
     """
 
     g_lp: torch.Tensor
@@ -199,6 +225,37 @@ class Coefficients:
     threshold: torch.Tensor
     safe_size: torch.Tensor
     targets: torch.Tensor
+    grad_shift: float = 1.0
+
+    def logits_grad_bound(self) -> torch.Tensor:
+        """``[N]``: a bound on ``|grad_z|`` of each row before the transform's chain rule (whose softcap factor is
+        at most 1): ``|g_lp| + |c_S| + |c_F| + |g_H| (1/e + H)``, since ``pi, pi_S <= 1``,
+        ``pi_S |log pi_S| <= 1/e`` and ``pi_S H <= H``."""
+        bound = self.g_lp.abs() + self.c_safe.abs() + self.c_full.abs()
+        if self.g_ent is not None:
+            bound = bound + self.g_ent.abs() * (math.exp(-1.0) + self.entropy.abs())
+        return bound
+
+
+#: Largest magnitude an fp16 logits gradient is scaled to (65504 is fp16's largest finite number; the margin
+#: absorbs the rounding of the kernels' fp32 arithmetic).
+FP16_GRAD_PEAK = 2.0**14
+
+
+def fp16_grad_shift(coef: Coefficients, grad_scale: float) -> float:
+    """The power of two ``2^k >= 1`` that brings the fp16 logits gradient (``grad_scale``: the transform's
+    ``logit_scale / temperature``) under :data:`FP16_GRAD_PEAK`, from :meth:`Coefficients.logits_grad_bound`.
+
+    At ``1 / T > 65504`` the logits gradient itself overflows fp16 although the gradients of ``hidden`` and
+    ``weight`` (its products with ``weight`` and ``hidden``) may fit: it is stored divided by ``2^k`` and the
+    products multiplied back (exact: a power of two). ``1`` where it fits already, so ordinary temperatures
+    keep the rounding they had."""
+    if not coef.g_lp.numel():
+        return 1.0
+    peak = float(coef.logits_grad_bound().max()) * abs(grad_scale)
+    if not math.isfinite(peak) or peak <= FP16_GRAD_PEAK:
+        return 1.0  # a non-finite upstream gradient gives non-finite gradients whatever the shift
+    return 2.0 ** math.ceil(math.log2(peak / FP16_GRAD_PEAK))
 
 
 def accumulate_chunk_grads(
@@ -207,22 +264,27 @@ def accumulate_chunk_grads(
     weight: torch.Tensor,
     rows: slice | torch.Tensor,
     grads: tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None],
+    shift: float = 1.0,
 ) -> None:
-    """Add a chunk's logits gradient ``grad`` ``[n, V]`` to the input gradients: ``grad @ weight`` into
-    ``grad_hidden[rows]``, ``grad.T @ h`` into the fp32 ``grad_weight`` (rounding each chunk's product to
-    bf16 would bias training), column sums into ``grad_bias``."""
+    """Add a chunk's logits gradient ``shift * grad`` (``grad`` ``[n, V]``; ``shift``: ``Coefficients.grad_shift``)
+    to the input gradients: ``grad @ weight`` into ``grad_hidden[rows]``, ``grad.T @ h`` into the fp32
+    ``grad_weight`` (rounding each chunk's product to bf16 would bias training), column sums into ``grad_bias``."""
     grad_hidden, grad_weight, grad_bias = grads
     if grad_bias is not None:
-        grad_bias += grad.sum(0, dtype=grad_bias.dtype)
+        grad_bias.add_(grad.sum(0, dtype=grad_bias.dtype), alpha=shift)
     if grad_hidden is not None:
         product = grad.to(grad_hidden.dtype) @ weight
+        if shift != 1.0:
+            product.mul_(shift)  # a power of two: exact, and finite wherever the true product fits its dtype
         if isinstance(rows, slice):
             grad_hidden[rows] += product
         else:
             grad_hidden.index_add_(0, rows, product)
     if grad_weight is not None:
         if grad.dtype == grad_weight.dtype:
-            grad_weight.addmm_(grad.t(), h.to(grad.dtype))
+            grad_weight.addmm_(grad.t(), h.to(grad.dtype), alpha=shift)
+        elif shift != 1.0:  # fp16 at tiny temperatures only: the plain fp32 product, scaled
+            grad_weight.addmm_(grad.t().to(grad_weight.dtype), h.to(grad_weight.dtype), alpha=shift)
         else:
             addmm_fp32(grad_weight, grad.t(), h)
 

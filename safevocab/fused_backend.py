@@ -82,8 +82,12 @@ class FusedBackend(Protocol):
         grads: Grads,
         rule: SafeVocabRule,
     ) -> None:
-        """Add ``-c_F pi + g_lp 1[a=y not in S]`` of the rows ``idx`` (rows of sparse chunks whose gradient leaves
-        ``S``) to ``grads``, computing their logits through the same path as :meth:`forward`."""
+        """Add ``-c_F pi + g_lp 1[a=y not in S]`` of the rows ``idx`` to ``grads``: ascending rows of sparse chunks
+        whose gradient leaves ``S`` (the other rows of their chunks have ``c_F = 0`` and ``g_lp 1[a=y not in S] = 0``,
+        so folding a whole chunk adds nothing for them). ``pi`` uses the forward's row statistics, so the logits
+        must be the forward's bit for bit: each chunk holding such rows is recomputed whole as :meth:`forward`
+        computed it (same row slice, same calls, a buffer of the same shape;
+        :func:`safevocab.chunking.forward_chunks_of`)."""
         ...
 
 

@@ -25,9 +25,21 @@ Backward forms ``grad_z = g_lp 1[a=y] - pi_S (c_S + g_H (log pi_S + H)) - c_F pi
     same buffer shape: BLAS results depend on layout and alignment, and a boundary token one ulp off would
     leave ``S``), rebuilds ``S = {z >= t}`` and checks it against the saved ``|S|``.
 - the **full-softmax part** ``-c_F pi + g_lp 1[a=y not in S]`` (targets outside ``S`` with a gradient,
-  or a gradient on ``log_kept_mass``) does not depend on ``S``: rows of sparse chunks that need it
-  recompute only their own logits (the backend's ``full_softmax_backward``, through the same logits path as
-  its forward).
+  or a gradient on ``log_kept_mass``) does not depend on ``S``, but
+  ``pi = exp((z - m) - log sum_V exp(z - m))`` is normalised with the forward's ``m`` and ``log sum_V``, so
+  ``z`` must be the forward's bit for bit. Dense chunks form it with the rest; a sparse chunk holding rows
+  that need it is recomputed whole, with the same call on the same operands as its forward, and only those
+  rows are folded and enter the gradient GEMMs (the backend's ``full_softmax_backward``: one GEMM per such
+  chunk). Recomputing only those rows (``hidden.index_select``) changes the GEMM's layout: a logit one ulp
+  ``delta`` off becomes a factor ``exp(delta / T)`` against the forward's normaliser, unbounded at small
+  ``T``. It also makes the part cancel exactly against the stored safe-set part where ``S = V``.
+
+fp16 inputs: each row's logits gradient is at most ``(|g_lp| + |c_S| + |c_F| + |g_H| (1/e + H)) s``
+(``s = logit_scale / T``; :meth:`~safevocab.chunking.Coefficients.logits_grad_bound`), which leaves fp16's
+range once ``1/T`` nears 65504 while the gradients of ``hidden`` and ``weight`` may still fit. The backends
+then write it divided by a power of two ``2^k`` that brings the bound under ``2^14``
+(:func:`~safevocab.chunking.fp16_grad_shift`, ``Coefficients.grad_shift``) and multiply the GEMM products
+by ``2^k`` (exact): finite gradients wherever the true ones fit fp16. ``k = 0`` otherwise.
 
 Non-finite input is detected from the row statistics (a non-finite ``m`` or ``log sum_V``) and raised as a
 one-line ``ValueError`` naming the argument (:func:`raise_on_non_finite_rows`).
@@ -47,6 +59,7 @@ from safevocab.chunking import (
     SparseChunk,
     Transform,
     chunk_slices,
+    fp16_grad_shift,
 )
 from safevocab.fused_backend import FusedBackend
 from safevocab.rules import SafeVocabRule
@@ -154,6 +167,8 @@ class FusedSafeLogProbs(torch.autograd.Function):
             safe_size=safe_size,
             targets=targets,
         )
+        if hidden.dtype == torch.float16:  # a logits gradient beyond 65504 is stored scaled down (Coefficients)
+            coef.grad_shift = fp16_grad_shift(coef, ctx.transform.logit_scale / ctx.transform.temperature)
 
         grad_hidden = torch.zeros_like(hidden) if need_h else None
         grad_weight = torch.zeros(weight.shape, device=weight.device, dtype=stat) if need_w else None

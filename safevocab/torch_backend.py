@@ -17,6 +17,10 @@ against the saved ``|S|`` (a row whose count moved is repaired from its ``|S|`` 
 ``grad_z = g_lp 1[a=y] - pi_S (c_S + g_H (log pi_S + H)) - c_F pi`` over the logits in place, with
 ``pi_S = e exp(-log_sum_S)`` and ``pi = e exp(-log_sum_V)`` from one ``e = exp(z - m)``; then the two gradient GEMMs.
 A replayed support (``S`` with its own shift ``m_S``) forms ``pi_S`` from ``z - m_S`` instead.
+
+Full-softmax part of sparse chunks (:func:`full_softmax_backward`): ``-c_F pi + g_lp 1[a=y not in S]`` of the rows
+that need it, ``pi`` from the forward's ``m`` and ``log sum_V`` on the logits of their whole chunk recomputed as the
+forward computed them.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from safevocab.chunking import (
     Transform,
     accumulate_chunk_grads,
     chunk_slices,
+    forward_chunks_of,
     log_normalised,
 )
 from safevocab.rules import SafeVocabRule, ShiftedLogits, finite_floor
@@ -287,7 +292,7 @@ def dense_backward(
             for block in row_blocks(rows.stop - rows.start, vocab):
                 at = slice(rows.start + block.start, rows.start + block.stop)
                 _backward_block(z[block], coef, at, transform, scratch, support, check_sizes)
-        accumulate_chunk_grads(z, h, weight, rows, grads)  # z now holds the logits gradient
+        accumulate_chunk_grads(z, h, weight, rows, grads, coef.grad_shift)  # z now holds the logits gradient
 
 
 def _backward_block(z, coef: Coefficients, at: slice, transform: Transform, scratch: _Scratch, support, check_sizes):
@@ -328,7 +333,7 @@ def _backward_block(z, coef: Coefficients, at: slice, transform: Transform, scra
     grad.scatter_add_(-1, coef.targets[at].unsqueeze(-1), coef.g_lp[at].unsqueeze(-1))
     if cap_factor is not None:
         grad.mul_(cap_factor)
-    scale = transform.logit_scale / transform.temperature
+    scale = transform.logit_scale / transform.temperature / coef.grad_shift  # the shift: see Coefficients
     if scale != 1.0:
         grad.mul_(scale)
 
@@ -385,19 +390,28 @@ def full_softmax_backward(
     chunk_rows: int,
     grads: tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None],
 ) -> None:
-    """``-c_F pi + g_lp 1[a=y not in S]`` for the rows ``idx`` (their safe-set part comes from the sparse
-    path). Independent of ``S``, so the recomputed logits need not be bit-identical to the forward's."""
-    logits_of = ChunkLogits(hidden, weight, bias, transform, min(chunk_rows, idx.numel()))
-    for start in range(0, idx.numel(), chunk_rows):
-        rows = idx[start : start + chunk_rows]
-        h = hidden.index_select(0, rows)
-        z = logits_of(h)
-        grad = log_normalised(z, coef.row_max[rows].unsqueeze(-1), coef.log_sum_full[rows].unsqueeze(-1)).exp_()
-        grad.mul_(coef.c_full[rows].neg().unsqueeze(-1))
-        grad.scatter_add_(-1, coef.targets[rows].unsqueeze(-1), coef.g_target_out[rows].unsqueeze(-1))
+    """``-c_F pi + g_lp 1[a=y not in S]`` for the rows ``idx`` (their safe-set part comes from the sparse path).
+
+    ``pi = exp((z - m) - log sum_V exp(z - m))`` uses the forward's ``m`` and ``log sum_V``, so ``z`` must be the
+    forward's logits bit for bit: each chunk holding such rows is recomputed whole, on the forward's own row slice
+    (:func:`forward_chunks_of`). Logits of another GEMM layout (e.g. ``hidden.index_select`` of the rows) may be an
+    ulp ``delta`` off, and ``exp(delta / T)`` against the forward's normaliser is unbounded at small ``T``. Only
+    the rows ``idx`` go through the element-wise pass and the gradient GEMMs."""
+    logits_of = ChunkLogits(hidden, weight, bias, transform, min(chunk_rows, hidden.shape[0]))  # the forward's buffer
+    for rows, at in forward_chunks_of(idx, hidden.shape[0], chunk_rows):
+        z = logits_of(hidden[rows])
+        if isinstance(at, slice):  # the whole chunk: its other rows have c_F = 0 and g_lp 1[y not in S] = 0
+            h = hidden[rows]
+        else:  # the forward's logits of the chosen rows
+            z, h = z.index_select(0, at - rows.start), hidden.index_select(0, at)
+        grad = log_normalised(z, coef.row_max[at].unsqueeze(-1), coef.log_sum_full[at].unsqueeze(-1)).exp_()
+        grad.mul_(coef.c_full[at].neg().unsqueeze(-1))
+        grad.scatter_add_(-1, coef.targets[at].unsqueeze(-1), coef.g_target_out[at].unsqueeze(-1))
         grad = transform.backward_(grad, z)
+        if coef.grad_shift != 1.0:
+            grad.mul_(1.0 / coef.grad_shift)
         del z
-        accumulate_chunk_grads(grad, h, weight, rows, grads)
+        accumulate_chunk_grads(grad, h, weight, at, grads, coef.grad_shift)
         del grad
 
 

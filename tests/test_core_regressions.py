@@ -22,6 +22,8 @@ from safevocab import (
     safe_log_softmax,
     transform_logits,
 )
+from out_of_set_cases import audit_case, check_case, d6_inputs
+
 from safevocab.chunking import ChunkLogits
 from safevocab.schedulers import LengthDecayLR, SurgeDetector
 
@@ -98,6 +100,16 @@ def test_out_of_set_targets_in_a_sparse_chunk_keep_the_stored_set(monkeypatch):
     torch.testing.assert_close(g, want, rtol=1e-5, atol=1e-6)
 
 
+def test_out_of_set_rows_of_a_stored_set_get_the_forward_softmax():
+    """Issue 28 N1, the audit's reproducer (N=4, V=26, H=3, weights x300/sqrt(H), 5 ids banned, top_k=1, T=1e-6,
+    a gradient on rows 0-2 only) and the next 39 seeds of its generator: the full-softmax part of rows whose S was
+    stored is normalised with the forward's row max and log-sum, so it must use the forward's logits. Before the
+    fix it recomputed them on ``hidden.index_select`` of those rows: an ulp off, a factor exp(delta / T) (seed 6:
+    max|dW| 9.2e33, 1.7e27 x the softmax bound; the materialised path: 2.6e6)."""
+    for seed in [6, *range(6), *range(7, 40)]:
+        check_case(audit_case(seed), "torch")
+
+
 # ---------------------------------------------------------------------------------------------- 2. max-shifted arithmetic
 
 
@@ -136,6 +148,22 @@ def test_fp16_gradient_at_small_temperature_is_finite():
     (g,) = torch.autograd.grad(out.logprobs.sum(), (weight,))
     assert torch.isfinite(g).all()
     assert g[0].item() == pytest.approx(20000 / 3, rel=1e-2) and abs(g.float().sum().item()) < 20
+
+
+def test_fp16_backward_beyond_65504_over_temperature_is_finite():
+    """Issue 28 D6: T = 1e-5, two tokens one fp16 ulp apart and near-tied, the target the smaller one. The logits
+    gradient (+-9.98e4) leaves fp16's range, d/dh (-97.4) and d/dW (+-6237) do not; before the fix d/dh was NaN."""
+    hidden, weight, targets = d6_inputs()
+    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    out = fused_safe_logprobs(h, w, targets, "none", temperature=1e-5)
+    got = torch.autograd.grad(out.logprobs.sum(), (h, w))
+    h64, w64 = hidden.double().requires_grad_(), weight.double().requires_grad_()
+    logits = (h64 @ w64.t()) / 1e-5  # exact in fp16 and fp32 here
+    want = torch.autograd.grad(torch.log_softmax(logits, -1)[0, 0], (h64, w64))
+    assert want[0][0, 0].item() == pytest.approx(-97.4, abs=0.05)
+    for g, wnt in zip(got, want):
+        assert torch.isfinite(g).all(), g
+        torch.testing.assert_close(g.double(), wnt, rtol=2**-9, atol=1e-3)
 
 
 # ---------------------------------------------------------------------------------------------- 3. non-finite input raises

@@ -49,7 +49,7 @@ def _backward_fold_kernel(
     softcap,
     temperature,
     tanh_of_z,  # temperature / softcap: tanh = z * tanh_of_z
-    grad_scale,  # logit_scale / temperature
+    grad_scale,  # logit_scale / temperature / grad_shift
     HAS_SCALE: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
     HAS_TEMPERATURE: tl.constexpr,
@@ -105,6 +105,7 @@ def backward_fold(
     softcap: float | None,
     logit_scale: float,
     transform_in_kernel: bool,
+    grad_shift: float = 1.0,
 ) -> None:
     """Write the logits gradient of the chunk ``z`` ``[n, V]`` into ``out`` (may be ``z`` itself).
 
@@ -117,6 +118,8 @@ def backward_fold(
         g_ent, entropy: ``[n]`` when the entropy has a gradient, else ``None``.
         temperature, softcap, logit_scale: the transform (its chain rule always runs here).
         transform_in_kernel: apply the transform to ``z`` in the kernel.
+        grad_shift: write the logits gradient divided by this power of two (``Coefficients.grad_shift``: fp16
+            inputs whose logits gradient would overflow fp16).
     """
     n, n_cols = z.shape
     if n == 0:
@@ -124,7 +127,7 @@ def backward_fold(
     assert z.stride(1) == 1 and out.stride(1) == 1, "the chunks must be row-contiguous"
     block = min(triton.next_power_of_2(max(n_cols, 1)), MAX_BLOCK)
     has_ent = g_ent is not None
-    grad_scale = logit_scale / temperature
+    grad_scale = logit_scale / temperature / grad_shift
     _backward_fold_kernel[(n, triton.cdiv(n_cols, block))](
         z,
         z.stride(0),

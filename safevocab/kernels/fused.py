@@ -2,9 +2,10 @@
 
 :class:`TritonBackend` implements :class:`safevocab.fused_backend.FusedBackend`: :func:`triton_forward` and
 :func:`triton_dense_backward` replace the torch backend's passes (:mod:`safevocab.torch_backend`); the
-autograd bookkeeping, the sparse backward and the full-softmax part stay in :mod:`safevocab.fused_op`. The
-backward recomputes each chunk on the forward's row slice with the same calls, so ``S = {z >= t}`` is
-rebuilt from bit-identical logits.
+autograd bookkeeping and the sparse backward stay in :mod:`safevocab.fused_op`. The backward (dense chunks and
+the full-softmax part of sparse ones, :func:`triton_full_softmax_backward`) recomputes each chunk on the
+forward's row slice with the same calls, so ``S = {z >= t}`` is rebuilt, and ``pi`` normalised, from
+bit-identical logits.
 
 Two ways to get a chunk's threshold, fixed per rule (:func:`safevocab.kernels.kernel_threshold`) so
 that forward and backward rebuild ``S = {z >= t}`` from bit-identical logits:
@@ -34,6 +35,7 @@ from safevocab.chunking import (
     Transform,
     accumulate_chunk_grads,
     chunk_slices,
+    forward_chunks_of,
 )
 from safevocab.kernels import MODE_GIVEN, kernel_threshold, logger, triton_chunk_rows
 from safevocab.kernels.backward_fold import backward_fold
@@ -198,8 +200,9 @@ def triton_dense_backward(
                 softcap=transform.softcap,
                 logit_scale=transform.logit_scale,
                 transform_in_kernel=logits_of.in_kernel,
+                grad_shift=coef.grad_shift,
             )
-            accumulate_chunk_grads(out, h, weight, rows, grads)  # out: the logits gradient, inputs' dtype
+            accumulate_chunk_grads(out, h, weight, rows, grads, coef.grad_shift)  # out: the logits gradient, inputs' dtype
             del z, out
 
 
@@ -214,26 +217,32 @@ def triton_full_softmax_backward(
     grads: tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None],
     rule: SafeVocabRule,
 ) -> None:
-    """The full-softmax part ``-c_F pi + g_lp 1[a=y not in S]`` of the rows ``idx`` (of sparse chunks) through the
-    same logits path as the forward (in-kernel transform), so it cancels exactly against the stored safe-set part
-    when ``S`` is the whole vocabulary: at tiny temperatures a one-ulp difference between two tanh
-    implementations would be amplified by ``1 / T``."""
-    logits_of = _BackwardLogits(hidden, weight, bias, transform, min(chunk_rows, idx.numel()), rule)
+    """The full-softmax part ``-c_F pi + g_lp 1[a=y not in S]`` of the rows ``idx`` (of sparse chunks).
+
+    ``pi`` is normalised with the forward's ``m`` and ``log sum_V``, so the logits must be the forward's bit for
+    bit: each chunk holding such rows is recomputed whole on the forward's row slice, through the forward's logits
+    path (same GEMM into a buffer of the same shape, same in-kernel or torch transform); only the rows ``idx`` are
+    folded and enter the gradient GEMMs. (Another GEMM layout, e.g. ``hidden.index_select`` of the rows, may put a
+    logit an ulp ``delta`` off, a factor ``exp(delta / T)`` against the forward's normaliser.) It then also
+    cancels exactly against the stored safe-set part where ``S`` is the whole vocabulary."""
+    logits_of = _BackwardLogits(hidden, weight, bias, transform, min(chunk_rows, hidden.shape[0]), rule)
     with _device_guard(hidden.device):
-        for start in range(0, idx.numel(), chunk_rows):
-            rows = idx[start : start + chunk_rows]
-            n = rows.numel()
-            h = hidden.index_select(0, rows)
-            z, out = logits_of(h)
-            pick = lambda t: t.index_select(0, rows)  # noqa: E731
+        for rows, at in forward_chunks_of(idx, hidden.shape[0], chunk_rows):
+            z, out = logits_of(hidden[rows])
+            if isinstance(at, slice):  # the whole chunk: its other rows have c_F = 0 and g_lp 1[y not in S] = 0
+                h = hidden[rows]
+            else:  # the forward's logits of the chosen rows (a row-contiguous copy)
+                z, h = z.index_select(0, at - rows.start), hidden.index_select(0, at)
+                out = z if out.dtype == z.dtype else torch.empty(z.shape, device=z.device, dtype=out.dtype)
+            pick = lambda t: t[at]  # noqa: E731
             backward_fold(
                 z, out, pick(coef.targets).contiguous(), pick(coef.threshold), pick(coef.row_max), pick(coef.log_sum_safe),
-                pick(coef.log_sum_full), torch.zeros(n, device=h.device, dtype=coef.c_full.dtype), pick(coef.c_full),
+                pick(coef.log_sum_full), torch.zeros(z.shape[0], device=z.device, dtype=coef.c_full.dtype), pick(coef.c_full),
                 pick(coef.g_target_out), None, None,
                 temperature=transform.temperature, softcap=transform.softcap, logit_scale=transform.logit_scale,
-                transform_in_kernel=logits_of.in_kernel,
+                transform_in_kernel=logits_of.in_kernel, grad_shift=coef.grad_shift,
             )
-            accumulate_chunk_grads(out, h, weight, rows, grads)
+            accumulate_chunk_grads(out, h, weight, at, grads, coef.grad_shift)
             del z, out
 
 
