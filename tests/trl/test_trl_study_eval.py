@@ -197,6 +197,8 @@ def test_paired_differences_per_evaluation_seed_by_hand():
     assert by_seed[1]["ci95"] == pytest.approx([0.1 - t_quantile_975(2) * sd1 / math.sqrt(3),
                                                 0.1 + t_quantile_975(2) * sd1 / math.sqrt(3)])
     assert by_seed[0]["diffs"] == pytest.approx([0.1, 0.3, 0.2]) and by_seed[0]["seeds"] == [0, 1, 2]
+    # the 90 % interval of an equivalence test (TOST): t_{0.95, 2} = 2.920 (a t table), sd 0.1, n 3
+    assert by_seed[0]["ci90"] == pytest.approx([0.2 - 2.920 * 0.1 / math.sqrt(3), 0.2 + 2.920 * 0.1 / math.sqrt(3)])
     pooled = summarize(results)["a"]["late_metric_vs_no_mismatch"]
     assert pooled["diffs"] == pytest.approx([0.05, 0.15, 0.25])  # the metric itself is the mean over eval seeds
     assert contrasts(results) == {}  # no contrast has all its arms here

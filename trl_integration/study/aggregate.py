@@ -28,7 +28,7 @@ from typing import Any
 
 __all__ = [
     "FINAL_REWARD_STEPS", "OUTCOMES", "BASELINES", "SCORINGS", "metric_name", "run_metrics", "eval_seed_outcomes",
-    "paired_stats", "scorings", "eval_seeds", "summarize", "t_quantile_975",
+    "paired_stats", "scorings", "eval_seeds", "summarize", "t_quantile_975", "t_quantile_95",
 ]  # fmt: skip
 
 #: Steps averaged for the "final reward" of a run.
@@ -53,6 +53,11 @@ _T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 
          2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
 
 
+#: Student's t quantile t_{0.95, df} for df = 1..30 (beyond: the normal's 1.645 is within 2 %).
+_T95 = (6.314, 2.920, 2.353, 2.132, 2.015, 1.943, 1.895, 1.860, 1.833, 1.812, 1.796, 1.782, 1.771, 1.761, 1.753,
+        1.746, 1.740, 1.734, 1.729, 1.725, 1.721, 1.717, 1.714, 1.711, 1.708, 1.706, 1.703, 1.701, 1.699, 1.697)
+
+
 def t_quantile_975(df: int) -> float:
     """Two-sided 95 % Student's t quantile for ``df`` degrees of freedom (``df >= 1``)."""
     if df < 1:
@@ -60,16 +65,26 @@ def t_quantile_975(df: int) -> float:
     return _T975[df - 1] if df <= len(_T975) else 1.960
 
 
+def t_quantile_95(df: int) -> float:
+    """One-sided 95 % (two-sided 90 %) Student's t quantile for ``df`` degrees of freedom (``df >= 1``): the
+    interval of an equivalence test by two one-sided tests at 5 % each (TOST)."""
+    if df < 1:
+        raise ValueError(f"df={df!r} is out of range: accepted an integer >= 1")
+    return _T95[df - 1] if df <= len(_T95) else 1.645
+
+
 def paired_stats(diffs: Sequence[float], seeds: Sequence[int] | None = None) -> dict[str, Any]:
-    """Mean, sample std, ``n``, the 95 % t-interval ``ci95`` (``None`` below two values) of paired differences,
-    with the differences themselves (``diffs``) and the seeds they pair (``seeds``)."""
+    """Mean, sample std, ``n``, the 95 % t-interval ``ci95`` and the 90 % one ``ci90`` (for an equivalence test by
+    two one-sided tests: equivalent within a margin ``d`` when ``ci90`` lies inside ``(-d, d)``; both ``None`` below
+    two values) of paired differences, with the differences themselves (``diffs``) and the seeds they pair
+    (``seeds``)."""
     mean, std = _mean_std(diffs)
     n = len(diffs)
-    ci = None
+    ci = ci90 = None
     if std is not None:
-        half = t_quantile_975(n - 1) * std / math.sqrt(n)
-        ci = [mean - half, mean + half]
-    return {"mean": mean, "std": std, "n": n, "ci95": ci, "diffs": list(diffs),
+        half, half90 = (q * std / math.sqrt(n) for q in (t_quantile_975(n - 1), t_quantile_95(n - 1)))
+        ci, ci90 = [mean - half, mean + half], [mean - half90, mean + half90]
+    return {"mean": mean, "std": std, "n": n, "ci95": ci, "ci90": ci90, "diffs": list(diffs),
             "seeds": list(seeds) if seeds is not None else None}
 
 

@@ -170,18 +170,21 @@ def _contrast_lines(results: dict, metric: str, hh: str) -> list[str]:
     rule = results["settings"]["dvp_rule"]
     lines = [f"{hh} Contrasts", "",
              f"Signed combinations of arms, paired by training seed: Δ late {metric}, mean [95 % CI] over the seeds "
-             "where every arm of the contrast finished, the seeds' values, and the mean for each evaluation seed "
-             "alone.", "",
-             f"| contrast | definition | scoring | Δ late {metric} | per training seed | per evaluation seed |",
-             "|---|---|---|---|---|---|"]  # fmt: skip
+             "where every arm of the contrast finished, its 90 % interval (an equivalence test within a margin d by "
+             "two one-sided 5 % tests holds when it lies inside (−d, d)), the seeds' values, and the mean for each "
+             "evaluation seed alone.", "",
+             f"| contrast | definition | scoring | Δ late {metric} | 90 % CI | per training seed | "
+             "per evaluation seed |",
+             "|---|---|---|---|---|---|---|"]  # fmt: skip
     for name, c in found.items():
         for suffix in scorings(results):
             late = c[f"late_metric{suffix}"]
             per_seed = ", ".join(f"{d:+.4f}" for d in late["diffs"]) or "–"
             by_eval = c.get(f"late_metric{suffix}_by_eval_seed")
             per_eval = ", ".join("–" if x["mean"] is None else f"{x['mean']:+.4f}" for x in by_eval) if by_eval else "–"
+            ci90 = f"[{late['ci90'][0]:+.4f}, {late['ci90'][1]:+.4f}]" if late.get("ci90") else "–"
             lines.append(f"| `{name}` | {c['formula']}: {c['description']} | {_scoring_name(suffix, rule)} | "
-                         f"{format_paired(late, 4)} | {per_seed} | {per_eval} |")
+                         f"{format_paired(late, 4)} | {ci90} | {per_seed} | {per_eval} |")
     return lines + [""]
 
 
