@@ -39,7 +39,7 @@ from safevocab.fused_backend import get_backend
 from safevocab.fused_op import FusedSafeLogProbs, raise_on_empty_support
 from safevocab.rules import SafeVocabRule, parse_rule, stat_float
 from safevocab.support import SafeSupport
-from safevocab.validation import integer, real
+from safevocab.validation import boolean, integer, real
 
 __all__ = [
     "SafeLogProbs",
@@ -226,6 +226,7 @@ def safe_log_softmax(
         raise ValueError(f"logits.shape={tuple(logits.shape)}: expected [..., V] with a vocabulary size V >= 1")
     _check_targets(targets, logits.shape[:-1], logits.shape[-1], "logits.shape[:-1]")
     temperature, softcap, logit_scale = _check_transform(temperature, softcap, logit_scale)
+    compute_entropy = boolean("compute_entropy", compute_entropy)
     rule = _as_rule(rule)
     _check_support(support, targets.numel(), logits.shape[-1], logits.device)
 
@@ -351,6 +352,7 @@ def fused_safe_logprobs(
         _check_bias_values(bias)
     _check_targets(targets, hidden.shape[:-1], vocab, "hidden.shape[:-1]")
     temperature, softcap, logit_scale = _check_transform(temperature, softcap, logit_scale)
+    compute_entropy = boolean("compute_entropy", compute_entropy)
     max_chunk_bytes = integer("max_chunk_bytes", max_chunk_bytes, lambda x: x > 0, "an integer > 0")
     if backend not in _BACKENDS:
         raise ValueError(f"backend={backend!r} is not accepted: accepted one of {_BACKENDS}")

@@ -8,31 +8,41 @@ saved number per position.
 
 | rule | keeps token ``a`` iff | matches |
 |---|---|---|
-| ``MinP(rho)`` | ``p_a >= rho * p_max`` | HF/vLLM ``min_p`` |
-| ``MinProb(tau)`` | ``p_a >= tau`` (argmax always kept) | absolute threshold |
-| ``TopK(k)`` | ``z_a >=`` k-th largest ``z`` (ties kept) | HF/vLLM ``top_k`` |
-| ``TopP(q)`` | ``a`` is in the smallest highest-probability set of mass ``>= q`` | HF/vLLM ``top_p`` |
+| ``MinP(rho)`` | ``p_a >= rho * p_max`` | HF/vLLM/SGLang ``min_p`` |
+| ``MinProb(tau)`` | ``p_a >= tau`` (argmax always kept) | HF ``epsilon_cutoff`` |
+| ``TopK(k)`` | ``z_a >=`` k-th largest ``z`` (ties kept) | HF/vLLM/SGLang ``top_k`` |
+| ``TopP(q)`` | ``a`` is in the smallest highest-probability set of mass ``>= q`` | HF/vLLM/SGLang ``top_p`` |
 
-Rules compose by intersection with ``&`` (or :func:`parse_rule` on ``"top_k=50,min_p=0.01"``). The
-intersection applies its parts in the sampler's order ``top_k -> top_p -> min_p -> min_prob``, each on
-the distribution renormalised over what the previous ones kept, exactly as HF ``generate`` and vLLM do.
+Rules compose by intersection with ``&`` (or :func:`parse_rule` on ``"top_k=50,min_p=0.01"``), in the order of
+the rule's ``engine``, the inference engine whose sampler it reproduces; each part sees the distribution
+renormalised over what the parts before it kept (:mod:`safevocab.engine_order`):
+
+| ``engine`` | order |
+|---|---|
+| ``"hf"`` (default: transformers ``generate``) | ``top_k -> top_p -> min_p -> min_prob`` |
+| ``"vllm"`` (V1 sampler and Model Runner V2) | ``min_p -> top_k -> top_p`` (``-> min_prob``, which vLLM lacks) |
+| ``"sglang"`` | as ``"hf"`` when ``min_p`` is set; else ``top_k`` and ``top_p`` both on the full distribution |
+
 Every rule keeps the argmax, so the safe set is never empty.
 
-A rule reads the logits through :class:`ShiftedLogits`, which computes ``exp(z - m)`` and its row sums at most
-once: ``min_prob`` and ``top_p`` need them, and the fused op needs them for its statistics anyway.
+A rule reads the logits through :class:`~safevocab.shifted_logits.ShiftedLogits` (``exp(z - m)`` and its row sums,
+computed at most once).
 """
 
 from __future__ import annotations
 
 import math
+import dataclasses
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
 
+from safevocab.engine_order import ENGINES, check_engine, composition_stages, print_order
 from safevocab.nucleus import nucleus_threshold
-from safevocab.validation import integer, real
+from safevocab.shifted_logits import ShiftedLogits
+from safevocab.validation import integer, real, real_text
 
 __all__ = [
     "SafeVocabRule",
@@ -44,6 +54,7 @@ __all__ = [
     "Intersection",
     "parse_rule",
     "RULE_KEYS",
+    "ENGINES",
     "finite_floor",
     "ShiftedLogits",
 ]
@@ -59,55 +70,21 @@ def finite_floor(dtype: torch.dtype) -> float:
     return torch.finfo(torch.float64 if dtype == torch.float64 else torch.float32).min
 
 
-class ShiftedLogits:
-    """Transformed logits ``z`` ``[..., V]`` with their row maxima ``m`` and, computed on first use, ``e = exp(z - m)``
-    and ``sum_V e``: what several rules and the fused op's statistics share, computed once.
-
-    ``out``: a preallocated buffer of ``z``'s shape and dtype for ``e`` (the fused op reuses one per chunk).
-    """
-
-    def __init__(self, z: torch.Tensor, z_max: torch.Tensor, out: torch.Tensor | None = None):
-        self.z, self.z_max = z, z_max
-        self._out, self._exp, self._total = out, None, None
-        #: ``(row, col, t)`` of ``z`` viewed as ``[rows, V]``, set by a rule that found its threshold ``t`` ``[rows]``
-        #: from candidate entries: every entry with ``z >= t`` is among them (``top_p``), so any set ``{z >= t'}``
-        #: with ``t' >= t`` can be read off them.
-        self.cover: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
-
-    @property
-    def exp(self) -> torch.Tensor:
-        """``exp(z - m)``, the same arithmetic as ``torch.logsumexp`` (``fl(z - m)``, then ``exp``)."""
-        if self._exp is None:
-            self._exp = torch.sub(self.z, self.z_max, out=self._out).exp_() if self._out is not None else (self.z - self.z_max).exp_()
-        return self._exp
-
-    @property
-    def computed(self) -> bool:
-        """Whether :attr:`exp` has been computed (by a rule)."""
-        return self._exp is not None
-
-    @property
-    def total(self) -> torch.Tensor:
-        """``sum_V exp(z - m)`` ``[..., 1]``."""
-        if self._total is None:
-            self._total = self.exp.sum(-1, keepdim=True)
-        return self._total
-
-    def kept_total(self, kept_from: torch.Tensor | None) -> torch.Tensor:
-        """``sum exp(z - m)`` over ``{z >= kept_from}`` ``[..., 1]`` (all tokens for ``None``)."""
-        if kept_from is None:
-            return self.total
-        return torch.where(self.z >= kept_from, self.exp, 0.0).sum(-1, keepdim=True)
-
-
+@dataclass(frozen=True, repr=False)
 class SafeVocabRule(ABC):
     """A per-position safe-vocabulary rule on transformed logits ``[..., V]``.
 
     Subclasses implement :meth:`_raw_threshold` (and may override :meth:`_threshold_after` to share
     :class:`ShiftedLogits`' work); users call :meth:`threshold` or :meth:`keep_mask`.
+
+    ``engine`` (keyword only, one of :data:`ENGINES`, default ``"hf"``): the inference engine whose composition
+    order an intersection follows (:mod:`safevocab.engine_order`). An elementary rule keeps the same set for every
+    engine but carries it, so that ``&`` composes in that engine's order; equality and ``repr`` include it.
     """
 
-    #: Key used in the string form, e.g. ``"min_p"``. Also the sampler order (see ``_ORDER``).
+    engine: str = field(default="hf", kw_only=True)
+
+    #: Key used in the string form, e.g. ``"min_p"`` (:mod:`safevocab.engine_order` orders them by key).
     key: ClassVar[str]
     #: Extra scratch memory (bytes per logit) the rule needs on a chunk, used to size fused chunks.
     scratch_bytes_per_logit: ClassVar[int] = 0
@@ -126,7 +103,7 @@ class SafeVocabRule(ABC):
 
     @property
     def parts(self) -> tuple[SafeVocabRule, ...]:
-        """The elementary rules, in sampler order (a single rule is its own only part)."""
+        """The elementary rules, in the engine's order (a single rule is its own only part)."""
         return (self,)
 
     @torch.no_grad()
@@ -145,7 +122,14 @@ class SafeVocabRule(ABC):
 
     @torch.no_grad()
     def threshold_and_max(self, z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """:meth:`threshold` and the row maximum ``z_max`` ``[..., 1]``, sharing one pass over ``z``."""
+        """:meth:`threshold` and the row maximum ``z_max`` ``[..., 1]``, sharing one pass over ``z``.
+
+        Raises:
+            ValueError: ``z`` has no vocabulary dimension or an empty one (``V = 0``): there is no argmax to keep,
+                and no sampler draws from an empty vocabulary. Zero positions (``[0, V]``) are fine.
+        """
+        if z.dim() < 1 or z.shape[-1] == 0:
+            raise ValueError(f"z.shape={tuple(z.shape)}: expected [..., V] with a vocabulary size V >= 1")
         z = stat_float(z)
         z_max = z.amax(dim=-1, keepdim=True)
         return self.threshold_of(ShiftedLogits(z, z_max)), z_max
@@ -164,32 +148,67 @@ class SafeVocabRule(ABC):
         return z >= self.threshold(z)
 
     def __and__(self, other: SafeVocabRule) -> SafeVocabRule:
+        """The intersection, in the engine's order; both sides must name the same engine (one-line
+        ``ValueError`` otherwise: the result's order would depend on which side wins)."""
         if not isinstance(other, SafeVocabRule):
             return NotImplemented
-        return Intersection.of(*self.parts, *other.parts)
+        return Intersection.of(self, other)
+
+    def with_engine(self, engine: str) -> SafeVocabRule:
+        """The same thresholds composed in ``engine``'s order (``self`` when it already is)."""
+        engine = check_engine(engine)
+        if engine == self.engine:
+            return self
+        copy = dataclasses.replace(self, engine=engine)
+        if hasattr(self, "_text"):
+            object.__setattr__(copy, "_text", self._text)  # the value as the user gave it prints the same
+        return copy
 
     def sampler_kwargs(self) -> dict[str, float | int]:
-        """Keyword arguments that make HF ``generate``/vLLM ``SamplingParams`` sample from the same set.
+        """Keyword arguments that make the rule's engine sample from the same set: HF ``generate``
+        (``min_prob`` as ``epsilon_cutoff``), vLLM ``SamplingParams`` or SGLang's ``sampling_params``.
 
         Raises:
-            ValueError: when the rule has no sampler equivalent (``min_prob``).
+            ValueError: when the engine has no sampler equivalent of a part (``min_prob`` with vLLM or SGLang).
         """
         kwargs: dict[str, float | int] = {}
         for part in self.parts:
             if isinstance(part, MinProb):
-                raise ValueError(
-                    f"rule {str(self)!r}: min_prob has no HF/vLLM sampler equivalent; "
-                    "use min_p, top_k or top_p for sampler-consistent pruning"
-                )
-            if isinstance(part, (MinP, TopK, TopP)):
+                if self.engine != "hf":
+                    raise ValueError(
+                        f"rule {str(self)!r} (engine={self.engine!r}): min_prob has no {self.engine} sampler "
+                        "equivalent; use min_p, top_k or top_p for sampler-consistent pruning"
+                    )
+                kwargs["epsilon_cutoff"] = part.value
+            elif isinstance(part, (MinP, TopK, TopP)):
                 kwargs[part.key] = part.value
         return kwargs
 
     def __str__(self) -> str:
-        return ",".join(f"{p.key}={p.value!r}" for p in self.parts)
+        """The rule's spec, parts in the engine's order; the engine is not part of it (see :func:`parse_rule`)."""
+        return ",".join(f"{p.key}={getattr(p, '_text', '') or repr(p.value)}" for p in self.parts)
+
+    def __repr__(self) -> str:
+        return self._repr(with_engine=True)
+
+    def _repr(self, with_engine: bool) -> str:
+        """The dataclass repr, ``engine`` shown when not ``"hf"`` (and ``with_engine``: an intersection shows it once)."""
+
+        def shown(value: object) -> str:
+            if isinstance(value, tuple):
+                return "(" + ", ".join(shown(v) for v in value) + ("," if len(value) == 1 else "") + ")"
+            return value._repr(with_engine=False) if isinstance(value, SafeVocabRule) else repr(value)
+
+        fields = [f"{f.name}={shown(getattr(self, f.name))}" for f in dataclasses.fields(self) if f.repr and f.name != "engine"]
+        if with_engine and self.engine != "hf":
+            fields.append(f"engine={self.engine!r}")
+        return f"{type(self).__name__}({', '.join(fields)})"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "engine", check_engine(self.engine))
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)
 class NoPruning(SafeVocabRule):
     """Keeps every token of nonzero probability (the full softmax). Prints as ``"none"``."""
 
@@ -209,18 +228,22 @@ class NoPruning(SafeVocabRule):
         return "none"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)
 class MinP(SafeVocabRule):
     """Keep tokens with ``p_a >= rho * p_max``, i.e. ``z_a >= z_max + log(rho)``. ``0 < rho <= 1``.
 
-    Matches HF ``MinPLogitsWarper`` and vLLM ``min_p``. ``rho = 1`` keeps only the argmax (and ties).
+    Matches HF ``MinPLogitsWarper``, vLLM's and SGLang's ``min_p``. ``rho = 1`` keeps only the argmax (and ties).
     """
 
     rho: float
+    _text: str = field(default="", init=False, repr=False, compare=False)  # rho as given, for str()
     key: ClassVar[str] = "min_p"
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "rho", real("min_p", self.rho, lambda x: 0.0 < x <= 1.0, "0 < min_p <= 1"))
+        super().__post_init__()
+        given = self.rho
+        object.__setattr__(self, "rho", real("min_p", given, lambda x: 0.0 < x <= 1.0, "0 < min_p <= 1"))
+        object.__setattr__(self, "_text", real_text(given))
 
     @property
     def value(self) -> float:
@@ -233,15 +256,21 @@ class MinP(SafeVocabRule):
         return logits.z_max + math.log(self.rho)  # the argmax is always kept: the renormalised maximum is m
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)
 class MinProb(SafeVocabRule):
-    """Keep tokens with ``p_a >= tau`` (absolute probability), and always the argmax. ``0 < tau < 1``."""
+    """Keep tokens with ``p_a >= tau`` (absolute probability), and always the argmax. ``0 < tau < 1``.
+
+    Matches HF ``EpsilonLogitsWarper`` (``epsilon_cutoff``); vLLM and SGLang have no equivalent."""
 
     tau: float
+    _text: str = field(default="", init=False, repr=False, compare=False)  # tau as given, for str()
     key: ClassVar[str] = "min_prob"
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "tau", real("min_prob", self.tau, lambda x: 0.0 < x < 1.0, "0 < min_prob < 1"))
+        super().__post_init__()
+        given = self.tau
+        object.__setattr__(self, "tau", real("min_prob", given, lambda x: 0.0 < x < 1.0, "0 < min_prob < 1"))
+        object.__setattr__(self, "_text", real_text(given))
 
     @property
     def value(self) -> float:
@@ -256,17 +285,18 @@ class MinProb(SafeVocabRule):
         return (logits.z_max + logits.kept_total(kept_from).log()) + math.log(self.tau)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)
 class TopK(SafeVocabRule):
     """Keep tokens whose logit is at least the k-th largest (ties kept). ``k >= 1``.
 
-    Matches HF ``TopKLogitsWarper`` and vLLM ``top_k``; ``k >= V`` keeps everything.
+    Matches HF ``TopKLogitsWarper``, vLLM's and SGLang's ``top_k``; ``k >= V`` keeps everything.
     """
 
     k: int
     key: ClassVar[str] = "top_k"
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         object.__setattr__(self, "k", integer("top_k", self.k, lambda k: k >= 1, "an integer top_k >= 1"))
 
     @property
@@ -283,7 +313,7 @@ class TopK(SafeVocabRule):
         return torch.topk(z, self.k, dim=-1, sorted=False).values.amin(dim=-1, keepdim=True)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)
 class TopP(SafeVocabRule):
     """Keep the smallest highest-probability set of mass ``>= q`` (nucleus). ``0 < q <= 1``.
 
@@ -296,12 +326,16 @@ class TopP(SafeVocabRule):
     """
 
     q: float
+    _text: str = field(default="", init=False, repr=False, compare=False)  # q as given, for str()
     key: ClassVar[str] = "top_p"
     # the candidates' bool mask
     scratch_bytes_per_logit: ClassVar[int] = 1
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "q", real("top_p", self.q, lambda x: 0.0 < x <= 1.0, "0 < top_p <= 1"))
+        super().__post_init__()
+        given = self.q
+        object.__setattr__(self, "q", real("top_p", given, lambda x: 0.0 < x <= 1.0, "0 < top_p <= 1"))
+        object.__setattr__(self, "_text", real_text(given))
 
     @property
     def value(self) -> float:
@@ -326,22 +360,44 @@ class TopP(SafeVocabRule):
         return t
 
 
-# The sampler's order (HF generate and vLLM): top_k, then top_p, then min_p; min_prob last.
-_ORDER: dict[type[SafeVocabRule], int] = {TopK: 0, TopP: 1, MinP: 2, MinProb: 3}
-RULE_KEYS: dict[str, type[SafeVocabRule]] = {cls.key: cls for cls in _ORDER}
+#: The rule kinds by key, in HF's order (the order ``str`` lists them in for ``"hf"`` and ``"sglang"``).
+RULE_KEYS: dict[str, type[SafeVocabRule]] = {cls.key: cls for cls in (TopK, TopP, MinP, MinProb)}
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)
 class Intersection(SafeVocabRule):
-    """Intersection of elementary rules, applied in sampler order, each on the distribution
-    renormalised over what the previous ones kept. Build it with ``&`` or :meth:`of`."""
+    """Intersection of elementary rules, composed in the order of its ``engine``
+    (:func:`safevocab.engine_order.composition_stages`): each part sees the distribution renormalised over what
+    the parts of the earlier stages kept. Build it with ``&`` or :meth:`of`."""
 
     rules: tuple[SafeVocabRule, ...]
     key: ClassVar[str] = "intersection"
 
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        # the parts carry the composed rule's engine, in its order, so that ``parts`` recompose to the same rule
+        order = print_order(self.engine)
+        parts = sorted((part.with_engine(self.engine) for part in self.rules), key=lambda part: order.index(part.key))
+        object.__setattr__(self, "rules", tuple(parts))
+
     @staticmethod
-    def of(*rules: SafeVocabRule) -> SafeVocabRule:
-        """Sort ``rules`` into sampler order; one rule of each kind at most (two would be ambiguous)."""
+    def of(*rules: SafeVocabRule, engine: str | None = None) -> SafeVocabRule:
+        """Sort ``rules`` into the engine's order; one rule of each kind at most (two would be ambiguous).
+
+        Args:
+            rules: rules of one engine (a one-line ``ValueError`` names two that differ).
+            engine: the engine of the result, overriding the rules' own (``None``: theirs, ``"hf"`` for no rules).
+        """
+        if engine is None:
+            engines = {rule.engine: rule for rule in rules}
+            if len(engines) > 1:
+                (one, a), (other, b) = list(engines.items())[:2]
+                raise ValueError(
+                    f"rule {a} has engine={one!r} and rule {b} engine={other!r}: accepted rules of one engine (the "
+                    "engines compose rules in different orders); build both with parse_rule(spec, engine=...)"
+                )
+            engine = next(iter(engines), "hf")
+        engine = check_engine(engine)
         seen: dict[type, SafeVocabRule] = {}
         for rule in rules:
             for part in rule.parts:
@@ -349,13 +405,12 @@ class Intersection(SafeVocabRule):
                     raise ValueError(
                         f"rule: {part.key} given twice ({seen[type(part)]} and {part}); give each threshold once"
                     )
-                seen[type(part)] = part
-        ordered = tuple(sorted(seen.values(), key=lambda r: _ORDER[type(r)]))
-        if not ordered:
-            return NoPruning()
-        if len(ordered) == 1:
-            return ordered[0]
-        return Intersection(ordered)
+                seen[type(part)] = part.with_engine(engine)
+        if not seen:
+            return NoPruning(engine=engine)
+        if len(seen) == 1:
+            return next(iter(seen.values()))
+        return Intersection(tuple(seen.values()), engine=engine)
 
     @property
     def parts(self) -> tuple[SafeVocabRule, ...]:
@@ -369,14 +424,16 @@ class Intersection(SafeVocabRule):
         return self._threshold_after(ShiftedLogits(z, z_max), None)
 
     def _threshold_after(self, logits: ShiftedLogits, kept_from: torch.Tensor | None) -> torch.Tensor:
-        t = torch.full_like(logits.z_max, -math.inf) if kept_from is None else kept_from
-        for i, part in enumerate(self.rules):
-            # Renormalising over the kept set does not move logits: each part sees the distribution over
-            # {z >= t} (the tokens the previous parts kept).
-            part_t = part._threshold_after(logits, kept_from if i == 0 else t)
-            # Capped at the row maximum, so every step keeps the argmax, as the samplers do.
-            t = torch.minimum(torch.maximum(t, part_t), logits.z_max)
-        return t
+        by_key = {part.key: part for part in self.rules}
+        t = kept_from
+        for stage in composition_stages(self.engine, frozenset(by_key)):
+            # Renormalising over the kept set does not move logits: the parts of a stage all see the distribution
+            # over {z >= t} (what the earlier stages kept), and the stage keeps what every one of them keeps.
+            stage_t = [by_key[key]._threshold_after(logits, t) for key in stage]
+            t_new = stage_t[0] if len(stage_t) == 1 else torch.maximum(*stage_t)
+            # Capped at the row maximum, so every stage keeps the argmax, as the samplers do.
+            t = torch.minimum(t_new if t is None else torch.maximum(t, t_new), logits.z_max)
+        return torch.full_like(logits.z_max, -math.inf) if t is None else t
 
 
 def stat_float(x: torch.Tensor) -> torch.Tensor:
@@ -384,26 +441,36 @@ def stat_float(x: torch.Tensor) -> torch.Tensor:
     return x if x.dtype == torch.float64 else x.float()
 
 
-def parse_rule(spec: str | SafeVocabRule | None) -> SafeVocabRule:
-    """Parse ``"min_p=1e-3"``, ``"top_k=50,min_p=0.01"`` or ``"none"`` into a rule.
+def parse_rule(spec: str | SafeVocabRule | None, engine: str | None = None) -> SafeVocabRule:
+    """Parse ``"min_p=1e-3"``, ``"top_k=50,min_p=0.01"`` or ``"none"`` into a rule composed in ``engine``'s order.
 
-    ``str(parse_rule(s))`` gives the canonical form (sampler order), and
-    ``parse_rule(str(rule)) == rule`` for every rule. A :class:`SafeVocabRule` passes through, and
-    ``None`` or ``""`` mean :class:`NoPruning`.
+    Args:
+        spec: the rule's spec (parts in any order, keys and ``none`` case-insensitive), a :class:`SafeVocabRule`
+            (passed through), or ``None``/``""`` for :class:`NoPruning`.
+        engine: ``"hf"`` (transformers ``generate``), ``"vllm"`` or ``"sglang"``: whose composition order the rule
+            follows (:mod:`safevocab.engine_order`). ``None`` (the default): ``"hf"`` for a string, the rule's own
+            engine for a rule; a rule of another engine is returned with the given one (:meth:`SafeVocabRule.with_engine`).
+
+    ``str(rule)`` gives the canonical spec (parts in the engine's order; the engine itself is not part of a spec),
+    and ``parse_rule(str(rule), engine=rule.engine) == rule`` for every rule whose values were given as Python
+    numbers or strings (a float32 value prints as its shortest float32 decimal, which parses to the float64
+    nearest it).
 
     Raises:
-        ValueError: on an unknown key, a repeated key, a malformed item or an out-of-range value
-            (the message names the key, the value and the accepted range).
+        ValueError: on an unknown key, a repeated key, a malformed item, an out-of-range value or an unknown
+            engine (the message names the key or argument, the value and the accepted range).
     """
+    if engine is not None:
+        engine = check_engine(engine)
     if spec is None:
-        return NoPruning()
+        return NoPruning(engine=engine or "hf")
     if isinstance(spec, SafeVocabRule):
-        return spec
+        return spec if engine is None else spec.with_engine(engine)
     if not isinstance(spec, str):
         raise TypeError(f"rule must be a str or a SafeVocabRule, got {type(spec).__name__}: {spec!r}")
     text = spec.strip()
     if text.lower() in ("", "none"):
-        return NoPruning()
+        return NoPruning(engine=engine or "hf")
     parts: list[SafeVocabRule] = []
     for item in text.split(","):
         key, sep, raw = item.strip().partition("=")
@@ -424,4 +491,4 @@ def parse_rule(spec: str | SafeVocabRule | None) -> SafeVocabRule:
             except ValueError:
                 raise ValueError(f"{key}={raw!r} is not a number") from None
         parts.append(cls(value))  # type: ignore[call-arg]
-    return Intersection.of(*parts)
+    return Intersection.of(*parts, engine=engine or "hf")

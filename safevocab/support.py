@@ -152,10 +152,13 @@ class SafeSupport:
     def _check_duplicates(self) -> None:
         if self.token_ids.numel() < 2:
             return
+        # Sort by (row, id) with two stable sorts instead of one sort of row * (max id + 1) + id: that key overflows
+        # int64 for ids >= 2^62 and made distinct (row, id) pairs equal (a false duplicate).
         row = self.row_of_entries()
-        key = row * (int(self.token_ids.max()) + 1) + self.token_ids
-        sorted_key, order = torch.sort(key)
-        same = sorted_key[1:] == sorted_key[:-1]
+        order = torch.sort(self.token_ids, stable=True).indices
+        order = order[torch.sort(row[order], stable=True).indices]
+        sorted_row, sorted_id = row[order], self.token_ids[order]
+        same = (sorted_row[1:] == sorted_row[:-1]) & (sorted_id[1:] == sorted_id[:-1])
         if bool(same.any()):
             entry = int(order[1:][same][0])
             raise ValueError(

@@ -8,19 +8,23 @@ Every public entry point checks its arguments before any work and raises
 A *real number* is any real scalar a user may hold: a Python ``int``/``float``, a numpy scalar
 (``np.float32(0.1)``, ``np.int64(50)``), a 0-dim numpy array, or a 0-dim real ``torch.Tensor``
 (``torch.tensor(0.7)``). Booleans are not numbers here (``True`` as a temperature is a bug). An
-*integer* is the same with an integer type; floats are refused even when integral, as ``range`` does.
-The functions return plain Python ``float``/``int`` so that callers store hashable, printable values.
+*integer* is the same with an integer type; floats are refused even when integral, as ``range`` does. A
+*boolean* flag is ``True``/``False`` (a numpy or 0-dim torch bool too): ``"yes"``, ``1`` or ``None`` are refused,
+since any of them would otherwise be read by truthiness. The functions return plain Python ``float``/``int``/``bool``
+so that callers store hashable, printable values;
+:func:`real_text` gives the shortest decimal of a real in the precision it was given in (``np.float32(0.1)``:
+``"0.1"``, not the ``"0.10000000149011612"`` of its float64 value).
 """
 
 from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 
 import torch
 
-__all__ = ["real", "integer", "check_range", "is_real_scalar"]
+__all__ = ["real", "integer", "boolean", "check_range", "is_real_scalar", "require_keys", "real_text"]
 
 
 def _unwrap(value: object) -> object:
@@ -100,3 +104,62 @@ def integer(
     as_int = int(scalar)
     check_range(name, scalar, ok is None or ok(as_int), accepted)
     return as_int
+
+
+def boolean(name: str, value: object) -> bool:
+    """``value`` as a Python ``bool`` after checking its type: ``True``/``False``, a numpy bool or a 0-dim torch bool.
+
+    Raises:
+        TypeError: anything else (a string, ``None``, an int, a tensor with elements).
+    """
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, torch.Tensor) and value.dim() == 0 and value.dtype == torch.bool:
+        return bool(value.item())
+    # numpy without importing it: a numpy bool scalar or 0-dim array has ``ndim == 0`` and ``dtype.kind == "b"``
+    if getattr(value, "ndim", None) == 0 and getattr(getattr(value, "dtype", None), "kind", None) == "b":
+        return bool(value.item())
+    raise TypeError(f"{name} must be a bool (True or False), got {_describe(value)}")
+
+
+def require_keys(name: str, mapping: object, keys: Iterable[str], accepted: str) -> None:
+    """Check that ``mapping`` is a dict holding every key of ``keys`` (a saved state, a checkpoint's content).
+
+    Raises:
+        TypeError: ``mapping`` is not a mapping (``"<name> must be a dict, got <type>: <value>"``).
+        ValueError: one line naming every missing key: ``"<name> lacks 'a', 'b': accepted <accepted>"``.
+    """
+    if not isinstance(mapping, Mapping):
+        raise TypeError(f"{name} must be a dict, got {_describe(mapping)}")
+    missing = [key for key in keys if key not in mapping]
+    if missing:
+        raise ValueError(f"{name} lacks {', '.join(repr(key) for key in missing)}: accepted {accepted}")
+
+
+def _narrow_float_dtype(value: object) -> torch.dtype | None:
+    """The torch dtype of a 0-dim float32/float16/bfloat16 tensor or numpy value; ``None`` for anything else."""
+    if isinstance(value, torch.Tensor):
+        return value.dtype if value.dim() == 0 and value.dtype in (torch.float32, torch.float16, torch.bfloat16) else None
+    dtype = getattr(value, "dtype", None)
+    if getattr(value, "ndim", None) == 0 and getattr(dtype, "kind", None) == "f":
+        return {4: torch.float32, 2: torch.float16}.get(getattr(dtype, "itemsize", 0))
+    return None
+
+
+def real_text(value: object) -> str:
+    """The shortest decimal that gives back the real ``value`` in the precision it was given in.
+
+    A Python ``float``/``int`` or a float64 value: ``repr(float(value))``. A float32/float16/bfloat16 value (numpy
+    scalar or 0-dim array, 0-dim tensor): the shortest decimal that rounds back to it in that dtype, so
+    ``np.float32(0.1)`` gives ``"0.1"`` (what the user wrote) while ``float(np.float32(0.1))`` is
+    ``0.10000000149011612``. Call it on a value :func:`real` accepted.
+    """
+    as_float = float(_unwrap(value))  # type: ignore[arg-type]
+    dtype = _narrow_float_dtype(value)
+    if dtype is None or not math.isfinite(as_float):
+        return repr(as_float)
+    for digits in range(1, 18):
+        text = repr(float(f"{as_float:.{digits}g}"))
+        if torch.tensor(float(text), dtype=dtype).item() == as_float:
+            return text
+    return repr(as_float)  # pragma: no cover - 9 digits always round-trip a float32

@@ -478,3 +478,31 @@ def test_triton_matches_reference(inputs, data, max_chunk_bytes, dense):
 @given(**triton_cases)
 def test_triton_matches_reference_20k(inputs, data, max_chunk_bytes, dense):
     _triton_property(inputs, data, max_chunk_bytes, dense)
+
+
+# ---------------------------------------------------------------------------------------------- engine order (issue 30)
+
+
+@pytest.mark.parametrize(
+    "spec, engine, sizes",
+    [("top_p=0.75,min_p=0.3", "vllm", (3, 2)), ("top_k=2,top_p=0.5", "sglang", (1, 2))],
+)
+def test_triton_composes_in_the_rules_engine_order(spec, engine, sizes):
+    """On p = (0.4, 0.3, 0.2, 0.1) the engines keep different sets (safevocab.engine_order); the Triton backend keeps
+    the one of the rule's engine, as the torch backend does (checked against vLLM's own sampler in
+    test_engine_order.py)."""
+    hidden = torch.tensor([[1.0, 0.0]], device=DEVICE)
+    weight = torch.stack([torch.tensor([0.4, 0.3, 0.2, 0.1]).log(), torch.zeros(4)], -1).to(DEVICE)
+    targets = torch.tensor([2], device=DEVICE)
+    for rule, size in zip((parse_rule(spec), parse_rule(spec, engine=engine)), sizes):
+        tri, ref = both_backends(rule, (hidden, weight, None), targets)
+        assert_same_outputs(tri, ref)
+        assert int(tri.safe_size) == size and bool(tri.in_safe) == (size == 3)
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+@pytest.mark.parametrize("rule", ["top_p=0.8,min_p=0.05", "top_k=20,top_p=0.7", "top_k=30,top_p=0.9,min_p=0.01,min_prob=0.005"])
+def test_triton_matches_torch_for_each_engine(rule, engine):
+    hidden, weight, bias, targets = make_inputs(n=40, v=300, seed=5)
+    tri, ref = both_backends(parse_rule(rule, engine=engine), (hidden, weight, bias), targets, **FULL_TRANSFORM)
+    assert_same_outputs(tri, ref)

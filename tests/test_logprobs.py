@@ -297,3 +297,29 @@ def test_fused_bad_inputs(kwargs, exc, fragment):
 def test_materialised_bad_inputs(logits, targets, exc):
     with pytest.raises(exc):
         safe_log_softmax(logits, targets, "none")
+
+
+@pytest.mark.parametrize("value", ["yes", "no", 1, 0, None, torch.tensor([True])])
+@pytest.mark.parametrize("entry", ["materialised", "fused"])
+def test_compute_entropy_must_be_a_bool(entry, value):
+    """A string (even "no") or an int was read by truthiness; refused like every other argument of a wrong type."""
+    hidden, weight = torch.randn(3, 4), torch.randn(10, 4)
+    targets = torch.tensor([0, 1, 2])
+    with pytest.raises(TypeError) as err:
+        if entry == "fused":
+            fused_safe_logprobs(hidden, weight, targets, "top_k=3", compute_entropy=value)
+        else:
+            safe_log_softmax(hidden @ weight.t(), targets, "top_k=3", compute_entropy=value)
+    assert str(err.value).startswith(f"compute_entropy must be a bool (True or False), got {type(value).__name__}: ")
+
+
+def test_compute_entropy_takes_numpy_and_torch_bools():
+    import numpy as np
+
+    hidden, weight = torch.randn(3, 4), torch.randn(10, 4)
+    targets = torch.tensor([0, 1, 2])
+    expected = safe_log_softmax(hidden @ weight.t(), targets, "top_k=3", compute_entropy=True).entropy
+    for flag in (np.bool_(True), torch.tensor(True)):
+        got = fused_safe_logprobs(hidden, weight, targets, "top_k=3", compute_entropy=flag).entropy
+        torch.testing.assert_close(got, expected)
+    assert safe_log_softmax(hidden @ weight.t(), targets, "top_k=3", compute_entropy=np.bool_(False)).entropy is None

@@ -11,11 +11,13 @@ import math
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from safevocab import fused_safe_logprobs
 from safevocab.bounds import logprob_mismatch_bound
 from safevocab.mismatch import (
     DEFAULT_BUCKETS,
@@ -210,6 +212,30 @@ def test_safe_set_disagreement_temperature_and_identity():
     assert hot.size_a.tolist() == expected
     with pytest.raises(ValueError, match="temperature"):
         safe_set_disagreement(z, z, "min_p=0.2", temperature=0.0)
+
+
+@pytest.mark.parametrize(
+    "temperature, error, message",
+    [
+        ("1", TypeError, "temperature must be a real number, got str: '1'"),
+        (None, TypeError, "temperature must be a real number, got NoneType: None"),
+        (math.inf, ValueError, "temperature=inf is out of range: accepted a finite temperature > 0"),
+        (math.nan, ValueError, "temperature=nan is out of range: accepted a finite temperature > 0"),
+        (-1.0, ValueError, "temperature=-1.0 is out of range: accepted a finite temperature > 0"),
+    ],
+)
+def test_safe_set_disagreement_checks_temperature_as_the_log_probabilities_do(temperature, error, message):
+    """The same one-line errors as fused_safe_logprobs (inf was accepted here, a string gave a vague TypeError)."""
+    z = torch.randn(2, 5)
+    with pytest.raises(error) as err:
+        safe_set_disagreement(z, z, "min_p=0.2", temperature=temperature)
+    assert str(err.value) == message
+    with pytest.raises(error) as reference:
+        fused_safe_logprobs(z[:, :3].contiguous(), torch.randn(4, 3), torch.zeros(2, dtype=torch.long), "none",
+                            temperature=temperature)  # fmt: skip
+    assert str(reference.value) == message
+    same = safe_set_disagreement(z, z, "min_p=0.2", temperature=np.float32(0.5))  # real scalars of any kind
+    assert bool(same.jaccard.eq(1).all())
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -1,7 +1,9 @@
 """Rules: semantics, parsing round-trip, errors, and agreement with transformers' own warpers."""
 
 import math
+import re
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given
@@ -33,6 +35,71 @@ def random_logits(seed: int, shape=(64, 257), scale: float = 3.0) -> torch.Tenso
 def test_str_round_trips(rule):
     assert parse_rule(str(rule)) == rule
     assert str(parse_rule(str(rule))) == str(rule)
+
+
+ENGINES = ("hf", "vllm", "sglang")
+
+
+@given(rules, st.sampled_from(ENGINES))
+def test_str_round_trips_with_the_engine(rule, engine):
+    rule = rule.with_engine(engine)
+    assert rule.engine == engine and all(part.engine == engine for part in rule.parts)
+    assert parse_rule(str(rule), engine=rule.engine) == rule
+    assert parse_rule(rule) is rule  # a rule passes through with its own engine
+    assert eval(repr(rule)) == rule  # noqa: S307 - the repr names the engine
+
+
+def test_engines_are_distinguished_and_compose_in_their_order():
+    vllm = parse_rule("top_p=0.9,min_p=0.05", engine="vllm")
+    hf = parse_rule("top_p=0.9,min_p=0.05")
+    assert vllm != hf and hash(vllm) != hash(hf) and vllm.parts != hf.parts
+    assert (str(hf), str(vllm)) == ("top_p=0.9,min_p=0.05", "min_p=0.05,top_p=0.9")  # each engine's order
+    assert repr(vllm) == "Intersection(rules=(MinP(rho=0.05), TopP(q=0.9)), engine='vllm')"
+    assert repr(hf) == "Intersection(rules=(TopP(q=0.9), MinP(rho=0.05)))"
+    assert MinP(0.05, engine="vllm") != MinP(0.05) and repr(MinP(0.05, engine="vllm")) == "MinP(rho=0.05, engine='vllm')"
+    assert TopP(0.9, engine="vllm") & MinP(0.05, engine="vllm") == vllm  # & keeps the engine
+    assert hf.with_engine("vllm") == vllm and parse_rule(hf, engine="vllm") == vllm and vllm.with_engine("hf") == hf
+    assert Intersection.of(TopP(0.9), MinP(0.05), engine="vllm") == vllm
+    assert parse_rule("none", engine="sglang") == NoPruning(engine="sglang") != NoPruning()
+
+
+def test_mixed_engines_and_unknown_engines_are_refused_in_one_line():
+    from safevocab.rules import ENGINES as accepted
+
+    assert accepted == ENGINES
+    with pytest.raises(ValueError, match=r"^rule top_p=0.9 has engine='vllm' and rule min_p=0.05 engine='hf': accepted "
+                       r"rules of one engine") as err:
+        TopP(0.9, engine="vllm") & MinP(0.05)
+    assert "\n" not in str(err.value)
+    with pytest.raises(ValueError, match=r"^engine='trtllm' is out of range: accepted one of 'hf', 'vllm', 'sglang'$"):
+        parse_rule("min_p=0.1", engine="trtllm")
+    with pytest.raises(ValueError, match="engine='HF'"):
+        MinP(0.1, engine="HF")
+    with pytest.raises(TypeError, match="engine must be a str, got NoneType"):
+        TopK(3, engine=None)
+
+
+def test_float32_values_print_as_given():
+    """issue 28: ``MinP(np.float32(0.1))`` printed ``min_p=0.10000000149011612``; the value itself is unchanged."""
+    given32 = MinP(np.float32(0.1))
+    assert str(given32) == "min_p=0.1"
+    assert given32.rho == float(np.float32(0.1)) == MinP(0.10000000149011612).rho  # the stored threshold is the same
+    assert torch.equal(given32.threshold(random_logits(0)), MinP(0.10000000149011612).threshold(random_logits(0)))
+    assert str(MinP(0.10000000149011612)) == "min_p=0.10000000149011612"  # a float64 prints all its digits
+    assert str(TopP(torch.tensor(0.7)) & MinProb(np.float32(1e-5))) == "top_p=0.7,min_prob=1e-05"
+    assert str(MinP(np.float16(0.1), engine="vllm")) == str(MinP(np.float32(0.1)).with_engine("vllm")) == "min_p=0.1"
+
+
+@pytest.mark.parametrize("rule", [MinP(0.1), MinProb(0.1), TopK(2), TopP(0.5), NoPruning(), TopK(2) & TopP(0.5)])
+@pytest.mark.parametrize("shape", [(3, 0), (0,), ()])
+def test_an_empty_vocabulary_is_refused_in_one_line(rule, shape):
+    """issue 28: ``MinP.threshold`` on an empty last dimension raised a raw ``IndexError`` (amax of nothing). An
+    empty vocabulary has no argmax to keep and nothing to sample, so it is refused as ``safe_log_softmax`` does."""
+    with pytest.raises(ValueError, match=rf"^z.shape={re.escape(str(shape))}: expected \[..., V\] with a vocabulary size V >= 1$"):
+        rule.threshold(torch.zeros(shape))
+    with pytest.raises(ValueError, match="V >= 1"):
+        rule.keep_mask(torch.zeros(shape))
+    assert rule.threshold(torch.zeros(0, 5)).shape == (0, 1)  # no positions is fine
 
 
 def test_canonical_order_is_sampler_order():
@@ -94,8 +161,12 @@ def test_parse_rejects_non_string():
 def test_sampler_kwargs():
     assert parse_rule("top_k=50,min_p=0.01").sampler_kwargs() == {"top_k": 50, "min_p": 0.01}
     assert NoPruning().sampler_kwargs() == {}
-    with pytest.raises(ValueError, match="min_prob"):
-        parse_rule("min_prob=0.001").sampler_kwargs()
+    # HF's EpsilonLogitsWarper is min_prob (checked against it in test_engine_order.py); vLLM and SGLang lack it
+    assert parse_rule("min_prob=0.001").sampler_kwargs() == {"epsilon_cutoff": 0.001}
+    for engine in ("vllm", "sglang"):
+        assert parse_rule("top_p=0.9,min_p=0.05", engine=engine).sampler_kwargs() == {"top_p": 0.9, "min_p": 0.05}
+        with pytest.raises(ValueError, match=f"min_prob has no {engine} sampler"):
+            parse_rule("min_prob=0.001", engine=engine).sampler_kwargs()
 
 
 # ---------------------------------------------------------------------------------------------- semantics

@@ -45,6 +45,16 @@ def test_bad_supports_raise_one_line_naming_the_row(rows, vocab, fragment):
     assert fragment in str(err.value) and "\n" not in str(err.value)
 
 
+def test_ids_near_the_int64_limit_are_no_false_duplicates():
+    """Distinct (row, id) pairs with ids >= 2^62 (row 0's 4 and row 4's 0 shared an overflowed key) are accepted;
+    a real duplicate of such an id is still named."""
+    support = SafeSupport.from_lists([[2**62, 4], [1], [1], [1], [0]])
+    assert support.token_ids.tolist() == [2**62, 4, 1, 1, 1, 0]
+    SafeSupport.from_lists([[5, 2**63 - 1], [1], [5]])
+    with pytest.raises(ValueError, match=f"^SafeSupport row 1 lists token id {2**63 - 1} twice: accepted distinct ids$"):
+        SafeSupport.from_lists([[7], [2**63 - 1, 5, 2**63 - 1]])
+
+
 def test_support_length_must_match_the_targets():
     support = SafeSupport.from_lists([[0], [1]])
     for call in (

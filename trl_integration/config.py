@@ -16,7 +16,7 @@ import trl_integration.trl_private  # noqa: F401  (fails at import, in one line,
 
 from safevocab import MinProb, NoPruning, SafeVocabRule, parse_rule
 from safevocab.schedulers import SurgeDetector
-from safevocab.validation import integer, real
+from safevocab.validation import integer
 from trl_integration.effective_rule import compose_rules, sampler_rule
 from trl_integration.enums import (
     DEFAULT_BUCKETS,
@@ -28,7 +28,7 @@ from trl_integration.enums import (
     SCORING_MODES,
     SUPPORT_SOURCES,
 )
-from trl_integration.length_decay_checks import refuse_other_lr_schedules
+from trl_integration.length_decay_checks import check_length_decay
 from trl_integration.mismatch_lab_checks import check_mismatch_lab, check_rollout_paths
 from trl_integration.precision import bf16_supported
 
@@ -128,6 +128,11 @@ class SafeVocabGRPOConfig(GRPOConfig):
             exactly 1, every `mismatch/*` gap exactly 0). The gap measured before the replacement is logged
             under `mismatch/removed/*`. The tokens are still sampled by `generate`, whose float-level
             differences stay in the sampling itself (see docs/mismatch.md). Generate path only.
+        resume_allow_missing_state (`bool`, defaults to `False`):
+            Resume from a checkpoint that lacks `optimizer.pt`, `scheduler.pt` (or its length-decay state),
+            `rng_state.pth` (`rng_state_<rank>.pth` per process) or `scaler.pt` (with fp16): by default such a
+            checkpoint is refused, naming the missing files; with `True` it is accepted with a warning naming what
+            starts fresh (see :mod:`trl_integration.checkpoints`).
     """
 
     safe_vocab_rule: str = field(
@@ -305,10 +310,21 @@ class SafeVocabGRPOConfig(GRPOConfig):
     length_surge_factor: float = field(
         default=1.8, metadata={"help": "Auto period = round(factor x surge step) (the paper's 1.8)."}
     )
+    resume_allow_missing_state: bool = field(
+        default=False,
+        metadata={
+            "help": "Resume from a checkpoint that lacks optimizer.pt, scheduler.pt (or its length-decay state), "
+            "rng_state.pth (rng_state_<rank>.pth per process) or scaler.pt (fp16): refused by default, naming the "
+            "missing files; true accepts it with a warning naming what starts fresh."
+        },
+    )
 
     def __post_init__(self):
         # Validate our own fields before trl's (cheap, and the errors name what the user typed).
-        self._check_length_decay()
+        check_length_decay(self)
+        if not isinstance(self.resume_allow_missing_state, bool):
+            value = self.resume_allow_missing_state
+            raise TypeError(f"resume_allow_missing_state must be True or False, got {type(value).__name__}: {value!r}")
         rule = parse_rule(self.safe_vocab_rule)
         self.safe_vocab_rule = str(rule)
         self._rule = rule
@@ -359,32 +375,6 @@ class SafeVocabGRPOConfig(GRPOConfig):
     def length_decay_period_steps(self) -> int | None:
         """The integer ``length_decay_period``, or ``None`` in auto mode."""
         return None if self.length_decay_auto_period else int(self.length_decay_period)
-
-    def _check_length_decay(self) -> None:
-        # Kept as a string ('auto' or digits) so the command line and YAML take both forms.
-        period = str(self.length_decay_period).strip().lower()
-        if period != "auto":
-            value = int(period) if period.lstrip("-").isdigit() else 0
-            if value < 1:
-                raise ValueError(
-                    f"length_decay_period={self.length_decay_period!r} is not accepted: accepted 'auto' or an "
-                    "integer >= 1"
-                )
-            period = str(value)
-        self.length_decay_period = period
-        _one_of("length_decay_start", self.length_decay_start, LENGTH_DECAY_STARTS, "'on_surge' or 'step0'")
-        if self.length_decay and self.length_decay_start == "step0" and self.length_decay_auto_period:
-            raise ValueError(
-                "length_decay_start='step0' needs an integer length_decay_period (no surge is detected to derive "
-                "'auto' from): e.g. --length_decay_period 200"
-            )
-        if self.length_decay:
-            refuse_other_lr_schedules(self)
-        # Build the scheduler's pieces once here, so a bad value fails at construction, not at step 0.
-        self.make_surge_detector()
-        self.length_decay_min_lr_ratio = real(
-            "length_decay_min_lr_ratio", self.length_decay_min_lr_ratio, lambda r: 0.0 <= r <= 1.0, "0 <= ratio <= 1"
-        )
 
     def make_surge_detector(self) -> SurgeDetector:
         """A fresh :class:`~safevocab.schedulers.SurgeDetector` with the ``length_surge_*`` settings."""

@@ -1,9 +1,12 @@
 """Plug-ins named as ``module:function`` (``safevocab study --task``, ``--rollout_perturbation``): import the module
 and look the function up, with one-line errors that name the setting.
 
-The module is imported as Python imports any module (``sys.path``); when it is not found there, the current folder
-is added to ``sys.path`` and the import tried again, so that a file ``./my_tasks.py`` works as ``my_tasks:make``
-from the console scripts too (whose ``sys.path`` does not start with the current folder).
+The module is imported as Python imports any module (``sys.path``); when it is not found there, the import is
+tried again with the current folder in front of ``sys.path``, so that a file ``./my_tasks.py`` works as
+``my_tasks:make`` from the console scripts too (whose ``sys.path`` does not start with the current folder). The
+folder stays there for that import only (:func:`import_module`, also used for ``safevocab-grpo --reward_funcs``):
+left in front for the whole run, a stray ``vllm.py`` or ``peft.py`` in it would shadow the installed package
+wherever trl or transformers import it later.
 """
 
 from __future__ import annotations
@@ -12,8 +15,9 @@ import importlib
 import os
 import sys
 from collections.abc import Callable
+from types import ModuleType
 
-__all__ = ["load_callable", "split_spec"]
+__all__ = ["import_module", "load_callable", "split_spec"]
 
 
 def split_spec(spec: object, name: str) -> tuple[str, str]:
@@ -43,7 +47,7 @@ def load_callable(spec: str, name: str) -> Callable:
     """
     module_name, attr = split_spec(spec, name)
     try:
-        module = _import(module_name)
+        module = import_module(module_name)
     except Exception as err:  # the user's module may fail in any way while importing: one line, not a traceback
         detail = f"{type(err).__name__}: {err}"
         raise ValueError(f"{name}={spec!r}: cannot import module {module_name!r} ({detail})") from err
@@ -57,7 +61,14 @@ def load_callable(spec: str, name: str) -> Callable:
     return obj
 
 
-def _import(module_name: str):
+def import_module(module_name: str) -> ModuleType:
+    """``importlib.import_module(module_name)``; when the module is not found on ``sys.path``, imported from the
+    current folder, which is put in front of ``sys.path`` for this import only (the module's own imports of files
+    beside it, at import time, resolve as they would with the folder on the path).
+
+    Raises:
+        ModuleNotFoundError: the module is neither on ``sys.path`` nor in the current folder.
+    """
     try:
         return importlib.import_module(module_name)
     except ModuleNotFoundError as err:
@@ -65,5 +76,9 @@ def _import(module_name: str):
         missing_is_ours = err.name is not None and module_name.split(".")[0] == err.name.split(".")[0]
         if not missing_is_ours or here in sys.path:
             raise
-        sys.path.insert(0, here)
+    sys.path.insert(0, here)
+    try:
         return importlib.import_module(module_name)
+    finally:
+        if here in sys.path:
+            sys.path.remove(here)

@@ -53,10 +53,12 @@ from safevocab import NoPruning
 from safevocab.mismatch import MetricRow
 from safevocab.schedulers import LengthDecayLR
 from trl_integration.callbacks import LengthDecayCallback
+from trl_integration.checkpoints import AtomicCheckpoints
 from trl_integration.config import SafeVocabGRPOConfig
 from trl_integration.enums import ROLLOUT_DTYPES
 from trl_integration.lm_head import SafeHeadState, add_safe_lm_head
 from trl_integration.metric_queue import MetricQueue, QueuedMetrics, queue_capacity
+from trl_integration.reward_checks import check_reward_funcs
 from trl_integration.rollout import recording_generate, rollout_recorder
 from trl_integration.rollout_mismatch import PerturbationArg, RolloutMismatch
 from trl_integration.safe_vocab_step import (
@@ -93,7 +95,7 @@ SCORE_IN_LOSS = "safevocab_score_in_loss"
 _FORWARD_KEYS = tuple(key for key in SCORING_KEYWORDS if key != "compute_aux_loss")
 
 
-class SafeVocabGRPOTrainer(QueuedMetrics, GRPOTrainerBridge):
+class SafeVocabGRPOTrainer(QueuedMetrics, AtomicCheckpoints, GRPOTrainerBridge):
     """GRPO with safe-vocabulary (Dynamic Vocabulary Pruning) log-probabilities.
 
     Takes the same arguments as ``trl.GRPOTrainer``; ``args`` must be a
@@ -135,6 +137,7 @@ class SafeVocabGRPOTrainer(QueuedMetrics, GRPOTrainerBridge):
         check_tokenizer(kwargs.get("processing_class", pargs[2] if len(pargs) > 2 else None))  # before the model loads
         super().__init__(model, reward_funcs, args, *pargs, **kwargs)
         check_tokenizer(self.processing_class)  # the one trl loaded, when none was given
+        check_reward_funcs(self)  # an infinite or non-numeric reward is refused, naming the function
         self._check_zero3()
         # Exact support replay (docs/trl.md): the engine's kept sets, from a rollout_func's "sampling_mask".
         self._replay = SupportReplay() if args.safe_vocab_support == "replay" else None

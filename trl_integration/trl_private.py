@@ -32,11 +32,19 @@ transformers' ``Trainer._created_lr_scheduler``             set, as ``create_sch
 ``trl.generation.vllm_generation.LLM``                      the ``vllm.LLM`` trl builds the colocated engine with;
                                                             wrapped while the trainer is built, to pass the
                                                             checkpoint's dtype (:func:`colocated_engine_dtype`)
+``Trainer._save_checkpoint`` (trl's override included)      writes ``checkpoint-<global_step>`` (model, optimizer,
+                                                            scheduler, RNG, ``trainer_state.json``) into
+                                                            ``_get_output_dir(trial)``, then rotates old checkpoints
+                                                            there (``save_total_limit``)
+``Trainer._get_output_dir``                                 the run directory of a trial; read by ``_save_checkpoint``
+                                                            (transformers' and trl's) for where to write, so that
+                                                            :meth:`GRPOTrainerBridge.stock_save_checkpoint` can stage
+                                                            a checkpoint in another folder
 ==========================================================  ============================================================
 
 The trainer subclasses :class:`GRPOTrainerBridge` and overrides its public hooks (``score_completion_tokens``,
-``generate_turn``, ``generate_and_score``, ``grpo_loss``); trl's own implementations are reached through the
-``stock_*`` methods.
+``generate_turn``, ``generate_and_score``, ``grpo_loss``, ``save_checkpoint``); trl's own implementations are reached
+through the ``stock_*`` methods.
 """
 
 from __future__ import annotations
@@ -87,6 +95,9 @@ REQUIRED_PARAMETERS: dict[str, tuple[str, ...]] = {
     "_generate_single_turn": ("prompt_ids", "images", "multimodal_fields", "num_generations", "has_tool_images"),
     "_generate_and_score_completions": ("inputs",),
     "_compute_loss": ("model", "inputs"),
+    # transformers' Trainer (inherited by GRPOTrainer; trl overrides the first)
+    "_save_checkpoint": ("model", "trial"),
+    "_get_output_dir": ("trial",),
 }
 
 #: Keyword parameters trl's scoring method forwards to the model (multimodal and MoE inputs); the bridge passes them on.
@@ -307,6 +318,10 @@ class GRPOTrainerBridge(GRPOTrainer):
     (:func:`colocated_engine_dtype`) and fixes trl's weight sync of a colocated engine on CPU
     (:func:`use_cpu_weight_sync`)."""
 
+    #: Where transformers' ``_save_checkpoint`` writes ``checkpoint-N`` while :meth:`stock_save_checkpoint` stages a
+    #: checkpoint (``None``: the run directory, as in transformers).
+    _checkpoint_parent: str | None = None
+
     def __init__(self, model, reward_funcs=None, args=None, *pargs, **kwargs):
         if args is not None:
             check_vllm_server_device(args)
@@ -333,6 +348,14 @@ class GRPOTrainerBridge(GRPOTrainer):
     def _compute_loss(self, model, inputs):
         return self.grpo_loss(model, inputs)
 
+    def _save_checkpoint(self, model, trial):
+        return self.save_checkpoint(model, trial)
+
+    def _get_output_dir(self, trial):
+        if self._checkpoint_parent is not None:
+            return self._checkpoint_parent
+        return GRPOTrainer._get_output_dir(self, trial)
+
     # --- hooks (default: trl's behaviour) -------------------------------------------------------------------------
     def score_completion_tokens(
         self, model, input_ids, attention_mask, logits_to_keep, batch_size=None, compute_entropy=False, **kwargs
@@ -355,6 +378,10 @@ class GRPOTrainerBridge(GRPOTrainer):
         """The loss of one micro-batch."""
         return self.stock_grpo_loss(model, inputs)
 
+    def save_checkpoint(self, model, trial) -> None:
+        """Write ``checkpoint-<global_step>`` into :meth:`checkpoint_run_dir` and rotate older ones."""
+        self.stock_save_checkpoint(model, trial)
+
     # --- trl's implementations ----------------------------------------------------------------------------------
     def stock_score_completion_tokens(
         self, model, input_ids, attention_mask, logits_to_keep, batch_size=None, compute_entropy=False, **kwargs
@@ -374,6 +401,20 @@ class GRPOTrainerBridge(GRPOTrainer):
 
     def stock_grpo_loss(self, model, inputs: dict) -> torch.Tensor:
         return GRPOTrainer._compute_loss(self, model, inputs)
+
+    def stock_save_checkpoint(self, model, trial, parent: str | None = None) -> None:
+        """trl's (and transformers') checkpoint save. With ``parent``, ``checkpoint-<global_step>`` is written into
+        that folder instead of the run directory, and transformers' rotation of old checkpoints (``save_total_limit``)
+        runs in that folder, where it finds nothing else to delete."""
+        self._checkpoint_parent = None if parent is None else str(parent)
+        try:
+            GRPOTrainer._save_checkpoint(self, model, trial)
+        finally:
+            self._checkpoint_parent = None
+
+    def checkpoint_run_dir(self, trial) -> str:
+        """The folder transformers keeps checkpoints in: ``args.output_dir``, or a hyperparameter-search trial's."""
+        return GRPOTrainer._get_output_dir(self, trial)
 
     @property
     def metric_store(self) -> dict:

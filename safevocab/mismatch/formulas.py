@@ -20,6 +20,7 @@ from safevocab.mismatch.common import (
     paired_log_ratio,
 )
 from safevocab.rules import SafeVocabRule, parse_rule
+from safevocab.validation import real
 
 
 def log_ppl_gap(train_logps: torch.Tensor, rollout_logps: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -263,12 +264,12 @@ def safe_set_disagreement(
         A `SafeSetDisagreement` with ``[...]`` tensors.
 
     Raises:
-        ValueError: on mismatched shapes or a non-positive temperature.
+        ValueError: on mismatched shapes or a temperature that is not finite and > 0.
+        TypeError: on a temperature that is not a real number.
     """
     if logits_a.shape != logits_b.shape:
         raise ValueError(f"logits_a {tuple(logits_a.shape)} and logits_b {tuple(logits_b.shape)} must match")
-    if not temperature > 0:
-        raise ValueError(f"temperature={temperature!r} is out of range: accepted > 0")
+    temperature = real("temperature", temperature, lambda x: x > 0, "a finite temperature > 0")
     rule = parse_rule(rule)
     dtype = torch.float64 if torch.float64 in (logits_a.dtype, logits_b.dtype) else torch.float32
     keep_a = rule.keep_mask(logits_a.to(dtype) / temperature)

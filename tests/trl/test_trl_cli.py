@@ -335,3 +335,62 @@ def test_tiny_grpo_config_is_the_main_jobs_and_takes_overrides(tmp_path):
     for key in ("per_device_train_batch_size", "num_generations", "max_completion_length", "learning_rate", "beta",
                 "save_strategy", "seed"):
         assert getattr(config, key) == TINY_GRPO_DEFAULTS[key], key
+
+
+def test_a_reward_module_in_the_working_directory_leaves_sys_path_alone(tiny_model_dir, tmp_path):
+    """``--reward_funcs my_rewards.length_reward`` imports ./my_rewards.py (and, at its import, a file beside it), but
+    the working directory is not left on ``sys.path``: a stray ``peft.py`` or ``vllm.py`` there does not shadow the
+    installed package during the run. Run as the console script runs (``sys.path[0]`` is the script's folder)."""
+    import json
+    import subprocess
+    import sys
+    import textwrap
+    from pathlib import Path
+
+    work = tmp_path / "work"
+    work.mkdir()
+    for stray in ("peft", "vllm"):
+        (work / f"{stray}.py").write_text(f"raise RuntimeError('the stray {stray}.py of the working directory was imported')\n")
+    (work / "reward_helpers.py").write_text("def length(text):\n    return float(len(text))\n")
+    (work / "my_rewards.py").write_text(textwrap.dedent("""
+        import importlib.machinery, json, os, sys
+        from reward_helpers import length
+
+        def length_reward(completions, **kwargs):
+            # where an import of the name resolves now on sys.path (sys.modules aside: trl may have imported them)
+            specs = {name: importlib.machinery.PathFinder.find_spec(name) for name in ("peft", "vllm")}
+            seen = {name: spec.origin if spec else None for name, spec in specs.items()}
+            seen["cwd_on_path"] = os.getcwd() in sys.path or "" in sys.path
+            with open("seen.json", "w") as f:
+                json.dump(seen, f)
+            return [length(c) for c in completions]
+    """))
+    script = tmp_path / "bin" / "safevocab_grpo.py"
+    script.parent.mkdir()
+    script.write_text("import sys\nfrom trl_integration.commands.grpo import main\nsys.exit(main())\n")
+    root = str(Path(__file__).resolve().parents[2])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
+    argv = ["--model_name_or_path", tiny_model_dir, "--dataset_name", "synthetic", "--reward_funcs",
+            "my_rewards.length_reward", "--max_steps", "1", "--output_dir", str(tmp_path / "run"), *SMALL]  # fmt: skip
+    proc = subprocess.run([sys.executable, str(script), *argv], cwd=work, env=env, capture_output=True, text=True,
+                          timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    seen = json.loads((work / "seen.json").read_text())
+    assert seen["peft"] != str(work / "peft.py") and seen["vllm"] != str(work / "vllm.py"), seen
+    assert seen["cwd_on_path"] is False
+
+
+def test_a_plugin_in_the_working_directory_leaves_sys_path_alone(tmp_path, monkeypatch):
+    """``--task`` / ``--rollout_perturbation`` plug-ins (``module:function``) import from the working directory the
+    same way: found there, and ``sys.path`` is as it was afterwards."""
+    import sys
+
+    from trl_integration.plugins import load_callable
+
+    name = f"plugin_{tmp_path.name.replace('-', '_')}"
+    (tmp_path / f"{name}.py").write_text("def make():\n    return 'made'\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    before = list(sys.path)
+    assert load_callable(f"{name}:make", "--task")() == "made"
+    assert sys.path == before

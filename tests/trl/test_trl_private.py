@@ -268,6 +268,37 @@ def test_transformers_rebuilds_a_scheduler_marked_as_created(tiny_model_dir, tmp
     assert trainer._created_lr_scheduler is True
 
 
+def test_save_checkpoint_writes_into_the_output_dir_it_reads(tiny_model_dir, tmp_path):
+    """transformers' ``_save_checkpoint`` (through trl's override) writes ``checkpoint-<global_step>`` into
+    ``_get_output_dir(trial)`` and rotates old checkpoints there, nowhere else: what the staged save relies on
+    (trl_integration.checkpoints); and the bridge routes the call to the trainer's ``save_checkpoint`` hook."""
+    import os
+
+    trainer = stock_trainer(tiny_model_dir, tmp_path / "run", max_steps=1, save_total_limit=1)
+    trainer.train()
+    elsewhere = tmp_path / "elsewhere"
+    (elsewhere / "checkpoint-0").mkdir(parents=True)  # an older checkpoint there: rotated out
+    trainer._get_output_dir = lambda trial: str(elsewhere)
+    trainer._save_checkpoint(trainer.model, None)
+    assert sorted(p.name for p in elsewhere.iterdir()) == ["checkpoint-1"]
+    written = set(os.listdir(elsewhere / "checkpoint-1"))
+    assert {"model.safetensors", "optimizer.pt", "scheduler.pt", "rng_state.pth", "trainer_state.json"} <= written
+    assert not [p for p in (tmp_path / "run").iterdir() if p.name.startswith("checkpoint")]
+
+    calls = []
+
+    class Spy(SafeVocabGRPOTrainer):
+        def save_checkpoint(self, model, trial):
+            calls.append(self.checkpoint_run_dir(trial))
+            self.stock_save_checkpoint(model, trial, parent=str(tmp_path / "staged"))
+
+    args = SafeVocabGRPOConfig(**grpo_kwargs(tmp_path / "ours", max_steps=1, save_strategy="steps", save_steps=1))
+    Spy(model=tiny_model_dir, reward_funcs=vowel_reward, args=args, train_dataset=prompt_dataset(),
+        processing_class=build_tokenizer()).train()  # fmt: skip
+    assert calls == [str(tmp_path / "ours")]
+    assert (tmp_path / "staged" / "checkpoint-1" / "trainer_state.json").is_file()
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # the fence itself
 
@@ -285,6 +316,10 @@ PRIVATE_NAMES = [
     r"def _generate_single_turn\b",
     r"def _generate_and_score_completions\b",
     r"def _compute_loss\b",
+    r"\._save_checkpoint\b",
+    r"\._get_output_dir\b",
+    r"def _save_checkpoint\b",
+    r"def _get_output_dir\b",
 ]
 
 

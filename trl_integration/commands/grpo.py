@@ -34,6 +34,7 @@ from trl_integration.commands.train_data import ARITHMETIC_DATASET_NAME, load_tr
 from trl_integration.config import SafeVocabGRPOConfig
 from trl_integration.demo.config import TINY_GRPO_DEFAULTS, tiny_grpo_config_kwargs
 from trl_integration.demo.data import SYNTHETIC_DATASET_NAME, repeat_char_reward
+from trl_integration.plugins import import_module
 from trl_integration.trl_private import shut_down_colocated_engine
 
 #: The command's name in messages and ``--help`` (the same for ``safevocab grpo``).
@@ -231,8 +232,7 @@ def resolve_reward_funcs(script_args: SafeVocabScriptArguments) -> list:
             funcs.append(getattr(importlib.import_module("trl.rewards"), name))
         elif "." in name:
             module_path, attr = name.rsplit(".", 1)
-            sys.path.insert(0, os.getcwd())
-            func = getattr(importlib.import_module(module_path), attr)
+            func = getattr(import_module(module_path), attr)  # also from the working directory (not left on sys.path)
             if not callable(func) or isinstance(func, type):  # trl would take a string as a reward model's path
                 raise ValueError(f"{name!r} is a {type(func).__name__}, not a function: accepted a reward function "
                                  "f(prompts, completions, **kwargs) -> list[float]")  # fmt: skip

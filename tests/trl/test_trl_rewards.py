@@ -1,0 +1,229 @@
+"""Rewards through the Python API (issue 28, D11): an infinite reward or a non-number is refused, naming the reward
+function (and, for an infinite reward, the step); missing rewards (None/NaN) keep trl's behaviour; what trl reads from
+a reward function (its name, whether it is async) is unchanged. Real trainers on the tiny model, nothing faked."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+
+import numpy as np
+import pytest
+import torch
+import transformers
+from trl import GRPOConfig, GRPOTrainer
+from trl.trainer.utils import get_callable_name
+from trl_helpers import build_tokenizer, grpo_kwargs, prompt_dataset
+
+from trl_integration import SafeVocabGRPOConfig, SafeVocabGRPOTrainer
+from trl_integration.commands import grpo
+
+
+def _at_step(completions, step: int, value, finite: float = 0.5):
+    """``finite`` for every completion, ``value`` for the second one (from ``step`` on)."""
+    rewards = [finite + 0.1 * i for i in range(len(completions))]
+    if step >= 1:
+        rewards[1] = value
+    return rewards
+
+
+def inf_at_step_1(completions, trainer_state, **kwargs):
+    return _at_step(completions, trainer_state.global_step, math.inf)
+
+
+def minus_inf_at_step_1(completions, trainer_state, **kwargs):
+    return _at_step(completions, trainer_state.global_step, -math.inf)
+
+
+def make_trainer(model_dir, tmp_path, reward_funcs, trainer_cls=SafeVocabGRPOTrainer, config_cls=SafeVocabGRPOConfig,
+                 **kwargs):  # fmt: skip
+    args = config_cls(**grpo_kwargs(tmp_path, report_to="none", save_strategy="no"))
+    return trainer_cls(model=model_dir, reward_funcs=reward_funcs, args=args, train_dataset=prompt_dataset(),
+                       processing_class=build_tokenizer(), **kwargs)  # fmt: skip
+
+
+@pytest.mark.parametrize(("func", "shown"), [(inf_at_step_1, "inf"), (minus_inf_at_step_1, "-inf")])
+def test_an_infinite_reward_is_refused_naming_the_function_and_the_step(tiny_model_dir, tmp_path, func, shown):
+    trainer = make_trainer(tiny_model_dir, tmp_path, func)
+    with pytest.raises(ValueError) as info:
+        trainer.train()
+    message = str(info.value)
+    expected = f"reward function '{func.__name__}' returned {shown} for completion 1 of 4 at global_step=1: "
+    assert message.startswith(expected)
+    assert "\n" not in message
+    assert trainer.state.global_step == 1  # the first step trained; the second was refused before its loss
+
+
+def strings(completions, **kwargs):
+    return ["1.0"] * len(completions)
+
+
+def one_float(completions, **kwargs):
+    return 0.5
+
+
+def nested(completions, **kwargs):
+    return [0.5] * (len(completions) - 1) + [[0.5, 0.5]]
+
+
+def no_return(completions, **kwargs):
+    pass
+
+
+@pytest.mark.parametrize(
+    ("func", "shown"),
+    [
+        (strings, "str '1.0' for completion 0 of 4"),
+        (nested, "list [0.5, 0.5] for completion 3 of 4"),
+        (one_float, "float 0.5"),
+        (no_return, "NoneType None"),
+    ],
+)
+def test_a_reward_that_is_not_a_number_is_named(tiny_model_dir, tmp_path, func, shown):
+    trainer = make_trainer(tiny_model_dir, tmp_path, func)
+    with pytest.raises(TypeError) as info:
+        trainer.train()
+    assert str(info.value) == (
+        f"reward function '{func.__name__}' returned {shown} at global_step=0: accepted a list of one float (or None "
+        "for no reward) per completion"
+    )
+
+
+# --- what trl reads from a reward function is kept: the name of its metrics, sync or async ------------------------
+
+
+def scaled(completions, scale, **kwargs):
+    return [scale * len(c) for c in completions]
+
+
+async def async_scaled(completions, scale=0.1, **kwargs):
+    return [scale * len(c) for c in completions]
+
+
+class LengthReward:
+    """A callable object (trl names it after its class)."""
+
+    def __call__(self, completions, **kwargs):
+        return [0.1 * len(c) for c in completions]
+
+
+class AsyncLengthReward:
+    async def __call__(self, completions, **kwargs):
+        return [0.1 * len(c) for c in completions]
+
+
+class AsyncInfReward:
+    async def __call__(self, completions, **kwargs):
+        return [math.inf] * len(completions)
+
+
+def length(completions, **kwargs):
+    return [0.1 * len(c) for c in completions]
+
+
+def mixed_types(completions, **kwargs):
+    """What trl's ``torch.tensor(..., dtype=float32)`` takes besides floats: numpy scalars, 0-dim tensors, bools,
+    ints."""
+    return [np.float32(0.5), torch.tensor(0.25), True, 1][: len(completions)]
+
+
+FORMS = {
+    "function": length,
+    "partial": functools.partial(scaled, scale=0.1),
+    "async function": async_scaled,
+    "partial of async": functools.partial(async_scaled, scale=0.2),
+    "callable object": LengthReward(),
+    "async callable object": AsyncLengthReward(),
+    "mixed types": mixed_types,
+}
+
+
+@pytest.mark.parametrize("form", list(FORMS))
+def test_reward_forms_train_and_log_under_trls_own_name(tiny_model_dir, tmp_path, form):
+    """Each form trains as under stock trl and logs ``rewards/<name>/mean`` under the name stock trl gives it."""
+    func = FORMS[form]
+    stock = make_trainer(tiny_model_dir, tmp_path / "stock", func, GRPOTrainer, GRPOConfig)
+    ours = make_trainer(tiny_model_dir, tmp_path / "ours", func)
+    assert ours.reward_func_names == stock.reward_func_names
+    assert get_callable_name(ours.reward_funcs[0]) == stock.reward_func_names[0]  # should trl read the name again
+    assert ours._has_async_funcs == stock._has_async_funcs  # trl's own decision, taken before the wrapping
+    ours.args.max_steps = 1
+    ours.train()
+    name = stock.reward_func_names[0]
+    means = [h[f"rewards/{name}/mean"] for h in ours.state.log_history if f"rewards/{name}/mean" in h]
+    assert len(means) == 1 and math.isfinite(means[0])
+
+
+def test_an_async_reward_is_checked_too(tiny_model_dir, tmp_path):
+    trainer = make_trainer(tiny_model_dir, tmp_path, AsyncInfReward())
+    with pytest.raises(ValueError, match=r"^reward function 'AsyncInfReward' returned inf for completion 0 of 4 at "
+                                         r"global_step=0: "):  # fmt: skip
+        trainer.train()
+
+
+def _reward_model(tokenizer, scale: float):
+    """A tiny sequence-classification Llama whose score is ``scale`` times hidden unit 0 (inf: an infinite score)."""
+    config = transformers.LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, max_position_embeddings=128, pad_token_id=tokenizer.pad_token_id, num_labels=1,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.LlamaForSequenceClassification(config)
+    with torch.no_grad():
+        model.score.weight.zero_()
+        model.score.weight[0, 0] = scale
+    return model
+
+
+@pytest.mark.parametrize("scale", [1.0, math.inf])
+def test_a_reward_model_with_an_infinite_score_is_refused(tiny_model_dir, tmp_path, scale):
+    tokenizer = build_tokenizer()
+    trainer = make_trainer(
+        tiny_model_dir, tmp_path, _reward_model(tokenizer, scale), reward_processing_classes=tokenizer
+    )
+    trainer.args.max_steps = 1
+    if math.isfinite(scale):
+        trainer.train()
+        assert trainer.state.global_step == 1
+        return
+    pattern = r"^reward model LlamaForSequenceClassification returned -?inf for completion 0 of 4 at global_step=0: "
+    with pytest.raises(ValueError, match=pattern):
+        trainer.train()
+
+
+# --- missing rewards keep trl's behaviour in the API; the command stops -------------------------------------------
+
+
+def all_none(completions, **kwargs):
+    return [None] * len(completions)
+
+
+def all_nan(completions, **kwargs):
+    return [math.nan] * len(completions)
+
+
+@pytest.mark.parametrize("func", [all_none, all_nan])
+def test_missing_rewards_keep_trls_warning_and_training_goes_on(tiny_model_dir, tmp_path, func, caplog):
+    trainer = make_trainer(tiny_model_dir, tmp_path, func)
+    with caplog.at_level(logging.WARNING):
+        trainer.train()
+    assert trainer.state.global_step == 2
+    assert "All reward functions returned None" in caplog.text
+
+
+def test_the_command_names_an_infinite_reward(tmp_path, capsys):
+    from trl_integration.demo.model import tiny_model_path
+
+    argv = [
+        "--model_name_or_path", str(tiny_model_path()), "--dataset_name", "synthetic",
+        "--reward_funcs", f"{__name__}.inf_at_step_1", "--max_steps", "2", "--per_device_train_batch_size", "4",
+        "--num_generations", "4", "--max_completion_length", "4", "--report_to", "none", "--save_strategy", "no",
+        "--disable_tqdm", "true", "--output_dir", str(tmp_path),
+    ]  # fmt: skip
+    with pytest.raises(SystemExit) as exit_info:
+        grpo.main(argv)
+    assert exit_info.value.code == 1
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith("safevocab-grpo: error: reward function 'inf_at_step_1' returned inf for completion 1 of 4 "
+                           "at global_step=1: ")  # fmt: skip

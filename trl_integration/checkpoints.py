@@ -1,0 +1,411 @@
+"""Checkpoints that a kill cannot leave half-written, and resuming only from a checkpoint's whole state.
+
+**Writing** (:func:`save_staged`). transformers writes ``checkpoint-N`` file by file straight into the run directory
+(model, optimizer, scheduler, scaler, RNG, then ``trainer_state.json``), so a kill during a save leaves a
+``checkpoint-N`` that ``resume_from_checkpoint=True`` picks and fails on. Here trl's and transformers' own save writes
+``checkpoint-N`` inside the staging folder ``_incomplete-checkpoint-N`` of the run directory instead; once every
+process has written its files, the saving process flushes them to disk (``fsync``) and moves the folder to
+``checkpoint-N`` with one ``rename`` (atomic on POSIX file systems); only then are old checkpoints rotated out
+(``save_total_limit``, transformers' own ``rotate_checkpoints``), so the newest complete checkpoint is never deleted
+before the new one is complete. At any moment the run directory holds the complete new ``checkpoint-N`` or none of
+it. Staging names start with ``_``: transformers' checkpoint globs (``checkpoint-*``) never see them and its Hub upload
+skips them. A killed save's staging folder is ignored by resuming (named in its warning) and deleted by the next save.
+
+**Complete** (:func:`checkpoint_problem`): a ``checkpoint-N`` folder
+
+- without transformers' JIT-save marker ``checkpoint-is-incomplete.txt``,
+- whose ``trainer_state.json`` parses,
+- whose model weights are there and whole: ``model.safetensors``, ``adapter_model.safetensors``,
+  ``pytorch_model.bin`` or ``adapter_model.bin``, or a ``*.index.json`` and every shard it names (a safetensors
+  file is whole when its header covers the file exactly); DeepSpeed's ``global_step*`` and FSDP's
+  ``pytorch_model_fsdp*`` layouts count as weights as they are,
+- and whose every torch file (``*.pt``, ``*.pth``, ``*.bin``) is a whole zip archive (``torch.save``'s format).
+
+Nothing this module writes is required, so a complete checkpoint of plain transformers or trl qualifies.
+
+**Resume state** (:func:`missing_state`). A checkpoint a run resumes from must also hold what the Trainer would
+otherwise silently start fresh: the optimizer (``optimizer.pt``, or FSDP's ``optimizer*`` / DeepSpeed's
+``global_step*``), ``scheduler.pt`` (transformers loads the optimizer and the scheduler only together; with
+``length_decay`` it must hold the length-decay state: the trigger step and, with ``length_decay_start="on_surge"``,
+the surge detector), the RNG (``rng_state.pth``, or ``rng_state_<r>.pth`` for each process ``r`` of a
+multi-process run) and, when the run uses a gradient scaler (fp16), ``scaler.pt``. A checkpoint without them is
+refused in one line naming the missing files; ``resume_allow_missing_state=True`` accepts it with a warning naming
+what starts fresh. Under DeepSpeed, ``scheduler.pt`` is required only with ``length_decay`` (DeepSpeed's own
+schedulers are saved in ``global_step*``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import warnings
+import zipfile
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from transformers.trainer import OPTIMIZER_NAME, SCALER_NAME, SCHEDULER_NAME, TRAINER_STATE_NAME
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
+from transformers.utils import (
+    ADAPTER_SAFE_WEIGHTS_NAME,
+    ADAPTER_WEIGHTS_NAME,
+    SAFE_WEIGHTS_INDEX_NAME,
+    SAFE_WEIGHTS_NAME,
+    WEIGHTS_INDEX_NAME,
+    WEIGHTS_NAME,
+)
+
+__all__ = [
+    "STAGING_PREFIX",
+    "REPLACED_PREFIX",
+    "JIT_MARKER",
+    "AtomicCheckpoints",
+    "save_staged",
+    "publish",
+    "remove_leftovers",
+    "checkpoint_problem",
+    "find_resume_checkpoint",
+    "missing_state",
+    "what_starts_fresh",
+    "checked_resume_checkpoint",
+]
+
+#: Prefix of the folder a checkpoint is written in before it is complete (``_incomplete-checkpoint-N``).
+STAGING_PREFIX = "_incomplete-"
+#: Prefix of an existing ``checkpoint-N`` moved aside while a save of the same step replaces it.
+REPLACED_PREFIX = "_replaced-"
+#: transformers' JIT save writes this file into ``checkpoint-N`` first and deletes it when the save is done.
+JIT_MARKER = "checkpoint-is-incomplete.txt"
+
+_CHECKPOINT = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")
+_WEIGHTS = (SAFE_WEIGHTS_NAME, ADAPTER_SAFE_WEIGHTS_NAME, WEIGHTS_NAME, ADAPTER_WEIGHTS_NAME)
+_TORCH_SUFFIXES = (".pt", ".pth", ".bin")
+
+# What starts fresh when a file is missing (for the warning of resume_allow_missing_state=True).
+_OPTIMIZER_RESET = "the optimizer state and the learning-rate schedule (transformers loads the two only together)"
+_RESET = {
+    "rng": "the random-number generators",
+    SCALER_NAME: "the fp16 loss scale",
+    "length_decay": "the length-decay state (trigger step and surge detector)",
+}
+
+
+class AtomicCheckpoints:
+    """The trainer's side (a mixin before :class:`~trl_integration.trl_private.GRPOTrainerBridge`): checkpoints are
+    written by :func:`save_staged`, and ``train`` checks ``resume_from_checkpoint`` first
+    (:func:`checked_resume_checkpoint`)."""
+
+    def save_checkpoint(self, model, trial) -> None:
+        """trl's checkpoint, written so that a kill leaves the complete ``checkpoint-N`` or none (:func:`save_staged`)."""
+        save_staged(self, model, trial)
+
+    def train(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None, **kwargs):
+        """``Trainer.train``. ``resume_from_checkpoint=True`` resumes from the newest *complete* checkpoint (one warning
+        names what was skipped); a checkpoint that is incomplete or lacks its optimizer, scheduler or RNG state is
+        refused in one line (see the module docstring)."""
+        checkpoint = checked_resume_checkpoint(self, resume_from_checkpoint)
+        return super().train(
+            resume_from_checkpoint=checkpoint, trial=trial, ignore_keys_for_eval=ignore_keys_for_eval, **kwargs
+        )
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# writing
+
+
+def save_staged(trainer, model, trial) -> None:
+    """Write ``checkpoint-<global_step>`` with trl's own save into a staging folder, then publish it with one rename
+    and rotate old checkpoints (see the module docstring). Collective: every process calls it, as transformers calls
+    ``_save_checkpoint``; the processes that save (``args.should_save``) empty, publish and rotate."""
+    args, state = trainer.args, trainer.state
+    run_dir = trainer.checkpoint_run_dir(trial)
+    name = f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
+    staging, final = os.path.join(run_dir, STAGING_PREFIX + name), os.path.join(run_dir, name)
+    if args.should_save:
+        shutil.rmtree(staging, ignore_errors=True)  # what a killed save of this step left
+        os.makedirs(staging)
+    trainer.accelerator.wait_for_everyone()  # no process writes into the folder before it is emptied
+    trainer.stock_save_checkpoint(model, trial, parent=staging)
+    trainer.accelerator.wait_for_everyone()  # every process has written its files (rng_state_<r>.pth, shards)
+    if args.should_save:
+        _settle_best_checkpoint(trainer, run_dir, os.path.join(staging, name))
+        push = getattr(trainer, "push_in_progress", None)
+        if args.push_to_hub and args.hub_strategy in ("checkpoint", "all_checkpoints") and push is not None:
+            push.wait_until_done()  # it uploads from the staged folder, which is about to move
+        publish(os.path.join(staging, name), final)
+        remove_leftovers(run_dir)
+        rotate_checkpoints(run_dir, args.save_total_limit, state.best_model_checkpoint, use_mtime=True)
+    trainer.accelerator.wait_for_everyone()  # no process goes on before checkpoint-N exists
+    if not args.should_save and args.local_process_index == 0 and os.path.isdir(staging):
+        # A node that does not share the saving process's disk: its processes' files (rng_state_<r>.pth) end up in
+        # its own checkpoint-N, as transformers leaves them.
+        publish(os.path.join(staging, name), final)
+
+
+def publish(staged: str, final: str) -> None:
+    """Flush ``staged`` to disk and rename it to ``final`` (replacing an existing ``final``: transformers' JIT save
+    creates it first), then delete the emptied staging folder."""
+    _fsync_tree(staged)
+    if os.path.exists(final):
+        replaced = os.path.join(os.path.dirname(final), REPLACED_PREFIX + os.path.basename(final))
+        shutil.rmtree(replaced, ignore_errors=True)
+        os.rename(final, replaced)
+        os.rename(staged, final)
+        shutil.rmtree(replaced, ignore_errors=True)
+    elif os.path.isdir(staged):
+        os.rename(staged, final)
+    _fsync(os.path.dirname(final))
+    shutil.rmtree(os.path.dirname(staged), ignore_errors=True)
+
+
+def remove_leftovers(run_dir: str) -> None:
+    """Delete the staging folders that killed saves left in ``run_dir`` (after a save completed)."""
+    for entry in os.scandir(run_dir):
+        if entry.is_dir() and entry.name.startswith((STAGING_PREFIX, REPLACED_PREFIX)):
+            shutil.rmtree(entry.path, ignore_errors=True)
+
+
+def _settle_best_checkpoint(trainer, run_dir: str, staged: str) -> None:
+    """Set ``state.best_model_checkpoint`` as transformers sets it when it writes into the run directory.
+
+    It looks for ``checkpoint-<best_global_step>`` in the folder it writes into: it finds the staged checkpoint (when
+    the best step is this one) and misses an earlier one. The staged ``trainer_state.json`` is rewritten when this
+    changes the value."""
+    state, before = trainer.state, trainer.state.best_model_checkpoint
+    if trainer.args.save_strategy in ("steps", "epoch", "best") and state.best_global_step:
+        best = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.best_global_step}")
+        if state.best_global_step == state.global_step or os.path.exists(best):
+            state.best_model_checkpoint = best
+    state_file = os.path.join(staged, TRAINER_STATE_NAME)
+    if state.best_model_checkpoint != before and os.path.isfile(state_file):
+        state.save_to_json(state_file)
+
+
+def _fsync_tree(folder: str) -> None:
+    for root, _, files in os.walk(folder):
+        for name in files:
+            _fsync(os.path.join(root, name))
+        _fsync(root)
+
+
+def _fsync(path: str) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:  # a folder on a platform that cannot open one
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # a file system without fsync on folders
+        pass
+    finally:
+        os.close(fd)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# reading
+
+
+def checkpoint_problem(folder: str | os.PathLike) -> str | None:
+    """Why ``folder`` is not a complete checkpoint (see the module docstring), or ``None`` when it is one."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return "no such folder"
+    if (folder / JIT_MARKER).exists():
+        return f"{JIT_MARKER}: transformers' JIT save did not finish"
+    try:
+        json.loads((folder / TRAINER_STATE_NAME).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return f"{TRAINER_STATE_NAME} is missing"
+    except (ValueError, OSError):
+        return f"{TRAINER_STATE_NAME} is cut short"
+    problem = _weights_problem(folder)
+    if problem is not None:
+        return problem
+    for path in sorted(folder.iterdir()):
+        if path.suffix in _TORCH_SUFFIXES and path.is_file() and not _whole_zip(path):
+            return f"{path.name} is cut short"
+    return None
+
+
+def _weights_problem(folder: Path) -> str | None:
+    for index_name in (SAFE_WEIGHTS_INDEX_NAME, WEIGHTS_INDEX_NAME):
+        index = folder / index_name
+        if index.is_file():
+            try:
+                shards = sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()))
+            except (ValueError, KeyError, TypeError, AttributeError, OSError):
+                return f"{index_name} is cut short"
+            return next(filter(None, (_file_problem(folder / shard) for shard in shards)), None)
+    present = [folder / name for name in _WEIGHTS if (folder / name).is_file()]
+    if present:
+        return next(filter(None, (_file_problem(path) for path in present)), None)
+    if any(p.name.startswith(("global_step", "pytorch_model_fsdp")) for p in folder.iterdir()):
+        return None  # DeepSpeed's and FSDP's own layouts
+    return f"no model weights ({', '.join(_WEIGHTS)} or a sharded index)"
+
+
+def _file_problem(path: Path) -> str | None:
+    if not path.is_file():
+        return f"{path.name} is missing"
+    whole = _whole_safetensors(path) if path.suffix == ".safetensors" else _whole_zip(path)
+    return None if whole else f"{path.name} is cut short"
+
+
+def _whole_safetensors(path: Path) -> bool:
+    """Whether the header parses and covers the file exactly (safetensors checks both when it opens a file)."""
+    try:
+        with safe_open(str(path), framework="pt"):
+            return True
+    except (SafetensorError, OSError):
+        return False
+
+
+def _whole_zip(path: Path) -> bool:
+    """Whether the file ends with a zip central directory, which ``torch.save`` writes last."""
+    try:
+        with zipfile.ZipFile(path):
+            return True
+    except (zipfile.BadZipFile, OSError):
+        return False
+
+
+def find_resume_checkpoint(run_dir: str | os.PathLike) -> tuple[str | None, list[str]]:
+    """The newest complete ``checkpoint-N`` of ``run_dir`` (``None`` if there is none) and what was passed over: every
+    newer incomplete ``checkpoint-N`` and every staging folder a killed save left, each as ``"path (why)"``."""
+    run_dir = os.fspath(run_dir)
+    if not os.path.isdir(run_dir):
+        return None, []
+    entries = sorted(os.scandir(run_dir), key=lambda e: e.name)
+    skipped = [
+        f"{e.path} (left by an interrupted save)"
+        for e in entries
+        if e.is_dir() and e.name.startswith((STAGING_PREFIX, REPLACED_PREFIX))
+    ]
+    steps = sorted(((int(m.group(1)), e.path) for e in entries if (m := _CHECKPOINT.match(e.name)) and e.is_dir()))
+    for _, path in reversed(steps):
+        problem = checkpoint_problem(path)
+        if problem is None:
+            return path, skipped
+        skipped.append(f"{path} ({problem})")
+    return None, skipped
+
+
+def missing_state(
+    folder: str | os.PathLike,
+    *,
+    world_size: int = 1,
+    length_decay: bool = False,
+    surge_detector: bool = False,
+    scaler: bool = False,
+    deepspeed: bool = False,
+) -> list[str]:
+    """The resume state ``folder`` lacks (file names, see the module docstring); empty when it has it all.
+
+    Args:
+        world_size: the resuming run's process count (``rng_state_<r>.pth`` for each ``r`` when > 1).
+        length_decay: ``scheduler.pt`` must hold :class:`~safevocab.schedulers.LengthDecayLR`'s state.
+        surge_detector: ... and its surge detector's (``length_decay_start="on_surge"``).
+        scaler: the run uses a gradient scaler (fp16): ``scaler.pt``.
+        deepspeed: DeepSpeed keeps optimizer and scheduler in ``global_step*``.
+    """
+    folder = Path(folder)
+    names = {p.name for p in folder.iterdir()}
+    folders = {n for n in names if (folder / n).is_dir()}
+    missing = []
+    has_optimizer = OPTIMIZER_NAME in names or "optimizer.bin" in names or any("optimizer" in n for n in folders)
+    if not has_optimizer and not (deepspeed and any(n.startswith("global_step") for n in folders)):
+        missing.append(OPTIMIZER_NAME)
+    if SCHEDULER_NAME not in names:
+        if length_decay or not deepspeed:
+            missing.append(SCHEDULER_NAME)
+    elif length_decay and not _has_length_decay_state(folder / SCHEDULER_NAME, surge_detector):
+        missing.append(f"the length-decay state in {SCHEDULER_NAME}")
+    rng = ["rng_state.pth"] if world_size <= 1 else [f"rng_state_{r}.pth" for r in range(world_size)]
+    missing += [name for name in rng if name not in names]
+    if scaler and SCALER_NAME not in names:
+        missing.append(SCALER_NAME)
+    return missing
+
+
+def _has_length_decay_state(path: Path, surge_detector: bool) -> bool:
+    """Whether a ``scheduler.pt`` holds ``LengthDecayLR``'s trigger step (and its detector's state)."""
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception:  # noqa: BLE001 - any scheduler state torch cannot read safely is not the length-decay one
+        return False
+    keys = ("trigger_step", "detector") if surge_detector else ("trigger_step",)
+    return isinstance(state, dict) and all(key in state for key in keys)
+
+
+def what_starts_fresh(missing: list[str], length_decay: bool = False) -> str:
+    """The state the Trainer starts fresh when it resumes without ``missing`` (names from :func:`missing_state`)."""
+    parts = []
+    if OPTIMIZER_NAME in missing or SCHEDULER_NAME in missing:
+        parts.append(_OPTIMIZER_RESET + (", and with it " + _RESET["length_decay"] if length_decay else ""))
+    elif any(name.startswith("the length-decay state") for name in missing):
+        parts.append(_RESET["length_decay"])
+    if any(name.startswith("rng_state") for name in missing):
+        parts.append(_RESET["rng"])
+    if SCALER_NAME in missing:
+        parts.append(_RESET[SCALER_NAME])
+    return "; ".join(parts)
+
+
+def checked_resume_checkpoint(trainer, resume_from_checkpoint):
+    """The checkpoint ``trainer.train(resume_from_checkpoint)`` resumes from, checked (see the module docstring).
+
+    ``True``: the newest complete checkpoint of ``args.output_dir``; one warning (main process) names each newer
+    incomplete checkpoint and each staging folder passed over. A path: refused unless it is complete. Either way,
+    a checkpoint lacking resume state is refused, or accepted with a warning when
+    ``args.resume_allow_missing_state``. ``None``/``False``: ``None``.
+
+    Raises:
+        ValueError: one line naming the checkpoint and what is wrong with it.
+    """
+    if resume_from_checkpoint is None or resume_from_checkpoint is False:
+        return None
+    args, main = trainer.args, trainer.is_world_process_zero()
+    if resume_from_checkpoint is True:
+        checkpoint, skipped = find_resume_checkpoint(args.output_dir)
+        if checkpoint is None:
+            passed = f" (passed over: {'; '.join(skipped)})" if skipped else ""
+            raise ValueError(f"resume_from_checkpoint=True: no complete checkpoint in {args.output_dir}{passed}")
+        if skipped and main:
+            warnings.warn(
+                f"resume_from_checkpoint=True: skipped incomplete {'; '.join(skipped)}; resuming from {checkpoint}",
+                UserWarning,
+                stacklevel=3,
+            )
+    else:
+        checkpoint = os.fspath(resume_from_checkpoint)
+        problem = checkpoint_problem(checkpoint)
+        if problem is not None:
+            raise ValueError(
+                f"resume_from_checkpoint={checkpoint!r} is not a complete checkpoint: {problem}; resume from an "
+                "earlier checkpoint-N, or pass resume_from_checkpoint=True for the newest complete one"
+            )
+    length_decay = bool(getattr(args, "length_decay", False))
+    missing = missing_state(
+        checkpoint,
+        world_size=args.world_size,
+        length_decay=length_decay,
+        surge_detector=getattr(args, "length_decay_start", None) == "on_surge",
+        scaler=getattr(trainer.accelerator, "scaler", None) is not None,
+        deepspeed=bool(getattr(trainer, "is_deepspeed_enabled", False)),
+    )
+    if missing and not getattr(args, "resume_allow_missing_state", False):
+        raise ValueError(
+            f"resume_from_checkpoint={checkpoint!r} lacks {', '.join(missing)}: resuming would silently start "
+            f"{what_starts_fresh(missing, length_decay)} fresh; resume from a checkpoint that has them, or set "
+            "resume_allow_missing_state=True (--resume_allow_missing_state true) to accept that"
+        )
+    if missing and main:
+        warnings.warn(
+            f"resuming from {checkpoint} without {', '.join(missing)} (resume_allow_missing_state=True): "
+            f"{what_starts_fresh(missing, length_decay)} start fresh",
+            UserWarning,
+            stacklevel=3,
+        )
+    return checkpoint
