@@ -21,7 +21,6 @@ from trl_integration.effective_rule import compose_rules, sampler_rule
 from trl_integration.enums import (
     DEFAULT_BUCKETS,
     DEFAULT_MAX_CHUNK_BYTES,
-    IS_MODES,
     LENGTH_DECAY_STARTS,
     NOISE_KINDS,
     OUT_OF_SET_MODES,
@@ -30,7 +29,7 @@ from trl_integration.enums import (
     SUPPORT_SOURCES,
 )
 from trl_integration.length_decay_checks import check_length_decay
-from trl_integration.mismatch_lab_checks import check_mismatch_lab
+from trl_integration.mismatch_lab_checks import check_mismatch_lab, check_rollout_paths
 from trl_integration.precision import bf16_supported
 
 __all__ = ["SafeVocabGRPOConfig", "OUT_OF_SET_MODES", "SCORING_MODES", "DEFAULT_RULE"]
@@ -104,8 +103,12 @@ class SafeVocabGRPOConfig(GRPOConfig):
             rollout's transformed logits before the rule and the softmax; tokens are sampled from, and rollout
             log-probabilities recorded under, the perturbed distribution. `0` disables it. Generate path only.
         rollout_logit_noise_kind (`str`, defaults to `"uniform"`):
-            Distribution of δ: `"uniform"` (U[-ε, ε]), `"clipped_gaussian"` (N(0, (ε/2)²) clipped to ±ε) or
-            `"lift"`, deterministic and biased: δ_i = ε·min(1, (z_max − z_i)/10), a heavier rollout tail.
+            Distribution of δ: `"uniform"` (U[-ε, ε]), `"clipped_gaussian"` (N(0, (ε/2)²) clipped to ±ε),
+            `"lift"`, deterministic and biased: δ_i = ε·min(1, (z_max − z_i)/10), a heavier rollout tail, or
+            `"tail"`: δ_i = ε on exactly the tokens `rollout_tail_rule` cuts at the rollout's logits, 0 elsewhere.
+        rollout_tail_rule (`str` or `None`, defaults to `None`):
+            The rule whose cut tokens `"tail"` lifts (e.g. `"min_p=0.01"`: z_max − z_i > ln 100); unset:
+            `safe_vocab_rule`. A rule that cuts nothing (`"none"`) is refused with `"tail"`.
         rollout_noise_seed (`int`, defaults to `0`):
             Seed of the noise's private generator (plus the process index), independent of the sampling RNG.
         rollout_mantissa_bits (`int` or `None`, defaults to `None`):
@@ -227,9 +230,15 @@ class SafeVocabGRPOConfig(GRPOConfig):
         default="uniform",
         metadata={
             "help": "The injected logit perturbation: 'uniform' (U[-eps, eps]), 'clipped_gaussian' (N(0, (eps/2)^2) "
-            "clipped to +-eps) or 'lift' (deterministic: eps * min(1, (z_max - z_i) / 10), a heavier tail).",
+            "clipped to +-eps), 'lift' (deterministic: eps * min(1, (z_max - z_i) / 10), a heavier tail) or 'tail' "
+            "(eps on exactly the tokens rollout_tail_rule cuts).",
             "choices": list(NOISE_KINDS),
         },
+    )
+    rollout_tail_rule: str | None = field(
+        default=None,
+        metadata={"help": "The rule whose cut tokens rollout_logit_noise_kind='tail' lifts by eps (e.g. "
+                          "'min_p=0.01'); unset: safe_vocab_rule."},
     )
     rollout_noise_seed: int = field(
         default=0,
@@ -353,7 +362,7 @@ class SafeVocabGRPOConfig(GRPOConfig):
 
         self._resolve_rollout_logprobs()
         self._check_generation_kwargs(rule)
-        self._check_rollout_paths()
+        check_rollout_paths(self)
         check_mismatch_lab(self)
 
     # ------------------------------------------------------------------------------------------------------
@@ -452,29 +461,6 @@ class SafeVocabGRPOConfig(GRPOConfig):
                 f"scores with {str(rule)!r}. Importance ratios then carry a log(kept-mass) offset and sampled tokens "
                 "outside the trainer's set are masked.", UserWarning, stacklevel=4,
             )  # fmt: skip
-
-    def _check_rollout_paths(self) -> None:
-        """Only the project's own requirements: trl's (e.g. VESPO's token-level IS modes with vLLM) stay trl's,
-        checked where trl checks them."""
-        if self.use_vllm and self.rollout_dtype != "auto":
-            # Our requirement: rollout_dtype acts on the generate path's autocast, which vLLM does not use.
-            raise ValueError(
-                f"rollout_dtype={self.rollout_dtype!r} applies to the generate path only; with use_vllm=True "
-                "the vLLM engine's dtype decides. Leave rollout_dtype='auto'."
-            )
-        if self.use_transformers_continuous_batching and self.rollout_logprobs:
-            # Our requirement: the recorder is a LogitsProcessor of `generate`, which continuous batching bypasses.
-            raise ValueError(
-                "rollout_logprobs=True is not accepted with use_transformers_continuous_batching=True, whose "
-                "generate_batch returns no log-probabilities and runs no logits processor: accepted "
-                "rollout_logprobs=False or unset"
-            )
-        if self.generate_path_importance_sampling and self.vllm_importance_sampling_mode not in IS_MODES:
-            # Our requirement: the generate-path correction reuses trl's modes (trl checks them on vLLM itself).
-            raise ValueError(
-                f"vllm_importance_sampling_mode={self.vllm_importance_sampling_mode!r} is not accepted by the "
-                f"generate-path importance sampling: accepted one of {IS_MODES}"
-            )
 
 
 def _one_of(name: str, value: object, accepted: tuple, in_words: str | None = None) -> None:

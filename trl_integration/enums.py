@@ -49,9 +49,11 @@ ROLLOUT_DTYPES: dict[str, torch.dtype | None] = {
     "float16": torch.float16,
 }
 
-#: ``rollout_logit_noise_kind``: the injected logit perturbations (``rollout.LogitNoiseProcessor``): two random
-#: distributions and ``lift``, a deterministic, biased lift of the tail (``rollout.lift_perturbation``).
-NOISE_KINDS = ("uniform", "clipped_gaussian", "lift")
+#: ``rollout_logit_noise_kind``: the injected logit perturbations (``logit_perturbations.LogitNoiseProcessor``): two
+#: random distributions, ``lift``, a deterministic, biased lift of every token but the top one
+#: (``lift_perturbation``), and ``tail``, a lift of exactly the tokens a safe-vocabulary rule cuts
+#: (``tail_perturbation``).
+NOISE_KINDS = ("uniform", "clipped_gaussian", "lift", "tail")
 
 #: ``length_decay_start``: hold the LR until the length surge, or halve it from the first step.
 LENGTH_DECAY_STARTS = ("on_surge", "step0")

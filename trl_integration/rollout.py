@@ -21,10 +21,12 @@ Controlled mismatch (the mismatch lab, docs/mismatch.md):
 
 - `rollout_precision` runs generation in a chosen dtype without touching the fp32 master weights
   (autocast down, lossless temporary upcast up), to study or reproduce precision-induced mismatch;
-- `LogitNoiseProcessor` adds a perturbation ``delta`` with a hard bound ``|delta_i| <= eps`` to the sampler's
-  transformed logits: seeded zero-mean noise (``uniform``, ``clipped_gaussian``), or the deterministic, biased
-  ``lift`` of the tail, ``delta_i = eps * min(1, (z_max - z_i) / 10)`` (`lift_perturbation`: the top token
-  keeps its logit, tokens 10 nats or more below it gain ``eps``, so the rollout's tail is heavier). Placed before
+- `LogitNoiseProcessor` (:mod:`trl_integration.logit_perturbations`, re-exported here) adds a perturbation
+  ``delta`` with a hard bound ``|delta_i| <= eps`` to the sampler's transformed logits: seeded zero-mean noise
+  (``uniform``, ``clipped_gaussian``), the deterministic, biased ``lift`` of the tail,
+  ``delta_i = eps * min(1, (z_max - z_i) / 10)`` (`lift_perturbation`: the top token keeps its logit, tokens
+  10 nats or more below it gain ``eps``, so the rollout's tail is heavier), or the ``tail``: ``eps`` on exactly
+  the tokens a safe-vocabulary rule cuts at these logits, 0 elsewhere (`tail_perturbation`). Placed before
   the recorder, the tokens are *sampled* from the perturbed distribution and the recorded rollout
   log-probabilities are those of the perturbed distribution, so the mismatch against the training engine obeys
   ``|log pi - log mu| <= log(p + (1 - p) e^{2 eps})`` (plus the engines' own float-level differences).
@@ -32,7 +34,6 @@ Controlled mismatch (the mismatch lab, docs/mismatch.md):
 
 from __future__ import annotations
 
-import math
 from contextlib import contextmanager, nullcontext
 
 import torch
@@ -42,6 +43,15 @@ from safevocab import SafeVocabRule, safe_log_softmax
 from safevocab.logprobs import DEFAULT_MAX_CHUNK_BYTES
 from trl_integration.effective_rule import sampler_rule
 from trl_integration.enums import NOISE_KINDS, ROLLOUT_DTYPES
+from trl_integration.logit_perturbations import (
+    LIFT_SCALE,
+    RANDOM_NOISE_KINDS,
+    LogitNoiseProcessor,
+    lift_perturbation,
+    logit_delta,
+    logit_noise,
+    tail_perturbation,
+)
 
 __all__ = [
     "ROLLOUT_DTYPES",
@@ -50,8 +60,10 @@ __all__ = [
     "RolloutLogprobRecorder",
     "LogitNoiseProcessor",
     "LIFT_SCALE",
+    "RANDOM_NOISE_KINDS",
     "logit_noise",
     "lift_perturbation",
+    "tail_perturbation",
     "logit_delta",
     "sampler_rule",
     "sampler_rule_from_generation_config",
@@ -60,7 +72,8 @@ __all__ = [
     "recording_generate",
 ]
 
-# ROLLOUT_DTYPES and NOISE_KINDS live in the config's leaf (trl_integration.enums); they stay importable from here.
+# ROLLOUT_DTYPES and NOISE_KINDS live in the config's leaf (trl_integration.enums), the logit perturbations in
+# trl_integration.logit_perturbations; they stay importable from here.
 
 #: Sampling settings that change the distribution after the recorder sees the scores and that it cannot
 #: reproduce, with the value that disables each.
@@ -230,159 +243,6 @@ class RolloutLogprobRecorder(LogitsProcessor):
         columns = torch.arange(width, device=recorded.device)
         length = torch.tensor(lengths, device=recorded.device).unsqueeze(1)
         return torch.where(columns < length, recorded, 0.0).to(device if device is not None else recorded.device)
-
-
-#: Logit distance (nats of transformed logit) below the top token at which `lift_perturbation` reaches ``eps``.
-LIFT_SCALE = 10.0
-
-#: The kinds `logit_noise` draws at random (``lift`` is a function of the logits, `lift_perturbation`).
-RANDOM_NOISE_KINDS = ("uniform", "clipped_gaussian")
-
-
-def _check_noise(eps: float, kind: str) -> None:
-    if not (isinstance(eps, (int, float)) and math.isfinite(eps) and eps >= 0):
-        raise ValueError(f"eps={eps!r} is out of range: accepted a finite float >= 0")
-    if kind not in NOISE_KINDS:
-        raise ValueError(f"kind={kind!r} is not accepted: accepted one of {NOISE_KINDS}")
-
-
-def _hard_bound(delta: torch.Tensor, eps: float) -> torch.Tensor:
-    """``delta`` clamped to ``[-b, b]``, ``b`` the largest value of its dtype that is ``<= eps`` (``eps`` itself may
-    round up: float32(0.3) > 0.3), so that ``|delta_i| <= eps`` holds exactly."""
-    bound = torch.tensor(eps, dtype=delta.dtype, device=delta.device)
-    if float(bound) > eps:
-        bound = torch.nextafter(bound, torch.zeros_like(bound))
-    return torch.minimum(torch.maximum(delta, -bound), bound)
-
-
-def logit_noise(
-    shape: tuple[int, ...] | torch.Size,
-    eps: float,
-    kind: str = "uniform",
-    generator: torch.Generator | None = None,
-    device: torch.device | str | None = None,
-    dtype: torch.dtype = torch.float32,
-) -> torch.Tensor:
-    """A random logit perturbation ``delta`` of the given shape with ``|delta_i| <= eps`` for every entry.
-
-    - ``"uniform"``: ``delta_i ~ U[-eps, eps]`` independently;
-    - ``"clipped_gaussian"``: ``delta_i = clamp(N(0, (eps / 2)^2), -eps, eps)`` (about 4.6% of the entries sit
-      on the clip at ``±eps``).
-
-    (``"lift"`` is not random: it depends on the logits, see `lift_perturbation` and `logit_delta`.)
-
-    Args:
-        shape: output shape, e.g. ``[batch, vocab]``.
-        eps: the hard bound, finite and ``>= 0``.
-        kind: ``"uniform"`` or ``"clipped_gaussian"``.
-        generator: a ``torch.Generator`` on ``device`` (for reproducible draws); ``None`` uses the global RNG.
-        device: where to draw (the generator's device when ``None``).
-        dtype: floating dtype of the result.
-
-    Returns:
-        The perturbation tensor.
-
-    Raises:
-        ValueError: on a negative or non-finite ``eps`` or an unknown ``kind`` (or ``"lift"``).
-    """
-    _check_noise(eps, kind)
-    if kind not in RANDOM_NOISE_KINDS:
-        raise ValueError(f"kind={kind!r} depends on the logits: use lift_perturbation(logits, eps) or logit_delta")
-    if device is None and generator is not None:
-        device = generator.device
-    if kind == "uniform":
-        delta = (torch.rand(shape, generator=generator, device=device, dtype=dtype) * 2.0 - 1.0) * eps
-    else:
-        delta = torch.randn(shape, generator=generator, device=device, dtype=dtype) * (eps / 2.0)
-    # The clamp makes the bound hard for both kinds.
-    return _hard_bound(delta, eps)
-
-
-def lift_perturbation(logits: torch.Tensor, eps: float) -> torch.Tensor:
-    """The ``lift`` perturbation of transformed logits ``z`` (last dimension the vocabulary):
-
-        delta_i = eps * min(1, (z_max - z_i) / LIFT_SCALE),        LIFT_SCALE = 10
-
-    Deterministic and biased: the top token gets 0, a token ``LIFT_SCALE`` nats or more below it gets ``eps``, so the
-    perturbed distribution has a heavier tail (tail tokens gain up to ``eps`` nats of log-probability, the top
-    tokens lose some). ``0 <= delta_i <= eps`` exactly, so the mismatch bound at ``eps`` holds. A ``-inf`` logit gets
-    ``eps`` (and stays ``-inf``); positions without a finite maximum get 0.
-
-    Args:
-        logits: ``[..., V]`` transformed logits (after temperature, softcap and scale).
-        eps: the lift, finite and ``>= 0``.
-
-    Returns:
-        ``delta`` of ``logits``' shape and dtype.
-    """
-    _check_noise(eps, "lift")
-    z_max = logits.amax(dim=-1, keepdim=True)
-    fraction = ((z_max - logits) / LIFT_SCALE).clamp(0.0, 1.0).nan_to_num(nan=0.0)
-    return _hard_bound(fraction * eps, eps)
-
-
-def logit_delta(
-    logits: torch.Tensor, eps: float, kind: str = "uniform", generator: torch.Generator | None = None
-) -> torch.Tensor:
-    """The perturbation ``delta`` (``|delta_i| <= eps``) of kind ``kind`` for the transformed ``logits``: a random
-    draw of their shape, dtype and device (`logit_noise`), or the ``lift`` of these logits (`lift_perturbation`)."""
-    if kind == "lift":
-        return lift_perturbation(logits, eps)
-    return logit_noise(logits.shape, eps, kind, generator=generator, device=logits.device, dtype=logits.dtype)
-
-
-class LogitNoiseProcessor(LogitsProcessor):
-    """Inject a bounded logit perturbation into ``generate`` (place it *before* the recorder).
-
-    At every decoding step it draws ``delta`` with ``|delta_i| <= eps`` (`logit_noise`; for ``"lift"``,
-    `lift_perturbation` of the step's transformed logits ``scores / temperature``) and returns
-    ``scores + temperature * delta``. HF applies its temperature warper afterwards, so the sampler's transformed
-    logits become ``z / T + delta``: the perturbation bound ``eps`` holds on exactly the logits the rule and
-    the softmax see (up to the fp32 rounding of the sum). The following processors — the
-    `RolloutLogprobRecorder`, then the top-k/top-p/min-p warpers — see the perturbed scores, so the
-    sampled tokens are drawn from the perturbed distribution and the recorded log-probabilities are its own.
-
-    Args:
-        eps: the hard bound on ``|delta_i|`` in nats of transformed logit, ``>= 0`` (0: identity).
-        kind: ``"uniform"``, ``"clipped_gaussian"`` or ``"lift"`` (`NOISE_KINDS`).
-        seed: seeds a private ``torch.Generator`` (created on the scores' device at the first call), so the
-            noise is reproducible and the global RNG that drives sampling is not consumed.
-        temperature: the sampler's temperature (the noise is scaled by it before the warper divides).
-
-    Attributes:
-        max_abs_delta: the largest ``|delta_i|`` drawn so far (``<= eps``).
-        num_calls: decoding steps perturbed so far.
-    """
-
-    def __init__(self, eps: float, kind: str = "uniform", seed: int = 0, temperature: float = 1.0):
-        _check_noise(eps, kind)
-        if not temperature > 0:
-            raise ValueError(f"temperature={temperature!r} is out of range: accepted > 0")
-        self.eps = float(eps)
-        self.kind = kind
-        self.seed = int(seed)
-        self.temperature = float(temperature)
-        self.max_abs_delta = 0.0
-        self.num_calls = 0
-        self._generator: torch.Generator | None = None
-
-    def _generator_for(self, device: torch.device) -> torch.Generator:
-        if self._generator is None or self._generator.device != device:
-            self._generator = torch.Generator(device=device)
-            self._generator.manual_seed(self.seed)
-        return self._generator
-
-    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
-        self.num_calls += 1
-        if self.eps == 0.0:
-            return scores
-        if self.kind == "lift":
-            delta = lift_perturbation(scores.float() / self.temperature, self.eps)
-        else:
-            gen = self._generator_for(scores.device)
-            delta = logit_noise(scores.shape, self.eps, self.kind, generator=gen, device=scores.device)
-        self.max_abs_delta = max(self.max_abs_delta, float(delta.abs().max()) if delta.numel() else 0.0)
-        return scores + (self.temperature * delta).to(scores.dtype)
 
 
 @contextmanager

@@ -3,7 +3,8 @@
 Three sources, each acting on the rollout only (the trainer scores with its own, untouched weights and logits):
 
 - ``rollout_logit_noise`` / ``rollout_logit_noise_kind``: a :class:`~trl_integration.rollout.LogitNoiseProcessor`,
-  bounded noise or the biased ``lift`` on the transformed logits;
+  bounded noise, the biased ``lift`` or the ``tail`` (``eps`` on the tokens ``rollout_tail_rule``, default
+  ``safe_vocab_rule``, cuts) on the transformed logits;
 - ``rollout_perturbation``: a user's ``LogitsProcessor``, made by a factory ``factory(seed: int)`` (named
   ``"module:function"`` in the config, or given to the trainer as the factory or the processor itself);
 - ``rollout_mantissa_bits``: the rollout samples with the current weights rounded to ``k`` mantissa bits
@@ -124,7 +125,9 @@ class RolloutMismatch:
         seed = args.rollout_noise_seed + process_index
         noise = None
         if args.rollout_logit_noise > 0:
-            noise = LogitNoiseProcessor(args.rollout_logit_noise, args.rollout_logit_noise_kind, seed=seed)
+            tail_rule = args.rollout_tail_rule if args.rollout_tail_rule is not None else args.safe_vocab_rule
+            noise = LogitNoiseProcessor(args.rollout_logit_noise, args.rollout_logit_noise_kind, seed=seed,
+                                        rule=tail_rule)  # the rule is read by kind 'tail' only
         return cls(
             noise=noise,
             perturbation=make_perturbation(perturbation if perturbation is not None else args.rollout_perturbation,

@@ -15,6 +15,11 @@ def lift_half(seed: int) -> LogitNoiseProcessor:
     return LogitNoiseProcessor(0.5, "lift", seed=seed)
 
 
+def tail_half(seed: int) -> LogitNoiseProcessor:
+    """A rollout perturbation factory: the ``tail`` at eps = 0.5 under ``min_p=0.1`` (temperature 1)."""
+    return LogitNoiseProcessor(0.5, "tail", seed=seed, rule="min_p=0.1")
+
+
 def not_a_processor(seed: int):
     return "not a processor"
 

@@ -14,12 +14,14 @@ task's: the bundled tiny model for ``--task arithmetic``) in float32 and writes 
 
 The rollout side differs from the training side by any of: its dtype (``--compare``), its weights rounded to
 ``--rollout_mantissa_bits`` mantissa bits, an injected perturbation ``--noise EPS`` of kind ``--noise_kind``
-(``uniform``, ``clipped_gaussian`` or the biased ``lift``). See ``docs/mismatch.md``.
+(``uniform``, ``clipped_gaussian``, the biased ``lift``, or the ``tail``: ``EPS`` on exactly the tokens ``--rule``
+cuts). See ``docs/mismatch.md``.
 
 Examples::
 
     safevocab diagnose --compare float32:bfloat16 --output_dir diag-bf16
     safevocab diagnose --noise 1 --noise_kind lift --output_dir diag-lift
+    safevocab diagnose --task freetext --noise 1 --noise_kind tail --rule min_p=0.01 --max_new_tokens 32
     safevocab diagnose --rollout_mantissa_bits 3 --output_dir diag-3bits
     safevocab diagnose --model ./my-model --input texts.txt --noise 0.05 --noise_kind uniform --rule min_p=0.01
     safevocab diagnose --prompts "Once upon a time" --max_new_tokens 64 --num_samples 8
@@ -34,7 +36,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from safevocab.mismatch import DEFAULT_BUCKETS
-from safevocab.rules import parse_rule
+from safevocab.rules import NoPruning, parse_rule
 from trl_integration.commands.errors import fail
 from trl_integration.config import DEFAULT_RULE
 from trl_integration.rollout import NOISE_KINDS
@@ -72,8 +74,9 @@ def make_parser(prog: str = PROG) -> argparse.ArgumentParser:
                    help="hard bound of an injected logit perturbation |delta| <= EPS on the rollout side "
                         "(default: %(default)s)")
     d.add_argument("--noise_kind", choices=NOISE_KINDS, default="uniform",
-                   help="uniform, clipped_gaussian, or lift (deterministic: EPS*min(1,(z_max-z_i)/10), a heavier "
-                        "tail) (default: %(default)s)")
+                   help="uniform, clipped_gaussian, lift (deterministic: EPS*min(1,(z_max-z_i)/10), a heavier "
+                        "tail) or tail (EPS on exactly the tokens --rule cuts at the rollout's logits, 0 elsewhere) "
+                        "(default: %(default)s)")
     d.add_argument("--rollout_mantissa_bits", type=int, default=None, metavar="K",
                    help="the rollout side's weights rounded to K mantissa bits, 1-23 (7: bfloat16's, 10: "
                         "float16's); default: not rounded")
@@ -184,6 +187,9 @@ def run_parsed(args: argparse.Namespace, prog: str = PROG) -> int:
             raise ValueError("--tail_prompts, --tail_new_tokens, --tail_samples and --tail_prompt_tokens must be >= 1")
         check_mantissa_bits(args.rollout_mantissa_bits, compare[1])
         rule = parse_rule(args.rule)
+        if args.noise > 0 and args.noise_kind == "tail" and isinstance(rule, NoPruning):
+            raise ValueError("--noise_kind tail lifts the tokens --rule cuts, and --rule 'none' cuts nothing: "
+                             "accepted a rule that prunes, e.g. --rule min_p=0.01")
         task = load_task(args.task)
         model_path = _resolve_model(args.model or (None if is_tiny_model(task.model_path) else task.model_path))
         texts = _read_inputs(args, task)
@@ -207,6 +213,7 @@ def run_parsed(args: argparse.Namespace, prog: str = PROG) -> int:
                 noise=args.noise, noise_kind=args.noise_kind, seed=args.seed, temperature=args.temperature,
                 buckets=args.buckets, max_new_tokens=args.tail_new_tokens, num_samples=args.tail_samples,
                 batch_size=args.batch_size, max_length=args.tail_prompt_tokens, progress=not args.quiet,
+                noise_rule=rule if args.noise_kind == "tail" else None,
             )  # fmt: skip
             tail["labels"] = labels
         result = run_diagnose(

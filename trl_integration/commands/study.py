@@ -2,7 +2,8 @@
 
 On one task (``--task``: ``arithmetic``, the default, ``freetext``, or ``module:function`` returning a
 :class:`~trl_integration.study.task.StudyTask`) and under one controlled mismatch of the ``generate`` rollouts
-(injected bounded logit noise ``--noise EPS`` of kind ``--noise_kind``, weights rounded to ``--rollout_mantissa_bits``,
+(injected bounded logit noise ``--noise EPS`` of kind ``--noise_kind`` (``tail``: ``EPS`` added to exactly the tokens
+``--dvp_rule`` cuts at the rollout's logits), weights rounded to ``--rollout_mantissa_bits``,
 a plug-in ``--rollout_perturbation``, a lower precision ``--rollout_dtype``), the command trains the same GRPO job
 once per *(arm, seed)*, in-process and one after the other, and writes a report folder:
 
@@ -23,13 +24,16 @@ The arms (``--arms``, default the first five):
 - ``dvp_length_decay``: ``dvp`` + ``--length_decay --length_decay_period auto`` (the LR is held until the response
   length surges, then halved every ``round(1.8 x surge step)`` steps);
 - ``dvp_mis``: ``dvp`` + the ``mis`` arm's masked IS;
-- ``no_mismatch``: ``no_remedy`` with every injected mismatch switched off (the matched zero-mismatch control).
+- ``no_mismatch``: ``no_remedy`` with every injected mismatch switched off (the matched zero-mismatch control);
+- ``dvp_no_mismatch``: ``dvp`` with every injected mismatch switched off (DVP's own cost, against ``no_mismatch``).
 
 Every arm shares the model, the data, the batch, the optimiser settings and the learning-rate schedule
 (``--lr_scheduler_type``, default ``constant``; ``dvp_length_decay`` replaces it by the length-decay schedule, which
 is constant until a surge). Runs of the same seed share the data order, the sampling seed and the noise seed. The
 held-out metric is the task's (arithmetic: greedy accuracy on ``--eval_num_prompts`` test-split problems),
-measured before training and every ``--eval_every`` steps by a ``TrainerCallback``.
+measured before training and every ``--eval_every`` steps (or at the steps ``--eval_steps``) by a ``TrainerCallback``;
+for a sampled metric (freetext's), ``--eval_seeds`` draws it once per evaluation seed and ``--eval_on_rule`` also
+scores it on ``--dvp_rule``'s support, both recorded per seed in ``results.json`` and aggregated in the report.
 
 ``--rollout_perturbation module:function`` names a factory ``function(seed: int) -> LogitsProcessor`` (transformers);
 each run calls it once with its seed, and the processor sees the rollout's scores before the temperature warper and
@@ -46,6 +50,8 @@ Examples::
     safevocab study --task my_tasks:make --rollout_perturbation my_perturbations:heavier_tail
     safevocab study --noise 0 --rollout_dtype bfloat16 --arms no_remedy dvp --seeds 0 1
     safevocab study --steps 3 --seeds 0 --arms no_remedy dvp --eval_num_prompts 20   # smoke run
+    safevocab study --task freetext --noise 1 --noise_kind tail --arms no_remedy dvp no_mismatch dvp_no_mismatch \
+        --eval_num_prompts 432 --eval_seeds 0 1 2 3 --eval_on_rule --eval_steps 0 150 200 250 300 --steps 300
 """
 
 from __future__ import annotations
@@ -87,12 +93,22 @@ def make_parser(prog: str = PROG) -> argparse.ArgumentParser:
                    help="held-out evaluation every K steps, plus step 0 and the last (default: %(default)s)")
     p.add_argument("--eval_num_prompts", type=int, default=d.eval_num_prompts,
                    help="held-out prompts the task's metric scores (arithmetic: test-split problems, greedy; freetext: "
-                        "stdlib texts, sampled) (default: %(default)s)")
+                        "stdlib texts, sampled, 432 at most) (default: %(default)s)")
+    p.add_argument("--eval_steps", nargs="+", type=int, default=d.eval_steps, metavar="STEP",
+                   help="evaluate at exactly these steps (increasing, 0 = before training) instead of every "
+                        "--eval_every steps (default: the --eval_every schedule)")
+    p.add_argument("--eval_seeds", nargs="+", type=int, default=d.eval_seeds, metavar="SEED",
+                   help="draw the sampled held-out metric once per evaluation seed; the metric is their mean, each "
+                        "seed's value is kept (default: one draw with the task's own seed)")
+    p.add_argument("--eval_on_rule", action="store_true",
+                   help="also score the held-out metric on --dvp_rule's support (sampled under its min_p), every arm "
+                        "alike, at the same steps and seeds (default: the full distribution only)")
     p.add_argument("--noise", type=float, default=d.noise, metavar="EPS",
                    help="bound of the injected rollout logit noise, 0 for none (default: %(default)s)")
     p.add_argument("--noise_kind", choices=NOISE_KINDS, default=d.noise_kind,
-                   help="uniform, clipped_gaussian, or lift (deterministic: eps*min(1,(z_max-z_i)/10), a heavier "
-                        "tail) (default: %(default)s)")
+                   help="uniform, clipped_gaussian, lift (deterministic: eps*min(1,(z_max-z_i)/10), a heavier "
+                        "tail) or tail (eps added to exactly the tokens --dvp_rule cuts at the rollout's logits, 0 "
+                        "elsewhere; in every arm) (default: %(default)s)")
     p.add_argument("--rollout_dtype", choices=tuple(ROLLOUT_DTYPES), default=d.rollout_dtype,
                    help="precision of the generate rollouts (default: %(default)s)")
     p.add_argument("--rollout_mantissa_bits", type=int, default=d.rollout_mantissa_bits, metavar="K",
@@ -162,7 +178,9 @@ def run_parsed(args: argparse.Namespace, command: str | None = None, prog: str =
         e = summ[arm]
         print(f"  {arm:<18} runs ok {format_status(e):<12} held-out {metric}: final {format_stat(e['final_metric'])}  "
               f"late {format_stat(e['late_metric'])}  best {format_stat(e['best_metric'])};  training reward, last "
-              f"steps {format_stat(e['final_reward'])}")
+              f"steps {format_stat(e['final_reward'])}"
+              + (f";  on the rule's support: late {format_stat(e['late_metric_rule'])}"
+                 if e["late_metric_rule"]["n"] else ""))
     failed = sum(len(summ[a]["failed"]) for a in results["arms"])
     return 1 if failed else 0
 

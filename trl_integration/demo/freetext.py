@@ -273,4 +273,5 @@ def freetext_task():
         metric_name="reward",
         max_completion_length=MAX_COMPLETION_LENGTH,
         description="continue a held-out stdlib docstring or comment; reward: ROUGE-1 F1 with the true continuation",
+        metric_keywords=("seed", "min_p"),
     )

@@ -5,7 +5,8 @@ Two "engines" score the same tokens by teacher forcing:
 - the *training* side: the model in ``compare``'s first dtype (default ``float32``);
 - the *rollout* side: the model in the second dtype (default ``bfloat16``), optionally with its weights rounded to
   ``mantissa_bits`` mantissa bits and an injected logit perturbation ``delta`` (``noise=EPS``: ``|delta_i| <= EPS``
-  on the transformed logits; seeded noise, or the deterministic ``lift``).
+  on the transformed logits; seeded noise, the deterministic ``lift``, or the ``tail``: ``EPS`` on the tokens
+  ``rule`` cuts).
 
 For every scored token ``y`` with training probability ``p = pi(y)`` it records ``log r = log pi(y) - log mu(y)``
 and the size of the logit perturbation at that position, ``eps_t = (max_i delta_i - min_i delta_i) / 2``
@@ -16,8 +17,12 @@ and the size of the logit perturbation at that position, ``eps_t = (max_i delta_
   (`safevocab.bounds.logprob_mismatch_bound`) for the reference ``eps``: ``eps`` if given, else the
   injected ``noise`` when it is the only source of mismatch (then it must be 100%), else ``eps_max``;
 - mean ``|log r|`` and signed ``log r`` by training-probability bucket;
-- with a ``rule``: how often the two sides pick different safe sets, and how much the renormalised
-  ``log pi_S`` shrinks the mismatch on the tokens both sides keep;
+- with a ``rule``: how often the two sides pick different safe sets, how much the renormalised
+  ``log pi_S`` shrinks the mismatch on the tokens both sides keep, and where the k3 estimate of ``KL(mu || pi)``
+  lies: ``k3_share_outside``, the share of the summed per-token k3 terms ``r - log r - 1`` (``r = pi / mu``)
+  carried by the scored tokens outside the training side's safe set (below the cut: the tokens DVP masks out of
+  the loss), and ``k3_removable``, ``1 - sum_kept k3(log pi_S - log mu_S) / sum_all k3(log pi - log mu)``: the share
+  of the k3 sum that masking those tokens and renormalising both sides over their sets removes;
 - verl's sequence statistics (k3 KL, chi², log-ppl gap) with each text as a sequence.
 
 The command ``safevocab diagnose`` (:mod:`trl_integration.commands.diagnose`) runs it on texts or prompts; with
@@ -47,9 +52,11 @@ from safevocab.mismatch import (
     mismatch_metrics,
     safe_set_disagreement,
 )
+from safevocab.mismatch.formulas import k3_terms
 from safevocab.rules import NoPruning, parse_rule
 from trl_integration.config import DEFAULT_RULE
 from trl_integration.lab.sides import check_mantissa_bits, model_in, rollout_side
+from trl_integration.logit_perturbations import tail_rule
 from trl_integration.rollout import NOISE_KINDS
 
 __all__ = ["BOUND_TOLERANCE", "DiagnoseResult", "run_diagnose"]
@@ -66,7 +73,8 @@ class DiagnoseResult:
         summary: the JSON-serialisable summary (what ``summary.json`` holds).
         tokens: per scored token, 1-D float64/bool CPU tensors: ``p`` (training probability), ``train_logp``,
             ``rollout_logp``, ``log_r`` (``train - rollout``), ``eps_t`` and ``bound`` (at the reference eps);
-            with a rule also ``kept`` (both sides keep the token), ``same_set``, ``pruned_log_r``.
+            with a rule also ``kept`` (both sides keep the token), ``same_set``, ``pruned_log_r`` and
+            ``in_train_set`` (the training side keeps it).
     """
 
     summary: dict
@@ -80,7 +88,8 @@ def _forward_logits(model, ids: torch.Tensor, attn: torch.Tensor) -> torch.Tenso
         return model(input_ids=ids, attention_mask=attn, position_ids=pos).logits
 
 
-def _sample(model, tokenizer, prompts, *, max_new_tokens, num_samples, temperature, noise, noise_kind, seed, device):
+def _sample(model, tokenizer, prompts, *, max_new_tokens, num_samples, temperature, noise, noise_kind, noise_rule,
+            seed, device):
     """Sample continuations on the rollout side; returns ``(ids, attn, counted)`` with ``counted`` marking the
     sampled tokens as targets (``[B, L-1]``, aligned with ``ids[:, 1:]``)."""
     from transformers import LogitsProcessorList
@@ -90,7 +99,7 @@ def _sample(model, tokenizer, prompts, *, max_new_tokens, num_samples, temperatu
     enc = tokenizer(prompts, return_tensors="pt", padding=True, padding_side="left").to(device)
     processors = LogitsProcessorList()
     if noise > 0:
-        processors.append(LogitNoiseProcessor(noise, noise_kind, seed=seed, temperature=temperature))
+        processors.append(LogitNoiseProcessor(noise, noise_kind, seed=seed, temperature=temperature, rule=noise_rule))
     with torch.random.fork_rng(devices=[] if device.type == "cpu" else [device]):
         torch.manual_seed(seed)
         out = model.generate(
@@ -155,7 +164,8 @@ def run_diagnose(
         texts: texts to score by teacher forcing (or prompts, with ``max_new_tokens > 0``).
         compare: ``(training dtype, rollout dtype)``.
         noise: hard bound ε of the injected logit perturbation on the rollout side (0: none).
-        noise_kind: ``"uniform"``, ``"clipped_gaussian"`` or ``"lift"``.
+        noise_kind: ``"uniform"``, ``"clipped_gaussian"``, ``"lift"`` or ``"tail"`` (``EPS`` on the tokens ``rule``
+            cuts at the rollout side's logits; needs a ``rule`` that prunes).
         mantissa_bits: round the rollout side's weights to this many mantissa bits (``None``: not rounded).
         seed: seeds the noise and the sampling.
         temperature: divides the logits on both sides (as a sampler and the trainer do).
@@ -190,6 +200,7 @@ def run_diagnose(
     check_mantissa_bits(mantissa_bits, compare[1])
     rule_obj = parse_rule(rule)
     use_rule = not isinstance(rule_obj, NoPruning)
+    noise_rule = tail_rule(rule_obj) if noise > 0 and noise_kind == "tail" else None  # refuses 'none' for the tail
     train_dtype, rollout_dtype = compare
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
@@ -202,7 +213,7 @@ def run_diagnose(
 
     cols: dict[str, list[torch.Tensor]] = {k: [] for k in ("train_logp", "rollout_logp", "eps_t", "eps_raw", "seq")}
     if use_rule:
-        for k in ("kept", "same_set", "pruned_log_r", "jaccard", "train_logp_s"):
+        for k in ("kept", "same_set", "pruned_log_r", "jaccard", "train_logp_s", "train_in_set"):
             cols[k] = []
     n_seq = 0
     chunk_elems = 2**22  # float64 elements per chunk of [positions, V]
@@ -213,7 +224,8 @@ def run_diagnose(
         if max_new_tokens > 0:
             ids, attn, counted = _sample(
                 model_b, tokenizer, chunk_texts, max_new_tokens=max_new_tokens, num_samples=num_samples,
-                temperature=temperature, noise=noise, noise_kind=noise_kind, seed=seed + start, device=device,
+                temperature=temperature, noise=noise, noise_kind=noise_kind, noise_rule=noise_rule, seed=seed + start,
+                device=device,
             )
         else:
             enc = tokenizer(
@@ -233,7 +245,7 @@ def run_diagnose(
             za = za_all[i : i + step].double() / temperature
             zb = zb_all[i : i + step].double() / temperature
             if noise > 0:
-                zb = zb + logit_delta(zb, noise, noise_kind, generator=gen)
+                zb = zb + logit_delta(zb, noise, noise_kind, generator=gen, rule=noise_rule)
             y = y_all[i : i + step].unsqueeze(-1)
             la = za.log_softmax(-1).gather(-1, y).squeeze(-1)
             lb = zb.log_softmax(-1).gather(-1, y).squeeze(-1)
@@ -249,6 +261,7 @@ def run_diagnose(
                 sb = safe_log_softmax(zb, y.squeeze(-1), rule_obj)
                 dis = safe_set_disagreement(za, zb, rule_obj)
                 cols["kept"].append((sa.in_safe & sb.in_safe).cpu())
+                cols["train_in_set"].append(sa.in_safe.cpu())
                 cols["same_set"].append((~dis.differs).cpu())
                 cols["jaccard"].append(dis.jaccard.cpu())
                 cols["pruned_log_r"].append((sa.logprobs - sb.logprobs).double().cpu())
@@ -347,6 +360,8 @@ def run_diagnose(
         p_s = tok["train_logp_s"].exp().clamp(0.0, 1.0)
         pruned_bound = logprob_mismatch_bound(p_s, torch.tensor(eps_ref, dtype=torch.float64))
         both = kept & same
+        k3_all = k3_terms(log_r)
+        k3_total = float(k3_all.sum())
         summary["rule"] = {
             "rule": str(rule_obj),
             "kept_frac": float(kept.double().mean()),
@@ -361,12 +376,14 @@ def run_diagnose(
             "frac_within_pruned_bound": _mean(
                 (pruned.abs() <= pruned_bound + BOUND_TOLERANCE).double(), both
             ),
+            "k3_share_outside": _ratio(float(k3_all[~tok["train_in_set"]].sum()), k3_total),
+            "k3_removable": _ratio(k3_total - float(k3_terms(pruned[kept]).sum()), k3_total),
             "bucket_abs_diff_mean_kept_pruned": [
                 _mean(pruned.abs(), kept & (p >= r["lo"]) & ((p < r["hi"]) if r["hi"] < 1 else (p <= 2.0)))
                 for r in bucket_rows
             ],
         }
-        tokens.update(kept=kept, same_set=same, pruned_log_r=pruned)
+        tokens.update(kept=kept, same_set=same, pruned_log_r=pruned, in_train_set=tok["train_in_set"])
     return DiagnoseResult(summary=summary, tokens=tokens)
 
 

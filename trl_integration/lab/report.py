@@ -47,6 +47,10 @@ def write_outputs(result: DiagnoseResult, output_dir: str | os.PathLike, plots: 
     return files
 
 
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{x * 100:.1f}%"
+
+
 def _fmt(x: float | None) -> str:
     return "-" if x is None else f"{x:.3g}"
 
@@ -109,6 +113,9 @@ def print_summary(summary: dict, files: list[Path]) -> None:
             ("  mean |Δ| on kept tokens", f"{_fmt(rule['abs_diff_mean_kept_full'])} full softmax -> "
                                           f"{_fmt(kept)} renormalised π_S (all tokens: "
                                           f"{rule['abs_diff_mean_all']:.3g})"),
+            ("  k3 below the cut", f"{_pct(rule.get('k3_share_outside'))} of the k3 sum on tokens outside the "
+                                   f"training set; {_pct(rule.get('k3_removable'))} removed by masking them and "
+                                   "renormalising"),
         ]
     lines.append(("wrote", ", ".join(str(f) for f in files)))
     try:

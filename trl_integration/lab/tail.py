@@ -2,8 +2,8 @@
 ``pi`` on the tokens an RL rollout actually samples.
 
 For each prompt source (the task's prompts, free text), the rollout side samples continuations from ``mu`` — the
-model in the rollout dtype, with its weights rounded to ``mantissa_bits`` and the injected perturbation (noise or
-``lift``) applied inside ``generate``, exactly as the trainer's rollouts do — and records ``log mu(y)`` of every
+model in the rollout dtype, with its weights rounded to ``mantissa_bits`` and the injected perturbation (noise,
+``lift`` or ``tail``) applied inside ``generate``, exactly as the trainer's rollouts do — and records ``log mu(y)`` of every
 sampled token as it samples (:class:`~trl_integration.rollout.RolloutLogprobRecorder`: the draw that produced the
 token, not a fresh one). The training side scores the same tokens by a full forward, ``log pi(y)``. Per bucket of
 training probability ``p = pi(y)``:
@@ -27,8 +27,9 @@ from typing import Any
 import torch
 
 from safevocab.mismatch import DEFAULT_BUCKETS, bucket_mismatch
-from safevocab.rules import NoPruning
+from safevocab.rules import NoPruning, SafeVocabRule
 from trl_integration.lab.sides import check_mantissa_bits, model_in, rollout_side
+from trl_integration.logit_perturbations import tail_rule
 from trl_integration.rollout import NOISE_KINDS, LogitNoiseProcessor, RolloutLogprobRecorder, recording_generate
 
 __all__ = ["SampledTokens", "sample_tokens", "tail_buckets", "tail_mismatch"]
@@ -89,15 +90,18 @@ def sample_tokens(
     noise_kind: str = "uniform",
     seed: int = 0,
     max_length: int = 512,
+    noise_rule: SafeVocabRule | str | None = None,
 ) -> SampledTokens:
     """Sample continuations of ``prompts`` from ``rollout_model`` (full distribution at ``temperature``, with the
     injected perturbation inside ``generate``), recording ``log mu`` of each sampled token as it is drawn, and score
-    the same tokens with ``train_model`` (one teacher-forced forward). The global RNG is left as it was."""
+    the same tokens with ``train_model`` (one teacher-forced forward). The global RNG is left as it was.
+    ``noise_rule``: the rule whose cut tokens ``noise_kind="tail"`` lifts."""
     device = next(train_model.parameters()).device
     enc = tokenizer(list(prompts), return_tensors="pt", padding=True, padding_side="left", truncation=True,
                     max_length=max_length).to(device)
     recorder = RolloutLogprobRecorder(NoPruning(), temperature)
-    processors = [LogitNoiseProcessor(noise, noise_kind, seed=seed, temperature=temperature)] if noise > 0 else []
+    processors = [LogitNoiseProcessor(noise, noise_kind, seed=seed, temperature=temperature, rule=noise_rule)
+                  ] if noise > 0 else []  # fmt: skip
     with torch.random.fork_rng(devices=[] if device.type == "cpu" else [device]), torch.no_grad():
         torch.manual_seed(seed)
         with recording_generate(rollout_model, recorder, None, processors):
@@ -139,6 +143,7 @@ def tail_mismatch(
     batch_size: int = 16,
     max_length: int = 512,
     progress: bool = True,
+    noise_rule: SafeVocabRule | str | None = None,
 ) -> dict[str, Any]:
     """The tail diagnostic (see the module docstring) of each prompt source.
 
@@ -149,7 +154,7 @@ def tail_mismatch(
         compare: ``(training dtype, rollout dtype)``.
         mantissa_bits: the rollout side's weights rounded to this many mantissa bits (``None``: not rounded).
         noise: bound ε of the injected perturbation on the rollout side (0: none).
-        noise_kind: ``"uniform"``, ``"clipped_gaussian"`` or ``"lift"``.
+        noise_kind: ``"uniform"``, ``"clipped_gaussian"``, ``"lift"`` or ``"tail"``.
         seed: seeds the sampling and the noise (batch ``i`` of a source uses ``seed + i``).
         temperature: the sampler's temperature (both sides divide the logits by it).
         buckets: inner edges of the probability buckets.
@@ -158,6 +163,8 @@ def tail_mismatch(
         batch_size: prompts per ``generate`` call.
         max_length: prompts are truncated to this many tokens.
         progress: a progress bar over the batches.
+        noise_rule: the rule whose cut tokens ``noise_kind="tail"`` lifts (required by that kind; e.g.
+            ``"min_p=0.01"``).
 
     Returns:
         ``{"max_new_tokens", "num_samples", "temperature", "sources": {name: {"n_prompts", "n_tokens",
@@ -172,6 +179,8 @@ def tail_mismatch(
     if max_new_tokens < 1 or num_samples < 1 or batch_size < 1:
         raise ValueError("max_new_tokens, num_samples and batch_size must be >= 1")
     check_mantissa_bits(mantissa_bits, compare[1])
+    if noise > 0 and noise_kind == "tail":
+        noise_rule = tail_rule(noise_rule)  # refuses None and 'none' before any sampling
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     cache: dict = {}
@@ -186,7 +195,7 @@ def tail_mismatch(
         sampled = sample_tokens(
             train_model, rollout_model, tokenizer, sources[name][start : start + batch_size],
             max_new_tokens=max_new_tokens, num_samples=num_samples, temperature=temperature, noise=noise,
-            noise_kind=noise_kind, seed=seed + i, max_length=max_length,
+            noise_kind=noise_kind, seed=seed + i, max_length=max_length, noise_rule=noise_rule,
         )  # fmt: skip
         scored[name][0].append(sampled.train_logp[sampled.mask].cpu())
         scored[name][1].append(sampled.rollout_logp[sampled.mask].cpu())

@@ -5,8 +5,10 @@
 - :mod:`~trl_integration.study.arms`: the arms (``ARM_NAMES``, ``DEFAULT_ARMS``, ``arm_overrides``) and
   ``StudySettings``;
 - :mod:`~trl_integration.study.run`: ``run_study``, every (arm, seed) trained in-process with held-out evaluations;
+- :mod:`~trl_integration.study.evaluation`: the held-out evaluations (steps, evaluation seeds, the rule's support);
 - :mod:`~trl_integration.study.resume`: ``--resume``, the finished runs a study keeps;
 - :mod:`~trl_integration.study.aggregate`: ``summarize``, mean ± std over seeds per arm;
+- :mod:`~trl_integration.study.contrasts`: ``contrasts``, combinations of arms paired by seed (harm, DVP's cost, ...);
 - :mod:`~trl_integration.study.report`: ``report.md`` and ``results.json`` (``render_report``, ``write_report``);
 - :mod:`~trl_integration.study.plots`: one PNG per metric (``plot_specs``, ``PLOTS``).
 

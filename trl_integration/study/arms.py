@@ -12,7 +12,9 @@ The arms (each a set of ``SafeVocabGRPOConfig`` overrides, :func:`arm_overrides`
   response length surges, then halved every ``round(1.8 x surge step)`` steps);
 - ``dvp_mis``: ``dvp`` + the ``mis`` arm's masked IS;
 - ``no_mismatch``: ``no_remedy`` with every injected mismatch switched off (no logit noise, no rounded weights, no
-  plug-in perturbation, ``rollout_dtype="auto"``): the matched zero-mismatch control, on the same seeds.
+  plug-in perturbation, ``rollout_dtype="auto"``): the matched zero-mismatch control, on the same seeds;
+- ``dvp_no_mismatch``: ``dvp`` with every injected mismatch switched off (``no_mismatch``'s switches, ``dvp``'s rule
+  in the sampler and the trainer): DVP's own cost, measured against ``no_mismatch`` on the same seeds.
 
 Every arm shares the rest (:func:`shared_config`: the tiny GRPO job of :func:`trl_integration.demo.tiny_grpo_config`
 with the study's batch, steps, learning-rate schedule and injected mismatch); runs of the same seed share the data
@@ -32,11 +34,13 @@ from trl_integration.plugins import split_spec
 
 __all__ = [
     "ARM_NAMES", "DEFAULT_ARMS", "ARM_DESCRIPTIONS", "MIS_MODES", "StudySettings", "arm_overrides", "shared_config",
-    "resolved_max_completion_length",
+    "resolved_max_completion_length", "rule_min_p",
 ]  # fmt: skip
 
 #: The arms, in report order.
-ARM_NAMES: tuple[str, ...] = ("no_remedy", "tis", "mis", "dvp", "dvp_length_decay", "dvp_mis", "no_mismatch")
+ARM_NAMES: tuple[str, ...] = (
+    "no_remedy", "tis", "mis", "dvp", "dvp_length_decay", "dvp_mis", "no_mismatch", "dvp_no_mismatch",
+)
 
 #: The arms a study runs when ``--arms`` is not given (those of the bundled study, docs/results.md).
 DEFAULT_ARMS: tuple[str, ...] = ("no_remedy", "tis", "mis", "dvp", "dvp_length_decay")
@@ -50,6 +54,7 @@ ARM_DESCRIPTIONS: dict[str, str] = {
     "dvp_length_decay": "DVP + length-decay LR (period auto)",
     "dvp_mis": "DVP + masked IS (the mis arm's)",
     "no_mismatch": "no remedy, every injected mismatch switched off (matched zero-mismatch control)",
+    "dvp_no_mismatch": "DVP (the dvp arm's rule), every injected mismatch switched off (DVP's own cost)",
 }
 
 #: Modes of the ``mis`` arm (trl's masked importance sampling).
@@ -67,11 +72,22 @@ class StudySettings:
         seeds: training seeds; each arm runs once per seed (sampling, data order and noise seeds).
         steps: optimizer steps per run.
         eval_every: held-out evaluation every this many steps (and at step 0 and at the last step).
-        eval_num_prompts: size of the task's fixed held-out set (arithmetic: test split, seed 1).
+        eval_num_prompts: size of the task's fixed held-out set (arithmetic: test split, seed 1; freetext: at most
+            432, all its held-out prompts).
+        eval_steps: evaluate at exactly these steps (increasing, in ``[0, steps]``; 0 is before training) instead
+            of the ``eval_every`` schedule; ``None``: the ``eval_every`` schedule.
+        eval_seeds: score the held-out metric once per evaluation seed (its sampling seed) and record each value
+            and their mean (the metric); ``None``: one score with the task's own seed (the metric must take a
+            ``seed`` keyword, ``StudyTask.metric_keywords``).
+        eval_on_rule: also score the held-out metric on the support of ``dvp_rule`` (a ``min_p=RHO`` rule: the metric
+            samples under ``min_p``, as a DVP-trained policy is deployed), every arm alike, at every evaluation
+            and evaluation seed (the metric must take a ``min_p`` keyword).
         task: the task (``arithmetic``, ``freetext`` or ``module:function``, see
             :func:`trl_integration.study.tasks.load_task`): data, reward and held-out metric.
         noise: bound ε of the injected rollout logit noise (``rollout_logit_noise``); 0 disables it.
-        noise_kind: ``uniform``, ``clipped_gaussian`` or ``lift`` (the biased, deterministic tail lift).
+        noise_kind: ``uniform``, ``clipped_gaussian``, ``lift`` (the biased, deterministic lift of every token but
+            the top one) or ``tail`` (``noise`` added to exactly the tokens ``dvp_rule`` cuts at the rollout's
+            logits, in every arm).
         rollout_dtype: precision of the ``generate`` rollouts (``auto`` = the model's, float32 here).
         rollout_mantissa_bits: the rollouts sample with the weights rounded to this many mantissa bits (1-23;
             ``None``: not rounded), a mismatch that follows the weights as they train.
@@ -99,6 +115,9 @@ class StudySettings:
     steps: int = 150
     eval_every: int = 25
     eval_num_prompts: int = 200
+    eval_steps: list[int] | None = None
+    eval_seeds: list[int] | None = None
+    eval_on_rule: bool = False
     task: str = "arithmetic"
     noise: float = 0.5
     noise_kind: str = "uniform"
@@ -138,6 +157,7 @@ class StudySettings:
                 continue
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"--{name} {value!r} is out of range: accepted an integer >= 1")
+        self._validate_evaluation()
         if self.num_generations < 2:
             raise ValueError(f"--num_generations {self.num_generations!r} is out of range: GRPO needs >= 2")
         if not (math.isfinite(self.noise) and self.noise >= 0):
@@ -158,9 +178,30 @@ class StudySettings:
             )
         if not (math.isfinite(self.learning_rate) and self.learning_rate > 0):
             raise ValueError(f"--learning_rate {self.learning_rate!r} is out of range: accepted a float > 0")
-        from safevocab import parse_rule
+        from safevocab import NoPruning, parse_rule
 
-        parse_rule(self.dvp_rule)  # raises ValueError naming the rule
+        dvp_rule = parse_rule(self.dvp_rule)  # raises ValueError naming the rule
+        if self.noise_kind == "tail" and self.noise > 0 and isinstance(dvp_rule, NoPruning):
+            raise ValueError("--noise_kind tail lifts the tokens --dvp_rule cuts, and --dvp_rule 'none' cuts nothing: "
+                             "accepted a rule that prunes, e.g. --dvp_rule min_p=0.01")
+
+    def _validate_evaluation(self) -> None:
+        for name in ("eval_steps", "eval_seeds"):
+            values = getattr(self, name)
+            if values is not None and (not isinstance(values, list) or not values or any(
+                    not isinstance(v, int) or isinstance(v, bool) for v in values)):
+                raise ValueError(f"--{name} {values!r} is not accepted: accepted a non-empty list of integers")
+        steps = self.eval_steps
+        if steps is not None and (any(b <= a for a, b in zip(steps, steps[1:])) or steps[0] < 0
+                                  or steps[-1] > self.steps):
+            raise ValueError(f"--eval_steps {steps!r} is not accepted: accepted increasing steps in [0, --steps "
+                             f"{self.steps}]")
+        if self.eval_seeds is not None and len(set(self.eval_seeds)) != len(self.eval_seeds):
+            raise ValueError(f"--eval_seeds {self.eval_seeds!r} is not accepted: accepted distinct integers")
+        if not isinstance(self.eval_on_rule, bool):
+            raise ValueError(f"--eval_on_rule {self.eval_on_rule!r} is not accepted: accepted True or False")
+        if self.eval_on_rule:
+            rule_min_p(self)  # a --dvp_rule without a min_p to sample under is refused here
 
     def _validate_mismatch_sources(self) -> None:
         if not isinstance(self.task, str) or not self.task:
@@ -175,6 +216,21 @@ class StudySettings:
             )
         if self.rollout_perturbation is not None:
             split_spec(self.rollout_perturbation, "--rollout_perturbation")
+
+
+def rule_min_p(settings: StudySettings) -> float:
+    """The ``min_p`` of ``settings.dvp_rule``, the support ``eval_on_rule`` scores on.
+
+    Raises:
+        ValueError: the rule is not a single ``min_p=RHO`` (a held-out metric samples under ``min_p`` only).
+    """
+    from safevocab import MinP, parse_rule
+
+    rule = parse_rule(settings.dvp_rule)
+    if not isinstance(rule, MinP):
+        raise ValueError(f"--eval_on_rule scores on --dvp_rule's support by sampling under its min_p: accepted a "
+                         f"--dvp_rule min_p=RHO, got {str(rule)!r}")
+    return float(rule.rho)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -218,6 +274,9 @@ def arm_overrides(arm: str, settings: StudySettings) -> dict[str, Any]:
             safe_vocab_rule="none", rollout_logit_noise=0.0, rollout_mantissa_bits=None, rollout_perturbation=None,
             rollout_dtype="auto", **no_is,
         )
+    if arm == "dvp_no_mismatch":
+        return {**arm_overrides("no_mismatch", settings), "safe_vocab_rule": settings.dvp_rule,
+                "safe_vocab_in_sampler": True}
     raise ValueError(f"unknown arm {arm!r}: accepted one of {list(ARM_NAMES)}")
 
 
@@ -249,6 +308,7 @@ def shared_config(settings: StudySettings, seed: int, output_dir: str) -> dict[s
         rollout_noise_seed=seed,
         rollout_logit_noise=settings.noise,
         rollout_logit_noise_kind=settings.noise_kind,
+        rollout_tail_rule=settings.dvp_rule,  # the noise kind 'tail' lifts what the dvp arms' rule cuts
         rollout_dtype=settings.rollout_dtype,
         rollout_mantissa_bits=settings.rollout_mantissa_bits,
         rollout_perturbation=settings.rollout_perturbation,

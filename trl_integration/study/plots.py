@@ -19,12 +19,15 @@ __all__ = ["PLOTS", "plot_specs", "draw_metric", "plot_metric"]
 SUBTITLE_WIDTH = 80
 
 
-def plot_specs(metric: str = "accuracy") -> dict[str, tuple[str, str, bool]]:
+def plot_specs(metric: str = "accuracy", rule: bool = False) -> dict[str, tuple[str, str, bool]]:
     """The figures of a study whose held-out metric is ``metric``: file stem -> (series key, y-axis label,
-    smoothed?). ``eval/<metric>`` is the held-out metric (file ``heldout_<metric>.png``)."""
+    smoothed?). ``eval/<metric>`` is the held-out metric (file ``heldout_<metric>.png``); with ``rule`` (a study
+    that also scored on the DVP rule's support), ``eval/<metric>_rule`` too (``heldout_<metric>_rule.png``)."""
+    on_rule = {f"heldout_{metric}_rule": (f"eval/{metric}_rule", f"held-out {metric} on the rule's support", False)}
     return {
         "reward": ("reward", "mean reward of the training batch", True),
         f"heldout_{metric}": (f"eval/{metric}", f"held-out {metric}", False),
+        **(on_rule if rule else {}),
         "log_ppl_gap": ("mismatch/log_ppl_abs_diff", "log-ppl gap |log ppl_rollout - log ppl_train|", True),
         "grad_norm": ("grad_norm", "gradient norm (before clipping)", True),
         "out_of_set_frac": ("safevocab/out_of_set_frac", "sampled tokens outside the trainer's safe set", True),
@@ -97,7 +100,7 @@ def draw_metric(results: dict, stem: str) -> Any:
 
     from trl_integration.study.aggregate import metric_name
 
-    key, label, smoothed = plot_specs(metric_name(results))[stem]
+    key, label, smoothed = plot_specs(metric_name(results), rule=True)[stem]
     s = results["settings"]
     window = s["smooth"] if smoothed else 1
     fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=110)

@@ -1,5 +1,7 @@
 """``report.md`` and ``results.json`` of ``safevocab study``: the settings, the exact command, the held-out metric
-and reward tables per arm (mean ± std over seeds), the mismatch diagnostics, failed runs and the figures."""
+and reward tables per arm (mean ± std over seeds), on the DVP rule's support too when scored there, the differences
+per evaluation seed, the contrasts (:mod:`~trl_integration.study.contrasts`), the mismatch and pruning diagnostics,
+failed runs and the figures."""
 
 from __future__ import annotations
 
@@ -8,8 +10,9 @@ import os
 from pathlib import Path
 
 from trl_integration.demo.model import TINY_MODEL_NAME, is_tiny_model
-from trl_integration.study.aggregate import BASELINES, FINAL_REWARD_STEPS, metric_name
+from trl_integration.study.aggregate import BASELINES, FINAL_REWARD_STEPS, eval_seeds, metric_name, scorings
 from trl_integration.study.arms import ARM_DESCRIPTIONS
+from trl_integration.study.contrasts import contrasts
 from trl_integration.study.plots import plot_metric, plot_specs
 
 __all__ = ["format_stat", "format_status", "render_report", "write_report", "write_json"]
@@ -90,12 +93,99 @@ def _settings_rows(results: dict) -> list[tuple[str, str]]:
         ("IS settings", f"tis: token_truncate, clip_max {s['is_clip_max']:g}; mis and dvp_mis: {s['mis_mode']}, "
                         f"[{s['is_clip_min']:g}, {s['is_clip_max']:g}]"),
         ("seeds", ", ".join(str(x) for x in s["seeds"])),
-        ("held-out evaluation", f"{metric} on {s['eval_num_prompts']} held-out prompts of the task, at step 0 "
-                                f"and every {s['eval_every']} steps"),
+        ("held-out evaluation", _evaluation_text(s, metric)),
         ("software", f"torch {env.get('torch')}, transformers {env.get('transformers')}, trl {env.get('trl')}, "
                      f"python {env.get('python')}, {env.get('torch_threads')} torch threads"),
         ("wall time", f"{results['wall_time_s']:.0f} s in total" if results.get("wall_time_s") is not None else "–"),
     ]
+
+
+def _evaluation_text(s: dict, metric: str) -> str:
+    """The settings row of the held-out evaluation (older results lack the newer evaluation settings)."""
+    steps = s.get("eval_steps")
+    when = (f"at steps {', '.join(map(str, steps))}" if steps else
+            f"at step 0 and every {s['eval_every']} steps")  # fmt: skip
+    text = f"{metric} on {s['eval_num_prompts']} held-out prompts of the task, {when}"
+    if s.get("eval_seeds"):
+        text += f"; drawn with evaluation seeds {', '.join(map(str, s['eval_seeds']))} (the metric is their mean)"
+    if s.get("eval_on_rule"):
+        text += f"; on the full distribution and on the support of {s['dvp_rule']} (every arm alike)"
+    return text
+
+
+def _held_out_table(summ: dict, arms: list[str], metric: str, suffix: str) -> list[str]:
+    """The held-out table of one scoring (``suffix``: ``""`` full distribution, ``"_rule"`` the rule's support)."""
+    baselines = [b for b in BASELINES if b in arms]
+    lines = [
+        f"| arm | runs ok | final {metric} | late {metric} | best {metric} |"
+        + "".join(f" Δ final vs {b} | Δ late vs {b} |" for b in baselines),
+        "|---|---|---|---|---|" + "---|---|" * len(baselines),
+    ]
+    for arm in arms:
+        e = summ[arm]
+        deltas = "".join(
+            " – | – |" if arm == b else f" {format_paired(e.get(f'final_metric{suffix}_vs_{b}'))} | "
+            f"{format_paired(e.get(f'late_metric{suffix}_vs_{b}'))} |"
+            for b in baselines
+        )
+        lines.append(
+            f"| {arm} | {format_status(e)} | {format_stat(e[f'final_metric{suffix}'])} | "
+            f"{format_stat(e[f'late_metric{suffix}'])} | {format_stat(e[f'best_metric{suffix}'])} |{deltas}"
+        )
+    return lines
+
+
+def _scoring_name(suffix: str, rule: str) -> str:
+    return f"rule's support ({rule})" if suffix else "full distribution"
+
+
+def _eval_seed_lines(results: dict, arms: list[str], metric: str, hh: str) -> list[str]:
+    """Δ late metric vs each baseline, for each evaluation seed alone (robustness to the evaluation draw)."""
+    seeds = eval_seeds(results)
+    baselines = [b for b in BASELINES if b in arms]
+    if not seeds or not baselines:
+        return []
+    summ, rule = results["summary"], results["settings"]["dvp_rule"]
+    lines = [f"{hh} Per evaluation seed", "",
+             f"Δ late {metric} against each baseline, scored with each evaluation seed alone (mean over the training "
+             "seeds [95 % CI]); the tables above use their mean.", "",
+             "| arm | vs | scoring |" + "".join(f" eval seed {x} |" for x in seeds),
+             "|---|---|---|" + "---|" * len(seeds)]  # fmt: skip
+    for suffix in scorings(results):
+        for arm in arms:
+            for b in baselines:
+                per_seed = summ[arm].get(f"late_metric{suffix}_vs_{b}_by_eval_seed")
+                if arm == b or not per_seed:
+                    continue
+                cells = "".join(f" {format_paired(x, 4)} |" for x in per_seed)
+                lines.append(f"| {arm} | {b} | {_scoring_name(suffix, rule)} |{cells}")
+    return lines + [""]
+
+
+def _contrast_lines(results: dict, metric: str, hh: str) -> list[str]:
+    """The contrasts that ran (:mod:`~trl_integration.study.contrasts`), late metric, every scoring."""
+    found = contrasts(results)
+    if not found:
+        return []
+    rule = results["settings"]["dvp_rule"]
+    lines = [f"{hh} Contrasts", "",
+             f"Signed combinations of arms, paired by training seed: Δ late {metric}, mean [95 % CI] over the seeds "
+             "where every arm of the contrast finished, its 90 % interval (an equivalence test within a margin d by "
+             "two one-sided 5 % tests holds when it lies inside (−d, d)), the seeds' values, and the mean for each "
+             "evaluation seed alone.", "",
+             f"| contrast | definition | scoring | Δ late {metric} | 90 % CI | per training seed | "
+             "per evaluation seed |",
+             "|---|---|---|---|---|---|---|"]  # fmt: skip
+    for name, c in found.items():
+        for suffix in scorings(results):
+            late = c[f"late_metric{suffix}"]
+            per_seed = ", ".join(f"{d:+.4f}" for d in late["diffs"]) or "–"
+            by_eval = c.get(f"late_metric{suffix}_by_eval_seed")
+            per_eval = ", ".join("–" if x["mean"] is None else f"{x['mean']:+.4f}" for x in by_eval) if by_eval else "–"
+            ci90 = f"[{late['ci90'][0]:+.4f}, {late['ci90'][1]:+.4f}]" if late.get("ci90") else "–"
+            lines.append(f"| `{name}` | {c['formula']}: {c['description']} | {_scoring_name(suffix, rule)} | "
+                         f"{format_paired(late, 4)} | {ci90} | {per_seed} | {per_eval} |")
+    return lines + [""]
 
 
 def render_report(
@@ -132,28 +222,21 @@ def render_report(
     if initial:
         lines.append(f"Held-out {metric} before training: {initial[0]:.3f} (the same model for every run).")
         lines.append("")
-    baselines = [b for b in BASELINES if b in arms]
     lines += [
         "Mean ± sample standard deviation over the seeds that finished. *final*: at the last step; *late*: the mean "
         "of the evaluations in the second half of training; *best*: the highest of the evaluations after step 0; "
         "*Δ vs X*: the difference to arm X with the same seed, averaged over seeds, with its 95 % confidence "
         "interval (Student's t over the paired differences).",
         "",
-        f"| arm | runs ok | final {metric} | late {metric} | best {metric} |"
-        + "".join(f" Δ final vs {b} | Δ late vs {b} |" for b in baselines),
-        "|---|---|---|---|---|" + "---|---|" * len(baselines),
+        *_held_out_table(summ, arms, metric, ""),
     ]
-    for arm in arms:
-        e = summ[arm]
-        deltas = "".join(
-            " – | – |" if arm == b else f" {format_paired(e.get(f'final_metric_vs_{b}'))} | "
-            f"{format_paired(e.get(f'late_metric_vs_{b}'))} |"
-            for b in baselines
-        )
-        lines.append(
-            f"| {arm} | {format_status(e)} | {format_stat(e['final_metric'])} | {format_stat(e['late_metric'])} | "
-            f"{format_stat(e['best_metric'])} |{deltas}"
-        )
+    if "_rule" in scorings(results):
+        lines += ["", f"{hh} Held-out {metric} on the rule's support", "",
+                  f"The same evaluations, with completions sampled on the safe vocabulary of {s['dvp_rule']} "
+                  "(renormalised), every arm alike, as a DVP-trained policy is deployed.", "",
+                  *_held_out_table(summ, arms, metric, "_rule")]  # fmt: skip
+    lines += ["", *_eval_seed_lines(results, arms, metric, hh), *_contrast_lines(results, metric, hh)]
+    lines = lines[:-1] if lines[-1] == "" else lines
     lines += [
         "",
         f"{hh} Training reward and mismatch",
@@ -161,18 +244,20 @@ def render_report(
         f"*final reward*: mean training-batch reward of the last {FINAL_REWARD_STEPS} steps (first "
         f"{FINAL_REWARD_STEPS} steps for *first reward*). The other columns are means over all steps: log-ppl gap "
         "`mismatch/log_ppl_abs_diff`, k3 KL `mismatch/k3_kl`, out-of-set `safevocab/out_of_set_frac`, "
-        "IS clipped/masked `mismatch/is_clipped_frac` (IS arms only), gradient norm before clipping.",
+        "IS clipped/masked `mismatch/is_clipped_frac` (IS arms only), gradient norm before clipping, the rule's "
+        "pruned mass `safevocab/pruned_mass_mean` and the sequence total variation to the unpruned policy "
+        "`safevocab/seq_tv_estimate` (arms with a rule only).",
         "",
         "| arm | first reward | final reward | log-ppl gap | k3 KL | out-of-set | IS clipped/masked | grad norm | "
-        "length | s / run |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "length | pruned mass | seq TV | s / run |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for arm in arms:
         e = summ[arm]
         lines.append(
             f"| {arm} | {format_stat(e['first_reward'])} | {format_stat(e['final_reward'])} | {_g(e['log_ppl_gap'])} | "
             f"{_g(e['k3_kl'])} | {_g(e['out_of_set_frac'])} | {_g(e['is_clipped_frac'])} | {_g(e['grad_norm'])} | "
-            f"{_g(e['mean_length'])} | {_g(e['wall_time_s'])} |"
+            f"{_g(e['mean_length'])} | {_g(e.get('pruned_mass'))} | {_g(e.get('seq_tv'))} | {_g(e['wall_time_s'])} |"
         )
     for arm in arms:
         if summ[arm].get("identical_to"):
@@ -200,7 +285,7 @@ def render_report(
                   f"One line per arm: the mean over seeds; the band spans the smallest to the largest seed. Training "
                   f"metrics are smoothed with a trailing {s['smooth']}-step moving average (raw series in "
                   "results.json).", ""]
-        for stem, (_, label, _) in plot_specs(metric).items():
+        for stem, (_, label, _) in plot_specs(metric, rule="_rule" in scorings(results)).items():
             lines += [f"![{label}]({image_prefix}{stem}.png)", ""]
     return "\n".join(lines).rstrip() + "\n"
 
@@ -218,7 +303,7 @@ def write_report(results: dict, output_dir: str | os.PathLike, plots: bool = Tru
     out.mkdir(parents=True, exist_ok=True)
     files = [out / "report.md", out / "results.json"]
     if plots:
-        for stem in plot_specs(metric_name(results)):
+        for stem in plot_specs(metric_name(results), rule="_rule" in scorings(results)):
             plot_metric(results, stem, out / f"{stem}.png")
             files.append(out / f"{stem}.png")
     results["files"] = [f.name for f in files]

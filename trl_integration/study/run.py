@@ -2,8 +2,9 @@
 
 Each run builds a ``SafeVocabGRPOTrainer`` on the arm's config (:mod:`trl_integration.study.arms`) with the task's
 data and reward (:class:`~trl_integration.study.task.StudyTask`), evaluates the task's held-out metric on its fixed
-held-out set before training and every ``eval_every`` steps (:class:`HeldOutMetricCallback`), and records the
-per-step training log. A run that raises is recorded as failed with what it logged so far; the results are written
+held-out set before training and every ``eval_every`` steps, or at ``eval_steps``, once or once per evaluation seed,
+on the full distribution and optionally on the DVP rule's support (:mod:`trl_integration.study.evaluation`,
+:class:`HeldOutMetricCallback`), and records the per-step training log. A run that raises is recorded as failed with what it logged so far; the results are written
 after every run, so an interrupted study keeps what it finished, and ``resume=True`` (``--resume``) trains only the
 runs not finished yet (:mod:`trl_integration.study.resume`).
 """
@@ -27,6 +28,13 @@ from typing import Any
 from trl_integration.demo.model import is_tiny_model, tiny_model_path
 from trl_integration.study.aggregate import summarize
 from trl_integration.study.arms import StudySettings, arm_overrides, resolved_max_completion_length, shared_config
+from trl_integration.study.contrasts import contrasts
+from trl_integration.study.evaluation import (
+    HeldOutAccuracyCallback,
+    HeldOutMetricCallback,
+    check_evaluation,
+    evaluation_callback,
+)
 from trl_integration.study.report import write_json, write_report
 from trl_integration.study.resume import finished_runs
 from trl_integration.study.task import StudyTask
@@ -38,78 +46,10 @@ __all__ = ["HeldOutMetricCallback", "HeldOutAccuracyCallback", "run_study", "set
 _DROP_KEYS = ("step", "epoch", "num_tokens", "total_flos")
 
 
-try:  # the callbacks subclass transformers' TrainerCallback when it is installed (the trl extra)
+try:  # the progress callback subclasses transformers' TrainerCallback when it is installed (the trl extra)
     from transformers import TrainerCallback as _CallbackBase
 except ImportError:  # pragma: no cover - without the trl extra nothing here can run anyway
     _CallbackBase = object
-
-
-class HeldOutMetricCallback(_CallbackBase):
-    """A held-out metric on a fixed set, before training and every ``every`` optimizer steps.
-
-    The metric (a :class:`~trl_integration.study.task.StudyTask`'s ``held_out_metric``) must save and restore torch's
-    global random state, so that the evaluations do not change the training run. Results accumulate in
-    ``self.steps`` and ``self.values``.
-
-    Args:
-        trainer: the trainer (its unwrapped model and tokenizer are evaluated).
-        dataset: the held-out rows the metric reads.
-        every: evaluation period in optimizer steps (the last step is always evaluated).
-        metric: ``metric(model, tokenizer, dataset) -> float``.
-        name: what the metric measures (``"accuracy"``), for the records.
-    """
-
-    def __init__(self, trainer: Any, dataset: Any, every: int, metric: Callable[[Any, Any, Any], float],
-                 name: str = "metric") -> None:
-        self.trainer = trainer
-        self.dataset = dataset
-        self.every = every
-        self.metric = metric
-        self.name = name
-        self.steps: list[int] = []
-        self.values: list[float] = []
-
-    def _metric(self) -> Callable[[Any, Any, Any], float]:
-        return self.metric
-
-    def _evaluate(self, step: int) -> None:
-        if self.steps and self.steps[-1] == step:
-            return
-        model = self.trainer.accelerator.unwrap_model(self.trainer.model)
-        self.steps.append(step)
-        self.values.append(float(self._metric()(model, self.trainer.processing_class, self.dataset)))
-
-    def on_train_begin(self, args, state, control, **kwargs):
-        self._evaluate(state.global_step)
-        return control
-
-    def on_step_end(self, args, state, control, **kwargs):
-        if state.global_step % self.every == 0 or state.global_step >= state.max_steps:
-            self._evaluate(state.global_step)
-        return control
-
-
-class HeldOutAccuracyCallback(HeldOutMetricCallback):
-    """Greedy arithmetic accuracy (:func:`trl_integration.demo.arithmetic.accuracy`) as the held-out metric: the
-    :class:`HeldOutMetricCallback` of the ``arithmetic`` task, with the values also under ``self.accuracy``.
-
-    Args:
-        trainer: the trainer (its unwrapped model and tokenizer are evaluated).
-        dataset: rows with ``prompt`` and ``answer``.
-        every: evaluation period in optimizer steps (the last step is always evaluated).
-    """
-
-    def __init__(self, trainer: Any, dataset: Any, every: int) -> None:
-        super().__init__(trainer, dataset, every, metric=None, name="accuracy")  # type: ignore[arg-type]
-
-    def _metric(self) -> Callable[[Any, Any, Any], float]:
-        from trl_integration.demo.arithmetic import accuracy  # looked up at each evaluation, as it always was
-
-        return accuracy
-
-    @property
-    def accuracy(self) -> list[float]:
-        return self.values
 
 
 class _ProgressCallback(_CallbackBase):
@@ -179,9 +119,7 @@ def _run_one(arm: str, overrides: dict, seed: int, settings: StudySettings, mode
                 model=model_path, reward_funcs=list(task.reward_funcs), args=config, train_dataset=train_dataset
             )
             trainer.remove_callback(PrinterCallback)  # the study prints a progress bar, not every log line
-            evaluator = HeldOutMetricCallback(
-                trainer, test_dataset, settings.eval_every, task.held_out_metric, task.metric_name
-            )
+            evaluator = evaluation_callback(trainer, test_dataset, settings, task)
             trainer.add_callback(evaluator)
             trainer.add_callback(_ProgressCallback(bar, f"{arm} seed {seed}"))
             trainer.train()
@@ -210,7 +148,7 @@ def _run_one(arm: str, overrides: dict, seed: int, settings: StudySettings, mode
         if trainer is not None:
             record["series"] = _series_from_history(trainer.state.log_history)
         if evaluator is not None:
-            record["eval"] = {"step": list(evaluator.steps), task.metric_name: list(evaluator.values)}
+            record["eval"] = evaluator.record()
         record["wall_time_s"] = time.perf_counter() - start
         del trainer
         gc.collect()
@@ -306,6 +244,7 @@ def run_study(
     settings.validate()
     spec = settings.task if task is None else task if isinstance(task, str) else f"{task.name} (a StudyTask object)"
     task = load_task(settings.task if task is None else task)
+    check_evaluation(settings, task)
     settings = replace(
         settings, max_completion_length=resolved_max_completion_length(settings, task.max_completion_length)
     )
@@ -344,6 +283,7 @@ def run_study(
         "runs_trained": 0,
         "runs_resumed": 0,
         "summary": {},
+        "contrasts": {},
     }
     wall_before = float(previous_results.get("wall_time_s") or 0.0)
     plan = [(arm, seed) for arm in settings.arms for seed in settings.seeds]
@@ -371,6 +311,7 @@ def run_study(
                 bar.write(f"safevocab study: {arm} seed {seed} FAILED: {record['error']}")
             results["wall_time_s"] = wall_before + time.perf_counter() - start
             results["summary"] = summarize(results)
+            results["contrasts"] = contrasts(results)
             write_json(results, out / "results.json")  # after every run: an interrupted study keeps its runs
     finally:
         bar.close()
@@ -383,6 +324,7 @@ def run_study(
                                         "wall_time_s": None, "train_runtime_s": None, "length_decay": None})
         results["wall_time_s"] = wall_before + time.perf_counter() - start
         results["summary"] = summarize(results)
+        results["contrasts"] = contrasts(results)
         restore_libraries()
         write_report(results, out, plots=plots)
     return results
@@ -392,8 +334,10 @@ def settings_command(settings: StudySettings) -> str:
     """The ``safevocab study`` command line that reproduces ``settings`` with every flag explicit."""
     parts = ["safevocab", "study"]
     for name, value in asdict(settings).items():
-        if value is None:  # model, max_completion_length, rollout_mantissa_bits, rollout_perturbation: unset
+        if value is None or value is False:  # unset (model, eval_seeds, ...) or a switch that is off (eval_on_rule)
             continue
         parts.append(f"--{name}")
+        if value is True:  # a switch (store_true): the flag alone
+            continue
         parts.extend(str(v) for v in value) if isinstance(value, list) else parts.append(str(value))
     return shlex.join(parts)

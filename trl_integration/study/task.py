@@ -8,7 +8,9 @@ A task bundles the three things a GRPO study of one problem needs and that no ar
 - the **reward**: trl reward functions, ``reward(completions, **columns) -> list[float]``, as ``GRPOTrainer`` calls
   them;
 - the **held-out metric**: ``held_out_metric(model, tokenizer, dataset) -> float`` (higher is better; e.g. greedy
-  accuracy), which must leave torch's global random state as it found it, so evaluating does not change a run.
+  accuracy), which must leave torch's global random state as it found it, so evaluating does not change a run. A
+  sampled metric may take keywords, listed in ``metric_keywords``: ``seed`` (its sampling seed; ``safevocab study
+  --eval_seeds``) and ``min_p`` (sample on the support of the rule ``min_p``; ``--eval_on_rule``).
 
 A task is named on the command line as ``module:function`` (``function()`` returns a :class:`StudyTask`) or by a
 built-in name; see :func:`trl_integration.study.tasks.load_task`.
@@ -39,6 +41,9 @@ class StudyTask:
         max_completion_length: the task's completion length in tokens when a study does not set one (``None``: the
             study's default).
         description: one line for reports.
+        metric_keywords: the keywords ``held_out_metric`` also takes: ``"seed"`` (an int, the sampling seed of the
+            evaluation) and/or ``"min_p"`` (a float in (0, 1]: sample on that rule's support); ``()`` for a metric
+            that takes neither (e.g. greedy accuracy).
     """
 
     name: str
@@ -50,3 +55,4 @@ class StudyTask:
     metric_name: str = "accuracy"
     max_completion_length: int | None = None
     description: str = ""
+    metric_keywords: tuple[str, ...] = ()
