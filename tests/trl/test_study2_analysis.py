@@ -1,0 +1,153 @@
+"""scripts/study2_analysis.py, the pre-registered analysis of Study 2, on hand-made results with known answers."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("trl")
+
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "study2_analysis.py"
+
+
+@pytest.fixture(scope="module")
+def analysis():
+    spec = importlib.util.spec_from_file_location("study2_analysis", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+STEPS = [0, 150, 200, 250, 300]
+
+
+def _run(arm: str, seed: int, late: float, late_rule: float, tv: float = 0.5) -> dict:
+    """A finished run whose late held-out reward (mean of steps 200, 250, 300) is ``late`` (``late_rule`` on the
+    rule's support); two evaluation seeds that differ by ±0.001 around it."""
+    full = [0.05, late - 0.01, late - 0.001, late, late + 0.001]
+    rule = [0.06, late_rule - 0.01, late_rule, late_rule, late_rule]
+    return {
+        "arm": arm, "seed": seed, "status": "ok",
+        "eval": {"step": STEPS, "reward": full, "reward_rule": rule, "eval_seeds": [0, 1],
+                 "reward_by_seed": [[v - 0.001, v + 0.001] for v in full],
+                 "reward_rule_by_seed": [[v - 0.001, v + 0.001] for v in rule]},
+        "series": {"step": [100, 200, 300], "safevocab/seq_tv_estimate": [0.9, tv, tv],
+                   "safevocab/pruned_mass_mean": [0.3, 0.2, 0.2], "reward": [0.1, 0.1, 0.1]},
+    }
+
+
+def _results(runs: list[dict]) -> dict:
+    arms = {r["arm"]: {} for r in runs}
+    return {"arms": arms, "runs": runs, "settings": {"steps": 300}, "task": {"metric_name": "reward"}}
+
+
+# late rule-support reward per (arm, seed): the tail harms no remedy by 0.02 (seed-dependent), DVP's residual harm
+# is tiny, DVP costs 0.003, and under lift2 DVP removes nothing.
+SEEDS = (1, 2, 3, 4, 5)
+JITTER = (0.0, 0.001, -0.001, 0.002, -0.002)
+TAIL_VALUES = {
+    "no_mismatch": [0.120 + j for j in JITTER],
+    "dvp_no_mismatch": [0.117 + j for j in JITTER],
+    "no_remedy": [0.100 + j + 0.5 * j for j in JITTER],
+    "dvp": [0.117 + j + 0.1 * j for j in JITTER],
+    "tis": [0.115 + j for j in JITTER],
+}
+LIFT_VALUES = {"no_remedy": [0.100 + j for j in JITTER], "dvp": [0.098 + j for j in JITTER]}
+
+
+@pytest.fixture()
+def studies(tmp_path):
+    tail = _results([_run(a, s, v, v) for a, vs in TAIL_VALUES.items() for s, v in zip(SEEDS, vs)])
+    lift = _results([_run(a, s, v, v) for a, vs in LIFT_VALUES.items() for s, v in zip(SEEDS, vs)])
+    paths = tmp_path / "tail.json", tmp_path / "lift2.json"
+    for path, results in zip(paths, (tail, lift)):
+        path.write_text(json.dumps(results))
+    return tail, lift, paths
+
+
+def test_estimands_equal_the_hand_computed_contrasts(analysis, studies):
+    tail, lift, _ = studies
+    e = analysis.estimands(tail, analysis.with_controls(lift, tail), "late_metric_rule")
+    expected = {
+        "E1_harm": [TAIL_VALUES["no_remedy"][i] - TAIL_VALUES["no_mismatch"][i] for i in range(5)],
+        "E2_residual_harm": [TAIL_VALUES["dvp"][i] - TAIL_VALUES["dvp_no_mismatch"][i] for i in range(5)],
+        "E4_cost": [TAIL_VALUES["dvp_no_mismatch"][i] - TAIL_VALUES["no_mismatch"][i] for i in range(5)],
+    }
+    expected["E3_interaction"] = [r - h for r, h in zip(expected["E2_residual_harm"], expected["E1_harm"])]
+    lift_interaction = [
+        (LIFT_VALUES["dvp"][i] - TAIL_VALUES["dvp_no_mismatch"][i])
+        - (LIFT_VALUES["no_remedy"][i] - TAIL_VALUES["no_mismatch"][i]) for i in range(5)
+    ]
+    expected["E5_specificity"] = [t - x for t, x in zip(expected["E3_interaction"], lift_interaction)]
+    for name, diffs in expected.items():
+        assert e[name]["seeds"] == list(SEEDS), name
+        assert e[name]["diffs"] == pytest.approx(diffs, abs=1e-12), name
+        mean = sum(diffs) / 5
+        sd = math.sqrt(sum((d - mean) ** 2 for d in diffs) / 4)
+        assert e[name]["ci95"] == pytest.approx([mean - 2.776 * sd / math.sqrt(5), mean + 2.776 * sd / math.sqrt(5)],
+                                                abs=1e-4), name
+
+
+def test_decisions_follow_the_plan(analysis, studies):
+    tail, lift, _ = studies
+    e = analysis.estimands(tail, analysis.with_controls(lift, tail), "late_metric_rule")
+    assert analysis.decide(e) == {
+        "premise": "harm detected",
+        "dvp": "DVP removes the tail's harm",
+        "cost": "cost detected negative",
+        "specificity": "specific to the tail",
+    }
+    # a residual harm beyond the margin: reduces, does not remove
+    assert analysis.decide(e, margin=0.0001)["dvp"] == "DVP reduces the tail's harm but does not remove it"
+
+
+def test_decision_branches_on_intervals(analysis):
+    def stats(ci95, ci90=None):
+        lo, hi = ci95
+        return {"mean": (lo + hi) / 2, "std": 1.0, "n": 5, "ci95": ci95, "ci90": ci90 or ci95}
+
+    base = {"E1_harm": stats([0.001, 0.01]), "E2_residual_harm": stats([-0.1, 0.1]),
+            "E3_interaction": stats([-0.01, 0.02]), "E4_cost": stats([-0.01, 0.01]), "E5_specificity": stats([-1, 1])}
+    assert analysis.decide(base) == {
+        "premise": "no harm detected (against the premise at this scale)",
+        "dvp": "DVP does not reduce the tail's harm",
+        "cost": "no cost detected",
+        "specificity": "specificity not shown",
+    }
+    assert analysis.decide({**base, "E4_cost": stats([0.001, 0.002])})["cost"] == "cost detected positive"
+
+
+def test_bonferroni_interval_uses_t_0995(analysis):
+    stats = {"mean": 0.0, "std": 1.0, "n": 5}
+    lo, hi = analysis.bonferroni(stats)
+    assert hi == pytest.approx(4.604 / math.sqrt(5))
+
+
+def test_per_evaluation_seed_and_cost_against_bound(analysis, studies):
+    tail, lift, _ = studies
+    seeds = analysis.per_eval_seed(tail, analysis.with_controls(lift, tail), "late_metric_rule")
+    assert len(seeds) == 2  # two evaluation seeds, each shifted by the same ±0.001 in every arm: same contrasts
+    assert seeds[0]["E1_harm"]["diffs"] == pytest.approx(seeds[1]["E1_harm"]["diffs"], abs=1e-12)
+    rows = analysis.cost_against_bound(tail, "late_metric_rule")
+    assert [r["seed"] for r in rows] == list(SEEDS)
+    assert all(r["seq_tv"] == pytest.approx(0.5) and r["bound"] == pytest.approx(0.5) for r in rows)  # late steps only
+
+
+def test_main_prints_every_estimand_and_checks_determinism(analysis, studies, tmp_path, capsys):
+    tail, _, (tail_path, lift_path) = studies
+    check = _results([r for r in tail["runs"] if r["arm"] in ("no_mismatch", "dvp_no_mismatch") and r["seed"] == 1])
+    check["runs"][0]["eval"]["reward"][-1] += 1e-9  # one evaluation differs: the check must say so
+    check_path = tmp_path / "check.json"
+    check_path.write_text(json.dumps(check))
+    out_json = tmp_path / "out.json"
+    assert analysis.main([str(tail_path), str(lift_path), "--check", str(check_path), "--json", str(out_json)]) == 0
+    printed = capsys.readouterr().out
+    for name in ("E1_harm", "E2_residual_harm", "E3_interaction", "E4_cost", "E5_specificity"):
+        assert printed.count(name) == 2  # both scorings
+    report = json.loads(out_json.read_text())
+    assert report["determinism"] == ["dvp_no_mismatch seed 1: identical", "no_mismatch seed 1: DIFFERENT"]
+    assert report["rule"]["decisions"]["dvp"] == "DVP removes the tail's harm"
