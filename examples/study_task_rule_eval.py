@@ -19,7 +19,7 @@ import dataclasses
 import functools
 
 from trl_integration.demo.freetext import freetext_task, held_out_reward
-from trl_integration.study.task import StudyTask
+from trl_integration.task import StudyTask
 
 #: The ``min_p`` of the study's DVP arms (``--dvp_rule min_p=0.01``, the default).
 RULE_MIN_P = 0.01

@@ -16,7 +16,7 @@ so that the tail's k3 KL matches the ``lift`` at ε = 2 (docs/testbed.md), ``RUL
 
 from __future__ import annotations
 
-from trl_integration.logit_perturbations import LogitNoiseProcessor
+from trl_integration.rollout.perturbations import LogitNoiseProcessor
 
 #: The lift of the cut tokens, in nats of transformed logit.
 EPS = 1.07

@@ -44,7 +44,7 @@ def sample_logprobs(model, tokenizer, prompts, *, eps: float, seed: int, batch_s
     """``(log pi(y), log mu(y))`` of every sampled token before and including EOS, as two 1-D tensors."""
     from transformers import LogitsProcessorList
 
-    from trl_integration.rollout import LogitNoiseProcessor
+    from trl_integration.rollout.perturbations import LogitNoiseProcessor
 
     log_pi, log_mu = [], []
     torch.manual_seed(seed)

@@ -3,15 +3,18 @@
 Everything that needs ``trl`` or ``transformers`` lives in this package, so that ``safevocab`` itself
 depends on torch alone. Names are imported lazily: ``import trl_integration`` does not import trl.
 
-- :class:`SafeVocabGRPOConfig` (``trl_integration.config``): ``GRPOConfig`` + safe-vocabulary settings.
-- :class:`SafeVocabGRPOTrainer` (``trl_integration.trainer``): ``GRPOTrainer`` with safe log-probabilities.
-- ``trl_integration.metrics``: pure mismatch / safe-set metric functions.
-- importance-sampling ratio with raw statistics: ``safevocab.correction`` (``trl_integration.correction`` is a deprecated alias).
-- ``trl_integration.rollout``: rollout log-probabilities and precision on the ``generate`` path.
-- ``trl_integration.lm_head``: the safe fused LM head patch.
-- ``trl_integration.commands``: the ``safevocab`` command (``grpo``, ``diagnose``, ``study``, ``bench``) and
-  ``safevocab-grpo``; ``trl_integration.lab`` and ``trl_integration.study`` behind them.
-- ``trl_integration.demo``: the bundled tiny model, its task and ``tiny_grpo_config()``.
+The package, by job (docs/architecture.md has the map):
+
+- ``grpo/``: the drop-in. :class:`SafeVocabGRPOConfig` (``grpo/config.py``: ``GRPOConfig`` + safe-vocabulary
+  settings), :class:`SafeVocabGRPOTrainer` (``grpo/trainer.py``: trl's hooks), ``add_safe_lm_head`` (``grpo/head.py``)
+  and what they use: the per-batch step, its metrics, replay, length decay, checkpoints, the vLLM engine.
+- ``rollout/``: the rollout side on the ``generate`` path: log-probability recording and precision, the injected
+  perturbations and the run's injected mismatch.
+- ``lab/`` (``safevocab diagnose``), ``study/`` (``safevocab study``), ``demo/`` (the bundled models and tasks) and
+  ``commands/`` (``safevocab``, ``safevocab-grpo``).
+- At the root: ``_private.py`` (the one module naming trl's, transformers', accelerate's and vLLM's private API),
+  ``options.py`` (accepted values), ``task.py`` (the study-task contract), ``plugins.py`` (``module:function``
+  plug-ins).
 """
 
 from __future__ import annotations
@@ -21,9 +24,9 @@ import importlib
 __all__ = ["SafeVocabGRPOConfig", "SafeVocabGRPOTrainer", "add_safe_lm_head"]
 
 _LAZY = {
-    "SafeVocabGRPOConfig": "trl_integration.config",
-    "SafeVocabGRPOTrainer": "trl_integration.trainer",
-    "add_safe_lm_head": "trl_integration.lm_head",
+    "SafeVocabGRPOConfig": "trl_integration.grpo.config",
+    "SafeVocabGRPOTrainer": "trl_integration.grpo.trainer",
+    "add_safe_lm_head": "trl_integration.grpo.head",
 }
 
 

@@ -77,7 +77,7 @@ def _timed_step(trainer, batches, seed: int) -> float:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    from trl_integration.config import DEFAULT_RULE, SCORING_MODES
+    from trl_integration.grpo.config import DEFAULT_RULE, SCORING_MODES
 
     from transformers.hf_argparser import string_to_bool  # TRL-style true/false values
 
@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     from safevocab import parse_rule
     from trl_integration import SafeVocabGRPOConfig, SafeVocabGRPOTrainer
-    from trl_integration.trl_private import metric_store
+    from trl_integration._private import metric_store
     from trl_integration.demo.arithmetic import arithmetic_reward, make_dataset
 
     if not 0 <= args.skip < args.steps:

@@ -26,7 +26,7 @@ def sampler_rule(top_k: int | None = None, top_p: float | None = None, min_p: fl
     """The rule HF/vLLM sampling with these (trl-style) settings applies; neutral values prune nothing.
 
     ``top_k`` of ``None``/``0``/``-1``, ``top_p`` of ``None``/``1.0`` and ``min_p`` of ``None``/``0.0`` are off.
-    (Also importable from :mod:`trl_integration.rollout`, its former home.)
+    (Also importable from :mod:`trl_integration.rollout.recorder`, its former home.)
     """
     parts: list[SafeVocabRule] = []
     if top_k is not None and top_k > 0:

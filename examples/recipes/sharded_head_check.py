@@ -1,6 +1,6 @@
 """Check the safe LM head under a sharded model: the same log-probabilities and gradients as the unsharded model.
 
-What it shows: :func:`trl_integration.lm_head.add_safe_lm_head` (the head ``SafeVocabGRPOTrainer`` installs)
+What it shows: :func:`trl_integration.grpo.head.add_safe_lm_head` (the head ``SafeVocabGRPOTrainer`` installs)
 computes ``log pi_S`` and its gradients correctly when the model is sharded across processes:
 
 - ``--mode fsdp2`` (CPU with gloo, or GPUs): ``torch.distributed.fsdp.fully_shard`` on every decoder layer and
@@ -76,7 +76,7 @@ def run_sharded(args, head, base, rule, device, rank, world, batch, n_global, re
     process's slice of ``batch``; the differences to the reference."""
     import torch
 
-    from trl_integration.lm_head import add_safe_lm_head
+    from trl_integration.grpo.head import add_safe_lm_head
 
     input_ids, attention_mask, labels = batch
     rows = slice(rank * args.global_batch // world, (rank + 1) * args.global_batch // world)
@@ -159,10 +159,10 @@ def main(argv: list[str] | None = None) -> int:
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
 
-    import trl_integration.lm_head as lm_head_module
+    import trl_integration.grpo.head as lm_head_module
     from safevocab import parse_rule
     from trl_integration.demo.model import tiny_model_path
-    from trl_integration.lm_head import add_safe_lm_head
+    from trl_integration.grpo.head import add_safe_lm_head
 
     # Count which sharded-head path ran: DTensor gathers (FSDP2, head in its own group) and backward re-gathers
     # (ZeRO-3 weight_gather hook entered by the fused backward).

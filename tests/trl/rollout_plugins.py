@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from trl_integration.rollout import LogitNoiseProcessor
+from trl_integration.rollout.perturbations import LogitNoiseProcessor
 
 #: Seeds the factories were called with, in order (the tests read it).
 SEEDS_SEEN: list[int] = []

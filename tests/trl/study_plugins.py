@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from trl_integration.demo.arithmetic_task import arithmetic_task
-from trl_integration.study.task import StudyTask
+from trl_integration.task import StudyTask
 
 
 def exact_match_task() -> StudyTask:

@@ -19,7 +19,7 @@ TINY = str(tiny_model_path())
 
 @pytest.fixture
 def no_model_load(monkeypatch):
-    import trl_integration.trainer as trainer_module
+    import trl_integration.grpo.trainer as trainer_module
 
     def loaded(*args, **kwargs):
         raise AssertionError("the model was loaded: the bad input was not caught first")
@@ -259,7 +259,7 @@ def test_length_decay_refuses_a_schedule_it_would_ignore(flags, name, tmp_path, 
 def test_the_run_pushes_to_the_hub_and_ends_like_trls_script(tmp_path, monkeypatch, capsys):
     """``--push_to_hub`` pushes the final model once, after saving it (the Hub call itself is replaced: no network
     here), and the run ends with transformers' ``Trainer.end()`` as trl's own grpo script does."""
-    import trl_integration.trainer as trainer_module
+    import trl_integration.grpo.trainer as trainer_module
 
     calls = []
     monkeypatch.setattr(trainer_module.SafeVocabGRPOTrainer, "init_hf_repo", lambda self, token=None: None)

@@ -48,7 +48,7 @@ def model():
 
 
 def test_vocabulary_has_4096_ids_and_grpo_special_tokens(tokenizer, model):
-    from trl_integration.tokenizer_check import check_tokenizer
+    from trl_integration.grpo.checks import check_tokenizer
 
     assert len(tokenizer) >= 4096 and model.config.vocab_size == len(tokenizer) == 4096
     assert tokenizer.eos_token == "<eos>" and tokenizer.pad_token == "<pad>"
@@ -245,7 +245,7 @@ def test_held_out_metric_scores_completions_and_keeps_the_rng(model, tokenizer):
 
 
 def test_freetext_task_is_a_study_task():
-    from trl_integration.study.task import StudyTask
+    from trl_integration.task import StudyTask
 
     task = freetext_task()
     assert isinstance(task, StudyTask) and task.name == "freetext" and task.metric_name == "reward"

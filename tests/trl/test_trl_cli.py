@@ -270,62 +270,9 @@ def test_safevocab_bench_imports_no_trl():
     assert proc.stdout.strip().splitlines()[-1] == "[]"
 
 
-@pytest.mark.parametrize(
-    "old, name, new",
-    [
-        ("trl_integration.cli", "main", "trl_integration.commands.grpo"),
-        ("trl_integration.cli", "make_parser", "trl_integration.commands.grpo"),
-        ("trl_integration.cli", "BUNDLED_JOB_DEFAULTS", "trl_integration.commands.grpo"),
-        ("trl_integration.diagnose", "main", "trl_integration.commands"),
-        ("trl_integration.diagnose", "run_diagnose", "trl_integration.lab"),
-        ("trl_integration.diagnose", "parse_compare", "trl_integration.lab"),
-        ("trl_integration.diagnose", "write_outputs", "trl_integration.lab"),
-        ("trl_integration.diagnose", "DEFAULT_RULE", "trl_integration.config"),
-        ("trl_integration.study", "main", "trl_integration.commands.study"),
-        ("trl_integration.assets", "tiny_model_path", "trl_integration.demo.model"),
-        ("trl_integration.tasks", "arithmetic_reward", "trl_integration.demo.arithmetic"),
-        ("trl_integration.tasks.arithmetic", "make_dataset", "trl_integration.demo.arithmetic"),
-        ("trl_integration.data", "synthetic_dataset", "trl_integration.demo.data"),
-    ],
-)
-def test_old_import_paths_still_work_and_warn(old, name, new):
-    import importlib
-
-    module = importlib.import_module(old)
-    with pytest.warns(FutureWarning, match=f"{old}.{name} moved to {new}"):
-        value = getattr(module, name)
-    assert value is getattr(importlib.import_module(new), name)
-
-
-def test_old_parsers_still_parse_their_subcommand():
-    with pytest.warns(FutureWarning):
-        from trl_integration.diagnose import build_parser as diagnose_parser
-    with pytest.warns(FutureWarning):
-        from trl_integration.study import add_study_subparser, build_parser as study_parser
-    from trl_integration.commands.diagnose import run_parsed
-
-    args = diagnose_parser().parse_args(["diagnose", "--noise", "0.1", "--rule", "top_k=5"])
-    assert (args.command, args.noise, args.rule, args.func) == ("diagnose", 0.1, "top_k=5", run_parsed)
-    assert study_parser().parse_args(["study", "--steps", "4"]).steps == 4
-    import argparse
-
-    sub = argparse.ArgumentParser(prog="x").add_subparsers()
-    assert add_study_subparser(sub).parse_args(["--seeds", "3", "4"]).seeds == [3, 4]
-
-
-def test_python_m_old_cli_module_runs_grpo_without_a_warning():
-    import subprocess
-    import sys
-
-    proc = subprocess.run([sys.executable, "-W", "error::FutureWarning", "-m", "trl_integration.cli", "--help"],
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert proc.stdout.startswith("usage: safevocab-grpo") and "--safe_vocab_rule" in proc.stdout
-
-
 def test_tiny_grpo_config_is_the_main_jobs_and_takes_overrides(tmp_path):
     from trl_integration.commands.grpo import BUNDLED_JOB_DEFAULTS
-    from trl_integration.config import SafeVocabGRPOConfig
+    from trl_integration.grpo.config import SafeVocabGRPOConfig
     from trl_integration.demo.config import TINY_GRPO_DEFAULTS, tiny_grpo_config
 
     assert BUNDLED_JOB_DEFAULTS == {"dataset_name": "arithmetic", **TINY_GRPO_DEFAULTS}

@@ -9,7 +9,7 @@ import pytest
 from trl import GRPOConfig
 
 from safevocab import MinP, MinProb, NoPruning, TopK, TopP, parse_rule
-from trl_integration.config import SafeVocabGRPOConfig
+from trl_integration.grpo.config import SafeVocabGRPOConfig
 
 
 def make(tmp_path, **kwargs):
@@ -188,16 +188,16 @@ def test_numeric_fields_are_stored_as_python_numbers(tmp_path):
 
 
 def test_enumerations_have_one_home():
-    import trl_integration.config as config
-    import trl_integration.enums as enums
-    import trl_integration.rollout as rollout
+    import trl_integration.grpo.config as config
+    import trl_integration.options as enums
+    import trl_integration.rollout.perturbations as perturbations
+    import trl_integration.rollout.recorder as rollout
     from safevocab.correction import IS_MODES
     from safevocab.logprobs import DEFAULT_MAX_CHUNK_BYTES
-    from trl_integration.effective_rule import sampler_rule
 
     assert config.OUT_OF_SET_MODES is enums.OUT_OF_SET_MODES and config.SCORING_MODES is enums.SCORING_MODES
-    assert rollout.NOISE_KINDS is enums.NOISE_KINDS and rollout.ROLLOUT_DTYPES is enums.ROLLOUT_DTYPES
-    assert rollout.sampler_rule is sampler_rule and enums.IS_MODES is IS_MODES
+    assert perturbations.NOISE_KINDS is enums.NOISE_KINDS and rollout.ROLLOUT_DTYPES is enums.ROLLOUT_DTYPES
+    assert enums.IS_MODES is IS_MODES
     fields = SafeVocabGRPOConfig.__dataclass_fields__
     assert fields["safe_vocab_max_chunk_bytes"].default == DEFAULT_MAX_CHUNK_BYTES == 64 * 2**20
     assert fields["safe_vocab_rule"].default == config.DEFAULT_RULE == "min_p=0.001"

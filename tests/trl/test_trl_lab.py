@@ -20,12 +20,8 @@ from trl_helpers import PROMPTS, build_model, build_tokenizer, grpo_kwargs, prom
 from safevocab import NoPruning, safe_log_softmax
 from safevocab.bounds import logprob_mismatch_bound
 from trl_integration import SafeVocabGRPOConfig, SafeVocabGRPOTrainer
-from trl_integration.rollout import (
-    LogitNoiseProcessor,
-    RolloutLogprobRecorder,
-    logit_noise,
-    recording_generate,
-)
+from trl_integration.rollout.perturbations import LogitNoiseProcessor, logit_noise
+from trl_integration.rollout.recorder import RolloutLogprobRecorder, recording_generate
 
 
 def make_trainer(model_dir, tmp_path, **config):
@@ -43,14 +39,6 @@ def loss_tokens(trainer, key="rollout_logps"):
     g = trainer.last_generation
     m = g["loss_mask"].bool()
     return g["train_logps"][m].double(), g[key][m].double()
-
-
-def test_metrics_module_reexports_core_functions():
-    import safevocab.mismatch as core
-    import trl_integration.metrics as legacy
-
-    for name in legacy.__all__:
-        assert getattr(legacy, name) is getattr(core, name), name
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -143,8 +131,8 @@ def test_trainer_noise_step_within_bound(tiny_model_dir, tmp_path):
     assert gap.max().item() > 1e-2  # the noise is there
     # fp32 engines add ~1e-6 of their own to the injected perturbation
     assert torch.all(gap <= logprob_mismatch_bound(train.exp(), eps) + 1e-4)
-    assert 0 < trainer._logit_noise.max_abs_delta <= eps
-    assert trainer._logit_noise.temperature == pytest.approx(0.9)
+    assert 0 < trainer.rollout_mismatch.noise.max_abs_delta <= eps
+    assert trainer.rollout_mismatch.noise.temperature == pytest.approx(0.9)
     logged = trainer.state.log_history[0]
     assert logged["mismatch/abs_logp_diff_max"] <= 2 * eps
 
@@ -203,7 +191,7 @@ def test_incoherent_lab_settings_raise(tmp_path, kwargs, match):
 
 
 def test_lab_flags_parse(tmp_path):
-    from trl_integration.cli import make_parser
+    from trl_integration.commands.grpo import make_parser
 
     _, cfg, _, _ = make_parser().parse_args_and_config(
         args=[
@@ -305,7 +293,7 @@ def test_fp16_overflow_skips_the_step_and_backs_off(tiny_model_dir, tmp_path):
 def test_loss_scaling_through_the_safe_head_under_fp16_autocast(tiny):
     """What accelerate does on a GPU with fp16=True (autocast + GradScaler), on CPU: the scaled backward through
     the fused safe head, unscaled, gives the unscaled gradients, and the scaler's inf check sees them."""
-    from trl_integration.lm_head import add_safe_lm_head
+    from trl_integration.grpo.head import add_safe_lm_head
 
     _, tok = tiny
     model = build_model(tok, seed=1)

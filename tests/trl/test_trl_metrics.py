@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from safevocab.correction import importance_sampling_ratio
-from trl_integration.metrics import (
+from safevocab.mismatch import (
     bucket_mismatch_metrics,
     bucket_names,
     importance_ratio_metrics,

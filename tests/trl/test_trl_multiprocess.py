@@ -246,7 +246,7 @@ def test_weight_gather_default_and_validation():
 def test_lm_head_passes_the_hook_only_for_zero3_parameters(monkeypatch):
     import transformers.integrations.deepspeed as hf_ds
 
-    from trl_integration.lm_head import _backward_gather
+    from trl_integration.grpo.head import _backward_gather
 
     head = torch.nn.Linear(4, 6, bias=False)
     monkeypatch.setattr(hf_ds, "is_deepspeed_zero3_enabled", lambda: False)
@@ -265,7 +265,7 @@ def test_zero3_rejects_only_the_in_place_fp32_rollout(monkeypatch):
 
     import transformers.integrations.deepspeed as hf_ds
 
-    from trl_integration.trainer import SafeVocabGRPOTrainer
+    from trl_integration.grpo.trainer import SafeVocabGRPOTrainer
 
     def stub(rollout_dtype, dtype):
         model = torch.nn.Linear(2, 2).to(dtype)
@@ -284,7 +284,7 @@ def test_vllm_server_must_return_processed_logprobs():
     """The server recipe's requirement, checked by the trainer at start-up against a stubbed vLLM client."""
     from types import SimpleNamespace
 
-    from trl_integration.trainer import SafeVocabGRPOTrainer
+    from trl_integration.grpo.vllm_engine import require_processed_logprobs
 
     def stub(mode: str | None, vllm_mode: str = "server", main: bool = True):
         client = SimpleNamespace(get_server_info=lambda: {"model_config": {"logprobs_mode": mode}})
@@ -294,11 +294,11 @@ def test_vllm_server_must_return_processed_logprobs():
             vllm_generation=SimpleNamespace(vllm_client=client),
         )
 
-    SafeVocabGRPOTrainer._require_processed_logprobs(stub("processed_logprobs"))
-    SafeVocabGRPOTrainer._require_processed_logprobs(stub("raw_logprobs", vllm_mode="colocate"))  # trl asks itself
+    require_processed_logprobs(stub("processed_logprobs"))
+    require_processed_logprobs(stub("raw_logprobs", vllm_mode="colocate"))  # trl asks itself
     for mode in ("raw_logprobs", None):
         with pytest.raises(ValueError, match="--logprobs-mode processed_logprobs"):
-            SafeVocabGRPOTrainer._require_processed_logprobs(stub(mode))
+            require_processed_logprobs(stub(mode))
 
 
 # ---------------------------------------------------------------------------------------------- recipes

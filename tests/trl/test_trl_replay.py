@@ -16,8 +16,8 @@ from trl_helpers import grpo_kwargs, prompt_dataset, vowel_reward
 
 from safevocab import SafeSupport, fused_safe_logprobs
 from trl_integration import SafeVocabGRPOConfig, SafeVocabGRPOTrainer
-from trl_integration.safe_vocab_step import SafeTokenStats
-from trl_integration.support_replay import (
+from trl_integration.grpo.step import SafeTokenStats
+from trl_integration.grpo.replay import (
     REPLAY_FRAC,
     REPLAY_KEY,
     SUPPORT_DISAGREEMENT,

@@ -8,14 +8,14 @@ from trl_helpers import build_model, build_tokenizer
 from transformers import GenerationConfig
 
 from safevocab import MinP, NoPruning, TopK, TopP
-from trl_integration.rollout import (
+from trl_integration.rollout.recorder import (
     RolloutLogprobRecorder,
     recording_generate,
     rollout_precision,
-    sampler_rule,
     sampler_rule_from_generation_config,
     rollout_recorder,
 )
+from trl_integration.effective_rule import sampler_rule
 
 
 @pytest.fixture(scope="module")

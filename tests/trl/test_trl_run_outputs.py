@@ -9,7 +9,7 @@ import json
 import pytest
 
 from trl_integration.commands.grpo import run
-from trl_integration.summary_plots import MISMATCH_KEYS, PLOT_FILE, write_training_curves
+from trl_integration.commands.summary_plots import MISMATCH_KEYS, PLOT_FILE, write_training_curves
 
 PNG = b"\x89PNG\r\n\x1a\n"
 

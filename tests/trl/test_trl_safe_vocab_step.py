@@ -10,11 +10,9 @@ import pytest
 import torch
 
 from safevocab.mismatch import reduce_gathered
-from trl_integration.safe_vocab_step import (
+from trl_integration.grpo.batch import BatchState, LossReplay, PendingGeneration
+from trl_integration.grpo.step import (
     MASKED_TOKEN_FRAC,
-    BatchState,
-    LossReplay,
-    PendingGeneration,
     SafeTokenStats,
     StepSettings,
     concat_records,
@@ -275,12 +273,12 @@ def _modules_after_import(module: str) -> set[str]:
 
 
 def test_the_step_module_imports_neither_trl_nor_transformers():
-    loaded = _modules_after_import("trl_integration.safe_vocab_step")
+    loaded = _modules_after_import("trl_integration.grpo.step")
     assert "trl" not in loaded and "transformers" not in loaded
 
 
 def test_the_config_is_a_leaf():
-    loaded = _modules_after_import("trl_integration.config")
+    loaded = _modules_after_import("trl_integration.grpo.config")
     implementations = {
         f"trl_integration.{name}"
         for name in ("trainer", "rollout", "lm_head", "metrics", "callbacks", "safe_vocab_step", "cli")

@@ -15,7 +15,7 @@ import pytest
 from test_trl_study import assert_png, table_rows
 
 from trl_integration.commands import main as safevocab_main
-from trl_integration.config import SafeVocabGRPOConfig
+from trl_integration.grpo.config import SafeVocabGRPOConfig
 from trl_integration.study import StudySettings, arm_overrides, render_report, summarize
 from trl_integration.study.aggregate import t_quantile_975
 from trl_integration.study.arms import shared_config

@@ -18,9 +18,10 @@ from safevocab import NoPruning
 from trl_integration import SafeVocabGRPOConfig, SafeVocabGRPOTrainer
 from trl_integration.commands import main
 from trl_integration.lab import run_diagnose
-from trl_integration.logit_perturbations import tail_perturbation
+from trl_integration.rollout.perturbations import tail_perturbation
 from trl_integration.plugins import load_callable
-from trl_integration.rollout import LogitNoiseProcessor, RolloutLogprobRecorder, recording_generate
+from trl_integration.rollout.perturbations import LogitNoiseProcessor
+from trl_integration.rollout.recorder import RolloutLogprobRecorder, recording_generate
 
 #: min_p = e^-4: ln(1 / rho) = 4 exactly in float64 and float32, so a logit exactly 4 below the top is a true tie.
 RHO_EXACT = math.exp(-4.0)

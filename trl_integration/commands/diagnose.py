@@ -38,8 +38,8 @@ from pathlib import Path
 from safevocab.mismatch import DEFAULT_BUCKETS
 from safevocab.rules import NoPruning, parse_rule
 from trl_integration.commands.errors import fail
-from trl_integration.config import DEFAULT_RULE
-from trl_integration.rollout import NOISE_KINDS
+from trl_integration.grpo.config import DEFAULT_RULE
+from trl_integration.options import NOISE_KINDS
 
 __all__ = ["make_parser", "main", "run_parsed"]
 

@@ -1,7 +1,7 @@
 """``safevocab grpo`` (alias ``safevocab-grpo``): GRPO with safe-vocabulary log-probabilities from the command line.
 
 Built on ``trl.TrlParser`` like trl's own ``trl grpo`` script: every field of
-:class:`~trl_integration.config.SafeVocabGRPOConfig` (trl's ``GRPOConfig`` included), of ``trl.ModelConfig`` and
+:class:`~trl_integration.grpo.config.SafeVocabGRPOConfig` (trl's ``GRPOConfig`` included), of ``trl.ModelConfig`` and
 of :class:`SafeVocabScriptArguments` is a ``--flag``; ``--config file.yaml`` sets defaults that flags override.
 
 Examples::
@@ -31,11 +31,11 @@ from trl_integration.commands.errors import fail
 from trl_integration.commands.launch import launch, launcher_flags, running_under_launch
 from trl_integration.commands.preflight import check_before_loading, check_empty_rule, check_mixture
 from trl_integration.commands.train_data import ARITHMETIC_DATASET_NAME, load_train_dataset, unreadable_data
-from trl_integration.config import SafeVocabGRPOConfig
+from trl_integration.grpo.config import SafeVocabGRPOConfig
 from trl_integration.demo.config import TINY_GRPO_DEFAULTS, tiny_grpo_config_kwargs
 from trl_integration.demo.data import SYNTHETIC_DATASET_NAME, repeat_char_reward
 from trl_integration.plugins import import_module
-from trl_integration.trl_private import shut_down_colocated_engine
+from trl_integration.grpo.vllm_engine import shut_down_colocated_engine
 
 #: The command's name in messages and ``--help`` (the same for ``safevocab grpo``).
 PROG = "safevocab-grpo"
@@ -303,7 +303,7 @@ def run(argv: list[str] | None = None):
 
     from trl import get_peft_config, get_quantization_config
 
-    from trl_integration.trainer import SafeVocabGRPOTrainer
+    from trl_integration.grpo.trainer import SafeVocabGRPOTrainer
 
     differences = settings_that_differ(training_args)
     if differences and not launched:
@@ -358,7 +358,7 @@ def run(argv: list[str] | None = None):
     if training_args.push_to_hub:  # as trl's grpo script: the model, its card and the logs
         trainer.push_to_hub(dataset_name=script_args.dataset_name)
     if trainer.accelerator.is_main_process:
-        from trl_integration.summary import print_run_summary
+        from trl_integration.commands.summary import print_run_summary
 
         print_run_summary(trainer, accuracy_before=before, accuracy_after=after)
     shut_down_colocated_engine(trainer)  # before end(): vLLM's own teardown at exit needs the process group

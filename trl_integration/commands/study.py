@@ -1,7 +1,7 @@
 """``safevocab study``: remedies for training–inference mismatch compared arm by arm, over several seeds.
 
 On one task (``--task``: ``arithmetic``, the default, ``freetext``, or ``module:function`` returning a
-:class:`~trl_integration.study.task.StudyTask`) and under one controlled mismatch of the ``generate`` rollouts
+:class:`~trl_integration.task.StudyTask`) and under one controlled mismatch of the ``generate`` rollouts
 (injected bounded logit noise ``--noise EPS`` of kind ``--noise_kind`` (``tail``: ``EPS`` added to exactly the tokens
 ``--dvp_rule`` cuts at the rollout's logits), weights rounded to ``--rollout_mantissa_bits``,
 a plug-in ``--rollout_perturbation``, a lower precision ``--rollout_dtype``), the command trains the same GRPO job
@@ -64,7 +64,7 @@ from dataclasses import fields
 from pathlib import Path
 
 from trl_integration.commands.errors import fail
-from trl_integration.enums import NOISE_KINDS, ROLLOUT_DTYPES
+from trl_integration.options import NOISE_KINDS, ROLLOUT_DTYPES
 from trl_integration.study.arms import ARM_NAMES, DEFAULT_ARMS, MIS_MODES, StudySettings
 
 __all__ = ["make_parser", "main", "run_parsed"]

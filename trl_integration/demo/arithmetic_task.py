@@ -1,4 +1,4 @@
-"""The bundled arithmetic task as a :class:`~trl_integration.study.task.StudyTask` (``safevocab study --task
+"""The bundled arithmetic task as a :class:`~trl_integration.task.StudyTask` (``safevocab study --task
 arithmetic``, the default).
 
 Data, reward and metric are :mod:`trl_integration.demo.arithmetic`'s: training prompts from the train split
@@ -9,7 +9,7 @@ Data, reward and metric are :mod:`trl_integration.demo.arithmetic`'s: training p
 
 from __future__ import annotations
 
-from trl_integration.study.task import StudyTask
+from trl_integration.task import StudyTask
 
 __all__ = ["arithmetic_task", "HELD_OUT_SEED"]
 

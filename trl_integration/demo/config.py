@@ -50,6 +50,6 @@ def tiny_grpo_config(**overrides: Any):
 
         config = tiny_grpo_config(output_dir="/tmp/run", max_steps=20, safe_vocab_rule="min_p=0.01")
     """
-    from trl_integration.config import SafeVocabGRPOConfig
+    from trl_integration.grpo.config import SafeVocabGRPOConfig
 
     return SafeVocabGRPOConfig(**tiny_grpo_config_kwargs(**overrides))

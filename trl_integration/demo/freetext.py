@@ -259,9 +259,9 @@ def held_out_reward(
 
 
 def freetext_task():
-    """The free-text task as a :class:`~trl_integration.study.task.StudyTask` for the bundled testbed model."""
+    """The free-text task as a :class:`~trl_integration.task.StudyTask` for the bundled testbed model."""
     from trl_integration.demo.testbed import testbed_model_path
-    from trl_integration.study.task import StudyTask
+    from trl_integration.task import StudyTask
 
     return StudyTask(
         name="freetext",

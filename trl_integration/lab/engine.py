@@ -54,10 +54,10 @@ from safevocab.mismatch import (
 )
 from safevocab.mismatch.formulas import k3_terms
 from safevocab.rules import NoPruning, parse_rule
-from trl_integration.config import DEFAULT_RULE
+from trl_integration.grpo.config import DEFAULT_RULE
 from trl_integration.lab.sides import check_mantissa_bits, model_in, rollout_side
-from trl_integration.logit_perturbations import tail_rule
-from trl_integration.rollout import NOISE_KINDS
+from trl_integration.rollout.perturbations import tail_rule
+from trl_integration.options import NOISE_KINDS
 
 __all__ = ["BOUND_TOLERANCE", "DiagnoseResult", "run_diagnose"]
 
@@ -94,7 +94,7 @@ def _sample(model, tokenizer, prompts, *, max_new_tokens, num_samples, temperatu
     sampled tokens as targets (``[B, L-1]``, aligned with ``ids[:, 1:]``)."""
     from transformers import LogitsProcessorList
 
-    from trl_integration.rollout import LogitNoiseProcessor
+    from trl_integration.rollout.perturbations import LogitNoiseProcessor
 
     enc = tokenizer(prompts, return_tensors="pt", padding=True, padding_side="left").to(device)
     processors = LogitsProcessorList()
@@ -185,7 +185,7 @@ def run_diagnose(
     import numpy as np
     from tqdm.auto import tqdm
 
-    from trl_integration.rollout import logit_delta
+    from trl_integration.rollout.perturbations import logit_delta
 
     if not texts:
         raise ValueError("no texts to score")

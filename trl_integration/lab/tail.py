@@ -4,7 +4,7 @@
 For each prompt source (the task's prompts, free text), the rollout side samples continuations from ``mu`` — the
 model in the rollout dtype, with its weights rounded to ``mantissa_bits`` and the injected perturbation (noise,
 ``lift`` or ``tail``) applied inside ``generate``, exactly as the trainer's rollouts do — and records ``log mu(y)`` of every
-sampled token as it samples (:class:`~trl_integration.rollout.RolloutLogprobRecorder`: the draw that produced the
+sampled token as it samples (:class:`~trl_integration.rollout.recorder.RolloutLogprobRecorder`: the draw that produced the
 token, not a fresh one). The training side scores the same tokens by a full forward, ``log pi(y)``. Per bucket of
 training probability ``p = pi(y)``:
 
@@ -29,8 +29,10 @@ import torch
 from safevocab.mismatch import DEFAULT_BUCKETS, bucket_mismatch
 from safevocab.rules import NoPruning, SafeVocabRule
 from trl_integration.lab.sides import check_mantissa_bits, model_in, rollout_side
-from trl_integration.logit_perturbations import tail_rule
-from trl_integration.rollout import NOISE_KINDS, LogitNoiseProcessor, RolloutLogprobRecorder, recording_generate
+from trl_integration.rollout.perturbations import tail_rule
+from trl_integration.options import NOISE_KINDS
+from trl_integration.rollout.perturbations import LogitNoiseProcessor
+from trl_integration.rollout.recorder import RolloutLogprobRecorder, recording_generate
 
 __all__ = ["SampledTokens", "sample_tokens", "tail_buckets", "tail_mismatch"]
 

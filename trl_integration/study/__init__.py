@@ -1,6 +1,6 @@
 """``safevocab study``: remedies for training–inference mismatch compared arm by arm, over several seeds.
 
-- :mod:`~trl_integration.study.task`: ``StudyTask``, what a study trains and evaluates on (data, reward, metric);
+- :mod:`~trl_integration.task`: ``StudyTask``, what a study trains and evaluates on (data, reward, metric);
 - :mod:`~trl_integration.study.tasks`: ``load_task``, a task from ``arithmetic``, ``freetext`` or ``module:function``;
 - :mod:`~trl_integration.study.arms`: the arms (``ARM_NAMES``, ``DEFAULT_ARMS``, ``arm_overrides``) and
   ``StudySettings``;
@@ -12,17 +12,15 @@
 - :mod:`~trl_integration.study.report`: ``report.md`` and ``results.json`` (``render_report``, ``write_report``);
 - :mod:`~trl_integration.study.plots`: one PNG per metric (``plot_specs``, ``PLOTS``).
 
-The command line is :mod:`trl_integration.commands.study` (``add_study_subparser``, ``build_parser`` and ``main``
-still import from here, with a ``FutureWarning``). See ``docs/results.md``.
+The command line is :mod:`trl_integration.commands.study`. See ``docs/results.md``.
 """
 
-from trl_integration._moved import moved
 from trl_integration.study.aggregate import summarize
 from trl_integration.study.arms import ARM_DESCRIPTIONS, ARM_NAMES, DEFAULT_ARMS, StudySettings, arm_overrides
 from trl_integration.study.plots import PLOTS, plot_specs
 from trl_integration.study.report import render_report, write_report
 from trl_integration.study.run import HeldOutAccuracyCallback, HeldOutMetricCallback, run_study, settings_command
-from trl_integration.study.task import StudyTask
+from trl_integration.task import StudyTask
 from trl_integration.study.tasks import BUILTIN_TASKS, load_task
 
 __all__ = [
@@ -43,16 +41,4 @@ __all__ = [
     "summarize",
     "render_report",
     "write_report",
-    "add_study_subparser",
-    "build_parser",
-    "main",
 ]
-
-__getattr__ = moved(
-    __name__,
-    {
-        "add_study_subparser": "trl_integration.commands._legacy",
-        "build_parser": "trl_integration.commands._legacy:study_parser",
-        "main": "trl_integration.commands.study",
-    },
-)

@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from trl_integration.study.arms import StudySettings, rule_min_p
-from trl_integration.study.task import StudyTask
+from trl_integration.task import StudyTask
 
 __all__ = ["HeldOutMetricCallback", "HeldOutAccuracyCallback", "check_evaluation", "evaluation_callback"]
 

@@ -1,7 +1,7 @@
 """Running a study: every (arm, seed) trained in-process, one after the other, with held-out evaluations.
 
 Each run builds a ``SafeVocabGRPOTrainer`` on the arm's config (:mod:`trl_integration.study.arms`) with the task's
-data and reward (:class:`~trl_integration.study.task.StudyTask`), evaluates the task's held-out metric on its fixed
+data and reward (:class:`~trl_integration.task.StudyTask`), evaluates the task's held-out metric on its fixed
 held-out set before training and every ``eval_every`` steps, or at ``eval_steps``, once or once per evaluation seed,
 on the full distribution and optionally on the DVP rule's support (:mod:`trl_integration.study.evaluation`,
 :class:`HeldOutMetricCallback`), and records the per-step training log. A run that raises is recorded as failed with what it logged so far; the results are written
@@ -37,7 +37,7 @@ from trl_integration.study.evaluation import (
 )
 from trl_integration.study.report import write_json, write_report
 from trl_integration.study.resume import finished_runs
-from trl_integration.study.task import StudyTask
+from trl_integration.task import StudyTask
 from trl_integration.study.tasks import load_task
 
 __all__ = ["HeldOutMetricCallback", "HeldOutAccuracyCallback", "run_study", "settings_command", "task_record"]
@@ -110,8 +110,8 @@ def _run_one(arm: str, overrides: dict, seed: int, settings: StudySettings, mode
     try:
         from transformers import PrinterCallback
 
-        from trl_integration.config import SafeVocabGRPOConfig
-        from trl_integration.trainer import SafeVocabGRPOTrainer
+        from trl_integration.grpo.config import SafeVocabGRPOConfig
+        from trl_integration.grpo.trainer import SafeVocabGRPOTrainer
 
         with tempfile.TemporaryDirectory(prefix="safevocab-study-") as tmp:
             config = SafeVocabGRPOConfig(**{**shared_config(settings, seed, tmp), **overrides})
@@ -223,7 +223,7 @@ def run_study(
 
     Args:
         settings: the study settings (validated here).
-        task: the task (a :class:`~trl_integration.study.task.StudyTask`, or a spec for
+        task: the task (a :class:`~trl_integration.task.StudyTask`, or a spec for
             :func:`~trl_integration.study.tasks.load_task`); default: ``settings.task`` (which a task given here
             replaces; ``results["task"]`` records what ran).
         command: the command line recorded in the report (default: ``safevocab study`` + ``sys.argv[2:]``).

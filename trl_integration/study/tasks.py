@@ -1,4 +1,4 @@
-"""``safevocab study --task SPEC``: a :class:`~trl_integration.study.task.StudyTask` from a built-in name or a
+"""``safevocab study --task SPEC``: a :class:`~trl_integration.task.StudyTask` from a built-in name or a
 ``module:function`` plug-in.
 
 - ``arithmetic`` (the default): :func:`trl_integration.demo.arithmetic_task.arithmetic_task`, the bundled tiny
@@ -17,7 +17,7 @@ from __future__ import annotations
 import importlib.util
 
 from trl_integration.plugins import load_callable
-from trl_integration.study.task import StudyTask
+from trl_integration.task import StudyTask
 
 __all__ = ["BUILTIN_TASKS", "load_task"]
 
@@ -56,6 +56,6 @@ def load_task(spec: str | StudyTask) -> StudyTask:
     if not isinstance(task, StudyTask):
         raise ValueError(
             f"--task={spec!r}: {target}() returned {type(task).__name__}, not a StudyTask "
-            "(trl_integration.study.task.StudyTask)"
+            "(trl_integration.task.StudyTask)"
         )
     return task

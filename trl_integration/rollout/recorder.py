@@ -21,7 +21,7 @@ Controlled mismatch (the mismatch lab, docs/mismatch.md):
 
 - `rollout_precision` runs generation in a chosen dtype without touching the fp32 master weights
   (autocast down, lossless temporary upcast up), to study or reproduce precision-induced mismatch;
-- `LogitNoiseProcessor` (:mod:`trl_integration.logit_perturbations`, re-exported here) adds a perturbation
+- `LogitNoiseProcessor` (:mod:`trl_integration.rollout.perturbations`) adds a perturbation
   ``delta`` with a hard bound ``|delta_i| <= eps`` to the sampler's transformed logits: seeded zero-mean noise
   (``uniform``, ``clipped_gaussian``), the deterministic, biased ``lift`` of the tail,
   ``delta_i = eps * min(1, (z_max - z_i) / 10)`` (`lift_perturbation`: the top token keeps its logit, tokens
@@ -42,38 +42,16 @@ from transformers import LogitsProcessor, LogitsProcessorList
 from safevocab import SafeVocabRule, safe_log_softmax
 from safevocab.logprobs import DEFAULT_MAX_CHUNK_BYTES
 from trl_integration.effective_rule import sampler_rule
-from trl_integration.enums import NOISE_KINDS, ROLLOUT_DTYPES
-from trl_integration.logit_perturbations import (
-    LIFT_SCALE,
-    RANDOM_NOISE_KINDS,
-    LogitNoiseProcessor,
-    lift_perturbation,
-    logit_delta,
-    logit_noise,
-    tail_perturbation,
-)
+from trl_integration.options import ROLLOUT_DTYPES
 
 __all__ = [
-    "ROLLOUT_DTYPES",
-    "NOISE_KINDS",
     "UNSUPPORTED_SAMPLING_KWARGS",
     "RolloutLogprobRecorder",
-    "LogitNoiseProcessor",
-    "LIFT_SCALE",
-    "RANDOM_NOISE_KINDS",
-    "logit_noise",
-    "lift_perturbation",
-    "tail_perturbation",
-    "logit_delta",
-    "sampler_rule",
     "sampler_rule_from_generation_config",
     "rollout_recorder",
     "rollout_precision",
     "recording_generate",
 ]
-
-# ROLLOUT_DTYPES and NOISE_KINDS live in the config's leaf (trl_integration.enums), the logit perturbations in
-# trl_integration.logit_perturbations; they stay importable from here.
 
 #: Sampling settings that change the distribution after the recorder sees the scores and that it cannot
 #: reproduce, with the value that disables each.
@@ -260,7 +238,7 @@ def rollout_precision(model: torch.nn.Module, dtype: torch.dtype | None):
     if dtype is None:
         yield
         return
-    from trl_integration.trl_private import mixed_precision_forward
+    from trl_integration._private import mixed_precision_forward
 
     params = [p for p in model.parameters() if p.is_floating_point()]
     if not params:

@@ -14,7 +14,7 @@ over exactly those sets instead of recomputing them with its rule (:class:`safev
   (trl's ``mask_truncated_completions``) contributes no row.
 - :func:`vllm_sampling_masks` reads the masks off vLLM request outputs (the vLLM path; see its docstring).
 
-Metrics (:func:`replay_metrics`, called by :func:`trl_integration.safe_vocab_step.step_metrics`): ``safevocab/replay_frac`` and
+Metrics (:func:`replay_metrics`, called by :meth:`trl_integration.grpo.step.StepMetricInputs.row`): ``safevocab/replay_frac`` and
 ``safevocab/support_disagreement`` (docs/metrics.md).
 """
 
@@ -114,7 +114,7 @@ def replay_metrics(stats, counted: torch.Tensor) -> tuple[dict, dict]:
     ``safevocab/support_disagreement`` (share of the replayed counted tokens whose rule set ``S_rule`` differs from
     ``R``), with their counts. ``S_rule = R`` iff ``|S_rule| = |R| = |S_rule & R|`` (``stats.safe_size`` is
     ``|S_rule & R|``, minus the tokens of probability 0). ``stats`` is a
-    :class:`~trl_integration.safe_vocab_step.SafeTokenStats` (not imported: that module imports this one)."""
+    :class:`~trl_integration.grpo.step.SafeTokenStats` (not imported: that module imports this one)."""
     replayed = counted & (stats.replay_size > 0) if stats.replay_size is not None else torch.zeros_like(counted)
     nan = torch.full((), float("nan"), device=counted.device)
     metrics = {REPLAY_FRAC: _frac(replayed, counted), SUPPORT_DISAGREEMENT: nan}

@@ -20,7 +20,7 @@ temperature) with the hard bound ``|delta_i| <= eps``, so the mismatch between t
 
 `LogitNoiseProcessor` injects any of them into ``generate``, before the rollout log-probability recorder and the
 sampling warpers, so that tokens are sampled from, and recorded under, the perturbed distribution
-(:mod:`trl_integration.rollout_mismatch` places it; ``trl_integration.rollout`` re-exports every name here).
+(:mod:`trl_integration.rollout.mismatch` places it; ``trl_integration.rollout.recorder`` re-exports every name here).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import torch
 from transformers import LogitsProcessor
 
 from safevocab import NoPruning, SafeVocabRule, parse_rule
-from trl_integration.enums import NOISE_KINDS
+from trl_integration.options import NOISE_KINDS
 
 __all__ = [
     "NOISE_KINDS",

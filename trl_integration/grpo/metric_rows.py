@@ -1,7 +1,7 @@
 """The trainer-side groups of a batch's metric row and the table the trainer gathers across processes.
 
 A batch's metrics are one :class:`~safevocab.mismatch.MetricRow` (built by
-:meth:`trl_integration.safe_vocab_step.StepMetricInputs.row`): every value with the number of items it averages over, so
+:meth:`trl_integration.grpo.step.StepMetricInputs.row`): every value with the number of items it averages over, so
 that the reduction over processes and micro-batches (:func:`safevocab.mismatch.reduce_gathered`) is the value of
 the whole batch, not a mean of means. Most groups come from :mod:`safevocab.mismatch`; the two here are the
 trainer's own:

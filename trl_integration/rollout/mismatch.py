@@ -2,7 +2,7 @@
 
 Three sources, each acting on the rollout only (the trainer scores with its own, untouched weights and logits):
 
-- ``rollout_logit_noise`` / ``rollout_logit_noise_kind``: a :class:`~trl_integration.rollout.LogitNoiseProcessor`,
+- ``rollout_logit_noise`` / ``rollout_logit_noise_kind``: a :class:`~trl_integration.rollout.perturbations.LogitNoiseProcessor`,
   bounded noise, the biased ``lift`` or the ``tail`` (``eps`` on the tokens ``rollout_tail_rule``, default
   ``safe_vocab_rule``, cuts) on the transformed logits;
 - ``rollout_perturbation``: a user's ``LogitsProcessor``, made by a factory ``factory(seed: int)`` (named
@@ -28,7 +28,7 @@ from transformers import LogitsProcessor
 
 from safevocab.mantissa import round_mantissa
 from trl_integration.plugins import load_callable
-from trl_integration.rollout import LogitNoiseProcessor
+from trl_integration.rollout.perturbations import LogitNoiseProcessor
 
 __all__ = ["RolloutMismatch", "rounded_weights", "make_perturbation"]
 

@@ -1,4 +1,4 @@
-"""The fence around trl's, transformers' and accelerate's private API: the only module that names it.
+"""The fence around trl's, transformers', accelerate's and vLLM's private API: the only module that names it.
 
 `SafeVocabGRPOTrainer` changes four private methods of ``trl.GRPOTrainer`` and leans on a few more private or
 internal names. trl's GRPO file changes every release, so every such name is accessed here, and only here; at import
@@ -28,10 +28,14 @@ transformers' ``Trainer._created_lr_scheduler``             set, as ``create_sch
 ``VLLMGeneration._iter_named_params``                       ``(name, tensor)`` of the trainer's weights under vLLM's
                                                             names (gathered/merged as trl does), read by the CPU sync
 ``VLLMGeneration.sync_weights``                             replaced, on the instance, for a colocated engine on CPU
-                                                            (:mod:`trl_integration.vllm_sync`: trl's sync fails there)
+                                                            (:mod:`trl_integration.grpo.vllm_engine`: trl's sync fails there)
 ``trl.generation.vllm_generation.LLM``                      the ``vllm.LLM`` trl builds the colocated engine with;
                                                             wrapped while the trainer is built, to pass the
-                                                            checkpoint's dtype (:func:`colocated_engine_dtype`)
+                                                            checkpoint's dtype (:func:`wrapped_engine_builder`)
+vLLM's ``llm.llm_engine.model_executor.driver_worker``      the in-process worker's model runner of a colocated engine
+``.model_runner`` and its ``reload_weights``/``get_model``  (trl walks the same path); its layerwise in-place reload
+                                                            (:func:`engine_model_runner`, :func:`reload_runner_weights`)
+vLLM's ``llm.llm_engine.engine_core.shutdown``              shuts an in-process engine down (:func:`shut_down_engine`)
 ``Trainer._save_checkpoint`` (trl's override included)      writes ``checkpoint-<global_step>`` (model, optimizer,
                                                             scheduler, RNG, ``trainer_state.json``) into
                                                             ``_get_output_dir(trial)``, then rotates old checkpoints
@@ -71,10 +75,12 @@ __all__ = [
     "metric_store",
     "mark_scheduler_created",
     "check_vllm_generation",
-    "check_vllm_server_device",
-    "use_cpu_weight_sync",
-    "colocated_engine_dtype",
-    "shut_down_colocated_engine",
+    "iter_named_params",
+    "wrapped_engine_builder",
+    "engine_model_runner",
+    "reload_runner_weights",
+    "runner_model",
+    "shut_down_engine",
 ]
 
 #: The trl releases this integration is tested against: ``TRL_MIN <= version < TRL_MAX``.
@@ -227,108 +233,70 @@ def mark_scheduler_created(trainer) -> None:
     trainer._created_lr_scheduler = True
 
 
-def check_vllm_server_device(args) -> None:
-    """Fail before the server is contacted when ``vllm_mode="server"`` cannot sync weights from this trainer.
-
-    trl pushes the weights to a ``trl vllm-serve`` server over vLLM's NCCL weight-transfer engine, which needs the
-    trainer on a CUDA device; on CPU, trl would first wait for the server and then raise. The colocated engine
-    (``vllm_mode="colocate"``) trains on CPU (docs/vllm.md).
-
-    Raises:
-        ValueError: one line, when ``args.use_vllm`` and ``args.vllm_mode == "server"`` and the trainer's device is
-            not CUDA.
-    """
-    if not (getattr(args, "use_vllm", False) and getattr(args, "vllm_mode", None) == "server"):
-        return
-    device = args.device
-    if device.type != "cuda":
-        raise ValueError(
-            f"vllm_mode='server' with the trainer on {device.type!r}: trl syncs weights to the vLLM server over "
-            "NCCL, which needs a CUDA device; on CPU use --vllm_mode colocate (see docs/vllm.md)"
-        )
-
-
-def use_cpu_weight_sync(vllm_generation) -> bool:
-    """Replace trl's ``sync_weights`` of a colocated engine on CPU by vLLM's layerwise reload
-    (:func:`trl_integration.vllm_sync.reload_engine_weights`); anywhere else keep trl's. Returns whether it did."""
-    from trl_integration import vllm_sync
-
-    if getattr(vllm_generation, "mode", None) != "colocate" or not vllm_sync.engine_runs_on_cpu():
-        return False
-    llm = vllm_generation.llm
-    vllm_sync.colocated_model_runner(llm)  # fail now, not at step 1, if the engine has no reloadable runner
-
-    def sync_weights() -> None:
-        vllm_sync.reload_engine_weights(llm, vllm_generation._iter_named_params())
-
-    vllm_generation.sync_weights = sync_weights
-    return True
-
-
-def shut_down_colocated_engine(trainer) -> bool:
-    """Shut a colocated vLLM engine (``trainer.vllm_generation.llm``) down now; returns whether there was one.
-
-    Call it before ``Trainer.end()``: vLLM otherwise tears the engine down from a finalizer at interpreter exit,
-    after ``end()`` destroyed the process group, and prints a traceback (``ValueError: Invalid process group
-    specified``) under a run that succeeded."""
-    from trl_integration import vllm_sync
-
-    generation = getattr(trainer, "vllm_generation", None)
-    if getattr(generation, "mode", None) != "colocate" or getattr(generation, "llm", None) is None:
-        return False
-    return vllm_sync.shut_down_engine(generation.llm)
+def iter_named_params(vllm_generation) -> Iterator[tuple[str, torch.Tensor]]:
+    """trl's ``(name, tensor)`` of the trainer's weights under vLLM's names (gathered and merged as trl's own sync
+    does), for a weight sync of trl's ``VLLMGeneration``."""
+    return vllm_generation._iter_named_params()
 
 
 @contextmanager
-def colocated_engine_dtype(args) -> Iterator[None]:
-    """While trl builds a colocated engine (``args.use_vllm``, ``vllm_mode="colocate"``), its ``vllm.LLM(...)`` call
-    also gets :func:`trl_integration.vllm_sync.engine_kwargs_for` the checkpoint (the checkpoint's dtype, where
-    vLLM would downcast a float32 checkpoint). A no-op otherwise."""
-    if not (getattr(args, "use_vllm", False) and getattr(args, "vllm_mode", None) == "colocate"):
-        yield
-        return
+def wrapped_engine_builder(wrap: Callable[[Callable], Callable]) -> Iterator[bool]:
+    """While the block runs, trl's colocated mode builds its engine with ``wrap(vllm.LLM)`` instead of ``vllm.LLM``
+    (the name ``LLM`` in ``trl.generation.vllm_generation``). Yields whether there was one to wrap (``False``
+    without vLLM installed: trl then raises its own ImportError)."""
     import trl.generation.vllm_generation as vllm_generation
 
-    from trl_integration import vllm_sync
-
     build = getattr(vllm_generation, "LLM", None)
-    if build is None:  # vLLM is not installed: trl raises its own ImportError
-        yield
+    if build is None:
+        yield False
         return
-
-    def llm_with_checkpoint_dtype(*pargs, **kwargs):
-        added = vllm_sync.engine_kwargs_for(kwargs.get("model", pargs[0] if pargs else None))
-        return build(*pargs, **{**added, **kwargs})
-
-    vllm_generation.LLM = llm_with_checkpoint_dtype
+    vllm_generation.LLM = wrap(build)
     try:
-        yield
+        yield True
     finally:
         vllm_generation.LLM = build
+
+
+def engine_model_runner(llm) -> object | None:
+    """The model runner of an in-process ``vllm.LLM`` with a ``reload_weights`` method, else ``None``: trl's
+    colocate mode (``external_launcher``, one worker), the path trl's own ``sync_weights`` walks."""
+    try:
+        runner = llm.llm_engine.model_executor.driver_worker.model_runner
+    except AttributeError:
+        return None
+    return runner if runner is not None and callable(getattr(runner, "reload_weights", None)) else None
+
+
+def reload_runner_weights(runner, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
+    """vLLM's layerwise in-place reload of checkpoint-format ``(name, tensor)`` pairs into a model runner's model
+    (restores each layer's checkpoint-format parameters, loads, reruns its ``process_weights_after_loading``)."""
+    runner.reload_weights(weights_iterator=weights, is_checkpoint_format=True)
+
+
+def runner_model(runner) -> torch.nn.Module:
+    """The ``torch.nn.Module`` a vLLM model runner computes with."""
+    return runner.get_model()
+
+
+def shut_down_engine(llm) -> bool:
+    """Shut an in-process ``vllm.LLM``'s engine down now, while ``torch.distributed`` is still up (its client's
+    ``shutdown`` detaches the finalizer that would otherwise do it at exit). Returns whether it had one."""
+    engine_core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+    if engine_core is None or not hasattr(engine_core, "shutdown"):
+        return False
+    engine_core.shutdown()
+    return True
 
 
 class GRPOTrainerBridge(GRPOTrainer):
     """``trl.GRPOTrainer`` whose four overridden private methods forward to public hooks.
 
     Subclasses override the hooks; ``stock_*`` runs trl's own implementation. Each hook takes the arguments of the
-    trl method it stands for (see :data:`REQUIRED_PARAMETERS`).
-
-    With vLLM, construction also checks that server mode can sync weights from this device
-    (:func:`check_vllm_server_device`), builds a colocated engine in the checkpoint's dtype
-    (:func:`colocated_engine_dtype`) and fixes trl's weight sync of a colocated engine on CPU
-    (:func:`use_cpu_weight_sync`)."""
+    trl method it stands for (see :data:`REQUIRED_PARAMETERS`)."""
 
     #: Where transformers' ``_save_checkpoint`` writes ``checkpoint-N`` while :meth:`stock_save_checkpoint` stages a
     #: checkpoint (``None``: the run directory, as in transformers).
     _checkpoint_parent: str | None = None
-
-    def __init__(self, model, reward_funcs=None, args=None, *pargs, **kwargs):
-        if args is not None:
-            check_vllm_server_device(args)
-        with colocated_engine_dtype(args):
-            super().__init__(model, reward_funcs, args, *pargs, **kwargs)
-        if self.use_vllm:
-            use_cpu_weight_sync(self.vllm_generation)
 
     # --- trl -> hooks -------------------------------------------------------------------------------------------
     def _get_per_token_logps_and_entropies(

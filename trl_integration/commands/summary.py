@@ -1,7 +1,7 @@
 """End-of-run summary of ``safevocab-grpo``: reward and accuracy before/after, mismatch, where things went.
 
 Written as ``summary.json`` and ``log_history.json`` in the output directory, with the training curves beside
-them (:mod:`trl_integration.summary_plots`), and printed as a table. When stdout is not a terminal (a log file, a
+them (:mod:`trl_integration.commands.summary_plots`), and printed as a table. When stdout is not a terminal (a log file, a
 pipe, CI) the table is as wide as its longest row, so paths are never wrapped.
 """
 
@@ -11,7 +11,7 @@ import json
 import math
 from pathlib import Path
 
-from trl_integration.summary_plots import write_training_curves
+from trl_integration.commands.summary_plots import write_training_curves
 
 __all__ = ["run_summary", "print_run_summary"]
 

@@ -1,9 +1,9 @@
 """The trainer's metrics of several generation batches, computed and reduced together when trl reads them.
 
-Every generation batch has a metric row (:meth:`~trl_integration.safe_vocab_step.StepMetricInputs.row`, about fifty
+Every generation batch has a metric row (:meth:`~trl_integration.grpo.step.StepMetricInputs.row`, about fifty
 values). On a small model each torch call costs more than its arithmetic, so computing a row per batch costs about
 1 ms a step (1.5 % of the bundled job's step); stacked, the rows of ``S`` batches cost the same calls once. The
-queue keeps each batch's inputs (:class:`~trl_integration.safe_vocab_step.StepMetricInputs`, references to tensors
+queue keeps each batch's inputs (:class:`~trl_integration.grpo.step.StepMetricInputs`, references to tensors
 the batch holds anyway) and, when trl is about to read its metric store (``log``) or the queue is full, computes
 the rows of all its batches at once, reduces each batch's rows across processes and appends the values to trl's
 store in batch order: the same values trl logs, later in the step.
@@ -26,9 +26,9 @@ import torch
 
 from safevocab.correction import ImportanceRatio
 from safevocab.mismatch.row import MetricRow
-from trl_integration.batch_metrics import reduce_across_processes
-from trl_integration.safe_vocab_step import OutOfSetMasks, SafeTokenStats, StepMetricInputs
-from trl_integration.trl_private import metric_store as trl_metric_store
+from trl_integration.grpo.metric_rows import reduce_across_processes
+from trl_integration.grpo.step import OutOfSetMasks, SafeTokenStats, StepMetricInputs
+from trl_integration._private import metric_store as trl_metric_store
 
 #: Bytes of queued inputs per generation batch position (about ten float/int/bool ``[B, T]`` tensors), used to keep
 #: a queue's inputs under :data:`MAX_QUEUED_BYTES`.

@@ -1,6 +1,6 @@
 """``SafeVocabGRPOConfig``: trl's ``GRPOConfig`` plus the safe-vocabulary, rollout and mismatch settings.
 
-A leaf: the values it accepts come from :mod:`trl_integration.enums` (``OUT_OF_SET_MODES`` and ``SCORING_MODES``
+A leaf: the values it accepts come from :mod:`trl_integration.options` (``OUT_OF_SET_MODES`` and ``SCORING_MODES``
 stay importable from here), numeric checks from :mod:`safevocab.validation`; it imports no implementation module.
 """
 
@@ -12,13 +12,13 @@ from dataclasses import dataclass, field
 
 from trl import GRPOConfig
 
-import trl_integration.trl_private  # noqa: F401  (fails at import, in one line, outside the tested trl range)
+import trl_integration._private  # noqa: F401  (fails at import, in one line, outside the tested trl range)
 
 from safevocab import MinProb, NoPruning, SafeVocabRule, parse_rule
 from safevocab.schedulers import SurgeDetector
 from safevocab.validation import integer
 from trl_integration.effective_rule import compose_rules, sampler_rule
-from trl_integration.enums import (
+from trl_integration.options import (
     DEFAULT_BUCKETS,
     DEFAULT_MAX_CHUNK_BYTES,
     LENGTH_DECAY_STARTS,
@@ -28,9 +28,9 @@ from trl_integration.enums import (
     SCORING_MODES,
     SUPPORT_SOURCES,
 )
-from trl_integration.length_decay_checks import check_length_decay
-from trl_integration.mismatch_lab_checks import check_mismatch_lab, check_rollout_paths
-from trl_integration.precision import bf16_supported
+from trl_integration.grpo.checks import check_length_decay
+from trl_integration.grpo.checks import check_mismatch_lab, check_rollout_paths
+from trl_integration.grpo.checks import bf16_supported
 
 __all__ = ["SafeVocabGRPOConfig", "OUT_OF_SET_MODES", "SCORING_MODES", "DEFAULT_RULE"]
 
@@ -40,7 +40,7 @@ DEFAULT_RULE = "min_p=0.001"
 
 @dataclass
 class SafeVocabGRPOConfig(GRPOConfig):
-    r"""Configuration of :class:`~trl_integration.trainer.SafeVocabGRPOTrainer`.
+    r"""Configuration of :class:`~trl_integration.grpo.trainer.SafeVocabGRPOTrainer`.
 
     Everything of trl's ``GRPOConfig`` applies. The fields below add Dynamic Vocabulary Pruning: the policy, old
     policy and reference log-probabilities are ``log pi_S`` renormalised over a per-position safe set ``S``
@@ -132,7 +132,7 @@ class SafeVocabGRPOConfig(GRPOConfig):
             Resume from a checkpoint that lacks `optimizer.pt`, `scheduler.pt` (or its length-decay state),
             `rng_state.pth` (`rng_state_<rank>.pth` per process) or `scaler.pt` (with fp16): by default such a
             checkpoint is refused, naming the missing files; with `True` it is accepted with a warning naming what
-            starts fresh (see :mod:`trl_integration.checkpoints`).
+            starts fresh (see :mod:`trl_integration.grpo.checkpoints`).
     """
 
     safe_vocab_rule: str = field(

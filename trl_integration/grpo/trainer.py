@@ -1,10 +1,10 @@
 """``SafeVocabGRPOTrainer``: trl's ``GRPOTrainer`` with Dynamic Vocabulary Pruning.
 
-trl's private methods are reached through :class:`trl_integration.trl_private.GRPOTrainerBridge` (the fence,
+trl's private methods are reached through :class:`trl_integration._private.GRPOTrainerBridge` (the fence,
 checked at import against the tested trl range); this module overrides its public hooks with thin methods that
 collect trl's tensors and delegate the safe-vocabulary step to the pure, trl-free functions of
-:mod:`trl_integration.safe_vocab_step` (out-of-set masks, importance ratio, metric rows). The state the overrides hand
-each other within a generation batch is one :class:`~trl_integration.safe_vocab_step.BatchState`.
+:mod:`trl_integration.grpo.step` (out-of-set masks, importance ratio, metric rows). The state the overrides hand
+each other within a generation batch is one :class:`~trl_integration.grpo.batch.BatchState`.
 
 What changes with respect to ``trl.GRPOTrainer`` (everything else — loss types, rewards, vLLM modes, tools,
 PEFT, logging — is trl's own code):
@@ -12,12 +12,12 @@ PEFT, logging — is trl's own code):
 1. **Log-probabilities.** The policy, old-policy and reference log-probabilities are ``log pi_S(y)``, renormalised
    over the safe set ``S`` of ``args.safe_vocab_rule``, computed by :func:`safevocab.fused_safe_logprobs` from the
    backbone's hidden states and the LM-head weight, under the sampler's temperature, softcap and logit scale
-   (:func:`trl_integration.lm_head.add_safe_lm_head` replaces trl's fused head behind the same
+   (:func:`trl_integration.grpo.head.add_safe_lm_head` replaces trl's fused head behind the same
    ``model(..., fused_lm_head=True)`` call, so trl's scoring method keeps its batching and multimodal handling).
    The rule is the effective one (``safe_vocab_rule`` & the sampler's own truncation, see
    :mod:`trl_integration.effective_rule`); with rule ``"none"`` trl's own fused head stays, so that rule ``"none"``
    with default settings is stock trl bit for bit. ``safe_vocab_support="replay"``: ``S`` is the engine's kept set
-   (a ``rollout_func``'s ``"sampling_mask"``) & the rule, see :mod:`trl_integration.support_replay`.
+   (a ``rollout_func``'s ``"sampling_mask"``) & the rule, see :mod:`trl_integration.grpo.replay`.
 2. **Out-of-set tokens.** Sampled tokens outside the trainer's ``S`` (possible when the sampler's set differs
    numerically, or the sampler does not prune) are removed from the loss, token-wise or sequence-wise
    (``safe_vocab_out_of_set``), through trl's ``tool_mask`` (the loss-only mask; the attention mask is untouched),
@@ -37,7 +37,7 @@ PEFT, logging — is trl's own code):
 6. **Mismatch lab** (docs/mismatch.md), ``generate`` path: ``rollout_logit_noise`` samples rollouts from
    logits perturbed by ``|delta| <= eps`` (seeded noise or the ``lift``), ``rollout_perturbation`` by a plug-in
    ``LogitsProcessor``, ``rollout_mantissa_bits`` with the weights rounded to ``k`` mantissa bits
-   (:mod:`trl_integration.rollout_mismatch`); ``zero_mismatch`` replaces the rollout log-probabilities
+   (:mod:`trl_integration.rollout.mismatch`); ``zero_mismatch`` replaces the rollout log-probabilities
    by the training engine's own scoring (bit-identical), logging the removed gap under ``mismatch/removed/*``.
 """
 
@@ -52,20 +52,18 @@ from accelerate.utils import is_peft_model
 from safevocab import NoPruning
 from safevocab.mismatch import MetricRow
 from safevocab.schedulers import LengthDecayLR
-from trl_integration.callbacks import LengthDecayCallback
-from trl_integration.checkpoints import AtomicCheckpoints
-from trl_integration.config import SafeVocabGRPOConfig
-from trl_integration.enums import ROLLOUT_DTYPES
-from trl_integration.lm_head import SafeHeadState, add_safe_lm_head
-from trl_integration.metric_queue import MetricQueue, QueuedMetrics, queue_capacity
-from trl_integration.reward_checks import check_reward_funcs
-from trl_integration.rollout import recording_generate, rollout_recorder
-from trl_integration.rollout_mismatch import PerturbationArg, RolloutMismatch
-from trl_integration.safe_vocab_step import (
+from trl_integration.grpo.length_decay import LengthDecayCallback
+from trl_integration.grpo.checkpoints import AtomicCheckpoints
+from trl_integration.grpo.config import SafeVocabGRPOConfig
+from trl_integration.options import ROLLOUT_DTYPES
+from trl_integration.grpo.head import SafeHeadState, add_safe_lm_head
+from trl_integration.grpo.metric_queue import MetricQueue, QueuedMetrics, queue_capacity
+from trl_integration.grpo.rewards import check_reward_funcs
+from trl_integration.rollout.recorder import recording_generate, rollout_recorder
+from trl_integration.rollout.mismatch import PerturbationArg, RolloutMismatch
+from trl_integration.grpo.batch import BatchState, LossReplay, PendingGeneration
+from trl_integration.grpo.step import (
     ROLLOUT_LOGPROBS_FRAC,
-    BatchState,
-    LossReplay,
-    PendingGeneration,
     SafeTokenStats,
     StepResult,
     StepSettings,
@@ -75,9 +73,15 @@ from trl_integration.safe_vocab_step import (
     safe_vocabulary_step,
     score_in_loss,
 )
-from trl_integration.support_replay import SupportReplay
-from trl_integration.tokenizer_check import check_tokenizer
-from trl_integration.trl_private import (
+from trl_integration.grpo.replay import SupportReplay
+from trl_integration.grpo.checks import check_tokenizer
+from trl_integration.grpo.vllm_engine import (
+    check_vllm_server_device,
+    colocated_engine_dtype,
+    require_processed_logprobs,
+    use_cpu_weight_sync,
+)
+from trl_integration._private import (
     SCORING_KEYWORDS,
     GRPOTrainerBridge,
     disable_gradient_checkpointing,
@@ -99,7 +103,7 @@ class SafeVocabGRPOTrainer(QueuedMetrics, AtomicCheckpoints, GRPOTrainerBridge):
     """GRPO with safe-vocabulary (Dynamic Vocabulary Pruning) log-probabilities.
 
     Takes the same arguments as ``trl.GRPOTrainer``; ``args`` must be a
-    :class:`~trl_integration.config.SafeVocabGRPOConfig`.
+    :class:`~trl_integration.grpo.config.SafeVocabGRPOConfig`.
 
     Example::
 
@@ -135,7 +139,9 @@ class SafeVocabGRPOTrainer(QueuedMetrics, AtomicCheckpoints, GRPOTrainerBridge):
         #: Tensors of the latest generation batch (train/rollout log-probs, masks, ratios), for inspection.
         self.last_generation: dict[str, torch.Tensor] | None = None
         check_tokenizer(kwargs.get("processing_class", pargs[2] if len(pargs) > 2 else None))  # before the model loads
-        super().__init__(model, reward_funcs, args, *pargs, **kwargs)
+        check_vllm_server_device(args)
+        with colocated_engine_dtype(args):
+            super().__init__(model, reward_funcs, args, *pargs, **kwargs)
         check_tokenizer(self.processing_class)  # the one trl loaded, when none was given
         check_reward_funcs(self)  # an infinite or non-numeric reward is refused, naming the function
         self._check_zero3()
@@ -170,14 +176,14 @@ class SafeVocabGRPOTrainer(QueuedMetrics, AtomicCheckpoints, GRPOTrainerBridge):
             if self.ref_model is not None:
                 add_safe_lm_head(self.accelerator.unwrap_model(self.ref_model), **head_kwargs)
         if self.use_vllm:
-            self._require_processed_logprobs()
+            use_cpu_weight_sync(self.vllm_generation)
+            require_processed_logprobs(self)
         #: Global mean completion lengths of training generations not yet seen by the length-decay schedule.
         self.pending_mean_lengths: list[float] = []
         if args.length_decay:
             self.add_callback(LengthDecayCallback(self))
         # Mismatch lab: the rollouts' injected mismatch, one per run (noise and plug-in state advance across rollouts).
         self.rollout_mismatch = RolloutMismatch.from_config(args, self.accelerator.process_index, rollout_perturbation)
-        self._logit_noise = self.rollout_mismatch.noise
 
     # ------------------------------------------------------------------------------------------------------
     # setup helpers
@@ -185,7 +191,7 @@ class SafeVocabGRPOTrainer(QueuedMetrics, AtomicCheckpoints, GRPOTrainerBridge):
     def _check_zero3(self) -> None:
         """DeepSpeed ZeRO-3: the safe head gathers the partitioned LM-head weight around its forward and,
         through ``fused_safe_logprobs``' ``weight_gather`` hook, again around its backward
-        (:mod:`trl_integration.lm_head`). What cannot work on partitioned parameters is the in-place upcast of a
+        (:mod:`trl_integration.grpo.head`). What cannot work on partitioned parameters is the in-place upcast of a
         ``rollout_dtype="float32"`` rollout over lower-precision weights."""
         from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
 
@@ -196,19 +202,6 @@ class SafeVocabGRPOTrainer(QueuedMetrics, AtomicCheckpoints, GRPOTrainerBridge):
                 "rollout_dtype='float32' upcasts lower-precision parameters in place for the rollout, which DeepSpeed "
                 "ZeRO-3's partitioned parameters do not allow: use rollout_dtype='auto' under ZeRO-3, load the model "
                 "in float32, or use ZeRO-2 / FSDP2 for fp32 rollouts"
-            )
-
-    def _require_processed_logprobs(self) -> None:
-        """vLLM must return log-probabilities renormalised over the sampler's set (``processed_logprobs``)."""
-        if self.vllm_mode != "server" or not self.accelerator.is_main_process:
-            return  # colocate mode: trl asks the engine for processed_logprobs itself
-        info = self.vllm_generation.vllm_client.get_server_info()
-        logprobs_mode = info.get("model_config", {}).get("logprobs_mode")
-        if logprobs_mode != "processed_logprobs":
-            raise ValueError(
-                f"the vLLM server runs with --logprobs-mode {logprobs_mode}: the safe-vocabulary importance ratios "
-                "and mismatch metrics need the log-probabilities renormalised over the sampler's set. Restart it "
-                "with `--logprobs-mode processed_logprobs`."
             )
 
     @property
@@ -411,7 +404,7 @@ class SafeVocabGRPOTrainer(QueuedMetrics, AtomicCheckpoints, GRPOTrainerBridge):
         return [row]
 
     def _step_settings(self, batch: dict) -> StepSettings:
-        """The :class:`~trl_integration.safe_vocab_step.StepSettings` of a batch: the importance ratio and the
+        """The :class:`~trl_integration.grpo.step.StepSettings` of a batch: the importance ratio and the
         mismatch metrics need rollout log-probabilities, or the zero-mismatch setting that makes them."""
         args = self.args
         zero_mismatch = bool(getattr(args, "zero_mismatch", False))
@@ -436,7 +429,7 @@ class SafeVocabGRPOTrainer(QueuedMetrics, AtomicCheckpoints, GRPOTrainerBridge):
     def _apply_step(
         self, batch: dict, train_logps: torch.Tensor, stats: SafeTokenStats, whole_batch: bool, measure: bool = True
     ) -> StepResult:
-        """Run :func:`~trl_integration.safe_vocab_step.safe_vocabulary_step` on a generation batch or one of its
+        """Run :func:`~trl_integration.grpo.step.safe_vocabulary_step` on a generation batch or one of its
         micro-batches and apply its entries to ``batch``; with ``whole_batch`` (the whole per-process generation
         batch) also recount ``num_items_in_batch``, which spans the generation batch, after the out-of-set masking."""
         result = safe_vocabulary_step(batch, train_logps.detach(), stats, self._step_settings(batch), measure=measure)

@@ -7,7 +7,7 @@ import math
 from transformers import TrainerCallback
 
 from safevocab.schedulers import LengthDecayLR
-from trl_integration.trl_private import metric_store as trl_metric_store
+from trl_integration._private import metric_store as trl_metric_store
 
 __all__ = ["LengthDecayCallback"]
 

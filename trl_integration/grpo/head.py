@@ -24,7 +24,7 @@ from transformers.utils import ModelOutput
 
 from safevocab import SafeVocabRule, fused_safe_logprobs
 from safevocab.logprobs import DEFAULT_MAX_CHUNK_BYTES
-from trl_integration.support_replay import select_support
+from trl_integration.grpo.replay import select_support
 
 __all__ = ["SafeCausalLMOutput", "SafeHeadState", "add_safe_lm_head", "lm_head_transform"]
 
@@ -147,7 +147,7 @@ def add_safe_lm_head(
     """
     from torch.distributed.tensor import DTensor
 
-    from trl_integration.trl_private import maybe_gather_lm_head_ctx
+    from trl_integration._private import maybe_gather_lm_head_ctx
 
     state = state if state is not None else SafeHeadState()
     previous_forward = model.forward
@@ -304,6 +304,6 @@ def _backward_gather(lm_head: torch.nn.Module, head_weight: torch.Tensor, head_b
     params = [param for param, used in pairs if param is not None and param is used]
     if not params:
         return None
-    from trl_integration.trl_private import maybe_gather_lm_head_ctx
+    from trl_integration._private import maybe_gather_lm_head_ctx
 
     return functools.partial(maybe_gather_lm_head_ctx, *params)

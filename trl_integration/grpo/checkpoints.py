@@ -93,7 +93,7 @@ _RESET = {
 
 
 class AtomicCheckpoints:
-    """The trainer's side (a mixin before :class:`~trl_integration.trl_private.GRPOTrainerBridge`): checkpoints are
+    """The trainer's side (a mixin before :class:`~trl_integration._private.GRPOTrainerBridge`): checkpoints are
     written by :func:`save_staged`, and ``train`` checks ``resume_from_checkpoint`` first
     (:func:`checked_resume_checkpoint`)."""
 

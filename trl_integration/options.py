@@ -1,9 +1,8 @@
-"""The enumerations and defaults that :class:`~trl_integration.config.SafeVocabGRPOConfig` validates against.
+"""The enumerations and defaults that :class:`~trl_integration.grpo.config.SafeVocabGRPOConfig` validates against.
 
 A leaf: it imports no implementation module of ``trl_integration`` (and not trl), so that the config and the
-modules implementing each setting (``rollout``, ``safe_vocab_step``, the trainer) share one definition without the
-config importing them. The old homes keep every name (``trl_integration.config.OUT_OF_SET_MODES``,
-``trl_integration.rollout.NOISE_KINDS`` and ``ROLLOUT_DTYPES``) as the same objects.
+modules implementing each setting (``rollout/``, ``grpo/step.py``, the trainer) share one definition without the
+config importing them.
 
 The importance-sampling modes are the core's (:data:`safevocab.correction.IS_MODES`, which implements them; the
 core cannot import this package) and the default chunk budget is the fused log-softmax's own

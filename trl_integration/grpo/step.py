@@ -1,8 +1,9 @@
 """The safe-vocabulary step of a generation batch, on plain tensors: out-of-set masks, importance ratio, metric rows.
 
-No trl and no trainer here: :class:`~trl_integration.trainer.SafeVocabGRPOTrainer`'s overrides collect the inputs
+No trl and no trainer here: :class:`~trl_integration.grpo.trainer.SafeVocabGRPOTrainer`'s overrides collect the inputs
 (trl's batch dict, the scoring pass's log-probabilities and safe-set statistics), call :func:`safe_vocabulary_step`
-and apply its result; the state they hand each other within a generation batch is one :class:`BatchState`.
+and apply its result; the state they hand each other within a generation batch is one
+:class:`~trl_integration.grpo.batch.BatchState`.
 
 For a batch with completion mask ``c``, loss-only mask ``u`` (trl's ``tool_mask``, 1 when absent) and ``in_safe``
 ``s`` (the sampled token is in the trainer's safe set ``S``):
@@ -31,9 +32,9 @@ from safevocab.mismatch import DEFAULT_BUCKETS
 from safevocab.mismatch.common import zero_filled_pair
 from safevocab.mismatch.metrics import bucket_row, importance_ratio_row, mismatch_row, safe_set_row
 from safevocab.mismatch.row import MetricRow
-from trl_integration.batch_metrics import MASKED_TOKEN_FRAC, masked_token_row, metric_rows, trl_sampling_row
-from trl_integration.enums import OUT_OF_SET_MODES, SCORING_MODES
-from trl_integration.support_replay import replay_metrics
+from trl_integration.grpo.metric_rows import MASKED_TOKEN_FRAC, masked_token_row, metric_rows, trl_sampling_row
+from trl_integration.options import OUT_OF_SET_MODES, SCORING_MODES
+from trl_integration.grpo.replay import replay_metrics
 
 __all__ = [
     "ROLLOUT_LOGPROBS_FRAC",
@@ -44,11 +45,7 @@ __all__ = [
     "OutOfSetMasks",
     "StepMetricInputs",
     "StepResult",
-    "LossReplay",
-    "PendingGeneration",
-    "BatchState",
     "out_of_set_masks",
-    "step_metrics",
     "safe_vocabulary_step",
     "old_policy_stats",
     "rollout_logprobs_coverage",
@@ -111,7 +108,7 @@ class StepSettings:
     """What :func:`safe_vocabulary_step` does to one batch (from the config and what the batch carries).
 
     Attributes:
-        out_of_set: ``safe_vocab_out_of_set``, one of :data:`~trl_integration.enums.OUT_OF_SET_MODES`.
+        out_of_set: ``safe_vocab_out_of_set``, one of :data:`~trl_integration.options.OUT_OF_SET_MODES`.
         importance_sampling: compute the importance ratio (needs rollout log-probabilities or ``zero_mismatch``).
         mismatch_metrics: log the ``mismatch/*`` metrics (same requirement).
         zero_mismatch: replace the rollout log-probabilities by the training ones (mismatch lab).
@@ -121,7 +118,7 @@ class StepSettings:
         mismatch_buckets: edges of the ``mismatch/*/p=lo-hi`` buckets.
         sampling_metrics: also log trl's ``sampling/*`` ratio metrics (trl logs them itself on the vLLM path only).
         replay: log the replay metrics (``safe_vocab_support="replay"``,
-            :func:`~trl_integration.support_replay.replay_metrics`).
+            :func:`~trl_integration.grpo.replay.replay_metrics`).
     """
 
     out_of_set: str = "mask_token"
@@ -195,7 +192,7 @@ def out_of_set_masks(
 @dataclass
 class StepMetricInputs:
     """What the metric row of one batch is computed from, kept until the trainer's metrics are read
-    (:mod:`trl_integration.metric_queue` stacks the inputs of several batches).
+    (:mod:`trl_integration.grpo.metric_queue` stacks the inputs of several batches).
 
     Attributes:
         stats: the safe-set statistics of the scoring pass.
@@ -246,21 +243,6 @@ class StepMetricInputs:
             return MetricRow.cat(groups)
 
 
-def step_metrics(
-    stats: SafeTokenStats,
-    masks: OutOfSetMasks,
-    train_logps: torch.Tensor,
-    rollout_logps: torch.Tensor | None,
-    ratio: ImportanceRatio | None,
-    settings: StepSettings,
-    measured_rollout_logps: torch.Tensor | None = None,
-) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """The metric row of one batch (:meth:`StepMetricInputs.row`) as ``(values, counts)`` dictionaries
-    (``{name: 0-dim tensor}``)."""
-    inputs = StepMetricInputs(stats, masks, train_logps, rollout_logps, ratio, settings, measured_rollout_logps)
-    return inputs.row().dicts()
-
-
 @dataclass
 class StepResult:
     """What :func:`safe_vocabulary_step` computed for one batch.
@@ -271,7 +253,7 @@ class StepResult:
         loss_mask: ``[B, T]`` the loss tokens after the out-of-set masking (``num_items_in_batch`` counts them).
         metric_inputs: what the batch's metric row is computed from (``None`` when not measured): the trainer
             computes the rows of several batches at once when trl reads its metrics
-            (:mod:`~trl_integration.metric_queue`).
+            (:mod:`~trl_integration.grpo.metric_queue`).
         record: the tensors of ``trainer.last_generation``.
     """
 
@@ -360,72 +342,6 @@ def safe_vocabulary_step(
         "measured_rollout_logps": None if measured_rollout_logps is None else measured_rollout_logps.detach(),
     }
     return StepResult(entries=entries, loss_mask=masks.loss_mask, metric_inputs=metric_inputs, record=record)
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# the state of a generation batch between the trainer's overrides
-
-
-@dataclass
-class LossReplay:
-    """The loss forward run ahead of trl's loss code (on-policy micro-batches), handed back to it once."""
-
-    input_shape: tuple[int, ...]
-    logits_to_keep: int
-    result: tuple
-
-    def take(self, input_shape: tuple[int, ...], logits_to_keep: int) -> tuple:
-        """The kept result, after checking that trl asks for the same batch."""
-        if tuple(input_shape) != self.input_shape or logits_to_keep != self.logits_to_keep:
-            raise RuntimeError(
-                f"trl's loss pass asked for log-probabilities of a {tuple(input_shape)} batch (keep "
-                f"{logits_to_keep}) but the pass run ahead of it scored {self.input_shape} (keep {self.logits_to_keep})"
-            )
-        return self.result
-
-
-@dataclass
-class PendingGeneration:
-    """Metric rows and records of the micro-batches of one on-policy generation batch whose step runs in the loss
-    (``safe_vocab_scoring``); complete once all ``expected`` micro-batches have been seen."""
-
-    expected: int
-    rows: list[MetricRow | StepMetricInputs] = field(default_factory=list)
-    records: list[dict] = field(default_factory=list)
-
-    def add(self, result: StepResult) -> bool:
-        """Add one micro-batch's result; whether the generation batch is now complete."""
-        if result.metric_inputs is not None:
-            self.rows.append(result.metric_inputs)
-        self.records.append(result.record)
-        return len(self.records) == self.expected  # rows may start with the batch's own (rollout coverage)
-
-
-@dataclass
-class BatchState:
-    """What the trainer's overrides hand each other within a generation batch (the trainer keeps one).
-
-    Attributes:
-        captured: while trl builds a generation batch, every scoring pass's ``(logps, stats)``, in call order
-            (``None`` outside it).
-        last_stats: the safe-set statistics of the latest scoring pass.
-        replay: the loss forward run ahead of trl's loss code, until trl asks for it.
-        pending: per mode (``"train"``/``"eval"``), the generation batch whose step runs in the loss.
-        recorded_rollout: during a single-turn ``generate`` rollout, ``(recorder, completion lengths)``: the recorded
-            log-probabilities that become trl's ``sampling_per_token_logps`` tensor once trl has built the batch.
-    """
-
-    captured: list[tuple[torch.Tensor, SafeTokenStats]] | None = None
-    last_stats: SafeTokenStats | None = None
-    replay: LossReplay | None = None
-    pending: dict[str, PendingGeneration] = field(default_factory=dict)
-    recorded_rollout: tuple | None = None
-
-    def keep(self, logps: torch.Tensor, stats: SafeTokenStats) -> None:
-        """Record a scoring pass."""
-        self.last_stats = stats
-        if self.captured is not None:
-            self.captured.append((logps, stats))
 
 
 def old_policy_stats(

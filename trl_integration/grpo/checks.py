@@ -1,0 +1,272 @@
+"""Every check the config and the trainer make when they are built, each a one-line error naming the field.
+
+A leaf like the config: it imports no implementation module (``rollout_perturbation`` is imported here, so that a bad
+module fails when the config is built, before any model loads; the factory itself is called by the trainer).
+
+**Precision** (:func:`bf16_supported`, :func:`fp16_amp_supported`): which mixed precision this machine can run.
+transformers refuses ``bf16=True`` without a bf16-capable accelerator (or ``use_cpu=True``), with "Your setup
+doesn't support bf16/gpu", and trl reads an unset ``bf16`` as ``True``: :func:`bf16_supported` is the very check
+transformers raises on, so the config can default ``bf16`` to ``False`` exactly where it would fail. accelerate runs
+fp16 autocast and loss scaling on an accelerator only, never on CPU.
+
+**Length decay** (:func:`check_length_decay`): the period (``"auto"`` or an integer >= 1), the start, the LR floor,
+the surge detector's settings, and what ``length_decay=True`` cannot be combined with. The length-decay schedule
+(``safevocab.schedulers``, installed through the Trainer's ``create_scheduler``) keeps the learning rate constant,
+then halves it; it replaces transformers' ``lr_scheduler_type`` and has no warm-up, so a schedule other than
+``constant`` (or trl's default ``linear``, indistinguishable from "not given") and any warm-up are refused with one
+line instead of being ignored (:func:`refuse_other_lr_schedules`).
+
+**Mismatch lab and rollout paths** (:func:`check_mismatch_lab`, :func:`check_rollout_paths`): ``rollout_logit_noise*``,
+``rollout_tail_rule``, ``rollout_mantissa_bits``, ``rollout_perturbation``, ``zero_mismatch``; what each rollout path
+(``generate``, vLLM, continuous batching) supports, and fp16 on CPU.
+
+**Tokenizer** (:func:`check_tokenizer`, when the trainer is built): what trl repairs itself is accepted; what it
+cannot repair, which would otherwise fail deep inside the first generation step (a ``None`` id in a tensor) or train
+on garbage, is refused:
+
+- an **EOS token**: completions end at it and trl cuts the completion mask after it. A tokenizer without one
+  (``eos_token_id is None``) is refused.
+- a **pad token**: batches are padded with it. trl borrows the EOS token when it is missing, so the pad token
+  is required only where there is no EOS token either, and the EOS check covers it.
+- **left padding** for a processor (vision-language models), whose ``padding=True`` call trl leaves to the
+  tokenizer: right padding there puts pad tokens between the prompt and the completion. trl left-pads text
+  prompts itself whatever the tokenizer's ``padding_side``, so a text tokenizer's side is not checked.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import torch
+
+from safevocab import NoPruning, parse_rule
+from safevocab.mantissa import MANTISSA_BITS_RANGE
+from safevocab.validation import integer, real
+from trl_integration.options import IS_MODES, LENGTH_DECAY_STARTS, NOISE_KINDS
+from trl_integration.plugins import load_callable
+
+__all__ = [
+    "bf16_supported", "fp16_amp_supported", "check_length_decay", "refuse_other_lr_schedules", "check_mismatch_lab",
+    "check_rollout_paths", "check_tokenizer",
+]  # fmt: skip
+
+
+# ----------------------------------------------------------------------------------------------------
+# precision
+
+
+def bf16_supported() -> bool:
+    """Whether transformers accepts ``bf16=True`` without ``use_cpu`` here (a bf16 GPU/XPU/NPU/MPS, or XLA)."""
+    from transformers.utils import is_torch_bf16_gpu_available, is_torch_xla_available
+
+    return is_torch_bf16_gpu_available() or is_torch_xla_available()
+
+
+def fp16_amp_supported(use_cpu: bool = False) -> bool:
+    """Whether accelerate can run fp16 mixed precision (autocast + GradScaler) here: any non-CPU device."""
+    if use_cpu:
+        return False
+    xpu, mps = getattr(torch, "xpu", None), getattr(torch.backends, "mps", None)
+    return bool(torch.cuda.is_available() or (xpu and xpu.is_available()) or (mps and mps.is_available()))
+
+
+# ----------------------------------------------------------------------------------------------------
+# length decay
+
+
+def check_length_decay(config) -> None:
+    """Validate (and normalise in place) the ``length_decay*`` and ``length_surge_*`` fields of a
+    ``SafeVocabGRPOConfig``. Raises ``ValueError`` (one line naming the field)."""
+    # Kept as a string ('auto' or digits) so the command line and YAML take both forms.
+    period = str(config.length_decay_period).strip().lower()
+    if period != "auto":
+        value = int(period) if period.lstrip("-").isdigit() else 0
+        if value < 1:
+            raise ValueError(
+                f"length_decay_period={config.length_decay_period!r} is not accepted: accepted 'auto' or an "
+                "integer >= 1"
+            )
+        period = str(value)
+    config.length_decay_period = period
+    if config.length_decay_start not in LENGTH_DECAY_STARTS:
+        raise ValueError(
+            f"length_decay_start={config.length_decay_start!r} is not accepted: accepted 'on_surge' or 'step0'"
+        )
+    if config.length_decay and config.length_decay_start == "step0" and config.length_decay_auto_period:
+        raise ValueError(
+            "length_decay_start='step0' needs an integer length_decay_period (no surge is detected to derive "
+            "'auto' from): e.g. --length_decay_period 200"
+        )
+    if config.length_decay:
+        refuse_other_lr_schedules(config)
+    # Build the scheduler's pieces once here, so a bad value fails at construction, not at step 0.
+    config.make_surge_detector()
+    config.length_decay_min_lr_ratio = real(
+        "length_decay_min_lr_ratio", config.length_decay_min_lr_ratio, lambda r: 0.0 <= r <= 1.0, "0 <= ratio <= 1"
+    )
+
+
+def refuse_other_lr_schedules(config) -> None:
+    """Raise ``ValueError`` (one line naming the field) when ``config`` asks for a schedule or a warm-up that
+    length decay would replace. ``config``: a ``SafeVocabGRPOConfig`` with ``length_decay=True``."""
+    schedule = getattr(config.lr_scheduler_type, "value", config.lr_scheduler_type)
+    if schedule not in ("linear", "constant"):
+        raise ValueError(
+            f"lr_scheduler_type={schedule!r} with length_decay=True: length decay replaces the LR schedule "
+            "(constant, then halved); drop --lr_scheduler_type or set --length_decay false"
+        )
+    for name in ("warmup_steps", "warmup_ratio"):
+        if (getattr(config, name, 0) or 0) > 0:
+            raise ValueError(
+                f"{name}={getattr(config, name)!r} with length_decay=True: length decay has no warm-up; drop "
+                f"--{name} or set --length_decay false"
+            )
+
+
+# ----------------------------------------------------------------------------------------------------
+# mismatch lab and rollout paths
+
+
+def check_mismatch_lab(config) -> None:
+    """Validate (and normalise in place) the mismatch-lab fields of a ``SafeVocabGRPOConfig``.
+
+    Raises:
+        ValueError: a value out of range, or a combination that cannot work: an injected mismatch with
+            ``use_vllm``/continuous batching (they act on the plain ``generate`` path only), or with
+            ``zero_mismatch`` (which would hide it from the objective), or mantissa rounding with a lower
+            ``rollout_dtype`` (rounding twice).
+    """
+    noise = config.rollout_logit_noise  # as given, for the messages below
+    config.rollout_logit_noise = real("rollout_logit_noise", noise, lambda eps: eps >= 0, "a finite float >= 0")
+    if config.rollout_logit_noise_kind not in NOISE_KINDS:
+        raise ValueError(
+            f"rollout_logit_noise_kind={config.rollout_logit_noise_kind!r} is not accepted: accepted one of "
+            f"{NOISE_KINDS}"
+        )
+    _check_tail_rule(config)
+    config.rollout_noise_seed = integer("rollout_noise_seed", config.rollout_noise_seed)
+    bits = config.rollout_mantissa_bits
+    if bits is not None:
+        lo, hi = MANTISSA_BITS_RANGE
+        bits = integer("rollout_mantissa_bits", bits)
+        if not lo <= bits <= hi:
+            raise ValueError(f"rollout_mantissa_bits={bits!r} is not accepted: accepted an integer in [{lo}, {hi}]")
+        config.rollout_mantissa_bits = bits
+    if config.rollout_perturbation is not None:
+        load_callable(config.rollout_perturbation, "rollout_perturbation")
+    injected = [
+        f"{name}={value!r}"
+        for name, value, on in (
+            ("rollout_logit_noise", noise, noise > 0),
+            ("rollout_mantissa_bits", bits, bits is not None),
+            ("rollout_perturbation", config.rollout_perturbation, config.rollout_perturbation is not None),
+        )
+        if on
+    ]
+    other_path = (
+        "use_vllm=True" if config.use_vllm else
+        "use_transformers_continuous_batching=True" if config.use_transformers_continuous_batching else None
+    )  # fmt: skip
+    if injected and other_path:
+        raise ValueError(
+            f"{injected[0]} acts on the plain generate rollouts only, not {other_path}: unset it or use the "
+            "generate path"
+        )
+    if config.zero_mismatch:
+        if injected:
+            raise ValueError(
+                f"zero_mismatch=True with {injected[0]} is contradictory: zero_mismatch replaces the rollout "
+                "log-probabilities by the training ones, which would hide the injected mismatch. Set one of them only."
+            )
+        if other_path:
+            raise ValueError(
+                f"zero_mismatch=True is implemented on the plain generate path only, not with {other_path}"
+            )
+    if bits is not None and config.rollout_dtype in ("bfloat16", "float16"):
+        raise ValueError(
+            f"rollout_mantissa_bits={bits!r} with rollout_dtype={config.rollout_dtype!r} rounds the rollout twice: "
+            "accepted rollout_dtype 'auto' or 'float32' (bfloat16 is rollout_mantissa_bits=7 on float32 weights)"
+        )
+    if config.fp16 and not fp16_amp_supported(config.use_cpu):
+        warnings.warn(
+            "fp16=True on a machine without a CUDA/XPU/MPS accelerator (or with use_cpu=True): accelerate runs "
+            "neither fp16 autocast nor loss scaling on CPU, so training runs in the model's own dtype. Load "
+            "the model in float16 (model_init_kwargs={'dtype': 'float16'}) to exercise fp16 weights on CPU.",
+            UserWarning, stacklevel=5,
+        )  # fmt: skip
+
+
+def _check_tail_rule(config) -> None:
+    """``rollout_tail_rule`` in canonical form; with ``rollout_logit_noise_kind='tail'`` (and noise on), the rule it
+    resolves to (unset: ``safe_vocab_rule``) must cut something."""
+    if config.rollout_tail_rule is not None:
+        config.rollout_tail_rule = str(parse_rule(config.rollout_tail_rule))  # a bad rule names itself
+    if config.rollout_logit_noise_kind != "tail" or config.rollout_logit_noise == 0:
+        return
+    rule = config.rollout_tail_rule if config.rollout_tail_rule is not None else config.safe_vocab_rule
+    if isinstance(parse_rule(rule), NoPruning):
+        given = config.rollout_tail_rule is not None
+        source = "rollout_tail_rule" if given else "safe_vocab_rule (rollout_tail_rule unset)"
+        raise ValueError(
+            f"rollout_logit_noise_kind='tail' lifts the tokens a rule cuts, but its rule is {source}='none', which "
+            "cuts nothing: set rollout_tail_rule to a rule that prunes, e.g. 'min_p=0.01'"
+        )
+
+
+def check_rollout_paths(config) -> None:
+    """The project's own requirements on the rollout paths of a ``SafeVocabGRPOConfig`` (trl's, e.g. VESPO's
+    token-level IS modes with vLLM, stay trl's, checked where trl checks them).
+
+    Raises:
+        ValueError: ``rollout_dtype`` with vLLM, ``rollout_logprobs`` with continuous batching, or an IS mode the
+            generate-path correction does not implement.
+    """
+    if config.use_vllm and config.rollout_dtype != "auto":
+        # rollout_dtype acts on the generate path's autocast, which vLLM does not use.
+        raise ValueError(
+            f"rollout_dtype={config.rollout_dtype!r} applies to the generate path only; with use_vllm=True "
+            "the vLLM engine's dtype decides. Leave rollout_dtype='auto'."
+        )
+    if config.use_transformers_continuous_batching and config.rollout_logprobs:
+        # the recorder is a LogitsProcessor of `generate`, which continuous batching bypasses.
+        raise ValueError(
+            "rollout_logprobs=True is not accepted with use_transformers_continuous_batching=True, whose "
+            "generate_batch returns no log-probabilities and runs no logits processor: accepted "
+            "rollout_logprobs=False or unset"
+        )
+    if config.generate_path_importance_sampling and config.vllm_importance_sampling_mode not in IS_MODES:
+        # the generate-path correction reuses trl's modes (trl checks them on vLLM itself).
+        raise ValueError(
+            f"vllm_importance_sampling_mode={config.vllm_importance_sampling_mode!r} is not accepted by the "
+            f"generate-path importance sampling: accepted one of {IS_MODES}"
+        )
+
+
+# ----------------------------------------------------------------------------------------------------
+# tokenizer
+
+
+def check_tokenizer(processing_class: Any) -> None:
+    """Raise ``ValueError`` (one line: the attribute, its value, what is accepted) if ``processing_class`` (a
+    tokenizer, or a processor holding one as ``.tokenizer``) cannot serve GRPO; ``None`` (trl will load one) passes.
+    """
+    if processing_class is None:
+        return
+    tokenizer = getattr(processing_class, "tokenizer", None)
+    is_processor = tokenizer is not None
+    tokenizer = tokenizer if is_processor else processing_class
+    name = type(tokenizer).__name__
+    if tokenizer.eos_token_id is None:
+        pad = "" if tokenizer.pad_token_id is None else f" (pad token {tokenizer.pad_token!r} alone does not do)"
+        raise ValueError(
+            f"tokenizer.eos_token_id=None ({name}) is not accepted: GRPO ends completions at the EOS token and pads "
+            f"with it when there is no pad token{pad}; accepted a token of the vocabulary, set before building the "
+            "trainer: tokenizer.eos_token = '<eos>'"
+        )
+    if is_processor and tokenizer.padding_side != "left":
+        raise ValueError(
+            f"processing_class.tokenizer.padding_side={tokenizer.padding_side!r} ({name}) is not accepted: a "
+            "processor's prompts must be left-padded for generation; accepted 'left' (load the processor with "
+            "padding_side='left')"
+        )
