@@ -178,6 +178,50 @@ def test_importance_ratio_is_on_the_same_support(engines, tmp_path, mode):
     assert (ratio[kept] - 1).abs().max().item() <= 10 * limit
 
 
+def test_one_importance_ratio_on_the_set_the_loss_uses(engines, tmp_path):
+    """trl's own ratio is off while it builds a vLLM batch: no old-policy pass for an on-policy batch, and trl's logged
+    ``sampling/importance_sampling_ratio/*`` describe the ratio the loss multiplies by, over the loss tokens only.
+    The engine samples from its own ``top_k=8`` set while the trainer's rule is stricter, so sampled tokens fall
+    outside the trainer's set: trl's ratio over every completion token would differ from the loss's."""
+    trainer = SafeVocabGRPOTrainer(
+        model=str(tiny_model_path()), reward_funcs=arithmetic_reward,
+        args=tiny_grpo_config(
+            output_dir=str(tmp_path), use_vllm=True, vllm_mode="colocate", vllm_gpu_memory_utilization=0.1,
+            max_steps=1, logging_steps=1, per_device_train_batch_size=16, num_generations=4, learning_rate=1e-2,
+            safe_vocab_rule="top_k=2", safe_vocab_in_sampler=False, top_k=8,
+            vllm_importance_sampling_mode="token_truncate", vllm_importance_sampling_clip_max=1e6,
+        ),
+        train_dataset=make_dataset(64, seed=0, split="train"),
+    )  # fmt: skip
+    passes_during_generation = []
+    stock_generate, stock_score = trainer.stock_generate_and_score, trainer.stock_score_completion_tokens
+    generating = [False]
+
+    def counting_score(*args, **kwargs):
+        passes_during_generation.append(generating[0])
+        return stock_score(*args, **kwargs)
+
+    def flagged_generate(inputs):
+        generating[0] = True
+        try:
+            return stock_generate(inputs)
+        finally:
+            generating[0] = False
+
+    trainer.stock_score_completion_tokens, trainer.stock_generate_and_score = counting_score, flagged_generate
+    trainer.train()
+    assert passes_during_generation and not any(passes_during_generation)  # scored once, in the loss
+    record = trainer.last_generation
+    loss = record["loss_mask"].bool()
+    assert bool((record["completion_mask"].bool() & ~loss).any())  # some sampled tokens left the loss
+    ratio = record["importance_sampling_ratio"][loss].double()
+    logged = trainer.state.log_history[0]
+    assert logged["sampling/importance_sampling_ratio/mean"] == pytest.approx(ratio.mean().item(), rel=1e-6)
+    assert logged["sampling/importance_sampling_ratio/max"] == pytest.approx(ratio.max().item(), rel=1e-6)
+    assert logged["sampling/importance_sampling_ratio/min"] == pytest.approx(ratio.min().item(), rel=1e-6)
+    assert trainer.vllm_importance_sampling_correction  # on again for trl's loss
+
+
 def test_bf16_engine_shows_the_mismatch(engines, tmp_path):
     """A bf16 checkpoint gets a bf16 engine (the checkpoint's dtype) while the trainer trains in fp32: the
     mismatch/* metrics show a gap orders of magnitude above the fp32 engine's."""

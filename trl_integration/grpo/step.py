@@ -116,7 +116,8 @@ class StepSettings:
         is_clip_min: trl's ``vllm_importance_sampling_clip_min`` (``None``: unbounded below).
         is_clip_max: trl's ``vllm_importance_sampling_clip_max`` (``None``: unbounded above).
         mismatch_buckets: edges of the ``mismatch/*/p=lo-hi`` buckets.
-        sampling_metrics: also log trl's ``sampling/*`` ratio metrics (trl logs them itself on the vLLM path only).
+        sampling_metrics: also log trl's ``sampling/*`` ratio metrics of this ratio (trl's own computation is off on
+            the vLLM path, see :func:`trl_integration.grpo.vllm_engine.ratio_left_to_the_trainer`).
         replay: log the replay metrics (``safe_vocab_support="replay"``,
             :func:`~trl_integration.grpo.replay.replay_metrics`).
     """

@@ -78,6 +78,7 @@ from trl_integration.grpo.checks import check_tokenizer
 from trl_integration.grpo.vllm_engine import (
     check_vllm_server_device,
     colocated_engine_dtype,
+    ratio_left_to_the_trainer,
     require_processed_logprobs,
     use_cpu_weight_sync,
 )
@@ -323,7 +324,8 @@ class SafeVocabGRPOTrainer(QueuedMetrics, AtomicCheckpoints, GRPOTrainerBridge):
         if self._replay is not None:
             self._replay.begin_generation()
         try:
-            output = self.stock_generate_and_score(inputs)
+            with ratio_left_to_the_trainer(self):
+                output = self.stock_generate_and_score(inputs)
             captured, recorded = self._batch.captured, self._batch.recorded_rollout
         finally:
             self._batch.captured = self._batch.recorded_rollout = None
@@ -418,7 +420,7 @@ class SafeVocabGRPOTrainer(QueuedMetrics, AtomicCheckpoints, GRPOTrainerBridge):
             is_clip_min=args.vllm_importance_sampling_clip_min,
             is_clip_max=args.vllm_importance_sampling_clip_max,
             mismatch_buckets=tuple(args.mismatch_buckets),
-            sampling_metrics=not self.use_vllm,  # trl logs its sampling/* metrics itself on the vLLM path
+            sampling_metrics=True,  # trl's sampling/* metrics, of the ratio the loss uses (trl's own is off)
             replay=self._replay is not None,
         )
 

@@ -56,7 +56,7 @@ from trl_integration._private import (
 __all__ = [
     "engine_kwargs_for", "engine_runs_on_cpu", "colocated_model_runner", "reload_engine_weights",
     "check_vllm_server_device", "use_cpu_weight_sync", "shut_down_colocated_engine", "colocated_engine_dtype",
-    "require_processed_logprobs",
+    "require_processed_logprobs", "ratio_left_to_the_trainer",
 ]  # fmt: skip
 
 #: vLLM's logger of the layerwise reload, which warns for layers that hold buffers only (e.g. rotary caches).
@@ -245,3 +245,25 @@ def require_processed_logprobs(trainer) -> None:
             "and mismatch metrics need the log-probabilities renormalised over the sampler's set. Restart it "
             "with `--logprobs-mode processed_logprobs`."
         )
+
+
+@contextmanager
+def ratio_left_to_the_trainer(trainer) -> Iterator[None]:
+    """While trl builds a vLLM generation batch, its own importance ratio is off, so the ratio is computed once, by
+    the trainer, on the set the loss uses.
+
+    trl's ``_generate_and_score_completions`` would compute ``pi_old / mu`` over every completion token (out-of-set
+    tokens included), log its ``sampling/*`` metrics, and run an old-policy pass for on-policy batches only to form
+    it; the trainer then computed the ratio again after the out-of-set masking and overwrote trl's. With trl's
+    ``vllm_importance_sampling_correction`` off during generation, trl runs an old-policy pass only where the batch
+    is off-policy, the trainer forms the ratio over the loss tokens (:func:`trl_integration.grpo.step.
+    safe_vocabulary_step`, from the old-policy pass or, on-policy, the loss's own forward) and logs trl's
+    ``sampling/*`` metrics of that ratio; the flag is back on for trl's loss, which multiplies by the ratio."""
+    correction = bool(trainer.use_vllm and trainer.vllm_importance_sampling_correction)
+    if correction:
+        trainer.vllm_importance_sampling_correction = False
+    try:
+        yield
+    finally:
+        if correction:
+            trainer.vllm_importance_sampling_correction = True
