@@ -107,8 +107,8 @@ def _bad_inputs(tmp_path):
         "report_to not installed": (["--report_to", _missing_integration(), *out], "--report_to"),
         "model folder without config": (["--model_name_or_path", str(tmp_path), *out], "config.json"),
         "negative eval prompts": (["--eval_num_prompts", "-1", *out], "--eval_num_prompts"),
-        "empty rule": (["--safe_vocab_rule", "", *out], "--safe_vocab_rule ''"),
-        "empty rule with =": (["--safe_vocab_rule=", *out], "--safe_vocab_rule ''"),
+        "empty rule": (["--safe_vocab_rule", "", *out], "safe_vocab_rule='' is not accepted"),
+        "empty rule with =": (["--safe_vocab_rule=", *out], "safe_vocab_rule='' is not accepted"),
     }  # fmt: skip
 
 

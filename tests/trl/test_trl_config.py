@@ -93,6 +93,14 @@ def test_generation_kwargs_compose_with_rule(tmp_path):
     assert cfg.sampler_rule == TopK(20)
 
 
+@pytest.mark.parametrize("empty", ["", "  "])
+def test_empty_rule_is_refused_as_on_the_command_line(tmp_path, empty):
+    """An empty rule (most often an unset shell variable) is refused in Python as on the command line, never read
+    as "none" (which would switch the pruning off silently)."""
+    with pytest.raises(ValueError, match=r"^safe_vocab_rule='' is not accepted: accepted a rule such as"):
+        make(tmp_path, safe_vocab_rule=empty)
+
+
 def test_rule_none_defaults_are_stock_trl(tmp_path):
     cfg = make(tmp_path, safe_vocab_rule="none")
     assert cfg.safe_vocab_effective_rule == "none"

@@ -29,7 +29,7 @@ from trl_integration.commands.broken_run import BROKEN_RUN, BrokenRunError, Rewa
 from trl_integration.commands.differences import format_differences, settings_that_differ
 from trl_integration.commands.errors import fail
 from trl_integration.commands.launch import launch, launcher_flags, running_under_launch
-from trl_integration.commands.preflight import check_before_loading, check_empty_rule, check_mixture
+from trl_integration.commands.preflight import check_before_loading, check_mixture
 from trl_integration.commands.train_data import ARITHMETIC_DATASET_NAME, load_train_dataset, unreadable_data
 from trl_integration.grpo.config import SafeVocabGRPOConfig
 from trl_integration.demo.config import TINY_GRPO_DEFAULTS, tiny_grpo_config_kwargs
@@ -272,8 +272,6 @@ def run(argv: list[str] | None = None):
         parser.set_defaults(
             model_name_or_path=str(tiny_model_path()), dataset_name=ARITHMETIC_DATASET_NAME, **tiny_grpo_config_kwargs()
         )
-    with _usage_errors(debug):
-        check_empty_rule(argv)
     config = _config_path(argv)
     if config is not None and not os.path.isfile(config):
         raise SystemExit(fail(PROG, f"--config {config!r}: no such file"))

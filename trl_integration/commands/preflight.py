@@ -23,7 +23,7 @@ from __future__ import annotations
 import os
 import re
 
-__all__ = ["check_before_loading", "check_empty_rule", "check_mixture", "DATA_FILE_SUFFIXES", "DATASETS_BUILDERS"]
+__all__ = ["check_before_loading", "check_mixture", "DATA_FILE_SUFFIXES", "DATASETS_BUILDERS"]
 
 #: Local data files ``safevocab-grpo`` loads with the matching ``datasets`` builder.
 DATA_FILE_SUFFIXES = (".json", ".jsonl", ".csv", ".parquet")
@@ -89,17 +89,6 @@ def check_before_loading(script_args, training_args, model_args, builtin_dataset
     if output_dir and os.path.exists(output_dir) and not os.path.isdir(output_dir):
         raise ValueError(f"--output_dir {output_dir!r} is a file: accepted a directory (created when missing)")
     _check_report_to(training_args.report_to)
-
-
-def check_empty_rule(argv: list[str]) -> None:
-    """``--safe_vocab_rule ''`` (an unset shell variable) refused: the config reads an empty rule as ``none``, which
-    would silently turn the pruning off. Checked on the command line, before the config normalises the rule."""
-    for i, arg in enumerate(argv):
-        value = arg.split("=", 1)[1] if arg.startswith("--safe_vocab_rule=") else (
-            argv[i + 1] if arg == "--safe_vocab_rule" and i + 1 < len(argv) else None)  # fmt: skip
-        if value is not None and not value.strip():
-            raise ValueError("--safe_vocab_rule '': accepted a rule such as min_p=0.001 or top_k=50, or 'none' for "
-                             "no pruning")  # fmt: skip
 
 
 def _has_config(folder: str) -> bool:

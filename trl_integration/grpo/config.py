@@ -325,6 +325,13 @@ class SafeVocabGRPOConfig(GRPOConfig):
         if not isinstance(self.resume_allow_missing_state, bool):
             value = self.resume_allow_missing_state
             raise TypeError(f"resume_allow_missing_state must be True or False, got {type(value).__name__}: {value!r}")
+        if isinstance(self.safe_vocab_rule, str) and not self.safe_vocab_rule.strip():
+            # An empty value is most often an unset shell variable: refused, never read as "none" (the same here, in
+            # YAML and on the command line, which builds this config).
+            raise ValueError(
+                "safe_vocab_rule='' is not accepted: accepted a rule such as 'min_p=0.001' or 'top_k=50', or 'none' "
+                "for the full vocabulary"
+            )
         rule = parse_rule(self.safe_vocab_rule)
         self.safe_vocab_rule = str(rule)
         self._rule = rule
