@@ -199,12 +199,11 @@ def test_enumerations_have_one_home():
     import trl_integration.grpo.config as config
     import trl_integration.options as enums
     import trl_integration.rollout.perturbations as perturbations
-    import trl_integration.rollout.recorder as rollout
     from safevocab.correction import IS_MODES
     from safevocab.logprobs import DEFAULT_MAX_CHUNK_BYTES
 
     assert config.OUT_OF_SET_MODES is enums.OUT_OF_SET_MODES and config.SCORING_MODES is enums.SCORING_MODES
-    assert perturbations.NOISE_KINDS is enums.NOISE_KINDS and rollout.ROLLOUT_DTYPES is enums.ROLLOUT_DTYPES
+    assert perturbations.NOISE_KINDS is enums.NOISE_KINDS
     assert enums.IS_MODES is IS_MODES
     fields = SafeVocabGRPOConfig.__dataclass_fields__
     assert fields["safe_vocab_max_chunk_bytes"].default == DEFAULT_MAX_CHUNK_BYTES == 64 * 2**20
@@ -225,3 +224,18 @@ def test_to_dict_round_trip(tmp_path):
     assert d["mismatch_buckets"] == [0.01, 0.2]
     again = make(tmp_path, **{k: d[k] for k in ("safe_vocab_rule", "top_k", "min_p", "mismatch_buckets")})
     assert again.rule == cfg.rule
+
+
+def test_docstring_documents_every_field_of_its_own():
+    """Every field SafeVocabGRPOConfig adds to trl's GRPOConfig has its entry in the class docstring (trl's style:
+    ``name (`type`, defaults to ...):``), under a ``> Parameters that control ...`` group."""
+    import dataclasses
+
+    from trl import GRPOConfig
+
+    own = [f.name for f in dataclasses.fields(SafeVocabGRPOConfig)]
+    own = [name for name in own if name not in {f.name for f in dataclasses.fields(GRPOConfig)}]
+    doc = SafeVocabGRPOConfig.__doc__
+    assert len(own) >= 28
+    assert [name for name in own if f"\n        {name} (`" not in doc] == []
+    assert doc.count("> Parameters that control") >= 6

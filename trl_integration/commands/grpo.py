@@ -31,11 +31,11 @@ from trl_integration.commands.errors import fail
 from trl_integration.commands.launch import launch, launcher_flags, running_under_launch
 from trl_integration.commands.preflight import check_before_loading, check_mixture
 from trl_integration.commands.train_data import ARITHMETIC_DATASET_NAME, load_train_dataset, unreadable_data
-from trl_integration.grpo.config import SafeVocabGRPOConfig
 from trl_integration.demo.config import TINY_GRPO_DEFAULTS, tiny_grpo_config_kwargs
 from trl_integration.demo.data import SYNTHETIC_DATASET_NAME, repeat_char_reward
-from trl_integration.plugins import import_module
+from trl_integration.grpo.config import SafeVocabGRPOConfig
 from trl_integration.grpo.vllm_engine import shut_down_colocated_engine
+from trl_integration.plugins import import_module
 
 #: The command's name in messages and ``--help`` (the same for ``safevocab grpo``).
 PROG = "safevocab-grpo"

@@ -43,13 +43,75 @@ import torch
 from safevocab import NoPruning, parse_rule
 from safevocab.mantissa import MANTISSA_BITS_RANGE
 from safevocab.validation import integer, real
-from trl_integration.options import IS_MODES, LENGTH_DECAY_STARTS, NOISE_KINDS
+from trl_integration.options import (
+    IS_MODES,
+    LENGTH_DECAY_STARTS,
+    NOISE_KINDS,
+    OUT_OF_SET_MODES,
+    ROLLOUT_DTYPES,
+    SCORING_MODES,
+    SUPPORT_SOURCES,
+)
 from trl_integration.plugins import load_callable
 
 __all__ = [
-    "bf16_supported", "fp16_amp_supported", "check_length_decay", "refuse_other_lr_schedules", "check_mismatch_lab",
-    "check_rollout_paths", "check_tokenizer",
+    "check_safe_vocab_fields", "warn_on_sampler_rule_mismatch", "one_of", "bf16_supported", "fp16_amp_supported",
+    "check_length_decay", "refuse_other_lr_schedules", "check_mismatch_lab", "check_rollout_paths", "check_tokenizer",
 ]  # fmt: skip
+
+
+# ----------------------------------------------------------------------------------------------------
+# the safe-vocabulary fields
+
+
+def one_of(name: str, value: object, accepted: tuple, in_words: str | None = None) -> None:
+    """``ValueError`` naming the field, the value and the accepted values, unless ``value`` is one of them."""
+    if value not in accepted:
+        raise ValueError(f"{name}={value!r} is not accepted: accepted {in_words or f'one of {accepted}'}")
+
+
+def check_safe_vocab_fields(config) -> None:
+    """Validate (and normalise in place) the safe-vocabulary fields of a ``SafeVocabGRPOConfig``: the rule (parsed
+    into ``config._rule``; an empty one refused), the out-of-set mode, the rollout dtype, the mismatch buckets, the
+    chunk budget, the scoring and support sources, and the resume opt-out."""
+    if not isinstance(config.resume_allow_missing_state, bool):
+        value = config.resume_allow_missing_state
+        raise TypeError(f"resume_allow_missing_state must be True or False, got {type(value).__name__}: {value!r}")
+    if isinstance(config.safe_vocab_rule, str) and not config.safe_vocab_rule.strip():
+        # An empty value is most often an unset shell variable: refused, never read as "none" (the same in Python, in
+        # YAML and on the command line, which builds the config).
+        raise ValueError(
+            "safe_vocab_rule='' is not accepted: accepted a rule such as 'min_p=0.001' or 'top_k=50', or 'none' "
+            "for the full vocabulary"
+        )
+    config._rule = parse_rule(config.safe_vocab_rule)
+    config.safe_vocab_rule = str(config._rule)
+    one_of("safe_vocab_out_of_set", config.safe_vocab_out_of_set, OUT_OF_SET_MODES)
+    one_of("rollout_dtype", config.rollout_dtype, tuple(ROLLOUT_DTYPES))
+    if isinstance(config.mismatch_buckets, (int, float)):
+        config.mismatch_buckets = [config.mismatch_buckets]
+    edges = [float(e) for e in (config.mismatch_buckets or [])]
+    if any(not (0.0 < e < 1.0) for e in edges) or any(a >= b for a, b in zip(edges[:-1], edges[1:])):
+        raise ValueError(
+            f"mismatch_buckets={config.mismatch_buckets!r} is out of range: accepted strictly increasing values in "
+            "(0, 1)"
+        )
+    config.mismatch_buckets = edges
+    config.safe_vocab_max_chunk_bytes = integer(
+        "safe_vocab_max_chunk_bytes", config.safe_vocab_max_chunk_bytes, lambda n: n > 0, "an integer > 0"
+    )
+    one_of("safe_vocab_scoring", config.safe_vocab_scoring, SCORING_MODES)
+    one_of("safe_vocab_support", config.safe_vocab_support, SUPPORT_SOURCES)
+
+
+def warn_on_sampler_rule_mismatch(config, rule) -> None:
+    """One warning when ``safe_vocab_in_sampler=False`` leaves the sampler with another rule than the trainer's."""
+    if not config.safe_vocab_in_sampler and str(config.sampler_rule) != str(rule):
+        warnings.warn(
+            f"safe_vocab_in_sampler=False: rollouts are sampled with {str(config.sampler_rule)!r} but the trainer "
+            f"scores with {str(rule)!r}. Importance ratios then carry a log(kept-mass) offset and sampled tokens "
+            "outside the trainer's set are masked.", UserWarning, stacklevel=5,
+        )  # fmt: skip
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -13,11 +13,17 @@ from dataclasses import dataclass, field
 from trl import GRPOConfig
 
 import trl_integration._private  # noqa: F401  (fails at import, in one line, outside the tested trl range)
-
 from safevocab import MinProb, NoPruning, SafeVocabRule, parse_rule
 from safevocab.schedulers import SurgeDetector
-from safevocab.validation import integer
 from trl_integration.effective_rule import compose_rules, sampler_rule
+from trl_integration.grpo.checks import (
+    bf16_supported,
+    check_length_decay,
+    check_mismatch_lab,
+    check_rollout_paths,
+    check_safe_vocab_fields,
+    warn_on_sampler_rule_mismatch,
+)
 from trl_integration.options import (
     DEFAULT_BUCKETS,
     DEFAULT_MAX_CHUNK_BYTES,
@@ -28,9 +34,6 @@ from trl_integration.options import (
     SCORING_MODES,
     SUPPORT_SOURCES,
 )
-from trl_integration.grpo.checks import check_length_decay
-from trl_integration.grpo.checks import check_mismatch_lab, check_rollout_paths
-from trl_integration.grpo.checks import bf16_supported
 
 __all__ = ["SafeVocabGRPOConfig", "OUT_OF_SET_MODES", "SCORING_MODES", "DEFAULT_RULE"]
 
@@ -53,6 +56,8 @@ class SafeVocabGRPOConfig(GRPOConfig):
     ``rollout_logprobs``).
 
     Parameters:
+        > Parameters that control the safe vocabulary
+
         safe_vocab_rule (`str`, defaults to `"min_p=0.001"`):
             Safe-vocabulary rule, e.g. `"min_p=0.001"`, `"top_k=50,min_p=0.01"`, `"top_p=0.95"`,
             `"min_prob=1e-4"` or `"none"`. Stored in canonical form; the parsed rule is `config.rule`.
@@ -65,6 +70,8 @@ class SafeVocabGRPOConfig(GRPOConfig):
             `safe_vocab_rule & sampler rule` (`safe_vocab_effective_rule`, see
             :func:`~trl_integration.effective_rule.compose_rules`). With `False` the sampler keeps its own settings
             and the trainer scores with `safe_vocab_rule` alone.
+        > Parameters that control the rollouts (the `generate` path)
+
         rollout_dtype (`str`, defaults to `"auto"`):
             Precision of the `generate` rollouts: `"auto"` (the model's dtype, as trl), `"float32"`, `"bfloat16"`
             or `"float16"` (autocast; the trained weights are not modified).
@@ -78,10 +85,14 @@ class SafeVocabGRPOConfig(GRPOConfig):
         safe_vocab_effective_rule (`str` or `None`, set by the config):
             The rule the trainer scores with: `safe_vocab_rule` composed with the sampler's own truncation when
             `safe_vocab_in_sampler` (else `safe_vocab_rule`). Computed; a value passed in must equal it.
+        > Parameters that control the metrics
+
         log_mismatch_metrics (`bool`, defaults to `True`):
             Log the `mismatch/*` metrics whenever rollout log-probabilities exist.
         mismatch_buckets (`list[float]`, defaults to `[0.001, 0.01, 0.1, 0.5]`):
             Edges of the probability buckets of the `mismatch/*/p=lo-hi` metrics.
+        > Parameters that control how the trainer scores
+
         safe_vocab_max_chunk_bytes (`int`, defaults to 64 MiB):
             Scratch memory budget of one chunk of the fused safe log-softmax.
         safe_vocab_scoring (`str`, defaults to `"auto"`):
@@ -98,6 +109,8 @@ class SafeVocabGRPOConfig(GRPOConfig):
         safe_vocab_support (`str`, defaults to `"rule"`):
             `"rule"` recomputes each position's safe set with the rule; `"replay"` renormalises over the engine's kept
             token sets (a `rollout_func`'s `"sampling_mask"`, see docs/trl.md) & the rule; rule fallback, one warning.
+        > Parameters that control the mismatch lab (injected rollout mismatch, `generate` path)
+
         rollout_logit_noise (`float`, defaults to `0.0`):
             Mismatch lab: a hard bound ε on a seeded perturbation δ (|δ_i| ≤ ε) added to the `generate`
             rollout's transformed logits before the rule and the softmax; tokens are sampled from, and rollout
@@ -128,6 +141,34 @@ class SafeVocabGRPOConfig(GRPOConfig):
             exactly 1, every `mismatch/*` gap exactly 0). The gap measured before the replacement is logged
             under `mismatch/removed/*`. The tokens are still sampled by `generate`, whose float-level
             differences stay in the sampling itself (see docs/mismatch.md). Generate path only.
+        > Parameters that control the length-decay learning rate (docs/length_decay.md)
+
+        length_decay (`bool`, defaults to `False`):
+            Use the length-decay LR schedule (:class:`~safevocab.schedulers.LengthDecayLR`): hold the initial LR until
+            the mean response length surges, then halve it every `length_decay_period` steps down to
+            `length_decay_min_lr_ratio` × the initial LR. It replaces `lr_scheduler_type` (a schedule other than
+            `constant`, or a warm-up, is refused with one line).
+        length_decay_period (`str`, defaults to `"auto"`):
+            Steps between halvings: an integer >= 1, or `"auto"` = `round(length_surge_factor × surge step)`, the step
+            at which the length surge started (the paper's rule).
+        length_decay_min_lr_ratio (`float`, defaults to `0.1`):
+            Floor of the LR as a fraction of the initial LR, in [0, 1].
+        length_decay_start (`str`, defaults to `"on_surge"`):
+            `"on_surge"`: hold the LR until the surge detector fires; `"step0"`: halve from the first step (the
+            paper's Algorithm 1; needs an integer `length_decay_period`).
+        length_surge_window (`int`, defaults to `10`):
+            Surge detector: the recent generation steps whose median length is compared with the baseline (>= 1).
+        length_surge_baseline_window (`int`, defaults to `30`):
+            Surge detector: the steps before the recent ones whose median length is the baseline (>= 1).
+        length_surge_ratio (`float`, defaults to `1.5`):
+            Surge detector: the recent median / baseline median that counts as a surge (> 1).
+        length_surge_warmup (`int`, defaults to `20`):
+            Surge detector: no detection before this many generation steps.
+        length_surge_factor (`float`, defaults to `1.8`):
+            `"auto"` period = `round(factor × surge step)` (the paper's 1.8).
+
+        > Parameters that control checkpoints
+
         resume_allow_missing_state (`bool`, defaults to `False`):
             Resume from a checkpoint that lacks `optimizer.pt`, `scheduler.pt` (or its length-decay state),
             `rng_state.pth` (`rng_state_<rank>.pth` per process) or `scaler.pt` (with fp16): by default such a
@@ -322,35 +363,8 @@ class SafeVocabGRPOConfig(GRPOConfig):
     def __post_init__(self):
         # Validate our own fields before trl's (cheap, and the errors name what the user typed).
         check_length_decay(self)
-        if not isinstance(self.resume_allow_missing_state, bool):
-            value = self.resume_allow_missing_state
-            raise TypeError(f"resume_allow_missing_state must be True or False, got {type(value).__name__}: {value!r}")
-        if isinstance(self.safe_vocab_rule, str) and not self.safe_vocab_rule.strip():
-            # An empty value is most often an unset shell variable: refused, never read as "none" (the same here, in
-            # YAML and on the command line, which builds this config).
-            raise ValueError(
-                "safe_vocab_rule='' is not accepted: accepted a rule such as 'min_p=0.001' or 'top_k=50', or 'none' "
-                "for the full vocabulary"
-            )
-        rule = parse_rule(self.safe_vocab_rule)
-        self.safe_vocab_rule = str(rule)
-        self._rule = rule
-        _one_of("safe_vocab_out_of_set", self.safe_vocab_out_of_set, OUT_OF_SET_MODES)
-        _one_of("rollout_dtype", self.rollout_dtype, tuple(ROLLOUT_DTYPES))
-        if isinstance(self.mismatch_buckets, (int, float)):
-            self.mismatch_buckets = [self.mismatch_buckets]
-        edges = [float(e) for e in (self.mismatch_buckets or [])]
-        if any(not (0.0 < e < 1.0) for e in edges) or any(a >= b for a, b in zip(edges[:-1], edges[1:])):
-            raise ValueError(
-                f"mismatch_buckets={self.mismatch_buckets!r} is out of range: accepted strictly increasing values "
-                "in (0, 1)"
-            )
-        self.mismatch_buckets = edges
-        self.safe_vocab_max_chunk_bytes = integer(
-            "safe_vocab_max_chunk_bytes", self.safe_vocab_max_chunk_bytes, lambda n: n > 0, "an integer > 0"
-        )
-        _one_of("safe_vocab_scoring", self.safe_vocab_scoring, SCORING_MODES)
-        _one_of("safe_vocab_support", self.safe_vocab_support, SUPPORT_SOURCES)
+        check_safe_vocab_fields(self)
+        rule = self._rule
         if isinstance(self.generation_kwargs, str):
             self.generation_kwargs = json.loads(self.generation_kwargs)
         effective = self._compose_with_sampler(rule) if self.safe_vocab_in_sampler else rule
@@ -368,7 +382,7 @@ class SafeVocabGRPOConfig(GRPOConfig):
         super().__post_init__()
 
         self._resolve_rollout_logprobs()
-        self._check_generation_kwargs(rule)
+        warn_on_sampler_rule_mismatch(self, rule)
         check_rollout_paths(self)
         check_mismatch_lab(self)
 
@@ -460,18 +474,3 @@ class SafeVocabGRPOConfig(GRPOConfig):
             lab = self.rollout_logit_noise > 0 or self.zero_mismatch or self.rollout_mantissa_bits is not None
             lab = lab or self.rollout_perturbation is not None
             self.rollout_logprobs = not self.use_transformers_continuous_batching and (prunes or lab)
-
-    def _check_generation_kwargs(self, rule: SafeVocabRule) -> None:
-        if not self.safe_vocab_in_sampler and str(self.sampler_rule) != str(rule):
-            warnings.warn(
-                f"safe_vocab_in_sampler=False: rollouts are sampled with {str(self.sampler_rule)!r} but the trainer "
-                f"scores with {str(rule)!r}. Importance ratios then carry a log(kept-mass) offset and sampled tokens "
-                "outside the trainer's set are masked.", UserWarning, stacklevel=4,
-            )  # fmt: skip
-
-
-def _one_of(name: str, value: object, accepted: tuple, in_words: str | None = None) -> None:
-    """``ValueError`` naming the field, the value and the accepted values, unless ``value`` is one of them."""
-    if value not in accepted:
-        raise ValueError(f"{name}={value!r} is not accepted: accepted {in_words or f'one of {accepted}'}")
-

@@ -26,9 +26,9 @@ import torch
 
 from safevocab.correction import ImportanceRatio
 from safevocab.mismatch.row import MetricRow
+from trl_integration._private import metric_store as trl_metric_store
 from trl_integration.grpo.metric_rows import reduce_across_processes
 from trl_integration.grpo.step import OutOfSetMasks, SafeTokenStats, StepMetricInputs
-from trl_integration._private import metric_store as trl_metric_store
 
 #: Bytes of queued inputs per generation batch position (about ten float/int/bool ``[B, T]`` tensors), used to keep
 #: a queue's inputs under :data:`MAX_QUEUED_BYTES`.

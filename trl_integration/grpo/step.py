@@ -33,8 +33,8 @@ from safevocab.mismatch.common import zero_filled_pair
 from safevocab.mismatch.metrics import bucket_row, importance_ratio_row, mismatch_row, safe_set_row
 from safevocab.mismatch.row import MetricRow
 from trl_integration.grpo.metric_rows import MASKED_TOKEN_FRAC, masked_token_row, metric_rows, trl_sampling_row
-from trl_integration.options import OUT_OF_SET_MODES, SCORING_MODES
 from trl_integration.grpo.replay import replay_metrics
+from trl_integration.options import OUT_OF_SET_MODES, SCORING_MODES
 
 __all__ = [
     "ROLLOUT_LOGPROBS_FRAC",

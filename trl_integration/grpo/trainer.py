@@ -52,16 +52,22 @@ from accelerate.utils import is_peft_model
 from safevocab import NoPruning
 from safevocab.mismatch import MetricRow
 from safevocab.schedulers import LengthDecayLR
-from trl_integration.grpo.length_decay import LengthDecayCallback
-from trl_integration.grpo.checkpoints import AtomicCheckpoints
-from trl_integration.grpo.config import SafeVocabGRPOConfig
-from trl_integration.options import ROLLOUT_DTYPES
-from trl_integration.grpo.head import SafeHeadState, add_safe_lm_head
-from trl_integration.grpo.metric_queue import MetricQueue, QueuedMetrics, queue_capacity
-from trl_integration.grpo.rewards import check_reward_funcs
-from trl_integration.rollout.recorder import recording_generate, rollout_recorder
-from trl_integration.rollout.mismatch import PerturbationArg, RolloutMismatch
+from trl_integration._private import (
+    SCORING_KEYWORDS,
+    GRPOTrainerBridge,
+    disable_gradient_checkpointing,
+    mark_scheduler_created,
+    metric_store,
+)
 from trl_integration.grpo.batch import BatchState, LossReplay, PendingGeneration
+from trl_integration.grpo.checkpoints import AtomicCheckpoints
+from trl_integration.grpo.checks import check_tokenizer
+from trl_integration.grpo.config import SafeVocabGRPOConfig
+from trl_integration.grpo.head import SafeHeadState, add_safe_lm_head
+from trl_integration.grpo.length_decay import LengthDecayCallback
+from trl_integration.grpo.metric_queue import MetricQueue, QueuedMetrics, queue_capacity
+from trl_integration.grpo.replay import SupportReplay
+from trl_integration.grpo.rewards import check_reward_funcs
 from trl_integration.grpo.step import (
     ROLLOUT_LOGPROBS_FRAC,
     SafeTokenStats,
@@ -73,8 +79,6 @@ from trl_integration.grpo.step import (
     safe_vocabulary_step,
     score_in_loss,
 )
-from trl_integration.grpo.replay import SupportReplay
-from trl_integration.grpo.checks import check_tokenizer
 from trl_integration.grpo.vllm_engine import (
     check_vllm_server_device,
     colocated_engine_dtype,
@@ -82,13 +86,9 @@ from trl_integration.grpo.vllm_engine import (
     require_processed_logprobs,
     use_cpu_weight_sync,
 )
-from trl_integration._private import (
-    SCORING_KEYWORDS,
-    GRPOTrainerBridge,
-    disable_gradient_checkpointing,
-    mark_scheduler_created,
-    metric_store,
-)
+from trl_integration.options import ROLLOUT_DTYPES
+from trl_integration.rollout.mismatch import PerturbationArg, RolloutMismatch
+from trl_integration.rollout.recorder import recording_generate, rollout_recorder
 
 __all__ = ["SafeVocabGRPOTrainer", "SafeTokenStats"]
 

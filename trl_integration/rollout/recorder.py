@@ -42,7 +42,6 @@ from transformers import LogitsProcessor, LogitsProcessorList
 from safevocab import SafeVocabRule, safe_log_softmax
 from safevocab.logprobs import DEFAULT_MAX_CHUNK_BYTES
 from trl_integration.effective_rule import sampler_rule
-from trl_integration.options import ROLLOUT_DTYPES
 
 __all__ = [
     "UNSUPPORTED_SAMPLING_KWARGS",
