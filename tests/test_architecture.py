@@ -133,3 +133,66 @@ def test_no_product_file_over_500_lines():
         if (n := len(path.read_text().splitlines())) > MAX_LINES
     }
     assert not long, long
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# trl_integration's folders (docs/architecture.md: one job per folder, imports point down)
+
+#: The integration layer's sub-packages, bottom to top; the root modules (leaves) sit below them all.
+INTEGRATION_LAYERS = ("rollout", "grpo", "demo", "lab", "study", "commands")
+#: At most this many modules at trl_integration's root (the face and the leaves).
+MAX_ROOT_MODULES = 10
+
+
+def _integration_place(module: str) -> tuple[int, str]:
+    """``(layer, name)`` of an integration module: -1 for the root's leaves, else its sub-package's index."""
+    parts = module.split(".")
+    if len(parts) >= 2 and parts[1] in INTEGRATION_LAYERS:
+        return INTEGRATION_LAYERS.index(parts[1]), parts[1]
+    return -1, "<root>"
+
+
+def test_integration_folders_import_only_down():
+    modules = _modules()
+    known = set(modules)
+    upward = []
+    for module, path in modules.items():
+        if not module.startswith("trl_integration.") or module == "trl_integration":
+            continue
+        layer, name = _integration_place(module)
+        for dep in _imports(path, module, known):
+            if not dep.startswith("trl_integration.") or dep == "trl_integration":
+                continue
+            dep_layer, dep_name = _integration_place(dep)
+            if dep_name != name and dep_layer >= layer:
+                upward.append(f"{module} -> {dep}")
+    assert not upward, "imports up or sideways between trl_integration's folders:\n" + "\n".join(sorted(upward))
+
+
+def test_integration_root_is_small_and_has_every_folder_in_a_layer():
+    package = ROOT / "trl_integration"
+    root_modules = sorted(p.name for p in package.glob("*.py"))
+    assert len(root_modules) <= MAX_ROOT_MODULES, root_modules
+    folders = sorted(p.name for p in package.iterdir() if (p / "__init__.py").is_file())
+    assert folders == sorted(INTEGRATION_LAYERS), "a folder outside INTEGRATION_LAYERS (add it to its layer)"
+
+
+def test_demo_imports_nothing_from_study():
+    modules = _modules()
+    known = set(modules)
+    for module, path in modules.items():
+        if module.startswith("trl_integration.demo"):
+            assert not [d for d in _imports(path, module, known) if d.startswith("trl_integration.study")], module
+
+
+def test_the_fence_names_the_trl_range_pyproject_pins():
+    """``trl_integration/_private.py`` checks trl's version against the range the ``trl`` extra installs."""
+    import re
+    import tomllib
+
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["trl"]
+    pinned = next(req for req in extras if re.match(r"trl\b", req))
+    fence = (ROOT / "trl_integration" / "_private.py").read_text()
+    low = re.search(r'^TRL_MIN = "([^"]+)"', fence, re.M).group(1)
+    high = re.search(r'^TRL_MAX = "([^"]+)"', fence, re.M).group(1)
+    assert pinned.replace(" ", "") == f"trl>={low},<{high}", (pinned, low, high)
