@@ -17,7 +17,7 @@ import trl_integration.trl_private  # noqa: F401  (fails at import, in one line,
 from safevocab import MinProb, NoPruning, SafeVocabRule, parse_rule
 from safevocab.schedulers import SurgeDetector
 from safevocab.validation import integer
-from trl_integration.effective_rule import compose_rules, sampler_rule
+from safevocab.effective_rule import compose_rules, sampler_rule
 from trl_integration.enums import (
     DEFAULT_BUCKETS,
     DEFAULT_MAX_CHUNK_BYTES,

@@ -193,7 +193,7 @@ def test_enumerations_have_one_home():
     import trl_integration.rollout as rollout
     from safevocab.correction import IS_MODES
     from safevocab.logprobs import DEFAULT_MAX_CHUNK_BYTES
-    from trl_integration.effective_rule import sampler_rule
+    from safevocab.effective_rule import sampler_rule
 
     assert config.OUT_OF_SET_MODES is enums.OUT_OF_SET_MODES and config.SCORING_MODES is enums.SCORING_MODES
     assert rollout.NOISE_KINDS is enums.NOISE_KINDS and rollout.ROLLOUT_DTYPES is enums.ROLLOUT_DTYPES
