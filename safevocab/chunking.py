@@ -1,8 +1,8 @@
 """Per-chunk building blocks shared by the fused op and its backends: the data that crosses them.
 
 The fused op (:mod:`safevocab.fused_op`) walks ``[N, H]`` hidden states in chunks of rows, never
-materialising ``[N, V]``. A backend (:mod:`safevocab.torch_backend`, the Triton one in
-:mod:`safevocab.kernels.fused`) folds each chunk's logits into per-row statistics and, in backward, turns a
+materialising ``[N, V]``. A backend (:mod:`safevocab.backends.torch_backend`, the Triton one in
+:mod:`safevocab.backends.triton_backend`) folds each chunk's logits into per-row statistics and, in backward, turns a
 recomputed chunk into its logits gradient. What they exchange lives here:
 
 - :class:`Transform`: the sampler's logit transform (``logit_scale``, softcap, ``/ temperature``);

@@ -6,9 +6,9 @@ and safe set ``S = {z >= t}``::
     log pi_S(y) = (z_y - m) - log sum_S exp(z - m)      (max-shifted: huge logits lose no precision)
 
 (the full log-softmax for ``y`` outside ``S``), ``log_kept_mass = log sum_S exp(z - m) - log sum_V exp(z - m)``
-and the entropy of ``pi_S``. A *backend* object (:class:`safevocab.fused_backend.FusedBackend`: the torch
-passes of :mod:`safevocab.torch_backend` or the Triton kernels of :mod:`safevocab.kernels.fused`) folds each
-chunk; this module owns the bookkeeping around it.
+and the entropy of ``pi_S``. A *backend* object (:class:`safevocab.backends.protocol.FusedBackend`: the
+torch passes of :mod:`safevocab.backends.torch_backend` or the Triton kernels of
+:mod:`safevocab.backends.triton_backend`) folds each chunk; this module owns the bookkeeping around it.
 
 Backward forms ``grad_z = g_lp 1[a=y] - pi_S (c_S + g_H (log pi_S + H)) - c_F pi`` (see
 :class:`~safevocab.chunking.Coefficients`) in two parts:
@@ -61,7 +61,7 @@ from safevocab.chunking import (
     chunk_slices,
     fp16_grad_shift,
 )
-from safevocab.fused_backend import FusedBackend
+from safevocab.backends.protocol import FusedBackend
 from safevocab.rules import SafeVocabRule
 from safevocab.support import SafeSupport
 from safevocab.threads import single_threaded
@@ -86,7 +86,7 @@ class FusedSafeLogProbs(torch.autograd.Function):
         transform: Transform,
         compute_entropy: bool,
         chunk_rows: int,
-        backend: FusedBackend,  # the per-chunk implementation (safevocab.fused_backend.get_backend)
+        backend: FusedBackend,  # the per-chunk implementation (safevocab.backends.registry.get_backend)
         weight_gather=None,  # sharded-weight hook: zero-arg factory of a context manager, or None
         support: SafeSupport | None = None,  # replayed kept ids per row (torch backend only)
     ):

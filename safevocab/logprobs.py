@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import torch
 
 from safevocab.chunking import Transform
-from safevocab.fused_backend import get_backend
+from safevocab.backends.registry import get_backend, replay_backend, resolve_backend
 from safevocab.fused_op import FusedSafeLogProbs, raise_on_empty_support
 from safevocab.rules import SafeVocabRule, parse_rule, stat_float
 from safevocab.support import SafeSupport
@@ -51,8 +51,6 @@ __all__ = [
 
 #: Default memory budget for the fp32 scratch of one chunk of rows in :func:`fused_safe_logprobs`.
 DEFAULT_MAX_CHUNK_BYTES = 64 * 2**20
-
-_BACKENDS = ("auto", "torch", "triton")
 
 
 @dataclass
@@ -307,7 +305,7 @@ def fused_safe_logprobs(
             is about this plus an fp32 ``[V, H]`` weight-gradient accumulator.
         backend: ``"auto"`` (Triton kernels when the tensors are on CUDA and ``triton`` imports, else
             torch), ``"torch"``, or ``"triton"`` (forces the kernels; CPU tensors only under Triton's
-            interpreter, ``TRITON_INTERPRET=1``). See :mod:`safevocab.kernels`.
+            interpreter, ``TRITON_INTERPRET=1``). See :mod:`safevocab.backends.registry`.
         weight_gather: for a sharded ``weight``/``bias`` that hold their full values only inside a context
             (DeepSpeed ZeRO-3 parameters: ``deepspeed.zero.GatheredParameters``, trl's
             ``maybe_gather_lm_head_ctx``), a zero-argument callable returning that context manager. The caller
@@ -354,16 +352,12 @@ def fused_safe_logprobs(
     temperature, softcap, logit_scale = _check_transform(temperature, softcap, logit_scale)
     compute_entropy = boolean("compute_entropy", compute_entropy)
     max_chunk_bytes = integer("max_chunk_bytes", max_chunk_bytes, lambda x: x > 0, "an integer > 0")
-    if backend not in _BACKENDS:
-        raise ValueError(f"backend={backend!r} is not accepted: accepted one of {_BACKENDS}")
-    # backend hook: "auto"/"triton" -> "torch" or "triton"; raises on an unusable "triton"
-    from safevocab.kernels import resolve_backend
-
+    # "auto" -> a backend for the tensors' device; raises on an unknown name or an unusable named backend
     backend_impl = get_backend(resolve_backend(backend, hidden.device))
     rule = _as_rule(rule)
     _check_support(support, targets.numel(), vocab, hidden.device)
-    if support is not None and not backend_impl.supports_replay:
-        backend_impl = get_backend("torch")
+    if support is not None:
+        backend_impl = replay_backend(backend_impl)
 
     out_shape = targets.shape
     hidden2d = hidden.reshape(-1, hidden.shape[-1])

@@ -1,6 +1,6 @@
 """One intra-op thread for the fused op's element-wise passes, whatever the caller's thread count.
 
-The row-block passes of :mod:`safevocab.torch_backend` are many small torch ops (a few MiB each). With several
+The row-block passes of :mod:`safevocab.backends.torch_backend` are many small torch ops (a few MiB each). With several
 intra-op threads each one is an OpenMP parallel region that ends in a barrier; when another process holds one of the
 cores, every barrier waits for the thread the OS preempted, so the element-wise work slowed down about three times
 more than the GEMMs around it (2 threads, one core busy elsewhere). On one thread those passes have no barrier to

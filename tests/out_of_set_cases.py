@@ -45,7 +45,7 @@ from safevocab_reference import reference
 
 import safevocab.fused_op as fused_op
 from safevocab import fused_safe_logprobs, parse_rule, safe_log_softmax
-from safevocab.fused_backend import get_backend
+from safevocab.backends import get_backend
 from safevocab.logprobs import DEFAULT_MAX_CHUNK_BYTES
 
 EPS32 = 2.0**-23

@@ -1,4 +1,5 @@
-"""Keeps docs/architecture.md true: layers, import direction, no circles, no oversized product file.
+"""Keeps docs/architecture.md true: layers, import direction, no circles, no oversized product file, the homes of
+the fused op's backends and of Triton.
 
 The import graph is read from the source (``ast``: every ``import``/``from ... import`` in a module, also
 those inside functions), so a lazy import that would close a circle counts too.
@@ -20,6 +21,10 @@ PRODUCT = ("safevocab", "trl_integration")
 #: Third-party packages the core must never import (it depends on torch only).
 NOT_IN_CORE = ("trl", "transformers", "accelerate", "datasets", "vllm", "peft", "trl_integration")
 MAX_LINES = 500
+#: The only core modules that import Triton (at import time): the kernel ops and the Triton backend that drives them.
+TRITON_MODULES = ("safevocab.kernels.", "safevocab.backends.triton_backend")
+#: The modules of ``safevocab/backends/`` that are not a backend.
+BACKEND_INFRA = ("safevocab.backends", "safevocab.backends.protocol", "safevocab.backends.registry")
 
 
 def _modules() -> dict[str, Path]:
@@ -74,8 +79,8 @@ def test_every_product_module_imports():
     for package in PRODUCT:
         mod = importlib.import_module(package)
         for info in pkgutil.walk_packages(mod.__path__, prefix=f"{package}."):
-            if info.name.startswith("safevocab.kernels.") or ".__main__" in info.name:
-                continue  # the kernel modules need Triton's interpreter or CUDA (tests/test_kernels.py)
+            if info.name.startswith(TRITON_MODULES) or ".__main__" in info.name:
+                continue  # they import Triton, whose kernels need its interpreter or CUDA (tests/test_kernels.py)
             importlib.import_module(info.name)
 
 
@@ -133,6 +138,55 @@ def test_no_product_file_over_500_lines():
         if (n := len(path.read_text().splitlines())) > MAX_LINES
     }
     assert not long, long
+
+
+def _import_time_names(path: Path, module: str) -> set[str]:
+    """Dotted names ``module`` imports when it is imported: its module-level imports (not those inside functions)."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    names: set[str] = set()
+    pending = list(tree.body)
+    while pending:
+        node = pending.pop()
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                base = ".".join(anchor + ([base] if base else []))
+            names.update([base, *(f"{base}.{alias.name}" for alias in node.names)])
+        elif isinstance(node, (ast.If, ast.Try)):  # module-level branches run at import too
+            pending.extend(ast.iter_child_nodes(node))
+    return names
+
+
+def test_only_the_kernels_and_the_triton_backend_import_triton():
+    """``import safevocab`` works without Triton: the modules that import it when imported (directly or through
+    another one) are exactly the kernel ops and the Triton backend (``TRITON_MODULES``, which the import test skips).
+    """
+    core = {module: path for module, path in _modules().items() if module.split(".")[0] == "safevocab"}
+    imports = {module: _import_time_names(path, module) for module, path in core.items()}
+    needs_triton = {m for m, names in imports.items() if any(n.split(".")[0] == "triton" for n in names)}
+    while True:  # and every module that imports one of them at import time
+        more = {m for m, names in imports.items() if m not in needs_triton and names & needs_triton}
+        if not more:
+            break
+        needs_triton |= more
+    assert sorted(needs_triton) == sorted(m for m in core if m.startswith(TRITON_MODULES))
+
+
+def test_each_backend_is_one_module_in_the_registry():
+    """Every module of ``safevocab/backends/`` but the protocol and the registry is a backend the registry builds,
+    and a backend imports neither the registry nor the autograd function that drives it (nor its entry point)."""
+    modules = _modules()
+    known = set(modules)
+    backends = sorted(m for m in known if m.startswith("safevocab.backends.") and m not in BACKEND_INFRA)
+    registry = "safevocab.backends.registry"
+    assert backends and set(backends) <= _imports(modules[registry], registry, known), backends
+    for backend in backends:
+        imported = _imports(modules[backend], backend, known)
+        assert not imported & {registry, "safevocab.backends", "safevocab.fused_op", "safevocab.logprobs"}, backend
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -49,7 +49,7 @@ finally:
 
 import safevocab.kernels as kernels  # noqa: E402
 
-if not ON_CUDA and kernels._loaded_compiled():
+if not ON_CUDA and kernels.compiled_kernels_loaded():
     pytest.skip(
         "triton was imported before this module could set TRITON_INTERPRET=1 (e.g. by trl.kernels in an earlier "
         f"test module; imported before: {_triton_was_imported}), so its kernels are compiled ones; run "
@@ -61,7 +61,8 @@ import out_of_set_cases  # noqa: E402
 
 import safevocab.fused_op as fused_op  # noqa: E402
 from safevocab import fused_safe_logprobs, parse_rule  # noqa: E402
-from safevocab.kernels import MODE_MIN_P, MODE_MIN_PROB, MODE_NONE, resolve_backend  # noqa: E402
+from safevocab.backends import resolve_backend  # noqa: E402
+from safevocab.kernels import MODE_MIN_P, MODE_MIN_PROB, MODE_NONE  # noqa: E402
 
 RULES = [
     "none",
@@ -416,7 +417,7 @@ def test_backend_errors_through_the_public_api(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(ValueError, match="backend='triton' got CPU tensors"):
         fused_safe_logprobs(hidden, weight, targets, "none", backend="triton")
-    monkeypatch.setattr(kernels, "_triton_import_error", lambda: "ImportError: no module named 'triton'")
+    monkeypatch.setattr(kernels, "triton_import_error", lambda: "ImportError: no module named 'triton'")
     with pytest.raises(ValueError, match="needs the triton package"):
         fused_safe_logprobs(hidden, weight, targets, "none", backend="triton")
     # auto on CPU never needs triton

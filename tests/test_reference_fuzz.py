@@ -30,7 +30,7 @@ from safevocab_reference import reference
 
 import safevocab.fused_op as fused_op
 from safevocab import SafeSupport, fused_safe_logprobs, parse_rule, safe_log_softmax
-from safevocab.torch_backend import chunk_rows_for
+from safevocab.backends.torch_backend import chunk_rows_for
 
 EXAMPLES = int(os.environ.get("SAFEVOCAB_FUZZ_EXAMPLES", "2000"))
 #: Device of the fused op in the properties (the reference always runs on the CPU): ``cuda`` on a GPU machine.
@@ -436,5 +436,5 @@ def test_fused_matches_materialised_on_boundary_rules_past_the_first_chunk(monke
 
 
 def _per_logit(rule: str) -> int:
-    """fp32 scratch bytes per logit of the torch backend (``safevocab.torch_backend.chunk_rows_for``)."""
+    """fp32 scratch bytes per logit of the torch backend (``safevocab.backends.torch_backend.chunk_rows_for``)."""
     return 4

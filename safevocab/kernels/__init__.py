@@ -9,34 +9,32 @@ style, one file per op:
   temperature) runs in the kernel too.
 - :mod:`safevocab.kernels.backward_fold`: turns a recomputed logits chunk into the logits gradient in
   place (the two gradient GEMMs follow in torch).
-- :mod:`safevocab.kernels.fused`: the per-chunk driver the autograd function in
-  :mod:`safevocab.fused_op` calls through :class:`safevocab.kernels.fused.TritonBackend`.
+- :mod:`safevocab.kernels.common`: the logit transform both kernels apply.
 
-Thresholds: ``NoPruning``, ``MinP`` and ``MinProb`` are computed inside the forward kernel. The other
-rules (``TopK``, ``TopP`` and compositions) need a selection or a sort: their per-row threshold is
-computed in torch with the rule's own code, on logits transformed in torch, and the kernels fold the
-rest (logged at DEBUG level on the ``"safevocab"`` logger). The sparse backward stays in torch.
+The per-chunk driver that calls them is :class:`safevocab.backends.triton_backend.TritonBackend`; which backend
+runs is chosen in :mod:`safevocab.backends.registry`, from the probes of the Triton runtime defined here
+(:func:`triton_import_error`, :func:`interpreter_on`, :func:`compiled_kernels_loaded`).
 
-This module never imports Triton at import time: ``safevocab`` imports (and ``backend="auto"`` works)
-without it. Triton runs on CUDA; on CPU only through its interpreter (``TRITON_INTERPRET=1``, set
-before ``triton`` is first imported in the process), which the tests use.
+Thresholds: ``NoPruning``, ``MinP`` and ``MinProb`` are computed inside the forward kernel
+(:func:`kernel_threshold`). The other rules (``TopK``, ``TopP`` and compositions) need a selection or a sort:
+their per-row threshold is computed in torch with the rule's own code, on logits transformed in torch, and the
+kernels fold the rest (logged at DEBUG level on the ``"safevocab"`` logger). The sparse backward stays in torch.
+
+This package's ``__init__`` never imports Triton: ``safevocab`` imports (and ``backend="auto"`` works)
+without it; the op modules import it. Triton runs on CUDA; on CPU only through its interpreter
+(``TRITON_INTERPRET=1``, set before ``triton`` is first imported in the process), which the tests use.
 """
 
 from __future__ import annotations
 
 import functools
 import importlib
-import logging
 import os
 import sys
 
-import torch
-
 from safevocab.rules import MinP, MinProb, NoPruning, SafeVocabRule
 
-__all__ = ["triton_available", "resolve_backend", "kernel_threshold", "triton_chunk_rows", "interpreter_on"]
-
-logger = logging.getLogger("safevocab")
+__all__ = ["kernel_threshold", "triton_import_error", "triton_available", "interpreter_on", "compiled_kernels_loaded"]
 
 #: Threshold modes of the forward kernel (``MODE`` constexpr).
 MODE_GIVEN, MODE_NONE, MODE_MIN_P, MODE_MIN_PROB = 0, 1, 2, 3
@@ -45,7 +43,8 @@ _KERNEL_MODULES = ("safevocab.kernels.common", "safevocab.kernels.forward_fold",
 
 
 @functools.lru_cache(maxsize=1)
-def _triton_import_error() -> str | None:
+def triton_import_error() -> str | None:
+    """Why ``import triton`` fails here (``"ImportError: ..."``), or ``None`` when it works (checked once, lazily)."""
     try:
         importlib.import_module("triton")
         importlib.import_module("triton.language")
@@ -56,7 +55,7 @@ def _triton_import_error() -> str | None:
 
 def triton_available() -> bool:
     """Whether ``import triton`` works here (checked once, lazily)."""
-    return _triton_import_error() is None
+    return triton_import_error() is None
 
 
 def interpreter_on() -> bool:
@@ -68,7 +67,7 @@ def interpreter_on() -> bool:
     return bool(knobs.runtime.interpret)
 
 
-def _loaded_compiled() -> bool:
+def compiled_kernels_loaded() -> bool:
     """True when Triton itself or the kernel modules were imported *without* the interpreter.
 
     Triton decides interpreted vs compiled when a ``@triton.jit`` function is defined (at import, for
@@ -82,47 +81,6 @@ def _loaded_compiled() -> bool:
     except Exception:  # cannot tell on this Triton version: let Triton report
         return False
     return not isinstance(getattr(tl, "max", None), InterpretedFunction)
-
-
-def resolve_backend(backend: str, device: torch.device) -> str:
-    """``"torch"`` or ``"triton"`` for ``backend`` in ``("auto", "torch", "triton")`` and the tensors' device.
-
-    ``"auto"`` picks Triton for CUDA tensors when Triton imports, torch otherwise. ``"triton"`` forces it.
-
-    Raises:
-        ValueError: ``backend="triton"`` without an importable ``triton``, or with CPU tensors when the
-            Triton interpreter is off (``TRITON_INTERPRET=1``), or on a device Triton does not run on.
-    """
-    if backend == "torch":
-        return "torch"
-    if backend == "auto":
-        return "triton" if device.type == "cuda" and triton_available() else "torch"
-    error = _triton_import_error()
-    if error is not None:
-        raise ValueError(
-            f"backend='triton' needs the triton package, which does not import here ({error}); "
-            "install it (pip install 'safevocab[triton]') or use backend='auto' or 'torch'"
-        )
-    if device.type == "cpu":
-        if not interpreter_on():
-            raise ValueError(
-                "backend='triton' got CPU tensors: the Triton kernels run on CUDA, and on CPU only under "
-                "Triton's interpreter (set TRITON_INTERPRET=1 before triton is first imported; for tests). "
-                "Move the tensors to CUDA or use backend='torch'"
-            )
-        if _loaded_compiled():
-            raise ValueError(
-                "backend='triton' on CPU: triton (or safevocab.kernels) was imported before TRITON_INTERPRET=1 "
-                "was set, so its kernels are compiled (CUDA) ones; set TRITON_INTERPRET=1 before the first "
-                "`import triton` in the process"
-            )
-        return "triton"
-    if device.type != "cuda":
-        raise ValueError(
-            f"backend='triton' supports CUDA tensors (and CPU under TRITON_INTERPRET=1), got device={device}; "
-            "use backend='auto' or 'torch'"
-        )
-    return "triton"
 
 
 def kernel_threshold(rule: SafeVocabRule) -> tuple[int, float] | None:
@@ -141,19 +99,3 @@ def kernel_threshold(rule: SafeVocabRule) -> tuple[int, float] | None:
         return MODE_MIN_PROB, math.log(rule.tau)
     return None
 
-
-def triton_chunk_rows(n_rows: int, vocab: int, rule: SafeVocabRule, in_bytes: int, max_chunk_bytes: int) -> int:
-    """Rows per chunk for the Triton backend so that one chunk's scratch fits ``max_chunk_bytes``.
-
-    The kernels read the GEMM output in the inputs' dtype and write the gradient over it, so a rule
-    with an in-kernel threshold needs only that buffer (plus a bool mask for the sparse backward of
-    fp32/fp64 inputs). A torch-computed threshold also needs the fp32 transformed copy and the rule's
-    own scratch.
-    """
-    stat_bytes = 8 if in_bytes >= 8 else 4
-    mask = 1 if in_bytes >= 4 else 0  # keep-mask of the sparse backward (fp32/fp64 inputs only)
-    if kernel_threshold(rule) is not None:
-        per_logit = in_bytes + mask
-    else:
-        per_logit = stat_bytes + (in_bytes if in_bytes < 4 else 0) + mask + rule.scratch_bytes_per_logit
-    return max(1, min(n_rows, max_chunk_bytes // max(1, vocab * per_logit)))

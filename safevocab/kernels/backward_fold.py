@@ -9,7 +9,7 @@ Per row, with the forward's threshold ``t``, row maximum ``m``, ``log sum_S exp(
 with ``log pi_S = (z - m) - log sum_S exp(z - m)`` (max-shifted, as the forward),
 then the transform's chain rule: times the softcap derivative ``1 - tanh^2`` (``tanh`` recovered from
 ``z`` as ``z * temperature / softcap``, ``tanh^2`` clamped to 1 so ``-inf`` logits get 0) and ``logit_scale / temperature``. The same operations in the
-same order as ``safevocab.torch_backend.dense_backward``, in fp32 (fp64 for fp64 inputs), for bf16/fp16/fp32
+same order as ``safevocab.backends.torch_backend.dense_backward``, in fp32 (fp64 for fp64 inputs), for bf16/fp16/fp32
 chunks. Grid ``(rows, column blocks)``: every program reads and writes its own block only.
 """
 

@@ -15,7 +15,7 @@ from trl_integration.rollout.recorder import (
     sampler_rule_from_generation_config,
     rollout_recorder,
 )
-from trl_integration.effective_rule import sampler_rule
+from safevocab.effective_rule import sampler_rule
 
 
 @pytest.fixture(scope="module")

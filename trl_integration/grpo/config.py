@@ -15,7 +15,7 @@ from trl import GRPOConfig
 import trl_integration._private  # noqa: F401  (fails at import, in one line, outside the tested trl range)
 from safevocab import MinProb, NoPruning, SafeVocabRule, parse_rule
 from safevocab.schedulers import SurgeDetector
-from trl_integration.effective_rule import compose_rules, sampler_rule
+from safevocab.effective_rule import compose_rules, sampler_rule
 from trl_integration.grpo.checks import (
     bf16_supported,
     check_length_decay,
@@ -68,7 +68,7 @@ class SafeVocabGRPOConfig(GRPOConfig):
             Sample rollouts with the same rule. Sampler truncation the user sets (`top_k`/`top_p`/`min_p`, as flags
             or in `generation_kwargs`) composes with it: the sampler and the trainer both use the effective rule
             `safe_vocab_rule & sampler rule` (`safe_vocab_effective_rule`, see
-            :func:`~trl_integration.effective_rule.compose_rules`). With `False` the sampler keeps its own settings
+            :func:`~safevocab.effective_rule.compose_rules`). With `False` the sampler keeps its own settings
             and the trainer scores with `safe_vocab_rule` alone.
         > Parameters that control the rollouts (the `generate` path)
 

@@ -15,7 +15,7 @@ PEFT, logging — is trl's own code):
    (:func:`trl_integration.grpo.head.add_safe_lm_head` replaces trl's fused head behind the same
    ``model(..., fused_lm_head=True)`` call, so trl's scoring method keeps its batching and multimodal handling).
    The rule is the effective one (``safe_vocab_rule`` & the sampler's own truncation, see
-   :mod:`trl_integration.effective_rule`); with rule ``"none"`` trl's own fused head stays, so that rule ``"none"``
+   :mod:`safevocab.effective_rule`); with rule ``"none"`` trl's own fused head stays, so that rule ``"none"``
    with default settings is stock trl bit for bit. ``safe_vocab_support="replay"``: ``S`` is the engine's kept set
    (a ``rollout_func``'s ``"sampling_mask"``) & the rule, see :mod:`trl_integration.grpo.replay`.
 2. **Out-of-set tokens.** Sampled tokens outside the trainer's ``S`` (possible when the sampler's set differs

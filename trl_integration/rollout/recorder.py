@@ -41,7 +41,7 @@ from transformers import LogitsProcessor, LogitsProcessorList
 
 from safevocab import SafeVocabRule, safe_log_softmax
 from safevocab.logprobs import DEFAULT_MAX_CHUNK_BYTES
-from trl_integration.effective_rule import sampler_rule
+from safevocab.effective_rule import sampler_rule
 
 __all__ = [
     "UNSUPPORTED_SAMPLING_KWARGS",

@@ -2,31 +2,36 @@
 
 When a user sets sampler truncation next to ``safe_vocab_rule``, the rollout sampler draws from the intersection of
 both sets, so that intersection is the behaviour policy's support; training must renormalise over the same set. HF
-``generate`` and vLLM apply each of ``top_k``, ``top_p`` and ``min_p`` at most once, in that order, each on the
-distribution renormalised over what the previous one kept (the order :class:`safevocab.rules.Intersection` follows).
-Two thresholds of the same kind therefore have to become one that the sampler can apply, and on one distribution
-the intersection of two sets of the same kind is the stricter of the two:
+``generate`` applies each of ``top_k``, ``top_p`` and ``min_p`` at most once, in that order, each on the distribution
+renormalised over what the previous one kept (the order :class:`safevocab.rules.Intersection` follows for
+``engine="hf"``). Two thresholds of the same kind therefore have to become one that the sampler can apply, and on one
+distribution the intersection of two sets of the same kind is the stricter of the two:
 
 - ``top_k=a`` and ``top_k=b`` keep the ``min(a, b)`` largest logits;
 - ``top_p=p`` and ``top_p=q`` are nested prefixes of the same sorted distribution: ``min(p, q)``;
 - ``min_p=r`` and ``min_p=s`` keep ``p_a >= max(r, s) * p_max``.
 
 So the composed rule is exactly what the sampler applies when given the composed settings.
+
+This module composes in HF's order: :func:`sampler_rule` builds ``engine="hf"`` rules, so :func:`compose_rules` of
+a rule and a sampler that prunes is an HF rule. vLLM and SGLang compose in other orders (:mod:`safevocab.engine_order`),
+which it does not model: a rule of another engine composes only with a sampler that prunes nothing (it comes back
+unchanged); with one that prunes, :meth:`safevocab.rules.Intersection.of` refuses the mixed engines with a one-line
+``ValueError``.
 """
 
 from __future__ import annotations
 
-from safevocab import MinP, NoPruning, SafeVocabRule, TopK, TopP
-from safevocab.rules import Intersection
+from safevocab.rules import Intersection, MinP, NoPruning, SafeVocabRule, TopK, TopP
 
 __all__ = ["compose_rules", "sampler_rule"]
 
 
 def sampler_rule(top_k: int | None = None, top_p: float | None = None, min_p: float | None = None) -> SafeVocabRule:
-    """The rule HF/vLLM sampling with these (trl-style) settings applies; neutral values prune nothing.
+    """The rule HF ``generate`` sampling with these (trl-style) settings applies (``engine="hf"``); neutral values
+    prune nothing.
 
     ``top_k`` of ``None``/``0``/``-1``, ``top_p`` of ``None``/``1.0`` and ``min_p`` of ``None``/``0.0`` are off.
-    (Also importable from :mod:`trl_integration.rollout.recorder`, its former home.)
     """
     parts: list[SafeVocabRule] = []
     if top_k is not None and top_k > 0:

@@ -1,10 +1,11 @@
-"""The protocol a backend of the fused op implements, and the choice of backend.
+"""The protocol a backend of the fused op implements.
 
 :class:`safevocab.fused_op.FusedSafeLogProbs` owns the autograd bookkeeping (row statistics, the sparse
 backward, the full-softmax part, the non-finite check); a backend owns the per-chunk arithmetic on dense
-logits. Two implement it: :class:`safevocab.torch_backend.TorchBackend` (torch passes, any device) and
-:class:`safevocab.kernels.fused.TritonBackend` (Triton kernels, CUDA or Triton's interpreter). No backend
-imports the autograd function; the data they exchange lives in :mod:`safevocab.chunking`.
+logits. Two implement it: :class:`safevocab.backends.torch_backend.TorchBackend` (torch passes, any device) and
+:class:`safevocab.backends.triton_backend.TritonBackend` (Triton kernels, CUDA or Triton's interpreter);
+:mod:`safevocab.backends.registry` builds them by name. No backend imports the autograd function; the data they
+exchange lives in :mod:`safevocab.chunking`.
 """
 
 from __future__ import annotations
@@ -17,15 +18,16 @@ from safevocab.chunking import Coefficients, RowStats, SparseChunk, Transform
 from safevocab.rules import SafeVocabRule
 from safevocab.support import SafeSupport
 
-__all__ = ["FusedBackend", "get_backend"]
+__all__ = ["FusedBackend"]
 
+#: The gradients of ``(hidden, weight, bias)`` a backward adds into (``None``: not needed).
 Grads = tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]
 
 
 class FusedBackend(Protocol):
     """Per-chunk arithmetic of the fused op: rows per chunk, forward fold, dense backward, full-softmax part."""
 
-    #: ``"torch"`` or ``"triton"``.
+    #: Its key in :data:`safevocab.backends.registry.BACKENDS` (``"torch"``, ``"triton"``).
     name: str
     #: Whether :meth:`forward` and :meth:`dense_backward` take a replayed ``support`` (``SafeSupport``).
     supports_replay: bool
@@ -69,7 +71,6 @@ class FusedBackend(Protocol):
         as the forward did (same row slices, same calls), so ``S = {z >= t}`` is the forward's."""
         ...
 
-
     def full_softmax_backward(
         self,
         idx: torch.Tensor,
@@ -90,17 +91,3 @@ class FusedBackend(Protocol):
         :func:`safevocab.chunking.forward_chunks_of`)."""
         ...
 
-
-def get_backend(name: str) -> FusedBackend:
-    """The backend object for a resolved name (``safevocab.kernels.resolve_backend``): ``"torch"`` or ``"triton"``."""
-    if name == "triton":
-        from safevocab.kernels.fused import (
-            TritonBackend,  # imports Triton: only when asked for
-        )
-
-        return TritonBackend()
-    if name == "torch":
-        from safevocab.torch_backend import TorchBackend
-
-        return TorchBackend()
-    raise ValueError(f"backend={name!r} is not accepted: accepted 'torch' or 'triton'")

@@ -1,11 +1,11 @@
 """Triton backend of :class:`safevocab.fused_op.FusedSafeLogProbs`: per-chunk GEMM in torch, fold in Triton.
 
-:class:`TritonBackend` implements :class:`safevocab.fused_backend.FusedBackend`: :func:`triton_forward` and
-:func:`triton_dense_backward` replace the torch backend's passes (:mod:`safevocab.torch_backend`); the
-autograd bookkeeping and the sparse backward stay in :mod:`safevocab.fused_op`. The backward (dense chunks and
-the full-softmax part of sparse ones, :func:`triton_full_softmax_backward`) recomputes each chunk on the
-forward's row slice with the same calls, so ``S = {z >= t}`` is rebuilt, and ``pi`` normalised, from
-bit-identical logits.
+:class:`TritonBackend` implements :class:`safevocab.backends.protocol.FusedBackend`: :func:`triton_forward` and
+:func:`triton_dense_backward` replace the torch backend's passes (:mod:`safevocab.backends.torch_backend`) with the
+kernels of :mod:`safevocab.kernels` (one op a file); the autograd bookkeeping and the sparse backward stay in
+:mod:`safevocab.fused_op`. The backward (dense chunks and the full-softmax part of sparse ones,
+:func:`triton_full_softmax_backward`) recomputes each chunk on the forward's row slice with the same calls, so
+``S = {z >= t}`` is rebuilt, and ``pi`` normalised, from bit-identical logits.
 
 Two ways to get a chunk's threshold, fixed per rule (:func:`safevocab.kernels.kernel_threshold`) so
 that forward and backward rebuild ``S = {z >= t}`` from bit-identical logits:
@@ -24,6 +24,7 @@ inputs' dtype first, as trl's Triton path does; the torch backend keeps it in fp
 from __future__ import annotations
 
 import contextlib
+import logging
 
 import torch
 
@@ -37,12 +38,31 @@ from safevocab.chunking import (
     chunk_slices,
     forward_chunks_of,
 )
-from safevocab.kernels import MODE_GIVEN, kernel_threshold, logger, triton_chunk_rows
+from safevocab.kernels import MODE_GIVEN, kernel_threshold
 from safevocab.kernels.backward_fold import backward_fold
 from safevocab.kernels.forward_fold import forward_fold
 from safevocab.rules import SafeVocabRule
 
-__all__ = ["TritonBackend", "triton_forward", "triton_dense_backward"]
+__all__ = ["TritonBackend", "triton_chunk_rows", "triton_forward", "triton_dense_backward"]
+
+logger = logging.getLogger("safevocab")
+
+
+def triton_chunk_rows(n_rows: int, vocab: int, rule: SafeVocabRule, in_bytes: int, max_chunk_bytes: int) -> int:
+    """Rows per chunk for the Triton backend so that one chunk's scratch fits ``max_chunk_bytes``.
+
+    The kernels read the GEMM output in the inputs' dtype and write the gradient over it, so a rule
+    with an in-kernel threshold needs only that buffer (plus a bool mask for the sparse backward of
+    fp32/fp64 inputs). A torch-computed threshold also needs the fp32 transformed copy and the rule's
+    own scratch.
+    """
+    stat_bytes = 8 if in_bytes >= 8 else 4
+    mask = 1 if in_bytes >= 4 else 0  # keep-mask of the sparse backward (fp32/fp64 inputs only)
+    if kernel_threshold(rule) is not None:
+        per_logit = in_bytes + mask
+    else:
+        per_logit = stat_bytes + (in_bytes if in_bytes < 4 else 0) + mask + rule.scratch_bytes_per_logit
+    return max(1, min(n_rows, max_chunk_bytes // max(1, vocab * per_logit)))
 
 
 class _ChunkGemm:
@@ -172,7 +192,7 @@ def triton_dense_backward(
     grads: tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None],
     rule: SafeVocabRule,
 ) -> None:
-    """``safevocab.torch_backend.dense_backward`` with the logits gradient formed by the Triton kernel.
+    """``safevocab.backends.torch_backend.dense_backward`` with the logits gradient formed by the Triton kernel.
 
     Recomputes each chunk's logits exactly as the forward did (same row slice, same GEMM into a buffer of
     the same shape, same transform path), so the saved thresholds select the same ``S``.

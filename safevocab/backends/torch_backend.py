@@ -1,9 +1,9 @@
 """The torch backend of the fused op: each chunk's statistics and logits gradient with torch passes.
 
-Implements :class:`safevocab.fused_backend.FusedBackend`. A chunk is one LM-head GEMM (``rows x H`` by ``H x V``: large,
-so the GEMM runs near its peak); its element-wise work then runs on *row blocks* of the GEMM output small enough to
-stay in cache between passes (:func:`row_blocks`), in a few fused passes on reused buffers (a fresh ``[rows, V]``
-tensor costs page faults on every chunk).
+Implements :class:`safevocab.backends.protocol.FusedBackend`. A chunk is one LM-head GEMM (``rows x H`` by
+``H x V``: large, so the GEMM runs near its peak); its element-wise work then runs on *row blocks* of the GEMM output
+small enough to stay in cache between passes (:func:`row_blocks`), in a few fused passes on reused buffers (a fresh
+``[rows, V]`` tensor costs page faults on every chunk).
 
 Forward, per row block: the row maximum ``m``, ``e = exp(z - m)`` and ``log sum_V e`` (shared with the rule's
 threshold ``t``, :class:`~safevocab.rules.ShiftedLogits`), then ``S = {z >= t}``: a row block whose ``S`` is the whole
