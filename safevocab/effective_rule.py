@@ -13,11 +13,11 @@ distribution the intersection of two sets of the same kind is the stricter of th
 
 So the composed rule is exactly what the sampler applies when given the composed settings.
 
-This module composes in HF's order: :func:`sampler_rule` builds ``engine="hf"`` rules, so :func:`compose_rules` of
-a rule and a sampler that prunes is an HF rule. vLLM and SGLang compose in other orders (:mod:`safevocab.engine_order`),
-which it does not model: a rule of another engine composes only with a sampler that prunes nothing (it comes back
-unchanged); with one that prunes, :meth:`safevocab.rules.Intersection.of` refuses the mixed engines with a one-line
-``ValueError``.
+Every engine applies each of the three kinds at most once, so the merge is the same for all of them; what differs is
+the order the merged parts are applied in (HF ``generate`` and SGLang ``top_k -> top_p -> min_p``, vLLM ``min_p ->
+top_k -> top_p``; :mod:`safevocab.engine_order`). :func:`sampler_rule` builds the sampler's rule for one ``engine``,
+and :func:`compose_rules` keeps the trainer rule's engine: both sides must name the same one (a sampler that prunes
+nothing composes with any), else a one-line ``ValueError``.
 """
 
 from __future__ import annotations
@@ -27,11 +27,13 @@ from safevocab.rules import Intersection, MinP, NoPruning, SafeVocabRule, TopK, 
 __all__ = ["compose_rules", "sampler_rule"]
 
 
-def sampler_rule(top_k: int | None = None, top_p: float | None = None, min_p: float | None = None) -> SafeVocabRule:
-    """The rule HF ``generate`` sampling with these (trl-style) settings applies (``engine="hf"``); neutral values
-    prune nothing.
+def sampler_rule(
+    top_k: int | None = None, top_p: float | None = None, min_p: float | None = None, *, engine: str = "hf"
+) -> SafeVocabRule:
+    """The rule ``engine``'s sampler applies with these (trl-style) settings; neutral values prune nothing.
 
-    ``top_k`` of ``None``/``0``/``-1``, ``top_p`` of ``None``/``1.0`` and ``min_p`` of ``None``/``0.0`` are off.
+    ``top_k`` of ``None``/``0``/``-1``, ``top_p`` of ``None``/``1.0`` and ``min_p`` of ``None``/``0.0`` are off;
+    ``engine`` is one of :data:`safevocab.engine_order.ENGINES` (``"hf"``: transformers' ``generate``).
     """
     parts: list[SafeVocabRule] = []
     if top_k is not None and top_k > 0:
@@ -40,7 +42,7 @@ def sampler_rule(top_k: int | None = None, top_p: float | None = None, min_p: fl
         parts.append(TopP(float(top_p)))
     if min_p is not None and min_p > 0.0:
         parts.append(MinP(float(min_p)))
-    return Intersection.of(*parts) if parts else NoPruning()
+    return Intersection.of(*parts, engine=engine) if parts else NoPruning(engine=engine)
 
 
 def compose_rules(rule: SafeVocabRule, sampler: SafeVocabRule) -> SafeVocabRule:
@@ -48,11 +50,19 @@ def compose_rules(rule: SafeVocabRule, sampler: SafeVocabRule) -> SafeVocabRule:
 
     Args:
         rule: the trainer's rule (``safe_vocab_rule``); may contain ``min_prob``, which is kept as is.
-        sampler: the sampler's own rule (:func:`sampler_rule` of the user's settings).
+        sampler: the sampler's own rule (:func:`sampler_rule` of the user's settings, for ``rule``'s engine).
 
     Returns:
-        The composed rule, in canonical sampler order (``NoPruning`` when neither prunes).
+        The composed rule in ``rule``'s engine and its order (``NoPruning`` when neither prunes).
+
+    Raises:
+        ValueError: ``sampler`` prunes and names another engine than ``rule`` (one line).
     """
+    if sampler.parts and sampler.engine != rule.engine:
+        raise ValueError(
+            f"sampler={str(sampler)!r} (engine={sampler.engine!r}) and rule={str(rule)!r} (engine={rule.engine!r}) "
+            "compose in different orders: accepted a sampler rule of the rule's engine"
+        )
     parts = {type(part): part for part in rule.parts}
     for part in sampler.parts:
         kind = type(part)
@@ -67,4 +77,4 @@ def compose_rules(rule: SafeVocabRule, sampler: SafeVocabRule) -> SafeVocabRule:
             parts[kind] = MinP(max(mine.value, part.value))
         else:  # pragma: no cover - samplers have no other threshold kinds
             raise TypeError(f"sampler={sampler!s} has a threshold kind {kind.__name__} no sampler applies")
-    return Intersection.of(*parts.values())
+    return Intersection.of(*parts.values(), engine=rule.engine) if parts else NoPruning(engine=rule.engine)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import warnings
 
 import pytest
+import torch
 
 from trl import GRPOConfig
 
@@ -239,3 +240,17 @@ def test_docstring_documents_every_field_of_its_own():
     assert len(own) >= 28
     assert [name for name in own if f"\n        {name} (`" not in doc] == []
     assert doc.count("> Parameters that control") >= 6
+
+
+@pytest.mark.parametrize(("use_vllm", "kept"), [(False, 3), (True, 2)])
+def test_rules_compose_in_the_rollout_engines_order(tmp_path, use_vllm, kept):
+    """vLLM applies min_p before top_k/top_p, transformers' generate after: top_p=0.75 & min_p=0.3 on
+    p = [0.4, 0.3, 0.2, 0.1] keeps {0, 1, 2} in generate's order and {0, 1} in vLLM's, and the trainer's rule follows
+    the engine that samples the rollouts."""
+    import math
+
+    cfg = make(tmp_path, use_vllm=use_vllm, safe_vocab_rule="top_p=0.75,min_p=0.3")
+    assert cfg.effective_rule.engine == cfg.rule.engine == ("vllm" if use_vllm else "hf")
+    logits = torch.tensor([[math.log(p) for p in (0.4, 0.3, 0.2, 0.1)]])
+    assert int(cfg.effective_rule.keep_mask(logits).sum()) == kept
+    assert parse_rule(cfg.safe_vocab_effective_rule, engine=cfg.rule_engine) == cfg.effective_rule

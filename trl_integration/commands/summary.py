@@ -50,6 +50,8 @@ def run_summary(trainer, accuracy_before: float | None = None, accuracy_after: f
         "rule": trainer.args.safe_vocab_rule,
         # what the trainer and the sampler used: the rule composed with an explicit sampler top_k/top_p/min_p
         "effective_rule": str(trainer.args.safe_vocab_effective_rule or trainer.args.safe_vocab_rule),
+        # whose sampler the rule reproduces, hence its composition order (vLLM's differs from generate's)
+        "effective_rule_engine": trainer.args.effective_rule.engine,
         "reward_first": _mean_of(history, "reward", first=True),
         "reward_last": _mean_of(history, "reward", first=False),
         "accuracy_before": accuracy_before,
@@ -66,6 +68,14 @@ def run_summary(trainer, accuracy_before: float | None = None, accuracy_after: f
     return summary
 
 
+#: How the printed summary names each engine's composition order (safevocab.engine_order).
+_ENGINE_ORDER = {
+    "hf": "generate's order (top_k, top_p, min_p)",
+    "vllm": "vLLM's order (min_p, top_k, top_p)",
+    "sglang": "SGLang's order",
+}
+
+
 def print_run_summary(trainer, accuracy_before: float | None = None, accuracy_after: float | None = None) -> dict:
     """Print :func:`run_summary` as a table (rich when available) and return it."""
     summary = run_summary(trainer, accuracy_before, accuracy_after)
@@ -76,8 +86,9 @@ def print_run_summary(trainer, accuracy_before: float | None = None, accuracy_af
     rows = [
         ("steps", fmt(summary["steps"])),
         ("train time (s)", fmt(summary["train_runtime_s"])),
-        ("safe-vocabulary rule", summary["rule"] if summary["effective_rule"] == summary["rule"]
-         else f"{summary['effective_rule']} (--safe_vocab_rule {summary['rule']} with the sampler's own)"),
+        ("safe-vocabulary rule", (summary["rule"] if summary["effective_rule"] == summary["rule"]
+         else f"{summary['effective_rule']} (--safe_vocab_rule {summary['rule']} with the sampler's own)")
+         + f", composed in {_ENGINE_ORDER[summary['effective_rule_engine']]}"),
         ("reward, first -> last steps", f"{fmt(summary['reward_first'])} -> {fmt(summary['reward_last'])}"),
     ]
     if accuracy_before is not None:

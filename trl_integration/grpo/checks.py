@@ -84,7 +84,8 @@ def check_safe_vocab_fields(config) -> None:
             "safe_vocab_rule='' is not accepted: accepted a rule such as 'min_p=0.001' or 'top_k=50', or 'none' "
             "for the full vocabulary"
         )
-    config._rule = parse_rule(config.safe_vocab_rule)
+    # The rule composes in the order of the engine that samples the rollouts (vLLM's differs from generate's).
+    config._rule = parse_rule(config.safe_vocab_rule, engine=config.rule_engine)
     config.safe_vocab_rule = str(config._rule)
     one_of("safe_vocab_out_of_set", config.safe_vocab_out_of_set, OUT_OF_SET_MODES)
     one_of("rollout_dtype", config.rollout_dtype, tuple(ROLLOUT_DTYPES))

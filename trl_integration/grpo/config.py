@@ -369,7 +369,7 @@ class SafeVocabGRPOConfig(GRPOConfig):
             self.generation_kwargs = json.loads(self.generation_kwargs)
         effective = self._compose_with_sampler(rule) if self.safe_vocab_in_sampler else rule
         given = self.safe_vocab_effective_rule
-        if given is not None and str(parse_rule(given)) != str(effective):
+        if given is not None and str(parse_rule(given, engine=self.rule_engine)) != str(effective):
             raise ValueError(
                 f"safe_vocab_effective_rule={given!r} is computed by the config, not an input: accepted None or "
                 f"{str(effective)!r} (safe_vocab_rule & the sampler's settings)"
@@ -414,11 +414,19 @@ class SafeVocabGRPOConfig(GRPOConfig):
         """The rule the trainer scores with (:attr:`safe_vocab_effective_rule`, parsed)."""
         return self._parsed("_effective_rule", self.safe_vocab_effective_rule or self.safe_vocab_rule)
 
+    @property
+    def rule_engine(self) -> str:
+        """The engine whose sampler the rules reproduce, hence their composition order: ``"vllm"`` with
+        ``use_vllm`` (min_p -> top_k -> top_p), else ``"hf"`` (transformers' ``generate``: top_k -> top_p -> min_p;
+        see :mod:`safevocab.engine_order`)."""
+        return "vllm" if self.use_vllm else "hf"
+
     def _parsed(self, cache: str, text: str) -> SafeVocabRule:
-        """``parse_rule(text)``, cached in attribute ``cache`` while the field keeps the same text."""
+        """``parse_rule(text, engine=rule_engine)``, cached in attribute ``cache`` while the field keeps the same
+        text and engine."""
         rule = getattr(self, cache, None)
-        if rule is None or str(rule) != text:
-            rule = parse_rule(text)
+        if rule is None or str(rule) != text or rule.engine != self.rule_engine:
+            rule = parse_rule(text, engine=self.rule_engine)
             setattr(self, cache, rule)
         return rule
 
@@ -426,7 +434,9 @@ class SafeVocabGRPOConfig(GRPOConfig):
     def sampler_rule(self) -> SafeVocabRule:
         """The rule the rollout sampler applies (from ``top_k``/``top_p``/``min_p`` and ``generation_kwargs``)."""
         gk = self.generation_kwargs if isinstance(self.generation_kwargs, dict) else {}
-        return sampler_rule(gk.get("top_k", self.top_k), gk.get("top_p", self.top_p), gk.get("min_p", self.min_p))
+        return sampler_rule(
+            gk.get("top_k", self.top_k), gk.get("top_p", self.top_p), gk.get("min_p", self.min_p), engine=self.rule_engine
+        )
 
     @property
     def generate_path_importance_sampling(self) -> bool:
@@ -449,7 +459,7 @@ class SafeVocabGRPOConfig(GRPOConfig):
             self.generation_kwargs = dict(self.generation_kwargs)  # a copy: the caller's dict is not modified
         gk = self.generation_kwargs if isinstance(self.generation_kwargs, dict) else {}
         user = {key: gk.get(key, getattr(self, key)) for key in ("top_k", "top_p", "min_p")}
-        effective = compose_rules(rule, sampler_rule(**user))
+        effective = compose_rules(rule, sampler_rule(**user, engine=self.rule_engine))
         wanted = effective.sampler_kwargs()
         for key in ("top_k", "top_p", "min_p"):
             if key in wanted:
