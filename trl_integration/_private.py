@@ -36,6 +36,8 @@ vLLM's ``llm.llm_engine.model_executor.driver_worker``      the in-process worke
 ``.model_runner`` and its ``reload_weights``/``get_model``  (trl walks the same path); its layerwise in-place reload
                                                             (:func:`engine_model_runner`, :func:`reload_runner_weights`)
 vLLM's ``llm.llm_engine.engine_core.shutdown``              shuts an in-process engine down (:func:`shut_down_engine`)
+vLLM's ``llm.llm_engine.model_config``                      the engine's ``max_logprobs`` and ``return_sampling_mask``
+                                                            (:func:`engine_model_config`), read for exact replay
 ``Trainer._save_checkpoint`` (trl's override included)      writes ``checkpoint-<global_step>`` (model, optimizer,
                                                             scheduler, RNG, ``trainer_state.json``) into
                                                             ``_get_output_dir(trial)``, then rotates old checkpoints
@@ -81,6 +83,7 @@ __all__ = [
     "reload_runner_weights",
     "runner_model",
     "shut_down_engine",
+    "engine_model_config",
 ]
 
 #: The trl releases this integration is tested against: ``TRL_MIN <= version < TRL_MAX``.
@@ -276,6 +279,11 @@ def reload_runner_weights(runner, weights: Iterator[tuple[str, torch.Tensor]]) -
 def runner_model(runner) -> torch.nn.Module:
     """The ``torch.nn.Module`` a vLLM model runner computes with."""
     return runner.get_model()
+
+
+def engine_model_config(llm) -> object | None:
+    """The ``ModelConfig`` of an in-process ``vllm.LLM`` (``max_logprobs``, ``return_sampling_mask``), or ``None``."""
+    return getattr(getattr(llm, "llm_engine", None), "model_config", None)
 
 
 def shut_down_engine(llm) -> bool:

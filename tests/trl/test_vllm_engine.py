@@ -352,6 +352,49 @@ def test_replay_trains_on_the_engines_sets(engines, tmp_path, perturb):
     assert gap <= FP32_TOL, gap
 
 
+def test_replay_reads_the_kept_sets_off_trls_own_vllm_path(engines, tmp_path):
+    """``safe_vocab_support="replay"`` with ``use_vllm`` and no ``rollout_func``: on the CPU build (no sampling masks)
+    the trainer asks trl's generation for the top-4 processed log-probabilities and trains on the ids with a finite
+    one, the engine's kept sets; every loss token is replayed and the sets agree with the rule's."""
+    trainer = _train(tmp_path, safe_vocab_rule=REPLAY_RULE, safe_vocab_support="replay")
+    assert trainer.vllm_generation.logprobs == 4
+    assert _logged(trainer, "safevocab/replay_frac") and min(_logged(trainer, "safevocab/replay_frac")) >= 0.99
+    assert max(_logged(trainer, "safevocab/support_disagreement")) == 0.0
+    record = trainer.last_generation
+    gap = (_loss_tokens(record, "train_logps") - _loss_tokens(record, "rollout_logps")).abs().max().item()
+    assert gap <= FP32_TOL, gap  # trl kept the sampled token's log-probability, not the top-ranked one's
+
+
+def test_replay_on_trls_path_replays_the_engines_sets_exactly(engines, tmp_path):
+    """The kept sets the trainer reads off the engine are the engine's: a second, independent read (every id's
+    processed log-probability, the bundled 19-id vocabulary fitting vLLM's max_logprobs) of the same requests."""
+    from trl_integration.grpo.replay import kept_sets_from_logprobs
+
+    trainer = _train(tmp_path, safe_vocab_rule=REPLAY_RULE, safe_vocab_support="replay", max_steps=1)
+    generation = trainer.vllm_generation
+    generation.generation_kwargs = {**generation.generation_kwargs, "seed": 0}  # the same draw twice
+    ids = trainer.processing_class(text=PROMPTS)["input_ids"]
+    _, completion_ids, logprobs, token_ids = generation.generate(prompts=ids, images=None, num_generations=1)
+    read = trainer._replay.current
+    vocab = trainer.model.config.vocab_size
+    generation.logprobs = vocab  # every id
+    _, again, all_logprobs, all_ids = generation.generate(prompts=ids, images=None, num_generations=1)
+    generation.logprobs = 4
+    assert again == completion_ids  # the same seeded draw
+    kept_all, _, _ = kept_sets_from_logprobs(again, all_logprobs, all_ids)
+    for support, rows in zip(read, kept_all):
+        assert [sorted(support.token_ids[a:b].tolist()) for a, b in zip(support.offsets[:-1], support.offsets[1:])] \
+            == [sorted(row) for row in rows]
+    for seq, tokens in zip(logprobs, completion_ids):  # the sampled token's entry comes first, as trl keeps it
+        assert all(len(position) >= 1 for position in seq) and len(seq) == len(tokens)
+
+
+def test_replay_without_a_top_k_bound_falls_back_with_one_reason(engines, tmp_path):
+    with pytest.warns(UserWarning, match=r"returns no sampling masks .* bounds no kept set by a top_k <= max_logprobs"):
+        trainer = _train(tmp_path, safe_vocab_rule="min_p=0.1", safe_vocab_support="replay", max_steps=1)
+    assert max(_logged(trainer, "safevocab/replay_frac")) == 0.0
+
+
 def test_rule_mode_does_not_see_the_engines_perturbed_sets(engines, tmp_path):
     """The control of the replay test: the same perturbed sets under ``safe_vocab_support="rule"`` are not replayed,
     so the trainer's log-probabilities (on the rule's top-4) differ from the engine's on the smaller sets."""

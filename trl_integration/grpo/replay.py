@@ -12,7 +12,13 @@ over exactly those sets instead of recomputing them with its rule (:class:`safev
   flattened order. The head scores exactly the completion tokens its attention mask keeps (prompt and padding
   positions carry label ``-100`` and get no row, so they need none); a completion whose tokens are all unscored
   (trl's ``mask_truncated_completions``) contributes no row.
-- :func:`vllm_sampling_masks` reads the masks off vLLM request outputs (the vLLM path; see its docstring).
+- trl's own vLLM path (no ``rollout_func``; wired by :func:`trl_integration.grpo.vllm_engine.replay_from_engine`):
+  :func:`vllm_sampling_masks` reads the masks off vLLM request outputs where the engine returns them (vLLM with
+  ``return_sampling_mask=True``, Model Runner V2: GPU); elsewhere (the CPU build's V1 runner returns none)
+  :func:`kept_sets_from_logprobs` rebuilds each kept set from the engine's processed log-probabilities of its top-``k``
+  tokens (``logprobs=k``, ``logprobs_mode="processed_logprobs"``): a token the sampler cut has processed log-probability
+  ``-inf``, so the ids with a finite one are exactly the kept set whenever the rule bounds it by ``top_k=k``
+  (:func:`logprob_bound`) and ``k`` is at most the engine's ``max_logprobs``.
 
 Metrics (:func:`replay_metrics`, called by :meth:`trl_integration.grpo.step.StepMetricInputs.row`): ``safevocab/replay_frac`` and
 ``safevocab/support_disagreement`` (docs/metrics.md).
@@ -21,11 +27,13 @@ Metrics (:func:`replay_metrics`, called by :meth:`trl_integration.grpo.step.Step
 from __future__ import annotations
 
 import functools
+import math
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
+from safevocab.rules import SafeVocabRule, TopK
 from safevocab.support import SafeSupport
 
 __all__ = [
@@ -37,6 +45,8 @@ __all__ = [
     "REPLAY_FRAC",
     "SUPPORT_DISAGREEMENT",
     "vllm_sampling_masks",
+    "logprob_bound",
+    "kept_sets_from_logprobs",
     "SupportReplay",
 ]
 
@@ -138,6 +148,49 @@ def vllm_sampling_masks(request_outputs: Sequence) -> list:
     return None if any(m is None for m in masks) else masks
 
 
+def logprob_bound(rule: SafeVocabRule) -> int | None:
+    """``k`` of the rule's ``top_k`` part: every kept set has at most ``k`` tokens (ties aside, which an engine's
+    ``top_k`` splits by its sort), so the engine's top-``k`` processed log-probabilities hold it. ``None`` without one."""
+    return next((part.value for part in rule.parts if isinstance(part, TopK)), None)
+
+
+def kept_sets_from_logprobs(
+    completion_ids: Sequence[Sequence[int]],
+    logprobs: Sequence[Sequence[Sequence[float | None]]],
+    logprob_token_ids: Sequence[Sequence[Sequence[int]]],
+) -> tuple[list[list[list[int]]], list, list] | None:
+    """The engine's kept set of every completion token, from its processed log-probabilities of its top tokens.
+
+    Args:
+        completion_ids: per completion, its token ids.
+        logprobs: per completion and token, the processed log-probabilities trl's ``VLLMGeneration.generate``
+            returns for ``logprobs=k`` (the sampled token's and the top ``k``, by rank; ``None`` for a NaN).
+        logprob_token_ids: their token ids, in the same order.
+
+    Returns:
+        ``(kept, logprobs, logprob_token_ids)``: per completion, one list of kept ids per token (those with a finite
+        processed log-probability), and the two lists reordered so that each position's first entry is the sampled
+        token's (trl keeps the first entry as the sampled token's log-probability); ``None`` when a position does not
+        list its sampled token.
+    """
+    kept, new_logprobs, new_ids = [], [], []
+    for ids, seq_logprobs, seq_ids in zip(completion_ids, logprobs, logprob_token_ids):
+        rows, row_logprobs, row_ids = [], [], []
+        for token, position_logprobs, position_ids in zip(ids, seq_logprobs, seq_ids):
+            position_ids = list(position_ids)
+            if token not in position_ids:
+                return None
+            rows.append([i for i, lp in zip(position_ids, position_logprobs) if lp is not None and math.isfinite(lp)])
+            first = position_ids.index(token)
+            order = [first, *(j for j in range(len(position_ids)) if j != first)]
+            row_logprobs.append([position_logprobs[j] for j in order])
+            row_ids.append([position_ids[j] for j in order])
+        kept.append(rows)
+        new_logprobs.append(row_logprobs)
+        new_ids.append(row_ids)
+    return kept, new_logprobs, new_ids
+
+
 class SupportReplay:
     """The trainer's replay state (one per trainer with ``safe_vocab_support="replay"``).
 
@@ -149,6 +202,8 @@ class SupportReplay:
     def __init__(self) -> None:
         self.current: list[SafeSupport] | None = None
         self.warned = False
+        #: Why batches cannot be replayed (set when the trainer's engine returns no kept sets), for the warning.
+        self.fallback_reason: str | None = None
 
     def wrap(self, rollout_func: Callable) -> Callable:
         """``rollout_func`` whose ``"sampling_mask"`` (when returned) becomes :attr:`current`."""
@@ -162,6 +217,11 @@ class SupportReplay:
 
         return capturing_rollout_func
 
+    @staticmethod
+    def supports(sampling_mask: Sequence, completion_ids: Sequence[Sequence[int]]) -> list[SafeSupport]:
+        """:func:`per_sequence_supports` (the engine's kept sets of one rollout, one support per completion)."""
+        return per_sequence_supports(sampling_mask, completion_ids)
+
     def begin_generation(self) -> None:
         self.current = None
 
@@ -171,10 +231,12 @@ class SupportReplay:
             batch[REPLAY_KEY] = self.current
         elif not self.warned:
             self.warned = True
+            reason = self.fallback_reason or (
+                f"the rollout returned no sampling masks (a rollout_func returning '{SAMPLING_MASK_KEY}')"
+            )
             warnings.warn(
-                "safe_vocab_support='replay' but the rollout returned no sampling masks (a rollout_func returning "
-                f"'{SAMPLING_MASK_KEY}'): such batches train on the rule's sets, and {REPLAY_FRAC} logs the replayed "
-                "share", UserWarning, stacklevel=3,
+                f"safe_vocab_support='replay' but {reason}: such batches train on the rule's sets, and {REPLAY_FRAC} "
+                "logs the replayed share", UserWarning, stacklevel=3,
             )  # fmt: skip
 
     def use(self, batch: Mapping) -> None:

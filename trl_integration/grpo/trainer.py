@@ -83,6 +83,7 @@ from trl_integration.grpo.vllm_engine import (
     check_vllm_server_device,
     colocated_engine_dtype,
     ratio_left_to_the_trainer,
+    replay_from_engine,
     require_processed_logprobs,
     use_cpu_weight_sync,
 )
@@ -179,6 +180,8 @@ class SafeVocabGRPOTrainer(QueuedMetrics, AtomicCheckpoints, GRPOTrainerBridge):
         if self.use_vllm:
             use_cpu_weight_sync(self.vllm_generation)
             require_processed_logprobs(self)
+            if self._replay is not None and self.rollout_func is None:  # the engine's kept sets, from trl's own path
+                self._replay.fallback_reason = replay_from_engine(self, self._replay)
         #: Global mean completion lengths of training generations not yet seen by the length-decay schedule.
         self.pending_mean_lengths: list[float] = []
         if args.length_decay:

@@ -45,6 +45,7 @@ from typing import Any
 import torch
 
 from trl_integration._private import (
+    engine_model_config,
     engine_model_runner,
     iter_named_params,
     reload_runner_weights,
@@ -56,30 +57,39 @@ from trl_integration._private import (
 __all__ = [
     "engine_kwargs_for", "engine_runs_on_cpu", "colocated_model_runner", "reload_engine_weights",
     "check_vllm_server_device", "use_cpu_weight_sync", "shut_down_colocated_engine", "colocated_engine_dtype",
-    "require_processed_logprobs", "ratio_left_to_the_trainer",
+    "require_processed_logprobs", "ratio_left_to_the_trainer", "replay_from_engine", "DEFAULT_MAX_LOGPROBS",
 ]  # fmt: skip
+
+#: vLLM's default ``max_logprobs`` (``--max-logprobs``): the most top log-probabilities it returns per token.
+DEFAULT_MAX_LOGPROBS = 20
 
 #: vLLM's logger of the layerwise reload, which warns for layers that hold buffers only (e.g. rotary caches).
 _RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
 
 
-def engine_kwargs_for(model_name_or_path: str) -> dict:
+def engine_kwargs_for(model_name_or_path: str, sampling_masks: bool = False) -> dict:
     """Keyword arguments added to trl's ``vllm.LLM(...)``: ``{"dtype": "float32"}`` when the checkpoint declares
     float32 (vLLM would otherwise downcast it), else none (vLLM's ``"auto"`` is then the checkpoint's dtype).
 
+    With ``sampling_masks`` (exact replay) on a CUDA platform, also ``return_sampling_mask=True``: the engine then
+    returns each sampled token's kept set (Model Runner V2; the CPU build's V1 runner has none, so it is not asked).
+
     Args:
         model_name_or_path: the checkpoint trl hands the engine (the trainer model's ``name_or_path``).
+        sampling_masks: ask the engine for its sampling masks where it can return them.
     """
     from transformers import AutoConfig
+
+    added = {"return_sampling_mask": True} if sampling_masks and not engine_runs_on_cpu() else {}
 
     try:
         config = AutoConfig.from_pretrained(model_name_or_path)
     except (OSError, ValueError):
-        return {}  # vLLM reports an unreadable checkpoint itself
+        return added  # vLLM reports an unreadable checkpoint itself
     declared = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
     if isinstance(declared, str):
         declared = getattr(torch, declared, None)
-    return {"dtype": "float32"} if declared == torch.float32 else {}
+    return {**added, "dtype": "float32"} if declared == torch.float32 else added
 
 
 def engine_runs_on_cpu() -> bool:
@@ -216,10 +226,11 @@ def colocated_engine_dtype(args) -> Iterator[None]:
     if not (getattr(args, "use_vllm", False) and getattr(args, "vllm_mode", None) == "colocate"):
         yield
         return
+    sampling_masks = getattr(args, "safe_vocab_support", None) == "replay"
 
     def with_checkpoint_dtype(build):
         def llm_with_checkpoint_dtype(*pargs, **kwargs):
-            added = engine_kwargs_for(kwargs.get("model", pargs[0] if pargs else None))
+            added = engine_kwargs_for(kwargs.get("model", pargs[0] if pargs else None), sampling_masks)
             return build(*pargs, **{**added, **kwargs})
 
         return llm_with_checkpoint_dtype
@@ -267,3 +278,67 @@ def ratio_left_to_the_trainer(trainer) -> Iterator[None]:
     finally:
         if correction:
             trainer.vllm_importance_sampling_correction = True
+
+
+def replay_from_engine(trainer, replay) -> str | None:
+    """Make trl's vLLM generation hand ``replay`` (a :class:`~trl_integration.grpo.replay.SupportReplay`) the engine's
+    kept set of every sampled token, with no ``rollout_func``; returns ``None``, or why it cannot (the batches then
+    train on the rule's sets, and the trainer warns once with that reason).
+
+    Where the engine returns sampling masks (a colocated engine built with ``return_sampling_mask=True``: vLLM's
+    Model Runner V2, on GPU), its ``generate`` is wrapped to keep the request outputs and their masks. Elsewhere (the
+    CPU build; server mode), trl's generation asks for the processed log-probabilities of the top ``k`` tokens, where
+    the effective rule bounds each kept set by ``top_k=k`` and ``k`` is at most the engine's ``max_logprobs``, and
+    the kept sets are read off them (:func:`~trl_integration.grpo.replay.kept_sets_from_logprobs`).
+    """
+    from trl_integration.grpo.replay import kept_sets_from_logprobs, logprob_bound, vllm_sampling_masks
+
+    generation = trainer.vllm_generation
+    if trainer.tools:
+        return "tool calls make a completion several engine calls, whose kept sets are not joined yet"
+    if generation.mode == "colocate":
+        model_config = engine_model_config(generation.llm)
+        masks = bool(getattr(model_config, "return_sampling_mask", False))
+        max_logprobs = int(getattr(model_config, "max_logprobs", DEFAULT_MAX_LOGPROBS))
+    else:
+        info = generation.vllm_client.get_server_info() if trainer.accelerator.is_main_process else {}
+        masks, max_logprobs = False, int(info.get("model_config", {}).get("max_logprobs", DEFAULT_MAX_LOGPROBS))
+    k = logprob_bound(trainer.safe_vocab_rule)
+    if not masks and (k is None or k > max_logprobs):
+        bound = "no top_k" if k is None else f"top_k={k} > the engine's max_logprobs={max_logprobs}"
+        return (
+            f"this vLLM engine returns no sampling masks (vLLM's Model Runner V2, on GPU, does) and the rule "
+            f"{str(trainer.safe_vocab_rule)!r} bounds no kept set by a top_k <= max_logprobs ({bound}), so the kept "
+            "sets cannot be read off the engine's log-probabilities"
+        )
+    captured: list = []
+    if masks:
+        llm, llm_generate = generation.llm, generation.llm.generate
+
+        def generate_and_keep(*args, **kwargs):
+            outputs = llm_generate(*args, **kwargs)
+            captured[:] = list(outputs)
+            return outputs
+
+        llm.generate = generate_and_keep
+    else:
+        generation.logprobs = max(int(generation.logprobs or 0), k)
+    trl_generate = generation.generate
+
+    def generate_with_kept_sets(*args, **kwargs):
+        captured.clear()
+        prompt_ids, completion_ids, logprobs, logprob_token_ids = trl_generate(*args, **kwargs)
+        replay.current = None
+        if masks:
+            found = vllm_sampling_masks(captured)
+            if found is not None and len(found) == len(completion_ids):
+                replay.current = replay.supports(found, completion_ids)
+        elif logprob_token_ids is not None:
+            kept = kept_sets_from_logprobs(completion_ids, logprobs, logprob_token_ids)
+            if kept is not None:
+                sets, logprobs, logprob_token_ids = kept
+                replay.current = replay.supports(sets, completion_ids)
+        return prompt_ids, completion_ids, logprobs, logprob_token_ids
+
+    generation.generate = generate_with_kept_sets
+    return None
