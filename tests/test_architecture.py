@@ -250,3 +250,46 @@ def test_the_fence_names_the_trl_range_pyproject_pins():
     low = re.search(r'^TRL_MIN = "([^"]+)"', fence, re.M).group(1)
     high = re.search(r'^TRL_MAX = "([^"]+)"', fence, re.M).group(1)
     assert pinned.replace(" ", "") == f"trl>={low},<{high}", (pinned, low, high)
+
+
+def _environ_writes_at_import(path: Path) -> list[int]:
+    """Lines of ``path`` that change the process environment when the module is imported: a call of
+    ``os.environ.setdefault/update/pop/popitem/clear``, ``os.putenv`` or ``os.unsetenv``, or an assignment to or
+    deletion of ``os.environ[...]``, anywhere but inside a function (which runs only when called)."""
+    writers = {"setdefault", "update", "pop", "popitem", "clear"}
+
+    def is_environ(node: ast.AST) -> bool:
+        return (isinstance(node, ast.Attribute) and node.attr == "environ" and isinstance(node.value, ast.Name)
+                and node.value.id == "os")  # fmt: skip
+
+    def writes(node: ast.AST) -> bool:
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            func = node.func
+            if func.attr in writers and is_environ(func.value):
+                return True
+            return func.attr in ("putenv", "unsetenv") and isinstance(func.value, ast.Name) and func.value.id == "os"
+        targets = node.targets if isinstance(node, (ast.Assign, ast.Delete)) else (
+            [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else [])  # fmt: skip
+        return any(isinstance(t, ast.Subscript) and is_environ(t.value) for t in targets)
+
+    found: list[int] = []
+
+    def walk(node: ast.AST) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+                continue
+            if writes(child):
+                found.append(child.lineno)
+            walk(child)
+
+    walk(ast.parse(path.read_text(), filename=str(path)))
+    return found
+
+
+def test_no_product_module_sets_the_environment_at_import():
+    """Importing the library must not change the caller's environment (issue 29: two demo/ modules set
+    TOKENIZERS_PARALLELISM, the benchmark TRL_EXPERIMENTAL_SILENCE); scripts and examples may, being programs."""
+    offenders = {
+        str(path.relative_to(ROOT)): lines for path in _modules().values() if (lines := _environ_writes_at_import(path))
+    }
+    assert not offenders, offenders

@@ -7,6 +7,7 @@ against values worked out by hand in the test.
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import subprocess
 import sys
@@ -27,11 +28,19 @@ from trl_integration.demo.freetext import (
     train_dataset,
     unigram_f1,
 )
-from trl_integration.demo.stdlib_text import is_held_out, stdlib_dir
+from trl_integration.demo.stdlib_text import is_held_out
 
 transformers = pytest.importorskip("transformers")
 
 ROOT = Path(__file__).resolve().parents[2]
+
+
+def _stdlib_dir() -> Path:
+    """The folder the build reads (``stdlib_dir`` of scripts/stdlib_corpus.py, loaded by path)."""
+    spec = importlib.util.spec_from_file_location("stdlib_corpus", ROOT / "scripts" / "stdlib_corpus.py")
+    corpus = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(corpus)
+    return corpus.stdlib_dir()
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +82,7 @@ def test_digits_are_split_into_single_digit_tokens(tokenizer):
 
 @pytest.mark.parametrize("module", ["textwrap.py", "json/__init__.py", "argparse.py"])
 def test_tokenizer_round_trips_stdlib_source(tokenizer, module):
-    text = (stdlib_dir() / module).read_text(encoding="utf-8")
+    text = (_stdlib_dir() / module).read_text(encoding="utf-8")
     ids = tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]
     assert tokenizer.decode(ids) == text
     assert len(ids) < len(text) / 2.5  # merges were learned: BPE, not bytes
@@ -281,6 +290,15 @@ def _build(out: Path, seed: int) -> dict:
                           capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-2000:]
     return {f.name: hashlib.sha256(f.read_bytes()).hexdigest() for f in out.iterdir() if f.is_file()}
+
+
+def test_build_script_starts_from_its_checkout(tmp_path):
+    """-I: neither PYTHONPATH nor the script's folder is on sys.path, and the working directory is elsewhere; the
+    script finds its checkout's package and its sibling modules (scripts/bpe_tokenizer.py, ...) by itself."""
+    proc = subprocess.run([sys.executable, "-I", str(ROOT / "scripts" / "train_testbed_model.py"), "--help"],
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "--steps" in proc.stdout and "--output" in proc.stdout
 
 
 @pytest.mark.slow

@@ -2,9 +2,9 @@
 
 Fast tests check the pieces in one process: `reduce_gathered` against whole-batch metrics, the fused backward's
 ``weight_gather`` hook on a simulated ZeRO-3 partitioning, and that every recipe file parses. The multi-process
-tests launch 2 gloo processes on CPU (``accelerate launch --multi_gpu``, ``torchrun``) running the scripts of
-examples/recipes and compare against a single-process run of the same global batch; DeepSpeed ones run only where
-``deepspeed`` is installed (it is not a dependency).
+tests launch 2 gloo processes on CPU (``accelerate launch --multi_gpu``, ``torchrun``) running the check scripts
+beside this file (``multiprocess_check.py``, ``sharded_head_check.py``) and compare against a single-process run
+of the same global batch; DeepSpeed ones run only where ``deepspeed`` is installed (it is not a dependency).
 """
 
 from __future__ import annotations
@@ -36,8 +36,9 @@ from safevocab.mismatch import (
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPES = ROOT / "examples" / "recipes"
-CHECK = RECIPES / "multiprocess_check.py"
-HEAD_CHECK = RECIPES / "sharded_head_check.py"
+HERE = Path(__file__).resolve().parent
+CHECK = HERE / "multiprocess_check.py"
+HEAD_CHECK = HERE / "sharded_head_check.py"
 
 
 def _load(path: Path):

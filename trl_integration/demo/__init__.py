@@ -9,15 +9,15 @@ Everything needed to run GRPO out of the box, offline, on a CPU:
   reward, disjoint train/test datasets and a greedy-accuracy helper;
 - :mod:`~trl_integration.demo.data`: the ``synthetic`` smoke-test task (repeat a character), any tokenizer;
 - :mod:`~trl_integration.demo.config`: ``tiny_grpo_config()``, the GRPO settings every demo run starts from;
-- :mod:`~trl_integration.demo.train`: the supervised training that produced the weights
-  (``python scripts/train_tiny_model.py``);
 - :mod:`~trl_integration.demo.testbed`: ``testbed_model_path()``, the bundled 1.5M-parameter Llama with a
-  4096-token BPE vocabulary (``demo/assets/testbed``), pretrained on the stdlib's docstrings and comments
-  (:mod:`~trl_integration.demo.stdlib_text`, :mod:`~trl_integration.demo.bpe_tokenizer`,
-  :mod:`~trl_integration.demo.testbed_train`: ``python scripts/train_testbed_model.py``);
+  4096-token BPE vocabulary (``demo/assets/testbed``), pretrained on the stdlib's docstrings and comments;
+  :mod:`~trl_integration.demo.stdlib_text`: which of those texts are held out;
 - :mod:`~trl_integration.demo.freetext`: the free-text task (continue a held-out docstring, ROUGE-1 F1 reward) and
-  ``freetext_task()``; :mod:`~trl_integration.demo.arithmetic_task`: ``arithmetic_task()`` (study tasks);
-- :mod:`~trl_integration.demo.recipe`: the Llama, optimiser and schedule both models share.
+  ``freetext_task()``; :mod:`~trl_integration.demo.arithmetic_task`: ``arithmetic_task()`` (study tasks).
+
+The code that built the two models is tooling, not part of the package: ``scripts/train_tiny_model.py`` and
+``scripts/train_testbed_model.py`` (with their modules ``scripts/model_recipe.py``, ``scripts/bpe_tokenizer.py`` and
+``scripts/stdlib_corpus.py``), run from a checkout.
 
 Names are imported lazily: ``import trl_integration.demo`` imports neither trl nor transformers.
 """

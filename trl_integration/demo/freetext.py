@@ -5,7 +5,7 @@ training–inference mismatch lives; an arithmetic answer is peaked. This task i
 (:mod:`trl_integration.demo.testbed`) and shipped with it.
 
 Texts and splits
-    The texts are the stdlib docstrings and comments of :mod:`trl_integration.demo.stdlib_text` with at least
+    The texts are the stdlib docstrings and comments (read by ``scripts/stdlib_corpus.py``) with at least
     ``PROMPT_WORDS + MIN_CONTINUATION_WORDS`` = 12 whitespace-separated words, written by the testbed build into
     ``assets/testbed/`` (:data:`TASK_TEXTS_FILE`), so the task is the same on every Python version. A text is
     *held out* iff :func:`~trl_integration.demo.stdlib_text.is_held_out` (a hash of the text, 5%): held-out texts

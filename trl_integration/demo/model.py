@@ -3,15 +3,16 @@
 ``tiny_model_path()`` is the folder to pass to ``AutoModelForCausalLM.from_pretrained`` /
 ``AutoTokenizer.from_pretrained`` (or as ``model_name_or_path`` to ``safevocab-grpo``); it loads offline. The
 weights (a 497K-parameter Llama trained on :mod:`trl_integration.demo.arithmetic`) are produced by
-:mod:`trl_integration.demo.train` (``python scripts/train_tiny_model.py``; see ``docs/tiny_model.md``) and ship
-as package data in ``trl_integration/demo/assets/tiny-arith``.
+``python scripts/train_tiny_model.py`` (see ``docs/tiny_model.md``) and ship as package data in
+``trl_integration/demo/assets/tiny-arith``. :func:`bundled_folder` is the check both bundled models' paths make
+(this one and :func:`trl_integration.demo.testbed.testbed_model_path`).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-__all__ = ["TINY_MODEL_NAME", "TINY_MODEL_FILES", "TINY_MODEL_DIR", "tiny_model_path"]
+__all__ = ["TINY_MODEL_NAME", "TINY_MODEL_FILES", "TINY_MODEL_DIR", "tiny_model_path", "bundled_folder"]
 
 TINY_MODEL_NAME = "tiny-arith"
 
@@ -22,6 +23,18 @@ TINY_MODEL_FILES = ("config.json", "model.safetensors", "tokenizer.json", "token
 TINY_MODEL_DIR = Path(__file__).resolve().parent / "assets" / TINY_MODEL_NAME
 
 
+def bundled_folder(folder: Path, files: tuple[str, ...], what: str, rebuild: str) -> Path:
+    """``folder`` if it holds every one of ``files``; else ``FileNotFoundError`` naming the missing files and how to
+    rebuild them (``rebuild``: the command and its duration), as an install without the package data would be."""
+    missing = [name for name in files if not (folder / name).is_file()]
+    if missing:
+        raise FileNotFoundError(
+            f"the bundled {what} is missing from {folder} (missing: {', '.join(missing)}). "
+            f"Rebuild it from a source checkout with {rebuild}, or reinstall safevocab with its package data."
+        )
+    return folder
+
+
 def tiny_model_path() -> Path:
     """Path of the bundled tiny arithmetic model (a folder loadable with ``from_pretrained``).
 
@@ -29,8 +42,6 @@ def tiny_model_path() -> Path:
         FileNotFoundError: if the folder or one of :data:`TINY_MODEL_FILES` is missing (e.g. an install that
             did not ship the package data); the message says how to rebuild it.
     """
-    from trl_integration.demo.recipe import bundled_folder  # torch and transformers only when asked
-
     return bundled_folder(
         TINY_MODEL_DIR, TINY_MODEL_FILES, "tiny model", "`python scripts/train_tiny_model.py` (about 10 minutes on a CPU; see docs/tiny_model.md)"
     )

@@ -3,15 +3,17 @@ library's docstrings and comments, so that a CPU-scale study has a realistic pro
 
 ``testbed_model_path()`` is the folder to pass to ``AutoModelForCausalLM.from_pretrained`` /
 ``AutoTokenizer.from_pretrained`` (or as ``--model`` to ``safevocab study``); it loads offline. The files are produced
-by :mod:`trl_integration.demo.testbed_train` (``python scripts/train_testbed_model.py``; see ``docs/testbed.md``) and
-ship as package data in ``trl_integration/demo/assets/testbed``, together with ``build_info.json`` (how they were
-built) and the free-text task's texts (:mod:`trl_integration.demo.freetext`).
+by ``python scripts/train_testbed_model.py`` (see ``docs/testbed.md``) and ship as package data in
+``trl_integration/demo/assets/testbed``, together with ``build_info.json`` (how they were built) and the free-text
+task's texts (:mod:`trl_integration.demo.freetext`).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
+
+from trl_integration.demo.model import bundled_folder
 
 __all__ = [
     "TESTBED_MODEL_NAME",
@@ -43,8 +45,6 @@ def testbed_model_path() -> Path:
         FileNotFoundError: if the folder or one of :data:`TESTBED_MODEL_FILES` is missing (e.g. an install that did
             not ship the package data); the message says how to rebuild it.
     """
-    from trl_integration.demo.recipe import bundled_folder  # torch and transformers only when asked
-
     return bundled_folder(
         TESTBED_DIR, TESTBED_MODEL_FILES, "testbed model", "`python scripts/train_testbed_model.py` (about 12 minutes on 2 CPU cores; see docs/testbed.md)"
     )
@@ -65,7 +65,7 @@ def load_testbed_tokenizer():
 
 
 def testbed_build_info() -> dict:
-    """The bundled ``build_info.json``: how the shipped files were built (see :mod:`~.testbed_train`)."""
+    """The bundled ``build_info.json``: how the shipped files were built (see ``scripts/train_testbed_model.py``)."""
     import json
 
     return json.loads((testbed_model_path() / BUILD_INFO_FILE).read_text())

@@ -11,6 +11,8 @@
 - **GRPO**: wrapped as a ``PreTrainedTokenizerFast`` with EOS ``<eos>``, a distinct pad token ``<pad>`` and left
   padding; it adds **no** special token when encoding (no automatic BOS), so a prompt is exactly its text in trl,
   vLLM and ``generate`` alike.
+
+A module of ``scripts/train_testbed_model.py``, not of the package (the script puts ``scripts/`` on ``sys.path``).
 """
 
 from __future__ import annotations

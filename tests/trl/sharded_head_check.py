@@ -21,8 +21,8 @@ N_global`` gradient.
 
 Run::
 
-    torchrun --nproc_per_node 2 examples/recipes/sharded_head_check.py --mode fsdp2 --out /tmp/h   # both placements
-    deepspeed --num_gpus 2 examples/recipes/sharded_head_check.py --mode zero3 --out /tmp/h      # GPUs
+    torchrun --nproc_per_node 2 tests/trl/sharded_head_check.py --mode fsdp2 --out /tmp/h   # both placements
+    deepspeed --num_gpus 2 tests/trl/sharded_head_check.py --mode zero3 --out /tmp/h      # GPUs
 
 Each rank writes ``<out>/<mode>-<head>-rank<r>.json`` with the largest differences (``logp_max_abs_diff``,
 ``grad_max_rel_diff`` over all parameters) and exits non-zero when they exceed the tolerance.

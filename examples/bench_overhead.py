@@ -1,7 +1,9 @@
 """Step-time overhead of ``SafeVocabGRPOTrainer`` over stock ``trl.GRPOTrainer`` on the same tiny config.
 
-    python -m trl_integration.bench_overhead                 # bundled tiny model, 200 paired steps
-    python -m trl_integration.bench_overhead --steps 400 --model path/to/model --num_iterations 2
+    python examples/bench_overhead.py                 # bundled tiny model, 200 paired steps
+    python examples/bench_overhead.py --steps 400 --model path/to/model --num_iterations 2
+
+It benchmarks the checkout it is in (its ``safevocab`` and ``trl_integration``), whether they are installed or not.
 
 Both trainers are built on the same model, data, seed and sampler (``min_p`` from ``--rule`` on both) with the
 main job's batch settings, and their optimizer steps are **interleaved**: step ``i`` of one, step ``i`` of the
@@ -24,10 +26,13 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's package, installed or not
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
 
@@ -81,7 +86,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     from transformers.hf_argparser import string_to_bool  # TRL-style true/false values
 
-    parser = argparse.ArgumentParser(prog="python -m trl_integration.bench_overhead", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python examples/bench_overhead.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=None, help="model path (default: the bundled tiny model)")
     parser.add_argument("--rule", default=DEFAULT_RULE, help=f"min_p rule used by both samplers (default {DEFAULT_RULE})")
     parser.add_argument("--steps", type=int, default=200, help="paired optimizer steps (default 200)")

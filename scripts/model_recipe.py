@@ -1,12 +1,13 @@
 """What the demo's two small models share: the Llama they are, the optimiser and schedule, and how they are saved.
 
-Both the tiny arithmetic model (:mod:`trl_integration.demo.train`) and the testbed
-(:mod:`trl_integration.demo.testbed_train`) are a ``LlamaForCausalLM`` with RoPE (so left padding does not change
-outputs) and an untied LM head, trained with AdamW (no decay on vectors) under a linear warm-up and a cosine decay
-to 10% of the peak learning rate:
+Both the tiny arithmetic model (``scripts/train_tiny_model.py``) and the testbed (``scripts/train_testbed_model.py``)
+are a ``LlamaForCausalLM`` with RoPE (so left padding does not change outputs) and an untied LM head, trained with
+AdamW (no decay on vectors) under a linear warm-up and a cosine decay to 10% of the peak learning rate:
 
     lr(step) = lr * (step + 1) / warmup                                   for step < warmup
     lr(step) = lr * (0.1 + 0.9 * (1 + cos(pi * min(1, (step - warmup) / (max_steps - warmup)))) / 2)  after
+
+A module of the build scripts, not of the package: the scripts put ``scripts/`` on ``sys.path`` to import it.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import torch
 
 from trl_integration.demo.tokenizer import write_portable_tokenizer_class
 
-__all__ = ["build_llama", "adamw_warmup_cosine", "optimizer_step", "save_model_folder", "bundled_folder"]
+__all__ = ["build_llama", "adamw_warmup_cosine", "optimizer_step", "save_model_folder"]
 
 
 def build_llama(
@@ -89,18 +90,6 @@ def optimizer_step(
     torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
     optimizer.step()
     scheduler.step()
-
-
-def bundled_folder(folder: Path, files: tuple[str, ...], what: str, rebuild: str) -> Path:
-    """``folder`` if it holds every one of ``files``; else ``FileNotFoundError`` naming the missing files and how to
-    rebuild them (``rebuild``: the command and its duration), as an install without the package data would be."""
-    missing = [name for name in files if not (folder / name).is_file()]
-    if missing:
-        raise FileNotFoundError(
-            f"the bundled {what} is missing from {folder} (missing: {', '.join(missing)}). "
-            f"Rebuild it from a source checkout with {rebuild}, or reinstall safevocab with its package data."
-        )
-    return folder
 
 
 def save_model_folder(model, tokenizer, folder: Path) -> int:

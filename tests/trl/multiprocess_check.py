@@ -8,14 +8,14 @@ the length-decay schedule (``step0`` and ``on_surge``: the surge detector sees t
 Run it twice with the same ``--global_batch_size`` (each process gets ``global_batch_size / num_processes``
 prompts x completions) and compare::
 
-    accelerate launch --multi_gpu --num_processes 2 examples/recipes/multiprocess_check.py --out /tmp/mp/two
-    python examples/recipes/multiprocess_check.py --out /tmp/mp/one
-    python examples/recipes/multiprocess_check.py --compare /tmp/mp/one /tmp/mp/two
+    accelerate launch --multi_gpu --num_processes 2 tests/trl/multiprocess_check.py --out /tmp/mp/two
+    python tests/trl/multiprocess_check.py --out /tmp/mp/one
+    python tests/trl/multiprocess_check.py --compare /tmp/mp/one /tmp/mp/two
 
 On a CPU-only machine this still runs 2 gloo processes: ``--multi_gpu`` only selects accelerate's torchrun
 launcher (``accelerate launch --cpu`` starts a single process unless an MPI hostfile is given), and the script
 builds its state with ``PartialState(cpu=True)`` (``use_cpu=True``), which makes each process a gloo
-``MULTI_CPU`` rank. ``torchrun --nproc_per_node 2 examples/recipes/multiprocess_check.py ...`` is equivalent. On
+``MULTI_CPU`` rank. ``torchrun --nproc_per_node 2 tests/trl/multiprocess_check.py ...`` is equivalent. On
 GPUs pass ``--no_use_cpu``.
 
 Why the runs are comparable. trl's ``RepeatSampler`` draws the prompts of a generation batch with
