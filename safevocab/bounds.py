@@ -1,4 +1,4 @@
-"""Exact mismatch and pruning-bias bounds (DESIGN section 4), as functions on tensors.
+"""Exact mismatch and pruning-bias bounds (docs/bounds.md states and derives them), as functions on tensors.
 
 Notation, for one position: ``p`` is the full next-token distribution, ``S`` the safe set picked by a
 rule, ``m = sum_{a not in S} p_a`` the pruned mass, ``1 - m`` the kept mass and

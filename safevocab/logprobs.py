@@ -73,7 +73,7 @@ class SafeLogProbs:
 
 
 # --------------------------------------------------------------------------------------------------
-# Validation shared by both entry points: every check runs before any work (DESIGN §6).
+# Validation shared by both entry points: every check runs before any work (docs/guide.md, "Non-finite input").
 
 
 def _check_transform(temperature: object, softcap: object, logit_scale: object) -> tuple[float, float | None, float]:

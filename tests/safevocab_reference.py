@@ -1,4 +1,4 @@
-"""An independent float64 reference of the safe log-softmax, written from ../shared/DESIGN.md §3.
+"""An independent float64 reference of the safe log-softmax, written from the definitions in docs/guide.md ("What is computed").
 
 It shares no code with ``safevocab``: the transform, every rule, their composition in sampler order,
 the outputs and (through torch autograd on these float64 formulas) the gradients are restated from the

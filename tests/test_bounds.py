@@ -1,4 +1,4 @@
-"""Every statement of DESIGN section 4 (and the mismatch bound of section 1) against brute force.
+"""Every statement of docs/bounds.md (the pruning bias and the mismatch bound) against brute force.
 
 Per position: the full distribution ``p``, the safe set ``S`` (from the rule), ``p_S`` and the exact
 TV/KL/log-ratio are computed directly and compared with :mod:`safevocab.bounds`. Sequences: a tiny

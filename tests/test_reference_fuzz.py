@@ -1,6 +1,6 @@
 """Property tests: both entry points and both backends against the independent float64 reference.
 
-``tests/safevocab_reference.py`` restates the definitions (DESIGN §3) without any library code; hypothesis draws
+``tests/safevocab_reference.py`` restates the definitions (docs/guide.md, "What is computed") without any library code; hypothesis draws
 shapes, dtypes, rules and their compositions, ``-inf`` bias entries, exact ties, softcap, logit scale,
 temperatures from 1e-6 to 1e6, chunk budgets from one byte up (so N is rarely a multiple of the chunk
 rows) and the backward path, and compares values, ``in_safe``, ``|S|``, ``log_kept_mass``, the entropy

@@ -216,7 +216,7 @@ def safe_set_row(
     if n_seq == 0:
         seq_tv = seq_kl = torch.full(mask.shape[:-2], NAN, dtype=torch.float64, device=mask.device)
     else:
-        # Padding counts as kept mass 1 (DESIGN section 4): log kept = 0 there. The sequence_tv / sequence_kl
+        # Padding counts as kept mass 1 (docs/bounds.md, "Sequence-level bias"): log kept = 0 there. The sequence_tv / sequence_kl
         # formulas (unweighted), on log kept directly: no round trip through exp, no per-step input validation.
         seq_log_kept = log_kept.sum(dim=-1)
         seq_tv = (-torch.expm1(seq_log_kept)).mean(-1)

@@ -116,7 +116,7 @@ def assert_mismatch_within_bound(
     """Assert every kept token's log-probability gap is within the tight mismatch bound.
 
     With ``delta = infer_logits - train_logits`` and ``S`` the safe set of ``rule`` on the *training*
-    logits, used on both sides (DESIGN section 4: same ``S``), checks for every position and every
+    logits, used on both sides (docs/bounds.md: the same ``S``), checks for every position and every
     ``a in S``::
 
         |log pi_S(a) - log mu_S(a)| <= log(p_S + (1 - p_S) * exp(2 * eps))   (+ atol)

@@ -23,7 +23,6 @@ __all__ = [
     "testbed_model_path",
     "load_testbed_model",
     "load_testbed_tokenizer",
-    "testbed_build_info",
 ]
 
 TESTBED_MODEL_NAME = "testbed"
@@ -62,10 +61,3 @@ def load_testbed_tokenizer():
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(testbed_model_path(), local_files_only=True)
-
-
-def testbed_build_info() -> dict:
-    """The bundled ``build_info.json``: how the shipped files were built (see ``scripts/train_testbed_model.py``)."""
-    import json
-
-    return json.loads((testbed_model_path() / BUILD_INFO_FILE).read_text())
