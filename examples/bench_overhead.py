@@ -82,9 +82,9 @@ def _timed_step(trainer, batches, seed: int) -> float:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    from trl_integration.grpo.config import DEFAULT_RULE, SCORING_MODES
-
     from transformers.hf_argparser import string_to_bool  # TRL-style true/false values
+
+    from trl_integration.grpo.config import DEFAULT_RULE, SCORING_MODES
 
     parser = argparse.ArgumentParser(prog="python examples/bench_overhead.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=None, help="model path (default: the bundled tiny model)")

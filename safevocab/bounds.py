@@ -51,8 +51,8 @@ from safevocab.tensor_args import (
     compute_dtype,
     device_of,
     first_bad,
-    rounding_tol,
     result_like,
+    rounding_tol,
 )
 
 __all__ = [

@@ -53,6 +53,7 @@ import warnings
 import torch
 import torch.nn.functional as F
 
+from safevocab.backends.protocol import FusedBackend
 from safevocab.chunking import (
     Coefficients,
     RowStats,
@@ -61,7 +62,6 @@ from safevocab.chunking import (
     chunk_slices,
     fp16_grad_shift,
 )
-from safevocab.backends.protocol import FusedBackend
 from safevocab.rules import SafeVocabRule
 from safevocab.support import SafeSupport
 from safevocab.threads import single_threaded

@@ -34,8 +34,8 @@ from dataclasses import dataclass
 
 import torch
 
-from safevocab.chunking import Transform
 from safevocab.backends.registry import get_backend, replay_backend, resolve_backend
+from safevocab.chunking import Transform
 from safevocab.fused_op import FusedSafeLogProbs, raise_on_empty_support
 from safevocab.rules import SafeVocabRule, parse_rule, stat_float
 from safevocab.support import SafeSupport

@@ -48,16 +48,16 @@ sys.path[:0] = [str(SCRIPTS.parent), str(SCRIPTS)]  # this checkout's package (i
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch  # noqa: E402
-from tqdm.auto import tqdm  # noqa: E402
-
-from trl_integration.demo.freetext import save_task_texts  # noqa: E402
-from trl_integration.demo.stdlib_text import is_held_out  # noqa: E402
-from trl_integration.demo.testbed import BUILD_INFO_FILE, TESTBED_DIR  # noqa: E402
 
 # this folder's modules
 from bpe_tokenizer import train_bpe_tokenizer  # noqa: E402
 from model_recipe import adamw_warmup_cosine, build_llama, optimizer_step, save_model_folder  # noqa: E402
 from stdlib_corpus import corpus_sha256, stdlib_dir, stdlib_texts  # noqa: E402
+from tqdm.auto import tqdm  # noqa: E402
+
+from trl_integration.demo.freetext import save_task_texts  # noqa: E402
+from trl_integration.demo.stdlib_text import is_held_out  # noqa: E402
+from trl_integration.demo.testbed import BUILD_INFO_FILE, TESTBED_DIR  # noqa: E402
 
 __all__ = ["pieces", "length_batches", "parse_args", "main"]
 

@@ -39,14 +39,14 @@ sys.path[:0] = [str(SCRIPTS.parent), str(SCRIPTS)]  # this checkout's package (i
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch  # noqa: E402
+
+# this folder's module
+from model_recipe import adamw_warmup_cosine, build_llama, optimizer_step, save_model_folder  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402
 
 from trl_integration.demo.arithmetic import accuracy, make_dataset, sample_problems  # noqa: E402
 from trl_integration.demo.model import TINY_MODEL_DIR  # noqa: E402
 from trl_integration.demo.tokenizer import build_tokenizer  # noqa: E402
-
-# this folder's module
-from model_recipe import adamw_warmup_cosine, build_llama, optimizer_step, save_model_folder  # noqa: E402
 
 __all__ = ["build_model", "encode_batch", "parse_args", "main"]
 

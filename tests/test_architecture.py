@@ -242,6 +242,7 @@ def test_demo_imports_nothing_from_study():
 def test_the_fence_names_the_trl_range_pyproject_pins():
     """``trl_integration/_private.py`` checks trl's version against the range the ``trl`` extra installs."""
     import re
+
     import tomllib
 
     extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["trl"]

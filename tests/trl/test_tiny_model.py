@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from trl_integration.demo import model as model_module
-from trl_integration.demo.model import tiny_model_path
 from trl_integration.demo.arithmetic import (
     MAX_ANSWER_CHARS,
     OPERATIONS,
@@ -20,6 +19,7 @@ from trl_integration.demo.arithmetic import (
     make_dataset,
     parse_answer,
 )
+from trl_integration.demo.model import tiny_model_path
 
 transformers = pytest.importorskip("transformers")
 

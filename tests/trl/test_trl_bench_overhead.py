@@ -49,10 +49,9 @@ def test_bench_overhead_can_measure_the_trainer_without_its_mismatch_metrics(ben
 def test_bench_overhead_steps_may_exceed_one_epoch_of_its_dataset(bench_overhead, tmp_path):
     """--steps 300 ran out of batches (StopIteration) with the bundled 2,048 prompts at 8 per step: the batches
     restart epoch after epoch, as the Trainer's do."""
+    from trl_integration import SafeVocabGRPOConfig, SafeVocabGRPOTrainer
     from trl_integration.demo.arithmetic import arithmetic_reward, make_dataset
     from trl_integration.demo.model import tiny_model_path
-
-    from trl_integration import SafeVocabGRPOConfig, SafeVocabGRPOTrainer
 
     dataset = make_dataset(16, seed=0, split="train")  # two steps' worth of prompts
     trainer, batches = bench_overhead._make_trainer(

@@ -272,8 +272,8 @@ def test_safevocab_bench_imports_no_trl():
 
 def test_tiny_grpo_config_is_the_main_jobs_and_takes_overrides(tmp_path):
     from trl_integration.commands.grpo import BUNDLED_JOB_DEFAULTS
-    from trl_integration.grpo.config import SafeVocabGRPOConfig
     from trl_integration.demo.config import TINY_GRPO_DEFAULTS, tiny_grpo_config
+    from trl_integration.grpo.config import SafeVocabGRPOConfig
 
     assert BUNDLED_JOB_DEFAULTS == {"dataset_name": "arithmetic", **TINY_GRPO_DEFAULTS}
     config = tiny_grpo_config(output_dir=str(tmp_path), max_steps=7, safe_vocab_rule="min_p=0.05")

@@ -6,7 +6,6 @@ import warnings
 
 import pytest
 import torch
-
 from trl import GRPOConfig
 
 from safevocab import MinP, MinProb, NoPruning, TopK, TopP, parse_rule

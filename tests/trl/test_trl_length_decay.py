@@ -8,8 +8,8 @@ from trl_helpers import grpo_kwargs, prompt_dataset, vowel_reward
 
 from safevocab.schedulers import LengthDecayLR
 from trl_integration import SafeVocabGRPOConfig, SafeVocabGRPOTrainer
-from trl_integration.grpo.length_decay import LengthDecayCallback
 from trl_integration.commands.grpo import make_parser, run
+from trl_integration.grpo.length_decay import LengthDecayCallback
 
 
 def make_trainer(model_dir, tmp_path, **config):

@@ -10,7 +10,6 @@ import pytest
 import torch
 from trl_helpers import build_tokenizer, grpo_kwargs, prompt_dataset, vowel_reward
 
-from safevocab.correction import importance_sampling_ratio
 from trl_integration import SafeVocabGRPOConfig, SafeVocabGRPOTrainer
 from trl_integration.grpo.metric_queue import MetricQueue, queue_capacity, step_metric_rows
 from trl_integration.grpo.step import SafeTokenStats, StepSettings, safe_vocabulary_step
@@ -131,8 +130,8 @@ def test_rows_of_a_batch_where_nothing_counts_stay_on_the_batch_device():
     """On an accelerator, an undefined share (nothing counts) was a CPU NaN beside the device's counts, and joining
     the rows failed. The meta device stands in for a GPU here."""
     from safevocab.mismatch import MetricRow
-    from trl_integration.grpo.step import ROLLOUT_LOGPROBS_FRAC, rollout_logprobs_coverage
     from trl_integration.grpo.replay import replay_metrics
+    from trl_integration.grpo.step import ROLLOUT_LOGPROBS_FRAC, rollout_logprobs_coverage
 
     completion = torch.zeros(2, 3, dtype=torch.long, device="meta")
     frac, n, _ = rollout_logprobs_coverage(torch.zeros(2, 3, device="meta"), completion, None)

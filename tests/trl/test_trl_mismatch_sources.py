@@ -15,9 +15,9 @@ from trl_helpers import PROMPTS, build_model, build_tokenizer, grpo_kwargs, prom
 from safevocab import NoPruning
 from safevocab.bounds import logprob_mismatch_bound
 from trl_integration import SafeVocabGRPOConfig, SafeVocabGRPOTrainer
+from trl_integration.rollout.mismatch import rounded_weights
 from trl_integration.rollout.perturbations import LogitNoiseProcessor, lift_perturbation
 from trl_integration.rollout.recorder import RolloutLogprobRecorder, recording_generate
-from trl_integration.rollout.mismatch import rounded_weights
 
 # ----------------------------------------------------------------------------------------------------
 # lift

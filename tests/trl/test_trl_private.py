@@ -15,8 +15,8 @@ from trl import GRPOConfig, GRPOTrainer
 from trl_helpers import PROMPTS, build_tokenizer, grpo_kwargs, prompt_dataset, vowel_reward
 
 import trl_integration
+import trl_integration._private as fence
 from trl_integration import SafeVocabGRPOConfig, SafeVocabGRPOTrainer
-from trl_integration import trl_private
 from trl_integration._private import (
     REQUIRED_PARAMETERS,
     SUPPORTED_TRL,
@@ -26,7 +26,6 @@ from trl_integration._private import (
     mark_scheduler_created,
     maybe_gather_lm_head_ctx,
     metric_store,
-    mixed_precision_forward,
 )
 
 PACKAGE = pathlib.Path(trl_integration.__file__).parent
@@ -83,7 +82,7 @@ def test_missing_method_and_helper_fail_in_one_line():
     with pytest.raises(ImportError, match="_generate_single_turn is missing"):
         check_trl("1.16.0", fake)
     with pytest.raises(ImportError, match="maybe_gather_lm_head_ctx is missing"):
-        check_trl("1.16.0", GRPOTrainer, modules={"trl.models.utils": trl_private, "trl.trainer.utils": object()})
+        check_trl("1.16.0", GRPOTrainer, modules={"trl.models.utils": fence, "trl.trainer.utils": object()})
 
 
 @pytest.mark.parametrize("module", ["trl_integration.grpo.trainer", "trl_integration.grpo.config"])

@@ -16,7 +16,6 @@ from trl_helpers import grpo_kwargs, prompt_dataset, vowel_reward
 
 from safevocab import SafeSupport, fused_safe_logprobs
 from trl_integration import SafeVocabGRPOConfig, SafeVocabGRPOTrainer
-from trl_integration.grpo.step import SafeTokenStats
 from trl_integration.grpo.replay import (
     REPLAY_FRAC,
     REPLAY_KEY,
@@ -25,6 +24,7 @@ from trl_integration.grpo.replay import (
     replay_metrics,
     select_support,
 )
+from trl_integration.grpo.step import SafeTokenStats
 
 RULE = "top_k=6"
 

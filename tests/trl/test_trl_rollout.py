@@ -4,18 +4,18 @@ from __future__ import annotations
 
 import pytest
 import torch
-from trl_helpers import build_model, build_tokenizer
 from transformers import GenerationConfig
+from trl_helpers import build_model, build_tokenizer
 
 from safevocab import MinP, NoPruning, TopK, TopP
+from safevocab.effective_rule import sampler_rule
 from trl_integration.rollout.recorder import (
     RolloutLogprobRecorder,
     recording_generate,
     rollout_precision,
-    sampler_rule_from_generation_config,
     rollout_recorder,
+    sampler_rule_from_generation_config,
 )
-from safevocab.effective_rule import sampler_rule
 
 
 @pytest.fixture(scope="module")

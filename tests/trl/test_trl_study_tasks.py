@@ -13,12 +13,12 @@ import study_plugins
 from test_trl_study import assert_png, table_rows
 
 from trl_integration.commands import main as safevocab_main
-from trl_integration.grpo.config import SafeVocabGRPOConfig
 from trl_integration.demo import arithmetic
 from trl_integration.demo.model import TINY_MODEL_DIR
+from trl_integration.grpo.config import SafeVocabGRPOConfig
+from trl_integration.grpo.trainer import SafeVocabGRPOTrainer
 from trl_integration.study import StudySettings, StudyTask, arm_overrides, load_task, run_study
 from trl_integration.study.arms import shared_config
-from trl_integration.grpo.trainer import SafeVocabGRPOTrainer
 
 
 def test_the_arithmetic_task_is_the_bundled_study():

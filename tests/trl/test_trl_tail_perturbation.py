@@ -10,7 +10,6 @@ import math
 
 import numpy as np
 import pytest
-import rollout_plugins
 import torch
 from trl_helpers import PROMPTS, build_model, build_tokenizer, grpo_kwargs, prompt_dataset, vowel_reward
 
@@ -18,9 +17,8 @@ from safevocab import NoPruning
 from trl_integration import SafeVocabGRPOConfig, SafeVocabGRPOTrainer
 from trl_integration.commands import main
 from trl_integration.lab import run_diagnose
-from trl_integration.rollout.perturbations import tail_perturbation
 from trl_integration.plugins import load_callable
-from trl_integration.rollout.perturbations import LogitNoiseProcessor
+from trl_integration.rollout.perturbations import LogitNoiseProcessor, tail_perturbation
 from trl_integration.rollout.recorder import RolloutLogprobRecorder, recording_generate
 
 #: min_p = e^-4: ln(1 / rho) = 4 exactly in float64 and float32, so a logit exactly 4 below the top is a true tie.

@@ -14,8 +14,8 @@ from trl import GRPOConfig
 
 import trl_integration._private  # noqa: F401  (fails at import, in one line, outside the tested trl range)
 from safevocab import MinProb, NoPruning, SafeVocabRule, parse_rule
-from safevocab.schedulers import SurgeDetector
 from safevocab.effective_rule import compose_rules, sampler_rule
+from safevocab.schedulers import SurgeDetector
 from trl_integration.grpo.checks import (
     bf16_supported,
     check_length_decay,

@@ -56,8 +56,8 @@ from safevocab.mismatch.formulas import k3_terms
 from safevocab.rules import NoPruning, parse_rule
 from trl_integration.grpo.config import DEFAULT_RULE
 from trl_integration.lab.sides import check_mantissa_bits, model_in, rollout_side
-from trl_integration.rollout.perturbations import tail_rule
 from trl_integration.options import NOISE_KINDS
+from trl_integration.rollout.perturbations import tail_rule
 
 __all__ = ["BOUND_TOLERANCE", "DiagnoseResult", "run_diagnose"]
 

@@ -29,9 +29,8 @@ import torch
 from safevocab.mismatch import DEFAULT_BUCKETS, bucket_mismatch
 from safevocab.rules import NoPruning, SafeVocabRule
 from trl_integration.lab.sides import check_mantissa_bits, model_in, rollout_side
-from trl_integration.rollout.perturbations import tail_rule
 from trl_integration.options import NOISE_KINDS
-from trl_integration.rollout.perturbations import LogitNoiseProcessor
+from trl_integration.rollout.perturbations import LogitNoiseProcessor, tail_rule
 from trl_integration.rollout.recorder import RolloutLogprobRecorder, recording_generate
 
 __all__ = ["SampledTokens", "sample_tokens", "tail_buckets", "tail_mismatch"]

@@ -40,8 +40,8 @@ import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
 from safevocab import SafeVocabRule, safe_log_softmax
-from safevocab.logprobs import DEFAULT_MAX_CHUNK_BYTES
 from safevocab.effective_rule import sampler_rule
+from safevocab.logprobs import DEFAULT_MAX_CHUNK_BYTES
 
 __all__ = [
     "UNSUPPORTED_SAMPLING_KWARGS",

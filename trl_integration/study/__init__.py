@@ -20,8 +20,8 @@ from trl_integration.study.arms import ARM_DESCRIPTIONS, ARM_NAMES, DEFAULT_ARMS
 from trl_integration.study.plots import PLOTS, plot_specs
 from trl_integration.study.report import render_report, write_report
 from trl_integration.study.run import HeldOutAccuracyCallback, HeldOutMetricCallback, run_study, settings_command
-from trl_integration.task import StudyTask
 from trl_integration.study.tasks import BUILTIN_TASKS, load_task
+from trl_integration.task import StudyTask
 
 __all__ = [
     "ARM_NAMES",

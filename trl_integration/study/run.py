@@ -37,8 +37,8 @@ from trl_integration.study.evaluation import (
 )
 from trl_integration.study.report import write_json, write_report
 from trl_integration.study.resume import finished_runs
-from trl_integration.task import StudyTask
 from trl_integration.study.tasks import load_task
+from trl_integration.task import StudyTask
 
 __all__ = ["HeldOutMetricCallback", "HeldOutAccuracyCallback", "run_study", "settings_command", "task_record"]
 
