@@ -7,14 +7,13 @@ stay importable from here), numeric checks from :mod:`safevocab.validation`; it 
 from __future__ import annotations
 
 import json
-import warnings
 from dataclasses import dataclass, field
 
 from trl import GRPOConfig
 
 import trl_integration._private  # noqa: F401  (fails at import, in one line, outside the tested trl range)
-from safevocab import MinProb, NoPruning, SafeVocabRule, parse_rule
-from safevocab.effective_rule import compose_rules, sampler_rule
+from safevocab import SafeVocabRule, parse_rule
+from safevocab.effective_rule import sampler_rule
 from safevocab.schedulers import SurgeDetector
 from trl_integration.grpo.checks import (
     bf16_supported,
@@ -24,6 +23,7 @@ from trl_integration.grpo.checks import (
     check_safe_vocab_fields,
     warn_on_sampler_rule_mismatch,
 )
+from trl_integration.grpo.sampler_settings import compose_with_sampler, resolve_rollout_logprobs
 from trl_integration.options import (
     DEFAULT_BUCKETS,
     DEFAULT_MAX_CHUNK_BYTES,
@@ -367,7 +367,7 @@ class SafeVocabGRPOConfig(GRPOConfig):
         rule = self._rule
         if isinstance(self.generation_kwargs, str):
             self.generation_kwargs = json.loads(self.generation_kwargs)
-        effective = self._compose_with_sampler(rule) if self.safe_vocab_in_sampler else rule
+        effective = compose_with_sampler(self, rule) if self.safe_vocab_in_sampler else rule
         given = self.safe_vocab_effective_rule
         if given is not None and str(parse_rule(given, engine=self.rule_engine)) != str(effective):
             raise ValueError(
@@ -381,7 +381,7 @@ class SafeVocabGRPOConfig(GRPOConfig):
 
         super().__post_init__()
 
-        self._resolve_rollout_logprobs()
+        resolve_rollout_logprobs(self)
         warn_on_sampler_rule_mismatch(self, rule)
         check_rollout_paths(self)
         check_mismatch_lab(self)
@@ -443,44 +443,3 @@ class SafeVocabGRPOConfig(GRPOConfig):
         """Whether the importance-sampling correction runs on the ``generate`` path (no vLLM)."""
         other_path = self.use_vllm or self.use_transformers_continuous_batching
         return bool(not other_path and self.vllm_importance_sampling_correction and self.rollout_logprobs)
-
-    # ------------------------------------------------------------------------------------------------------
-    def _compose_with_sampler(self, rule: SafeVocabRule) -> SafeVocabRule:
-        """The effective rule ``rule & sampler rule``; sets the sampler (flags and ``generation_kwargs``) to it."""
-        if any(isinstance(part, MinProb) for part in rule.parts):
-            raise ValueError(
-                f"safe_vocab_rule={str(rule)!r} contains min_prob, which no HF/vLLM sampler can apply, while "
-                "safe_vocab_in_sampler=True. Use min_p/top_k/top_p, or set safe_vocab_in_sampler=False (the "
-                "sampler then keeps its own settings and sampled tokens outside S are masked)."
-            )
-        # generation_kwargs override the flags in trl's GenerationConfig/SamplingParams: the sampler's own setting
-        # is the generation_kwargs value when there is one.
-        if isinstance(self.generation_kwargs, dict):
-            self.generation_kwargs = dict(self.generation_kwargs)  # a copy: the caller's dict is not modified
-        gk = self.generation_kwargs if isinstance(self.generation_kwargs, dict) else {}
-        user = {key: gk.get(key, getattr(self, key)) for key in ("top_k", "top_p", "min_p")}
-        effective = compose_rules(rule, sampler_rule(**user, engine=self.rule_engine))
-        wanted = effective.sampler_kwargs()
-        for key in ("top_k", "top_p", "min_p"):
-            if key in wanted:
-                setattr(self, key, wanted[key])
-                if key in gk:
-                    gk[key] = wanted[key]
-        # The sampler's temperature is the behaviour policy's: score at it too (trl would score at `temperature`).
-        if "temperature" in gk and gk["temperature"] is not None and gk["temperature"] != self.temperature:
-            warnings.warn(
-                f"generation_kwargs['temperature']={gk['temperature']!r} overrides temperature={self.temperature!r} "
-                "in the sampler: the trainer scores at the sampler's temperature too", UserWarning, stacklevel=4,
-            )
-            self.temperature = float(gk["temperature"])
-        return effective
-
-    def _resolve_rollout_logprobs(self) -> None:
-        """``rollout_logprobs=None`` (auto): record on the plain ``generate`` path when the effective rule or the
-        sampler prunes, or a mismatch-lab setting needs them; rule ``"none"`` with default settings stays stock trl
-        unless the user switches recording on."""
-        if self.rollout_logprobs is None:
-            prunes = not isinstance(self.effective_rule, NoPruning) or not isinstance(self.sampler_rule, NoPruning)
-            lab = self.rollout_logit_noise > 0 or self.zero_mismatch or self.rollout_mantissa_bits is not None
-            lab = lab or self.rollout_perturbation is not None
-            self.rollout_logprobs = not self.use_transformers_continuous_batching and (prunes or lab)
