@@ -28,6 +28,7 @@ from trl_integration.options import (
     DEFAULT_BUCKETS,
     DEFAULT_MAX_CHUNK_BYTES,
     LENGTH_DECAY_STARTS,
+    LENGTH_SURGE_BASELINES,
     NOISE_KINDS,
     OUT_OF_SET_MODES,
     ROLLOUT_DTYPES,
@@ -144,28 +145,39 @@ class SafeVocabGRPOConfig(GRPOConfig):
         > Parameters that control the length-decay learning rate (docs/length_decay.md)
 
         length_decay (`bool`, defaults to `False`):
-            Use the length-decay LR schedule (:class:`~safevocab.schedulers.LengthDecayLR`): hold the initial LR until
-            the mean response length surges, then halve it every `length_decay_period` steps down to
-            `length_decay_min_lr_ratio` × the initial LR. It replaces `lr_scheduler_type` (a schedule other than
-            `constant`, or a warm-up, is refused with one line).
+            Multiply the LR schedule by the length-decay factor (:class:`~safevocab.schedulers.LengthDecayLR`): 1 until
+            the mean response length surges, then halved every `length_decay_period` steps down to
+            `length_decay_min_lr_ratio`. The schedule is trl's own (`lr_scheduler_type`, warm-up,
+            `lr_scheduler_kwargs`); trl's default is `"linear"`: `lr_scheduler_type="constant"` holds the LR until
+            the surge (the behaviour before length decay composed with schedules, whose checkpoints it resumes).
         length_decay_period (`str`, defaults to `"auto"`):
             Steps between halvings: an integer >= 1, or `"auto"` = `round(length_surge_factor × surge step)`, the step
             at which the length surge started (the paper's rule).
         length_decay_min_lr_ratio (`float`, defaults to `0.1`):
-            Floor of the LR as a fraction of the initial LR, in [0, 1].
+            Floor of the factor, in [0, 1]: the LR never falls below this fraction of the schedule's.
         length_decay_start (`str`, defaults to `"on_surge"`):
-            `"on_surge"`: hold the LR until the surge detector fires; `"step0"`: halve from the first step (the
-            paper's Algorithm 1; needs an integer `length_decay_period`).
+            `"on_surge"`: hold the factor at 1 until the surge detector fires; `"step0"`: halve from the first step
+            (the paper's Algorithm 1; needs an integer `length_decay_period`).
+        length_decay_max_decays (`int`, defaults to `1`):
+            Cap on the decays: the start, then each later surge the detector reports, which halves the factor at
+            once. 1: the start only (the paper's algorithm).
+        length_decay_cooldown (`int`, defaults to `0`):
+            Steps after a decay before the next one is accepted (needs `length_decay_max_decays` >= 2).
         length_surge_window (`int`, defaults to `10`):
             Surge detector: the recent generation steps whose median length is compared with the baseline (>= 1).
         length_surge_baseline_window (`int`, defaults to `30`):
-            Surge detector: the steps before the recent ones whose median length is the baseline (>= 1).
+            Surge detector: the steps before the recent ones forming the baseline (>= 1).
         length_surge_ratio (`float`, defaults to `1.5`):
-            Surge detector: the recent median / baseline median that counts as a surge (> 1).
+            Surge detector: the recent median / baseline that counts as a surge (> 1).
         length_surge_warmup (`int`, defaults to `20`):
             Surge detector: no detection before this many generation steps.
         length_surge_factor (`float`, defaults to `1.8`):
             `"auto"` period = `round(factor × surge step)` (the paper's 1.8).
+        length_surge_baseline (`str`, defaults to `"median"`):
+            Surge detector baseline: `"median"` of the `length_surge_baseline_window` lengths before the recent ones,
+            or `"ema"`, an exponential moving average of every length before them.
+        length_surge_ema_alpha (`float` or `None`, defaults to `None`):
+            The EMA coefficient in (0, 1] with `length_surge_baseline="ema"`; unset: `2 / (baseline_window + 1)`.
 
         > Parameters that control checkpoints
 
@@ -313,9 +325,9 @@ class SafeVocabGRPOConfig(GRPOConfig):
     length_decay: bool = field(
         default=False,
         metadata={
-            "help": "Length-decay LR schedule (safevocab.schedulers.LengthDecayLR): hold the initial LR until the mean "
-            "response length surges, then halve it every length_decay_period steps down to "
-            "length_decay_min_lr_ratio x the initial LR. Replaces lr_scheduler_type."
+            "help": "Multiply the LR schedule (lr_scheduler_type, warm-up; trl's default is linear, 'constant' holds "
+            "the LR) by the length-decay factor (safevocab.schedulers.LengthDecayLR): 1 until the mean response length "
+            "surges, then halved every length_decay_period steps down to length_decay_min_lr_ratio."
         },
     )
     length_decay_period: str = field(
@@ -326,15 +338,22 @@ class SafeVocabGRPOConfig(GRPOConfig):
         },
     )
     length_decay_min_lr_ratio: float = field(
-        default=0.1, metadata={"help": "LR floor as a fraction of the initial LR, in [0, 1]."}
+        default=0.1, metadata={"help": "Floor of the length-decay factor, in [0, 1]."}
     )
     length_decay_start: str = field(
         default="on_surge",
         metadata={
-            "help": "'on_surge': hold the LR until the surge detector fires; 'step0': halve from the first step "
-            "(Algorithm 1; needs an integer length_decay_period).",
+            "help": "'on_surge': hold the factor at 1 until the surge detector fires; 'step0': halve from the first "
+            "step (Algorithm 1; needs an integer length_decay_period).",
             "choices": list(LENGTH_DECAY_STARTS),
         },
+    )
+    length_decay_max_decays: int = field(
+        default=1,
+        metadata={"help": "Cap on decays (>= 1): the start, then each later surge halves the factor at once."},
+    )
+    length_decay_cooldown: int = field(
+        default=0, metadata={"help": "Steps after a decay before the next is accepted (>= 0; needs max_decays >= 2)."}
     )
     length_surge_window: int = field(
         default=10, metadata={"help": "Surge detector: recent steps whose median length is compared (>= 1)."}
@@ -343,13 +362,23 @@ class SafeVocabGRPOConfig(GRPOConfig):
         default=30, metadata={"help": "Surge detector: steps before the recent ones forming the baseline (>= 1)."}
     )
     length_surge_ratio: float = field(
-        default=1.5, metadata={"help": "Surge detector: recent median / baseline median that counts as a surge (> 1)."}
+        default=1.5, metadata={"help": "Surge detector: recent median / baseline that counts as a surge (> 1)."}
     )
     length_surge_warmup: int = field(
         default=20, metadata={"help": "Surge detector: no detection before this many generation steps."}
     )
     length_surge_factor: float = field(
         default=1.8, metadata={"help": "Auto period = round(factor x surge step) (the paper's 1.8)."}
+    )
+    length_surge_baseline: str = field(
+        default="median",
+        metadata={
+            "help": "Surge detector baseline: 'median' of the baseline window, or 'ema' of every earlier length.",
+            "choices": list(LENGTH_SURGE_BASELINES),
+        },
+    )
+    length_surge_ema_alpha: float | None = field(
+        default=None, metadata={"help": "EMA coefficient in (0, 1] (baseline 'ema'); unset: 2 / (baseline_window + 1)."}
     )
     resume_allow_missing_state: bool = field(
         default=False,
@@ -402,6 +431,7 @@ class SafeVocabGRPOConfig(GRPOConfig):
         return SurgeDetector(
             window=self.length_surge_window, baseline_window=self.length_surge_baseline_window,
             ratio=self.length_surge_ratio, warmup=self.length_surge_warmup, factor=self.length_surge_factor,
+            baseline=self.length_surge_baseline, ema_alpha=self.length_surge_ema_alpha,
         )  # fmt: skip
 
     @property
