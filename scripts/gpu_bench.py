@@ -86,15 +86,19 @@ def correctness(device: str, small: bool, timeout: float, log: Path) -> dict:
             "failed": failed[:50], "seconds": round(time.perf_counter() - started, 1)}
 
 
-def op_bench(small: bool, timeout: float) -> list[dict]:
+def op_bench(small: bool, timeout: float, n: int | None = None, rules: tuple[str, ...] = RULES,
+             naive: bool = True) -> list[dict]:
     """``python -m safevocab.bench`` per rule, plus support replay at |S| = 64; the naive materialised path
     (tens of GB at the GPU shape) for the unmasked and the default rule only."""
     size = ["--device", "cpu", "--n", "256", "--h", "64", "--v", "3000", "--dtype", "float32", "--repeats", "1"] if small \
         else ["--preset", "gpu", "--repeats", "3"]
+    if n is not None:
+        size += ["--n", str(n)]  # after the preset: an explicit flag overrides it
     variants = "floor,fused,fused_torch,trl,liger"
-    with_naive = {"none", "min_p=0.001"}
-    runs = [(rule, variants + (",naive" if rule in with_naive else "")) for rule in RULES]
-    runs.append(("top_k=64", "floor,fused,fused_replay"))
+    with_naive = {"none", "min_p=0.001"} if naive else set()
+    runs = [(rule, variants + (",naive" if rule in with_naive else "")) for rule in rules]
+    if rules == RULES:
+        runs.append(("top_k=64", "floor,fused,fused_replay"))
     rows = []
     for rule, chosen in runs:
         with tempfile.NamedTemporaryFile(suffix=".json") as f:
@@ -247,13 +251,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip", default="", help="comma list of sections to skip: correctness,op,grpo")
     parser.add_argument("--correctness-timeout", type=float, default=600, help="seconds for the reference tests")
     parser.add_argument("--op-timeout", type=float, default=300, help="seconds for each rule's op benchmark")
+    parser.add_argument("--n", type=int, default=None, help="tokens for the op benchmark (default: the gpu preset's 16384)")
+    parser.add_argument("--rules", default=None, help="';'-separated rules for the op benchmark (default: all)")
+    parser.add_argument("--no-naive", action="store_true", help="leave out the materialised path (tens of GB, slow)")
     args = parser.parse_args(argv)
     skip = set(filter(None, args.skip.split(",")))
     device = "cpu" if args.small else "cuda"
     results: dict = {"environment": environment(), "small": args.small, "correctness": {}}
     started = time.perf_counter()
     for name, run in (("correctness", lambda: correctness(device, args.small, args.correctness_timeout,
-                                                                    Path(args.out).with_suffix(".pytest.log"))), ("op", lambda: op_bench(args.small, args.op_timeout)),
+                                                                    Path(args.out).with_suffix(".pytest.log"))), ("op", lambda: op_bench(args.small, args.op_timeout, args.n,
+                                            tuple(args.rules.split(";")) if args.rules else RULES,
+                                            not args.no_naive)),
                       ("grpo", lambda: grpo(args.small))):
         if name in skip:
             continue

@@ -57,3 +57,59 @@ def test_bench_runs_several_rules_and_thread_counts_in_one_run(tmp_path):
     for res in data["results"].values():
         assert {"floor", "fused[none]", "fused[top_k=5,min_p=0.01]", "fused_replay[top_k=5]"} <= set(res)
         assert all(r["seconds"] > 0 for r in res.values())
+
+
+def _bench_args(**overrides):
+    from safevocab.bench import make_parser
+
+    return make_parser().parse_args(["--device", "cpu", "--n", "64", "--h", "16", "--v", "300",
+                                     *[f"--{k}={v}" for k, v in overrides.items()]])
+
+
+def test_inputs_are_built_once_per_process_and_each_variant_gets_its_own_leaves():
+    # On an H200 the GPU preset's setup took ~55 s per variant (CPU draws, rebuilt per variant) for a 0.06 s step:
+    # the per-rule time limit ran out before any figure. One set of inputs, fresh leaves (own .grad) per variant.
+    from safevocab.bench import _inputs
+
+    args = _bench_args()
+    first, second = _inputs(args, torch.device("cpu")), _inputs(args, torch.device("cpu"))
+    for a, b in zip(first, second):
+        assert a.data_ptr() == b.data_ptr()  # the same storage: built once
+    first[1].sum().backward()
+    assert first[1].grad is not None and second[1].grad is None  # own gradients: peak memory still counts them
+    other = _inputs(_bench_args(rule="top_k=3"), torch.device("cpu"))
+    assert other[0].data_ptr() != first[0].data_ptr()
+
+
+def test_targets_are_draws_from_the_pruned_softmax():
+    # Gumbel-max on the device against the exact pruned distribution (independent: softmax of the kept logits).
+    from safevocab.bench import _sample_targets
+
+    torch.manual_seed(0)
+    weight = torch.randn(6, 4) * 2
+    hidden = torch.randn(1, 4).expand(20000, 4).contiguous()
+    gen = torch.Generator().manual_seed(1)
+    draws = _sample_targets(hidden, weight, "top_k=3", gen)
+    z = hidden[0] @ weight.t()
+    kept = z.topk(3).indices
+    expected = torch.zeros(6).index_put_((kept,), torch.softmax(z[kept], -1))
+    observed = torch.bincount(draws, minlength=6).float() / draws.numel()
+    assert set(draws.unique().tolist()) <= set(kept.tolist())
+    assert torch.allclose(observed, expected, atol=0.015), (observed, expected)
+
+
+def test_gpu_bench_script_runs_the_chosen_rules_at_the_chosen_size(tmp_path):
+    # The device run's script (scripts/gpu_bench.py), CPU-sized: --n, --rules (';'-separated) and --no-naive reach
+    # every rule's benchmark, whose rows land in the results file.
+    from pathlib import Path
+
+    out = tmp_path / "gpu.json"
+    script = Path(__file__).resolve().parents[1] / "scripts" / "gpu_bench.py"
+    cmd = [sys.executable, str(script), "--small", "--skip", "correctness,grpo", "--n", "48", "--no-naive",
+           "--rules", "min_p=0.001;top_k=5,min_p=0.01", "--out", str(out)]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    rows = json.loads(out.read_text())["op"]
+    assert [row["rule"] for row in rows] == ["min_p=0.001", "top_k=5,min_p=0.01"]
+    for row in rows:
+        assert row["args"]["n"] == 48 and "naive" not in row["results"] and row["results"]["fused"]["seconds"] > 0

@@ -50,6 +50,7 @@ from safevocab.mismatch.metrics import (
     bucket_mismatch_metrics,
     importance_ratio_metrics,
     mismatch_metrics,
+    PER_PROCESS_QUANTILES,
     safe_set_metrics,
 )
 from safevocab.mismatch.reduce import reduce_gathered, reduction
@@ -72,6 +73,7 @@ __all__ = [
     "mismatch_metrics",
     "bucket_mismatch_metrics",
     "safe_set_metrics",
+    "PER_PROCESS_QUANTILES",
     "importance_ratio_metrics",
     "reduce_gathered",
     "MetricRow",

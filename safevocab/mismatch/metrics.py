@@ -163,7 +163,7 @@ def _bucket_keys(edges: tuple[float, ...]) -> tuple[tuple[str, ...], list[float]
 _SAFE_SET_KEYS = tuple(
     f"safevocab/{key}"
     for key in ("out_of_set_frac", "pruned_mass_mean", "pruned_mass_max", "safe_size_mean", "seq_tv_estimate",
-                "seq_kl_estimate")
+                "seq_kl_estimate", "safe_size_median", "safe_size_p99", "singleton_frac")
 )  # fmt: skip
 
 
@@ -180,7 +180,11 @@ def safe_set_metrics(
     With ``m_t = 1 - exp(log_kept_mass_t)`` the pruned mass:
 
     - ``out_of_set_frac`` = ``mean_M 1[y_t not in S_t]``;
-    - ``pruned_mass_mean`` / ``_max`` = mean / max of ``m_t`` over ``M``; ``safe_size_mean`` = ``mean_M |S_t|``;
+    - ``pruned_mass_mean`` / ``_max`` = mean / max of ``m_t`` over ``M``; ``safe_size_mean`` = ``mean_M |S_t|``,
+      ``safe_size_median`` / ``safe_size_p99`` its 0.5 / 0.99 quantiles over ``M`` (linear interpolation, as
+      ``numpy.quantile``; across processes, the count-weighted mean of each process's quantile:
+      :data:`PER_PROCESS_QUANTILES`), ``singleton_frac``
+      = ``mean_M 1[|S_t| = 1]`` (positions where the sampler had no choice);
     - ``seq_tv_estimate`` = ``1 - mean_b prod_t (1 - m_t)`` (unbiased for ``TV(P, Q)`` when rows are drawn from
       the pruned sampler ``Q``); ``seq_kl_estimate`` = ``mean_b sum_t -log(1 - m_t)`` (for ``KL(Q || P)``).
 
@@ -198,6 +202,11 @@ def safe_set_metrics(
     row = safe_set_row(in_safe, log_kept_mass, safe_size, check_mask(mask, in_safe, log_kept_mass, safe_size))
     return row.dicts() if return_counts else row.dicts()[0]
 
+
+#: Keys of `safe_set_metrics` that are quantiles of one process's positions: exact on one process; across processes
+#: (and over a logging period's batches, as trl averages every metric) the count-weighted mean of those quantiles,
+#: not the quantile of all positions together (an exact one would need every position gathered).
+PER_PROCESS_QUANTILES: tuple[str, ...] = ("safevocab/safe_size_median", "safevocab/safe_size_p99")
 
 #: For each key of `safe_set_metrics`: 1 if a sequence estimate (counted in rows), else 0 (in tokens).
 _SAFE_SET_COUNT_PATTERN = tuple(int(key.startswith("safevocab/seq_")) for key in _SAFE_SET_KEYS)
@@ -222,10 +231,19 @@ def safe_set_row(
         seq_tv = (-torch.expm1(seq_log_kept)).mean(-1)
         seq_kl = (-seq_log_kept).mean(-1)
     pruned_max = masked_max(pruned, mask, dims=2)
-    # the three token means in one reduction
-    terms = torch.stack([(~in_safe.bool()).double(), pruned, safe_size.double()])
+    # the four token means in one reduction
+    sizes = safe_size.double()
+    terms = torch.stack([(~in_safe.bool()).double(), pruned, sizes, (sizes == 1).double()])
     means = (terms * m).sum(dim=(-2, -1)) / m.sum(dim=(-2, -1))
-    values = torch.stack([means[0], means[1], pruned_max, means[2], seq_tv, seq_kl], dim=-1).float()
+    counted_sizes = torch.where(mask, sizes, NAN).flatten(-2)  # NaN where not counted: nanquantile skips them
+    if counted_sizes.shape[-1] == 0:  # no positions at all: undefined (nanquantile refuses an empty dimension)
+        quantiles = torch.full((2, *mask.shape[:-2]), NAN, dtype=torch.float64, device=mask.device)
+    else:
+        q = torch.tensor([0.5, 0.99], dtype=torch.float64, device=mask.device)
+        quantiles = torch.nanquantile(counted_sizes, q, dim=-1)
+    values = torch.stack(
+        [means[0], means[1], pruned_max, means[2], seq_tv, seq_kl, quantiles[0], quantiles[1], means[3]], dim=-1
+    ).float()
     counts = counts_vector(_SAFE_SET_COUNT_PATTERN, mask.sum(dim=(-2, -1)), n_seq)
     return MetricRow(_SAFE_SET_KEYS, values, counts)
 

@@ -16,6 +16,7 @@ from safevocab.mismatch import (
     reduction,
     safe_set_metrics,
 )
+from safevocab.mismatch.metrics import safe_set_row
 
 
 @pytest.fixture
@@ -106,6 +107,28 @@ def test_safe_set_metrics():
     assert out["safevocab/seq_tv_estimate"].item() == pytest.approx(tv, rel=1e-5)
     kl = (-math.log(0.9 * 0.8) - math.log(0.5 * 0.7)) / 2
     assert out["safevocab/seq_kl_estimate"].item() == pytest.approx(kl, rel=1e-5)
+    assert out["safevocab/safe_size_median"].item() == 5.0  # of 3, 4, 5, 6, 7 (padding's 100 not counted)
+    assert out["safevocab/safe_size_p99"].item() == pytest.approx(6.96)  # numpy.quantile([3..7], 0.99)
+    assert out["safevocab/singleton_frac"].item() == 0.0
+
+
+def test_kept_set_size_quantiles_and_singletons_match_numpy():
+    """The set-level readouts against numpy over the counted positions of random batches (stacked rows too)."""
+    import numpy as np
+
+    g = torch.Generator().manual_seed(3)
+    for _ in range(20):
+        size = torch.randint(1, 6, (3, 4, 9), generator=g) ** 2 // 4 + 1  # many ones, a long tail
+        mask = torch.rand(3, 4, 9, generator=g) < 0.7
+        in_safe = torch.rand(3, 4, 9, generator=g) < 0.9
+        kept = torch.rand(3, 4, 9, generator=g) * 0.5 + 0.5
+        row = safe_set_row(in_safe, kept.log(), size, mask)  # one row per stacked batch
+        for i in range(3):
+            counted = size[i][mask[i]].numpy().astype(float)
+            values = dict(zip(row.names, row.values[i].tolist()))
+            assert values["safevocab/safe_size_median"] == pytest.approx(np.quantile(counted, 0.5), rel=1e-6)
+            assert values["safevocab/safe_size_p99"] == pytest.approx(np.quantile(counted, 0.99), rel=1e-6)
+            assert values["safevocab/singleton_frac"] == pytest.approx((counted == 1).mean(), rel=1e-6)
 
 
 def _trl_reference_ratio(train, rollout, mask, mode, lo, hi):

@@ -389,9 +389,29 @@ def test_replay_on_trls_path_replays_the_engines_sets_exactly(engines, tmp_path)
         assert all(len(position) >= 1 for position in seq) and len(seq) == len(tokens)
 
 
-def test_replay_without_a_top_k_bound_falls_back_with_one_reason(engines, tmp_path):
+def test_replay_reads_any_rules_sets_when_the_vocabulary_fits_max_logprobs(engines, tmp_path):
+    """A rule without top_k (vLLM's order: min_p, then top_p): the bundled vocabulary (19 ids) fits vLLM's
+    max_logprobs (20), so the trainer asks for every id's processed log-probability and replays the engine's sets."""
+    trainer = _train(tmp_path, safe_vocab_rule="top_p=0.8,min_p=0.05", safe_vocab_support="replay", max_steps=1)
+    assert trainer.vllm_generation.logprobs == trainer.model.config.vocab_size
+    assert min(_logged(trainer, "safevocab/replay_frac")) >= 0.99
+    assert max(_logged(trainer, "safevocab/support_disagreement")) == 0.0
+
+
+def test_replay_without_a_bound_falls_back_with_one_reason(engines, tmp_path, monkeypatch):
+    """An engine whose max_logprobs (a real engine option, here 10) is below both the rule's bound (none) and the
+    vocabulary (19 ids): the kept sets cannot be read, and the trainer says why, once, and trains on the rule's."""
+    import shutil
+
+    import trl.generation.vllm_generation as vllm_generation
+
+    model = shutil.copytree(tiny_model_path(), tmp_path / "tiny-arith")  # its own engine (engines are per checkpoint)
+    build = vllm_generation.LLM
+    monkeypatch.setattr(vllm_generation, "LLM", lambda *a, **k: build(*a, **{**k, "max_logprobs": 10}))
     with pytest.warns(UserWarning, match=r"returns no sampling masks .* bounds no kept set by a top_k <= max_logprobs"):
-        trainer = _train(tmp_path, safe_vocab_rule="min_p=0.1", safe_vocab_support="replay", max_steps=1)
+        trainer = _train(tmp_path / "run", model_path=str(model), safe_vocab_rule="min_p=0.1",
+                         safe_vocab_support="replay", max_steps=1)  # fmt: skip
+    assert trainer.vllm_generation.logprobs == 0
     assert max(_logged(trainer, "safevocab/replay_frac")) == 0.0
 
 

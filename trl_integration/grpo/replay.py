@@ -17,8 +17,8 @@ over exactly those sets instead of recomputing them with its rule (:class:`safev
   ``return_sampling_mask=True``, Model Runner V2: GPU); elsewhere (the CPU build's V1 runner returns none)
   :func:`kept_sets_from_logprobs` rebuilds each kept set from the engine's processed log-probabilities of its top-``k``
   tokens (``logprobs=k``, ``logprobs_mode="processed_logprobs"``): a token the sampler cut has processed log-probability
-  ``-inf``, so the ids with a finite one are exactly the kept set whenever the rule bounds it by ``top_k=k``
-  (:func:`logprob_bound`) and ``k`` is at most the engine's ``max_logprobs``.
+  ``-inf``, so the ids with a finite one are exactly the kept set whenever the rule bounds it by ``top_k=k`` or the
+  vocabulary has ``k`` ids (:func:`logprob_bound`) and ``k`` is at most the engine's ``max_logprobs``.
 
 Metrics (:func:`replay_metrics`, called by :meth:`trl_integration.grpo.step.StepMetricInputs.row`): ``safevocab/replay_frac`` and
 ``safevocab/support_disagreement`` (docs/metrics.md).
@@ -148,10 +148,14 @@ def vllm_sampling_masks(request_outputs: Sequence) -> list:
     return None if any(m is None for m in masks) else masks
 
 
-def logprob_bound(rule: SafeVocabRule) -> int | None:
-    """``k`` of the rule's ``top_k`` part: every kept set has at most ``k`` tokens (ties aside, which an engine's
-    ``top_k`` splits by its sort), so the engine's top-``k`` processed log-probabilities hold it. ``None`` without one."""
-    return next((part.value for part in rule.parts if isinstance(part, TopK)), None)
+def logprob_bound(rule: SafeVocabRule, vocab_size: int | None = None) -> int | None:
+    """A ``k`` such that the engine's top-``k`` processed log-probabilities hold every kept set: ``k`` of the rule's
+    ``top_k`` part (every kept set has at most ``k`` tokens; ties aside, which an engine's ``top_k`` splits by its
+    sort), else the vocabulary size when given (every id); ``None`` without either. The smaller of the two when both."""
+    k = next((part.value for part in rule.parts if isinstance(part, TopK)), None)
+    if vocab_size is None:
+        return k
+    return vocab_size if k is None else min(k, vocab_size)
 
 
 def kept_sets_from_logprobs(

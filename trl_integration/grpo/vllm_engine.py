@@ -288,8 +288,8 @@ def replay_from_engine(trainer, replay) -> str | None:
     Where the engine returns sampling masks (a colocated engine built with ``return_sampling_mask=True``: vLLM's
     Model Runner V2, on GPU), its ``generate`` is wrapped to keep the request outputs and their masks. Elsewhere (the
     CPU build; server mode), trl's generation asks for the processed log-probabilities of the top ``k`` tokens, where
-    the effective rule bounds each kept set by ``top_k=k`` and ``k`` is at most the engine's ``max_logprobs``, and
-    the kept sets are read off them (:func:`~trl_integration.grpo.replay.kept_sets_from_logprobs`).
+    the effective rule bounds each kept set by ``top_k=k`` (or the whole vocabulary has ``k`` ids) and ``k`` is at
+    most the engine's ``max_logprobs``, and the kept sets are read off them (:func:`~trl_integration.grpo.replay.kept_sets_from_logprobs`).
     """
     from trl_integration.grpo.replay import kept_sets_from_logprobs, logprob_bound, vllm_sampling_masks
 
@@ -303,13 +303,14 @@ def replay_from_engine(trainer, replay) -> str | None:
     else:
         info = generation.vllm_client.get_server_info() if trainer.accelerator.is_main_process else {}
         masks, max_logprobs = False, int(info.get("model_config", {}).get("max_logprobs", DEFAULT_MAX_LOGPROBS))
-    k = logprob_bound(trainer.safe_vocab_rule)
+    k = logprob_bound(trainer.safe_vocab_rule, trainer._vocab_size)
     if not masks and (k is None or k > max_logprobs):
         bound = "no top_k" if k is None else f"top_k={k} > the engine's max_logprobs={max_logprobs}"
         return (
             f"this vLLM engine returns no sampling masks (vLLM's Model Runner V2, on GPU, does) and the rule "
-            f"{str(trainer.safe_vocab_rule)!r} bounds no kept set by a top_k <= max_logprobs ({bound}), so the kept "
-            "sets cannot be read off the engine's log-probabilities"
+            f"{str(trainer.safe_vocab_rule)!r} bounds no kept set by a top_k <= max_logprobs ({bound}; nor is the "
+            f"vocabulary, {trainer._vocab_size} ids, that small), so the kept sets cannot be read off the engine's "
+            "log-probabilities"
         )
     captured: list = []
     if masks:
