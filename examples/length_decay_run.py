@@ -64,6 +64,7 @@ def main(argv: list[str] | None = None) -> dict:
             gradient_checkpointing=False,
             seed=args.seed,
             safe_vocab_rule="min_p=0.01",
+            lr_scheduler_type="constant",  # the LR held until the surge (trl's default schedule is linear decay)
             length_decay=True,
             length_decay_period="auto",
             length_surge_window=5,
@@ -76,7 +77,7 @@ def main(argv: list[str] | None = None) -> dict:
     history = [h for h in trainer.state.log_history if "completions/mean_length" in h]
     steps = [h["step"] for h in history]
     lengths = [h["completions/mean_length"] for h in history]
-    lrs = [h["lr"] for h in history]
+    lrs = [h["learning_rate"] for h in history]  # the LR each optimizer step used
     detector = trainer.lr_scheduler.detector
     result = {
         "command": " ".join(["python examples/length_decay_run.py", *(sys.argv[1:] if argv is None else argv)]),

@@ -5,8 +5,9 @@ modules implementing each setting (``rollout/``, ``grpo/step.py``, the trainer) 
 config importing them.
 
 The importance-sampling modes are the core's (:data:`safevocab.correction.IS_MODES`, which implements them; the
-core cannot import this package) and the default chunk budget is the fused log-softmax's own
-(:data:`safevocab.logprobs.DEFAULT_MAX_CHUNK_BYTES`); both are re-exported here so the config reads every accepted
+core cannot import this package), the surge detector's baselines are the core's too
+(:data:`safevocab.surge_detector.BASELINES`), and the default chunk budget is the fused log-softmax's own
+(:data:`safevocab.logprobs.DEFAULT_MAX_CHUNK_BYTES`); all three are re-exported here so the config reads every accepted
 value from one module.
 """
 
@@ -17,6 +18,7 @@ import torch
 from safevocab.correction import IS_MODES
 from safevocab.logprobs import DEFAULT_MAX_CHUNK_BYTES
 from safevocab.mismatch import DEFAULT_BUCKETS
+from safevocab.surge_detector import BASELINES as LENGTH_SURGE_BASELINES
 
 __all__ = [
     "OUT_OF_SET_MODES",
@@ -25,6 +27,7 @@ __all__ = [
     "ROLLOUT_DTYPES",
     "NOISE_KINDS",
     "LENGTH_DECAY_STARTS",
+    "LENGTH_SURGE_BASELINES",
     "IS_MODES",
     "DEFAULT_MAX_CHUNK_BYTES",
     "DEFAULT_BUCKETS",
@@ -56,3 +59,5 @@ NOISE_KINDS = ("uniform", "clipped_gaussian", "lift", "tail")
 
 #: ``length_decay_start``: hold the LR until the length surge, or halve it from the first step.
 LENGTH_DECAY_STARTS = ("on_surge", "step0")
+
+#: ``length_surge_baseline`` (``LENGTH_SURGE_BASELINES``, imported above): the surge detector's windowed median or EMA.

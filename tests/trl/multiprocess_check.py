@@ -57,7 +57,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 #: Logged keys that must agree between launches: our reduced metrics by prefix, and trl/Trainer values that are
 #: computed from gathered tensors (or, for ``loss``/``grad_norm``, from DDP-averaged quantities).
-COMPARED_PREFIXES = ("safevocab/", "mismatch/", "sampling/")
+COMPARED_PREFIXES = ("safevocab/", "mismatch/", "sampling/", "length_decay/")
 COMPARED_KEYS = (
     "completions/mean_length",
     "completions/min_length",
@@ -67,7 +67,7 @@ COMPARED_KEYS = (
     "loss",
     "grad_norm",
     "learning_rate",
-    "lr",
+    "lr_base",
 )
 #: Schedules run by default, each a separate training run from the same initial model.
 SCHEDULES = ("step0", "on_surge")
@@ -137,14 +137,17 @@ class RowSeededSampling:
 
 
 def schedule_settings(schedule: str) -> dict:
-    """Length-decay settings: ``step0`` halves from the first step; ``on_surge`` waits for a (sensitive) detector."""
+    """Length-decay settings over the constant schedule: ``step0`` halves from the first step; ``on_surge`` waits for
+    a (sensitive) detector."""
     if schedule == "step0":
         return dict(
-            length_decay=True, length_decay_start="step0", length_decay_period="1", length_decay_min_lr_ratio=0.25
+            length_decay=True, length_decay_start="step0", length_decay_period="1", length_decay_min_lr_ratio=0.25,
+            lr_scheduler_type="constant",
         )
     if schedule == "on_surge":
         return dict(
             length_decay=True,
+            lr_scheduler_type="constant",
             length_decay_start="on_surge",
             length_decay_period="1",
             length_decay_min_lr_ratio=0.25,

@@ -245,15 +245,25 @@ def test_help_shows_the_defaults_of_the_case_asked(capsys):
 
 
 @pytest.mark.parametrize(
-    "flags, name",
-    [(["--lr_scheduler_type", "cosine"], "lr_scheduler_type"), (["--warmup_steps", "10"], "warmup_steps")],
-)
-def test_length_decay_refuses_a_schedule_it_would_ignore(flags, name, tmp_path, capsys, no_model_load):
+    "flags, message",
+    [
+        (["--lr_scheduler_type", "reduce_lr_on_plateau"], "lr_scheduler_type='reduce_lr_on_plateau' with length_decay=True: length decay multiplies a schedule stepped once per optimizer step"),
+        (["--length_decay_max_decays", "0"], "length_decay_max_decays=0 is out of range: accepted an integer >= 1"),
+        (["--length_decay_cooldown", "-1", "--length_decay_max_decays", "2"], "length_decay_cooldown=-1 is out of range: accepted an integer number of steps >= 0"),
+        (["--length_decay_cooldown", "5"], "length_decay_cooldown=5 with length_decay_max_decays=1: the cooldown spaces decays after the first and there are none"),
+        (["--length_surge_baseline", "mean"], "--length-surge-baseline: invalid choice: 'mean' (choose from 'median', 'ema')"),
+        (["--length_surge_ema_alpha", "0.2"], "length_surge_ema_alpha=0.2 with length_surge_baseline='median': accepted only with length_surge_baseline='ema'"),
+        (["--length_surge_baseline", "ema", "--length_surge_ema_alpha", "1.5"], "length_surge_ema_alpha=1.5 is out of range: accepted 0 < alpha <= 1"),
+    ],
+)  # fmt: skip
+def test_length_decay_refuses_bad_controls_in_one_line(flags, message, tmp_path, capsys, no_model_load):
+    """Each bad length-decay value (or a schedule it cannot multiply) exits 2 with one line naming the flag."""
     with pytest.raises(SystemExit) as exit_info:
         grpo.main(["--length_decay", "true", *flags, "--output_dir", str(tmp_path)])
-    err = capsys.readouterr().err
+    err = capsys.readouterr().err.strip()
     assert exit_info.value.code == 2
-    assert name in err and "length decay replaces" in err or "length decay has no warm-up" in err, err
+    assert message in err, err
+    assert len(err.splitlines()) == 1, err
 
 
 def test_the_run_pushes_to_the_hub_and_ends_like_trls_script(tmp_path, monkeypatch, capsys):

@@ -28,8 +28,8 @@ The arms (``--arms``, default the first five):
 - ``dvp_no_mismatch``: ``dvp`` with every injected mismatch switched off (DVP's own cost, against ``no_mismatch``).
 
 Every arm shares the model, the data, the batch, the optimiser settings and the learning-rate schedule
-(``--lr_scheduler_type``, default ``constant``; ``dvp_length_decay`` replaces it by the length-decay schedule, which
-is constant until a surge). Runs of the same seed share the data order, the sampling seed and the noise seed. The
+(``--lr_scheduler_type``, default ``constant``; ``dvp_length_decay`` multiplies it by the length-decay factor, which
+is 1 until a surge). Runs of the same seed share the data order, the sampling seed and the noise seed. The
 held-out metric is the task's (arithmetic: greedy accuracy on ``--eval_num_prompts`` test-split problems),
 measured before training and every ``--eval_every`` steps (or at the steps ``--eval_steps``) by a ``TrainerCallback``;
 for a sampled metric (freetext's), ``--eval_seeds`` draws it once per evaluation seed and ``--eval_on_rule`` also
@@ -125,7 +125,8 @@ def make_parser(prog: str = PROG) -> argparse.ArgumentParser:
                    help="tis: truncation; mis: ratios above are masked (default: %(default)s)")
     p.add_argument("--learning_rate", type=float, default=d.learning_rate, help="(default: %(default)s)")
     p.add_argument("--lr_scheduler_type", default=d.lr_scheduler_type,
-                   help="Trainer LR schedule of every arm but dvp_length_decay (default: %(default)s)")
+                   help="Trainer LR schedule of every arm; dvp_length_decay multiplies it by the length-decay factor "
+                        "(default: %(default)s)")
     p.add_argument("--num_prompts_per_step", type=int, default=d.num_prompts_per_step, help="(default: %(default)s)")
     p.add_argument("--num_generations", type=int, default=d.num_generations, help="(default: %(default)s)")
     p.add_argument("--max_completion_length", type=int, default=d.max_completion_length,

@@ -32,6 +32,13 @@ multi-process run) and, when the run uses a gradient scaler (fp16), ``scaler.pt`
 refused in one line naming the missing files; ``resume_allow_missing_state=True`` accepts it with a warning naming
 what starts fresh. Under DeepSpeed, ``scheduler.pt`` is required only with ``length_decay`` (DeepSpeed's own
 schedulers are saved in ``global_step*``).
+
+**The length-decay schedule's base** (:func:`length_decay_base_problem`). The length-decay state in ``scheduler.pt``
+holds the base schedule's state, or none when the run had ``lr_scheduler_type="constant"`` (and in every checkpoint
+written before length decay composed with trl's schedule, whose schedule was the constant one). A run that would
+resume it with a base where there was none, or the other way round, is refused in one line naming the
+``lr_scheduler_type`` to resume with, before anything is loaded; ``resume_allow_missing_state`` does not change that
+(nothing is missing: the schedule differs).
 """
 
 from __future__ import annotations
@@ -57,6 +64,8 @@ from transformers.utils import (
     WEIGHTS_NAME,
 )
 
+from trl_integration.grpo.length_decay import uses_detector
+
 __all__ = [
     "STAGING_PREFIX",
     "REPLACED_PREFIX",
@@ -69,6 +78,7 @@ __all__ = [
     "find_resume_checkpoint",
     "missing_state",
     "what_starts_fresh",
+    "length_decay_base_problem",
     "checked_resume_checkpoint",
 ]
 
@@ -329,14 +339,38 @@ def missing_state(
     return missing
 
 
-def _has_length_decay_state(path: Path, surge_detector: bool) -> bool:
-    """Whether a ``scheduler.pt`` holds ``LengthDecayLR``'s trigger step (and its detector's state)."""
+def _length_decay_state(path: Path) -> dict | None:
+    """The ``LengthDecayLR`` state in a ``scheduler.pt`` (it has the trigger step); ``None`` for any other."""
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception:  # noqa: BLE001 - any scheduler state torch cannot read safely is not the length-decay one
-        return False
-    keys = ("trigger_step", "detector") if surge_detector else ("trigger_step",)
-    return isinstance(state, dict) and all(key in state for key in keys)
+        return None
+    return state if isinstance(state, dict) and "trigger_step" in state else None
+
+
+def _has_length_decay_state(path: Path, surge_detector: bool) -> bool:
+    """Whether a ``scheduler.pt`` holds ``LengthDecayLR``'s trigger step (and its detector's state)."""
+    state = _length_decay_state(path)
+    return state is not None and (not surge_detector or "detector" in state)
+
+
+def length_decay_base_problem(folder: str | os.PathLike, lr_scheduler_type: str) -> str | None:
+    """Why the length-decay state in ``folder/scheduler.pt`` cannot resume a run with ``lr_scheduler_type`` (whose
+    length decay wraps a base schedule unless it is ``"constant"``), or ``None`` when it can or there is no such
+    state (:func:`missing_state` names that)."""
+    state = _length_decay_state(Path(folder) / SCHEDULER_NAME)
+    if state is None or (state.get("base_scheduler") is not None) == (lr_scheduler_type != "constant"):
+        return None
+    if lr_scheduler_type != "constant":
+        return (
+            "holds a length-decay schedule without a base schedule (written with lr_scheduler_type='constant', or "
+            f"before length decay composed with trl's schedules), but lr_scheduler_type={lr_scheduler_type!r} builds "
+            "one: resume with lr_scheduler_type='constant' (--lr_scheduler_type constant), the schedule it trained with"
+        )
+    return (
+        "holds a length-decay schedule over a base schedule, but lr_scheduler_type='constant' builds none: resume "
+        "with the lr_scheduler_type, warm-up and lr_scheduler_kwargs of the run that wrote it"
+    )
 
 
 def what_starts_fresh(missing: list[str], length_decay: bool = False) -> str:
@@ -387,11 +421,16 @@ def checked_resume_checkpoint(trainer, resume_from_checkpoint):
                 "earlier checkpoint-N, or pass resume_from_checkpoint=True for the newest complete one"
             )
     length_decay = bool(getattr(args, "length_decay", False))
+    if length_decay:
+        schedule = getattr(args.lr_scheduler_type, "value", args.lr_scheduler_type)
+        problem = length_decay_base_problem(checkpoint, schedule)
+        if problem is not None:
+            raise ValueError(f"resume_from_checkpoint={checkpoint!r} {problem}")
     missing = missing_state(
         checkpoint,
         world_size=args.world_size,
         length_decay=length_decay,
-        surge_detector=getattr(args, "length_decay_start", None) == "on_surge",
+        surge_detector=length_decay and uses_detector(args),
         scaler=getattr(trainer.accelerator, "scaler", None) is not None,
         deepspeed=bool(getattr(trainer, "is_deepspeed_enabled", False)),
     )

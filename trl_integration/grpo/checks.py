@@ -9,12 +9,13 @@ doesn't support bf16/gpu", and trl reads an unset ``bf16`` as ``True``: :func:`b
 transformers raises on, so the config can default ``bf16`` to ``False`` exactly where it would fail. accelerate runs
 fp16 autocast and loss scaling on an accelerator only, never on CPU.
 
-**Length decay** (:func:`check_length_decay`): the period (``"auto"`` or an integer >= 1), the start, the LR floor,
-the surge detector's settings, and what ``length_decay=True`` cannot be combined with. The length-decay schedule
-(``safevocab.schedulers``, installed through the Trainer's ``create_scheduler``) keeps the learning rate constant,
-then halves it; it replaces transformers' ``lr_scheduler_type`` and has no warm-up, so a schedule other than
-``constant`` (or trl's default ``linear``, indistinguishable from "not given") and any warm-up are refused with one
-line instead of being ignored (:func:`refuse_other_lr_schedules`).
+**Length decay** (:func:`check_length_decay`): the period (``"auto"`` or an integer >= 1), the start, the floor, the
+cap on decays and the cooldown, the surge detector's settings, and the schedules length decay cannot multiply. The
+length-decay factor (``safevocab.schedulers.LengthDecayLR``, installed through the Trainer's ``create_scheduler``)
+multiplies whatever schedule transformers builds from ``lr_scheduler_type``, warm-up and ``lr_scheduler_kwargs``,
+stepped once per optimizer step; ``reduce_lr_on_plateau`` and ``greedy`` step on evaluation metrics instead and are
+refused with one line (:func:`refuse_unwrappable_lr_schedules`). Settings that would be ignored are refused too: a
+cooldown without a second decay, an EMA coefficient without the EMA baseline.
 
 **Mismatch lab and rollout paths** (:func:`check_mismatch_lab`, :func:`check_rollout_paths`): ``rollout_logit_noise*``,
 ``rollout_tail_rule``, ``rollout_mantissa_bits``, ``rollout_perturbation``, ``zero_mismatch``; what each rollout path
@@ -46,6 +47,7 @@ from safevocab.validation import integer, real
 from trl_integration.options import (
     IS_MODES,
     LENGTH_DECAY_STARTS,
+    LENGTH_SURGE_BASELINES,
     NOISE_KINDS,
     OUT_OF_SET_MODES,
     ROLLOUT_DTYPES,
@@ -56,7 +58,8 @@ from trl_integration.plugins import load_callable
 
 __all__ = [
     "check_safe_vocab_fields", "warn_on_sampler_rule_mismatch", "one_of", "bf16_supported", "fp16_amp_supported",
-    "check_length_decay", "refuse_other_lr_schedules", "check_mismatch_lab", "check_rollout_paths", "check_tokenizer",
+    "check_length_decay", "refuse_unwrappable_lr_schedules", "check_mismatch_lab", "check_rollout_paths",
+    "check_tokenizer",
 ]  # fmt: skip
 
 
@@ -161,8 +164,30 @@ def check_length_decay(config) -> None:
             "length_decay_start='step0' needs an integer length_decay_period (no surge is detected to derive "
             "'auto' from): e.g. --length_decay_period 200"
         )
+    config.length_decay_max_decays = integer(
+        "length_decay_max_decays", config.length_decay_max_decays, lambda n: n >= 1, "an integer >= 1"
+    )
+    config.length_decay_cooldown = integer(
+        "length_decay_cooldown", config.length_decay_cooldown, lambda n: n >= 0, "an integer number of steps >= 0"
+    )
+    one_of("length_surge_baseline", config.length_surge_baseline, LENGTH_SURGE_BASELINES)
+    alpha = config.length_surge_ema_alpha
+    if alpha is not None:
+        if config.length_surge_baseline != "ema":
+            raise ValueError(
+                f"length_surge_ema_alpha={alpha!r} with length_surge_baseline={config.length_surge_baseline!r}: "
+                "accepted only with length_surge_baseline='ema'"
+            )
+        config.length_surge_ema_alpha = real(
+            "length_surge_ema_alpha", alpha, lambda a: 0.0 < a <= 1.0, "0 < alpha <= 1"
+        )
     if config.length_decay:
-        refuse_other_lr_schedules(config)
+        refuse_unwrappable_lr_schedules(config)
+        if config.length_decay_cooldown > 0 and config.length_decay_max_decays == 1:
+            raise ValueError(
+                f"length_decay_cooldown={config.length_decay_cooldown!r} with length_decay_max_decays=1: the cooldown "
+                "spaces decays after the first and there are none; set --length_decay_max_decays 2 or more, or drop it"
+            )
     # Build the scheduler's pieces once here, so a bad value fails at construction, not at step 0.
     config.make_surge_detector()
     config.length_decay_min_lr_ratio = real(
@@ -170,21 +195,17 @@ def check_length_decay(config) -> None:
     )
 
 
-def refuse_other_lr_schedules(config) -> None:
-    """Raise ``ValueError`` (one line naming the field) when ``config`` asks for a schedule or a warm-up that
-    length decay would replace. ``config``: a ``SafeVocabGRPOConfig`` with ``length_decay=True``."""
+def refuse_unwrappable_lr_schedules(config) -> None:
+    """Raise ``ValueError`` (one line naming the field) when ``config`` (a ``SafeVocabGRPOConfig`` with
+    ``length_decay=True``) asks for a schedule that length decay cannot multiply: one stepped on evaluation metrics
+    rather than once per optimizer step."""
     schedule = getattr(config.lr_scheduler_type, "value", config.lr_scheduler_type)
-    if schedule not in ("linear", "constant"):
+    if schedule in ("reduce_lr_on_plateau", "greedy"):
         raise ValueError(
-            f"lr_scheduler_type={schedule!r} with length_decay=True: length decay replaces the LR schedule "
-            "(constant, then halved); drop --lr_scheduler_type or set --length_decay false"
+            f"lr_scheduler_type={schedule!r} with length_decay=True: length decay multiplies a schedule stepped once "
+            "per optimizer step, and this one steps on evaluation metrics; accepted any other lr_scheduler_type "
+            "(e.g. 'constant', 'cosine'), or set --length_decay false"
         )
-    for name in ("warmup_steps", "warmup_ratio"):
-        if (getattr(config, name, 0) or 0) > 0:
-            raise ValueError(
-                f"{name}={getattr(config, name)!r} with length_decay=True: length decay has no warm-up; drop "
-                f"--{name} or set --length_decay false"
-            )
 
 
 # ----------------------------------------------------------------------------------------------------

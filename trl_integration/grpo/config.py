@@ -7,14 +7,13 @@ stay importable from here), numeric checks from :mod:`safevocab.validation`; it 
 from __future__ import annotations
 
 import json
-import warnings
 from dataclasses import dataclass, field
 
 from trl import GRPOConfig
 
 import trl_integration._private  # noqa: F401  (fails at import, in one line, outside the tested trl range)
-from safevocab import MinProb, NoPruning, SafeVocabRule, parse_rule
-from safevocab.effective_rule import compose_rules, sampler_rule
+from safevocab import SafeVocabRule, parse_rule
+from safevocab.effective_rule import sampler_rule
 from safevocab.schedulers import SurgeDetector
 from trl_integration.grpo.checks import (
     bf16_supported,
@@ -24,10 +23,12 @@ from trl_integration.grpo.checks import (
     check_safe_vocab_fields,
     warn_on_sampler_rule_mismatch,
 )
+from trl_integration.grpo.sampler_settings import compose_with_sampler, resolve_rollout_logprobs
 from trl_integration.options import (
     DEFAULT_BUCKETS,
     DEFAULT_MAX_CHUNK_BYTES,
     LENGTH_DECAY_STARTS,
+    LENGTH_SURGE_BASELINES,
     NOISE_KINDS,
     OUT_OF_SET_MODES,
     ROLLOUT_DTYPES,
@@ -144,28 +145,39 @@ class SafeVocabGRPOConfig(GRPOConfig):
         > Parameters that control the length-decay learning rate (docs/length_decay.md)
 
         length_decay (`bool`, defaults to `False`):
-            Use the length-decay LR schedule (:class:`~safevocab.schedulers.LengthDecayLR`): hold the initial LR until
-            the mean response length surges, then halve it every `length_decay_period` steps down to
-            `length_decay_min_lr_ratio` × the initial LR. It replaces `lr_scheduler_type` (a schedule other than
-            `constant`, or a warm-up, is refused with one line).
+            Multiply the LR schedule by the length-decay factor (:class:`~safevocab.schedulers.LengthDecayLR`): 1 until
+            the mean response length surges, then halved every `length_decay_period` steps down to
+            `length_decay_min_lr_ratio`. The schedule is trl's own (`lr_scheduler_type`, warm-up,
+            `lr_scheduler_kwargs`); trl's default is `"linear"`: `lr_scheduler_type="constant"` holds the LR until
+            the surge (the behaviour before length decay composed with schedules, whose checkpoints it resumes).
         length_decay_period (`str`, defaults to `"auto"`):
             Steps between halvings: an integer >= 1, or `"auto"` = `round(length_surge_factor × surge step)`, the step
             at which the length surge started (the paper's rule).
         length_decay_min_lr_ratio (`float`, defaults to `0.1`):
-            Floor of the LR as a fraction of the initial LR, in [0, 1].
+            Floor of the factor, in [0, 1]: the LR never falls below this fraction of the schedule's.
         length_decay_start (`str`, defaults to `"on_surge"`):
-            `"on_surge"`: hold the LR until the surge detector fires; `"step0"`: halve from the first step (the
-            paper's Algorithm 1; needs an integer `length_decay_period`).
+            `"on_surge"`: hold the factor at 1 until the surge detector fires; `"step0"`: halve from the first step
+            (the paper's Algorithm 1; needs an integer `length_decay_period`).
+        length_decay_max_decays (`int`, defaults to `1`):
+            Cap on the decays: the start, then each later surge the detector reports, which halves the factor at
+            once. 1: the start only (the paper's algorithm).
+        length_decay_cooldown (`int`, defaults to `0`):
+            Steps after a decay before the next one is accepted (needs `length_decay_max_decays` >= 2).
         length_surge_window (`int`, defaults to `10`):
             Surge detector: the recent generation steps whose median length is compared with the baseline (>= 1).
         length_surge_baseline_window (`int`, defaults to `30`):
-            Surge detector: the steps before the recent ones whose median length is the baseline (>= 1).
+            Surge detector: the steps before the recent ones forming the baseline (>= 1).
         length_surge_ratio (`float`, defaults to `1.5`):
-            Surge detector: the recent median / baseline median that counts as a surge (> 1).
+            Surge detector: the recent median / baseline that counts as a surge (> 1).
         length_surge_warmup (`int`, defaults to `20`):
             Surge detector: no detection before this many generation steps.
         length_surge_factor (`float`, defaults to `1.8`):
             `"auto"` period = `round(factor × surge step)` (the paper's 1.8).
+        length_surge_baseline (`str`, defaults to `"median"`):
+            Surge detector baseline: `"median"` of the `length_surge_baseline_window` lengths before the recent ones,
+            or `"ema"`, an exponential moving average of every length before them.
+        length_surge_ema_alpha (`float` or `None`, defaults to `None`):
+            The EMA coefficient in (0, 1] with `length_surge_baseline="ema"`; unset: `2 / (baseline_window + 1)`.
 
         > Parameters that control checkpoints
 
@@ -313,9 +325,9 @@ class SafeVocabGRPOConfig(GRPOConfig):
     length_decay: bool = field(
         default=False,
         metadata={
-            "help": "Length-decay LR schedule (safevocab.schedulers.LengthDecayLR): hold the initial LR until the mean "
-            "response length surges, then halve it every length_decay_period steps down to "
-            "length_decay_min_lr_ratio x the initial LR. Replaces lr_scheduler_type."
+            "help": "Multiply the LR schedule (lr_scheduler_type, warm-up; trl's default is linear, 'constant' holds "
+            "the LR) by the length-decay factor (safevocab.schedulers.LengthDecayLR): 1 until the mean response length "
+            "surges, then halved every length_decay_period steps down to length_decay_min_lr_ratio."
         },
     )
     length_decay_period: str = field(
@@ -326,15 +338,22 @@ class SafeVocabGRPOConfig(GRPOConfig):
         },
     )
     length_decay_min_lr_ratio: float = field(
-        default=0.1, metadata={"help": "LR floor as a fraction of the initial LR, in [0, 1]."}
+        default=0.1, metadata={"help": "Floor of the length-decay factor, in [0, 1]."}
     )
     length_decay_start: str = field(
         default="on_surge",
         metadata={
-            "help": "'on_surge': hold the LR until the surge detector fires; 'step0': halve from the first step "
-            "(Algorithm 1; needs an integer length_decay_period).",
+            "help": "'on_surge': hold the factor at 1 until the surge detector fires; 'step0': halve from the first "
+            "step (Algorithm 1; needs an integer length_decay_period).",
             "choices": list(LENGTH_DECAY_STARTS),
         },
+    )
+    length_decay_max_decays: int = field(
+        default=1,
+        metadata={"help": "Cap on decays (>= 1): the start, then each later surge halves the factor at once."},
+    )
+    length_decay_cooldown: int = field(
+        default=0, metadata={"help": "Steps after a decay before the next is accepted (>= 0; needs max_decays >= 2)."}
     )
     length_surge_window: int = field(
         default=10, metadata={"help": "Surge detector: recent steps whose median length is compared (>= 1)."}
@@ -343,13 +362,23 @@ class SafeVocabGRPOConfig(GRPOConfig):
         default=30, metadata={"help": "Surge detector: steps before the recent ones forming the baseline (>= 1)."}
     )
     length_surge_ratio: float = field(
-        default=1.5, metadata={"help": "Surge detector: recent median / baseline median that counts as a surge (> 1)."}
+        default=1.5, metadata={"help": "Surge detector: recent median / baseline that counts as a surge (> 1)."}
     )
     length_surge_warmup: int = field(
         default=20, metadata={"help": "Surge detector: no detection before this many generation steps."}
     )
     length_surge_factor: float = field(
         default=1.8, metadata={"help": "Auto period = round(factor x surge step) (the paper's 1.8)."}
+    )
+    length_surge_baseline: str = field(
+        default="median",
+        metadata={
+            "help": "Surge detector baseline: 'median' of the baseline window, or 'ema' of every earlier length.",
+            "choices": list(LENGTH_SURGE_BASELINES),
+        },
+    )
+    length_surge_ema_alpha: float | None = field(
+        default=None, metadata={"help": "EMA coefficient in (0, 1] (baseline 'ema'); unset: 2 / (baseline_window + 1)."}
     )
     resume_allow_missing_state: bool = field(
         default=False,
@@ -367,7 +396,7 @@ class SafeVocabGRPOConfig(GRPOConfig):
         rule = self._rule
         if isinstance(self.generation_kwargs, str):
             self.generation_kwargs = json.loads(self.generation_kwargs)
-        effective = self._compose_with_sampler(rule) if self.safe_vocab_in_sampler else rule
+        effective = compose_with_sampler(self, rule) if self.safe_vocab_in_sampler else rule
         given = self.safe_vocab_effective_rule
         if given is not None and str(parse_rule(given, engine=self.rule_engine)) != str(effective):
             raise ValueError(
@@ -381,7 +410,7 @@ class SafeVocabGRPOConfig(GRPOConfig):
 
         super().__post_init__()
 
-        self._resolve_rollout_logprobs()
+        resolve_rollout_logprobs(self)
         warn_on_sampler_rule_mismatch(self, rule)
         check_rollout_paths(self)
         check_mismatch_lab(self)
@@ -402,6 +431,7 @@ class SafeVocabGRPOConfig(GRPOConfig):
         return SurgeDetector(
             window=self.length_surge_window, baseline_window=self.length_surge_baseline_window,
             ratio=self.length_surge_ratio, warmup=self.length_surge_warmup, factor=self.length_surge_factor,
+            baseline=self.length_surge_baseline, ema_alpha=self.length_surge_ema_alpha,
         )  # fmt: skip
 
     @property
@@ -443,44 +473,3 @@ class SafeVocabGRPOConfig(GRPOConfig):
         """Whether the importance-sampling correction runs on the ``generate`` path (no vLLM)."""
         other_path = self.use_vllm or self.use_transformers_continuous_batching
         return bool(not other_path and self.vllm_importance_sampling_correction and self.rollout_logprobs)
-
-    # ------------------------------------------------------------------------------------------------------
-    def _compose_with_sampler(self, rule: SafeVocabRule) -> SafeVocabRule:
-        """The effective rule ``rule & sampler rule``; sets the sampler (flags and ``generation_kwargs``) to it."""
-        if any(isinstance(part, MinProb) for part in rule.parts):
-            raise ValueError(
-                f"safe_vocab_rule={str(rule)!r} contains min_prob, which no HF/vLLM sampler can apply, while "
-                "safe_vocab_in_sampler=True. Use min_p/top_k/top_p, or set safe_vocab_in_sampler=False (the "
-                "sampler then keeps its own settings and sampled tokens outside S are masked)."
-            )
-        # generation_kwargs override the flags in trl's GenerationConfig/SamplingParams: the sampler's own setting
-        # is the generation_kwargs value when there is one.
-        if isinstance(self.generation_kwargs, dict):
-            self.generation_kwargs = dict(self.generation_kwargs)  # a copy: the caller's dict is not modified
-        gk = self.generation_kwargs if isinstance(self.generation_kwargs, dict) else {}
-        user = {key: gk.get(key, getattr(self, key)) for key in ("top_k", "top_p", "min_p")}
-        effective = compose_rules(rule, sampler_rule(**user, engine=self.rule_engine))
-        wanted = effective.sampler_kwargs()
-        for key in ("top_k", "top_p", "min_p"):
-            if key in wanted:
-                setattr(self, key, wanted[key])
-                if key in gk:
-                    gk[key] = wanted[key]
-        # The sampler's temperature is the behaviour policy's: score at it too (trl would score at `temperature`).
-        if "temperature" in gk and gk["temperature"] is not None and gk["temperature"] != self.temperature:
-            warnings.warn(
-                f"generation_kwargs['temperature']={gk['temperature']!r} overrides temperature={self.temperature!r} "
-                "in the sampler: the trainer scores at the sampler's temperature too", UserWarning, stacklevel=4,
-            )
-            self.temperature = float(gk["temperature"])
-        return effective
-
-    def _resolve_rollout_logprobs(self) -> None:
-        """``rollout_logprobs=None`` (auto): record on the plain ``generate`` path when the effective rule or the
-        sampler prunes, or a mismatch-lab setting needs them; rule ``"none"`` with default settings stays stock trl
-        unless the user switches recording on."""
-        if self.rollout_logprobs is None:
-            prunes = not isinstance(self.effective_rule, NoPruning) or not isinstance(self.sampler_rule, NoPruning)
-            lab = self.rollout_logit_noise > 0 or self.zero_mismatch or self.rollout_mantissa_bits is not None
-            lab = lab or self.rollout_perturbation is not None
-            self.rollout_logprobs = not self.use_transformers_continuous_batching and (prunes or lab)

@@ -1,4 +1,37 @@
-"""Trainer callbacks: the length-decay LR schedule driven by the response-length surge detector."""
+"""The length-decay LR schedule in the trainer: a factor over trl's own schedule, fed trl's logged lengths, logged with
+trl's metrics.
+
+**The schedule** (:func:`length_decay_scheduler`, called by the trainer's ``create_scheduler``). transformers'
+``Trainer.create_scheduler`` builds the base schedule ``B(t)`` from ``lr_scheduler_type``, the warm-up
+(``warmup_steps``/``warmup_ratio``) and ``lr_scheduler_kwargs``, as without length decay; it is wrapped in
+:class:`~safevocab.schedulers.LengthDecayLR`, so the LR of the optimizer step after ``t`` steps is
+
+    ``lr(t) = B(t) * f(t)``,  ``f(t) = max(0.5 ** (floor((t - t_s) / P) + m(t)), r_min)`` from the start ``t_s``,
+    1 before
+
+(the maths is in :mod:`safevocab.schedulers`). ``lr_scheduler_type="constant"`` builds no base: transformers' constant
+schedule is ``B(t) = lr`` (it has no warm-up; ``constant_with_warmup`` has one), which is what ``LengthDecayLR`` uses
+without a base, so the LRs are the same and checkpoints written before length decay composed with trl's schedule
+(``LengthDecayLR`` without a base, the only schedule it had then) resume with ``lr_scheduler_type="constant"``.
+``reduce_lr_on_plateau`` and ``greedy``, which step on evaluation metrics, cannot be wrapped (the config refuses them).
+
+**The surge detector** (:class:`LengthDecayCallback`). The trainer queues the global mean completion length of every
+training generation (the value trl logs as ``completions/mean_length``, already gathered over all processes, so every
+rank takes the same decision); at the end of each optimizer step the callback hands the queued lengths to the
+scheduler's :class:`~safevocab.surge_detector.SurgeDetector`, which decays when it reports a surge. The detector
+exists with ``length_decay_start="on_surge"``, and with ``"step0"`` when ``length_decay_max_decays`` allows decays
+after the start (:func:`uses_detector`). Its state lives in the scheduler's ``state_dict``, which the Trainer saves
+in every checkpoint (``scheduler.pt``) and restores on resume.
+
+**Metrics** (:data:`METRICS`), logged with trl's: those of the optimizer step just taken, as transformers logs
+``learning_rate`` (the effective LR that step used, read after ``optimizer.step()`` and before the scheduler's step), so
+that ``learning_rate == lr_base * length_decay/factor`` exactly (the product ``LengthDecayLR`` computes). The callback
+reads them at ``on_optimizer_step`` and sets them in trl's metric store at ``on_step_end``, one value per key: at a log,
+the value of the log's step (like ``learning_rate``), not a mean over ``logging_steps``. A surge detected at the end of
+step ``t`` lowers the LR of step ``t + 1``, and shows in that step's metrics. ``length_decay/surge_step`` and
+``length_decay/period`` are absent until known: trl would log an undefined (NaN) value as ``None``, which
+TensorBoard's logger drops with a warning at every log.
+"""
 
 from __future__ import annotations
 
@@ -9,26 +42,79 @@ from transformers import TrainerCallback
 from safevocab.schedulers import LengthDecayLR
 from trl_integration._private import metric_store as trl_metric_store
 
-__all__ = ["LengthDecayCallback"]
+__all__ = [
+    "LengthDecayCallback", "length_decay_scheduler", "wraps_base_schedule", "uses_detector", "step_metrics", "METRICS",
+]  # fmt: skip
+
+#: The callback's metrics and what they hold (docs/metrics.md). ``surge_step`` and ``period`` are logged once known.
+METRICS = {
+    "lr_base": "the base schedule's LR of the step (first parameter group): learning_rate = lr_base x factor",
+    "length_decay/factor": "the length-decay factor of the step",
+    "length_decay/active": "1 once the factor's clock runs (from step 0 with 'step0', from the first surge otherwise)",
+    "length_decay/num_decays": "decays so far (the start and each accepted later surge)",
+    "length_decay/surge_step": "the step at which the latest surge the detector reported started",
+    "length_decay/period": "P, the steps between halvings, once the clock runs",
+}
+
+
+def wraps_base_schedule(args) -> bool:
+    """Whether the length-decay schedule of ``args`` (a ``SafeVocabGRPOConfig``) wraps a base schedule built by
+    transformers: every ``lr_scheduler_type`` but ``"constant"``, whose LR is the initial one."""
+    return getattr(args.lr_scheduler_type, "value", args.lr_scheduler_type) != "constant"
+
+
+def uses_detector(args) -> bool:
+    """Whether the length-decay schedule of ``args`` has a surge detector: it starts on the surge, or may decay after a
+    ``"step0"`` start (``length_decay_max_decays`` > 1)."""
+    return args.length_decay_start == "on_surge" or args.length_decay_max_decays > 1
+
+
+def length_decay_scheduler(args, optimizer, base_scheduler=None) -> LengthDecayLR:
+    """The :class:`~safevocab.schedulers.LengthDecayLR` of ``args`` (a ``SafeVocabGRPOConfig`` with ``length_decay``)
+    over ``base_scheduler`` (built on ``optimizer`` by transformers; ``None`` for ``lr_scheduler_type="constant"``)."""
+    return LengthDecayLR(
+        optimizer,
+        decay_period=args.length_decay_period_steps or 1,  # "auto": set from the detector at the start
+        min_lr_ratio=args.length_decay_min_lr_ratio,
+        start=args.length_decay_start,
+        detector=args.make_surge_detector() if uses_detector(args) else None,
+        auto_period=args.length_decay_auto_period,
+        base_scheduler=base_scheduler,
+        max_decays=args.length_decay_max_decays,
+        cooldown=args.length_decay_cooldown,
+    )
+
+
+def step_metrics(scheduler: LengthDecayLR) -> dict[str, float]:
+    """:data:`METRICS` of ``scheduler``'s current LR (its first parameter group's)."""
+    out = {
+        "lr_base": float(scheduler.get_last_base_lr()[0]),
+        "length_decay/factor": scheduler.factor,
+        "length_decay/active": float(scheduler.decay_active),
+        "length_decay/num_decays": float(scheduler.num_decays),
+    }
+    detector = scheduler.detector
+    if detector is not None and detector.detections:
+        out["length_decay/surge_step"] = float(detector.detections[-1][0])
+    if scheduler.decay_active:
+        out["length_decay/period"] = float(scheduler.decay_period)
+    return out
 
 
 class LengthDecayCallback(TrainerCallback):
-    """Feeds each generation's mean completion length to the :class:`~safevocab.schedulers.LengthDecayLR`
-    of ``trainer`` and logs the schedule.
-
-    The trainer queues the global mean completion length of every training generation (the value trl
-    logs as ``completions/mean_length``, already gathered over all processes, so every rank takes the
-    same decision). At the end of each optimizer step this callback hands the queued lengths to the
-    scheduler's :class:`~safevocab.schedulers.SurgeDetector`, which triggers the decay when it
-    detects the surge, and records the metrics ``lr``, ``safevocab/lr_decay_active`` and, once known,
-    ``safevocab/length_surge_step`` and ``safevocab/length_decay_period``.
-
-    The detector's state lives in the scheduler's ``state_dict``, which the Trainer saves in every
-    checkpoint and restores on resume.
-    """
+    """Feeds each training generation's mean completion length to the trainer's
+    :class:`~safevocab.schedulers.LengthDecayLR` and logs its metrics (see the module docstring)."""
 
     def __init__(self, trainer) -> None:
         self.trainer = trainer
+        self._step_metrics: dict[str, float] = {}
+
+    def on_optimizer_step(self, args, state, control, **kwargs):
+        # After optimizer.step(), before the scheduler's step: the schedule of the step just taken.
+        scheduler = self.trainer.lr_scheduler
+        if isinstance(scheduler, LengthDecayLR):
+            self._step_metrics = step_metrics(scheduler)
+        return control
 
     def on_step_end(self, args, state, control, **kwargs):
         scheduler = self.trainer.lr_scheduler
@@ -39,12 +125,8 @@ class LengthDecayCallback(TrainerCallback):
             length = pending.pop(0)
             if scheduler.detector is not None and math.isfinite(length):
                 scheduler.observe_length(state.global_step, length)
-        metrics = trl_metric_store(self.trainer)["train"]  # appends only: the queued metrics can wait for the log
-        metrics["lr"].append(float(scheduler.get_last_lr()[0]))
-        metrics["safevocab/lr_decay_active"].append(float(scheduler.decay_active))
-        detector = scheduler.detector
-        if detector is not None and detector.surge_step is not None:
-            metrics["safevocab/length_surge_step"].append(float(detector.surge_step))
-        if scheduler.decay_active:
-            metrics["safevocab/length_decay_period"].append(float(scheduler.decay_period))
+        # One value per key, replaced each step: trl's log averages the store, which then holds this step's value.
+        metrics = trl_metric_store(self.trainer)["train"]
+        for name, value in self._step_metrics.items():
+            metrics[name] = [value]
         return control

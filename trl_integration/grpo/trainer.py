@@ -51,7 +51,6 @@ from accelerate.utils import is_peft_model
 
 from safevocab import NoPruning
 from safevocab.mismatch import MetricRow
-from safevocab.schedulers import LengthDecayLR
 from trl_integration._private import (
     SCORING_KEYWORDS,
     GRPOTrainerBridge,
@@ -64,7 +63,7 @@ from trl_integration.grpo.checkpoints import AtomicCheckpoints
 from trl_integration.grpo.checks import check_tokenizer
 from trl_integration.grpo.config import SafeVocabGRPOConfig
 from trl_integration.grpo.head import SafeHeadState, add_safe_lm_head
-from trl_integration.grpo.length_decay import LengthDecayCallback
+from trl_integration.grpo.length_decay import LengthDecayCallback, length_decay_scheduler, wraps_base_schedule
 from trl_integration.grpo.metric_queue import MetricQueue, QueuedMetrics, queue_capacity
 from trl_integration.grpo.replay import SupportReplay
 from trl_integration.grpo.rewards import check_reward_funcs
@@ -348,21 +347,14 @@ class SafeVocabGRPOTrainer(QueuedMetrics, AtomicCheckpoints, GRPOTrainerBridge):
         return output
 
     def create_scheduler(self, num_training_steps: int, optimizer: torch.optim.Optimizer | None = None):
-        """The Trainer's own scheduler creation, with :class:`~safevocab.schedulers.LengthDecayLR` when
-        ``args.length_decay`` (``lr_scheduler_type`` and warm-up are then not used)."""
+        """The Trainer's own scheduler creation; with ``args.length_decay`` the schedule it builds
+        (``lr_scheduler_type``, warm-up, ``lr_scheduler_kwargs``; none for ``"constant"``) is wrapped in
+        :class:`~safevocab.schedulers.LengthDecayLR` (see :mod:`trl_integration.grpo.length_decay`)."""
         if not self.args.length_decay or self.lr_scheduler is not None:
             return super().create_scheduler(num_training_steps, optimizer)
-        args = self.args
-        auto = args.length_decay_auto_period
-        self.lr_scheduler = LengthDecayLR(
-            optimizer if optimizer is not None else self.optimizer,
-            # In auto mode the period is set from the detector when the surge is detected.
-            decay_period=args.length_decay_period_steps or 1,
-            min_lr_ratio=args.length_decay_min_lr_ratio,
-            start=args.length_decay_start,
-            detector=args.make_surge_detector() if args.length_decay_start == "on_surge" else None,
-            auto_period=auto,
-        )
+        optimizer = optimizer if optimizer is not None else self.optimizer
+        base = super().create_scheduler(num_training_steps, optimizer) if wraps_base_schedule(self.args) else None
+        self.lr_scheduler = length_decay_scheduler(self.args, optimizer, base)
         mark_scheduler_created(self)
         return self.lr_scheduler
 

@@ -98,7 +98,8 @@ class StudySettings:
         is_clip_min: lower IS bound of the ``mis`` arm (ratios below it are masked).
         is_clip_max: upper IS bound of ``tis`` (truncation) and ``mis`` (masking).
         learning_rate: initial learning rate.
-        lr_scheduler_type: the Trainer's schedule for every arm but ``dvp_length_decay``.
+        lr_scheduler_type: the Trainer's schedule of every arm (``dvp_length_decay`` multiplies it by the
+            length-decay factor).
         num_prompts_per_step: prompts per optimizer step (the batch is this times ``num_generations``).
         num_generations: completions per prompt (the GRPO group size).
         max_completion_length: longest completion in tokens (``None``: the task's, else the tiny job's 8).

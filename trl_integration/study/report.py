@@ -88,7 +88,7 @@ def _settings_rows(results: dict) -> list[tuple[str, str]]:
         ("batch", f"{s['num_prompts_per_step']} prompts × {s['num_generations']} generations = {batch} completions "
                   f"per step, max_completion_length {s['max_completion_length']}"),
         ("optimiser", f"AdamW, lr {s['learning_rate']:g}, schedule {s['lr_scheduler_type']} (dvp_length_decay: "
-                      "LengthDecayLR, constant until a surge), beta 0, loss dapo (trl default), temperature 1"),
+                      "x the length-decay factor, 1 until a surge), beta 0, loss dapo (trl default), temperature 1"),
         ("DVP rule", s["dvp_rule"]),
         ("IS settings", f"tis: token_truncate, clip_max {s['is_clip_max']:g}; mis and dvp_mis: {s['mis_mode']}, "
                         f"[{s['is_clip_min']:g}, {s['is_clip_max']:g}]"),
