@@ -9,6 +9,13 @@
 # exit status is pytest's when it failed, else mkdocs's. pytest's "no tests collected" (exit 5)
 # counts as success for the pytest step, with a note.
 #
+# It says what it does: one `[test] step i/3: ...` line per step (set-up, pytest, docs) and pytest's progress as a
+# count of tests done out of the total (`-o console_output_style=count`; a later `-o` of yours overrides it).
+#
+# Threads: pytest runs with OMP_NUM_THREADS=1 unless you set it. The suite is many small ops; with torch's default of
+# one thread per core every op ends at a barrier where the threads wait for any of them the OS preempted, so on a
+# busy machine the suite crawls (issue 31: 6 % in 15 minutes at load 7-13). Your own OMP_NUM_THREADS is kept.
+#
 # Environment: SAFEVOCAB_SKIP_DOCS=1 skips the docs build. SAFEVOCAB_REQUIRE_VLLM=1 (the default when the extras
 # include vllm, as the default extras do) turns the real-engine tests' "vLLM is not installed" skip into a failure,
 # so a broken vLLM install cannot pass as skipped tests.
@@ -17,6 +24,7 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "${ROOT}"
 
+echo "[test] step 1/3: set up the environment (scripts/setup_env.sh)" >&2
 # shellcheck source=scripts/setup_env.sh
 source "${ROOT}/scripts/setup_env.sh"
 
@@ -24,19 +32,27 @@ if [[ ",${SAFEVOCAB_EXTRAS:-vllm}," == *",vllm"* ]]; then
     export SAFEVOCAB_REQUIRE_VLLM="${SAFEVOCAB_REQUIRE_VLLM:-1}"
 fi
 
-echo "[test] python -m pytest -m \"not slow\" $*" >&2
+if [[ -z "${OMP_NUM_THREADS:-}" ]]; then
+    export OMP_NUM_THREADS=1
+    threads_note="OMP_NUM_THREADS=1 (the default here; set it to choose)"
+else
+    threads_note="OMP_NUM_THREADS=${OMP_NUM_THREADS} (yours)"
+fi
+echo "[test] step 2/3: the fast tests: python -m pytest -m \"not slow\" $* under ${threads_note}" >&2
 pytest_rc=0
-python -m pytest -m "not slow" "$@" || pytest_rc=$?
+python -m pytest -m "not slow" -o console_output_style=count "$@" || pytest_rc=$?
 if [[ ${pytest_rc} -eq 5 ]]; then
     echo "[test] note: pytest collected no tests (exit 5); counted as success" >&2
     pytest_rc=0
 fi
 
 docs_rc=0
-if [[ "${SAFEVOCAB_SKIP_DOCS:-0}" != "1" ]]; then
+if [[ "${SAFEVOCAB_SKIP_DOCS:-0}" == "1" ]]; then
+    echo "[test] step 3/3: the docs: skipped (SAFEVOCAB_SKIP_DOCS=1)" >&2
+else
     site_dir="$(mktemp -d "${TMPDIR:-/tmp}/safevocab-site.XXXXXX")"
     trap 'rm -rf "${site_dir}"' EXIT
-    echo "[test] mkdocs build --strict -d ${site_dir}" >&2
+    echo "[test] step 3/3: the docs: mkdocs build --strict -d ${site_dir}" >&2
     # NO_MKDOCS_2_WARNING silences Material's end-of-life banner (noise, not a docs problem).
     NO_MKDOCS_2_WARNING=1 mkdocs build --strict --clean -d "${site_dir}" || docs_rc=$?
 fi

@@ -79,7 +79,7 @@ def test_k3_and_chi2_token(pair):
         sum(math.exp(x) - x - 1 for x in lr) / len(lr), rel=1e-5
     )
     assert chi2_token(train, rollout, mask).item() == pytest.approx(
-        sum(math.exp(2 * x) for x in lr) / len(lr) - 1, rel=1e-5, abs=1e-7
+        sum(math.expm1(x) ** 2 for x in lr) / len(lr), rel=1e-5, abs=1e-12
     )
     assert all(math.exp(x) - x - 1 >= 0 for x in lr)
 
@@ -94,8 +94,26 @@ def test_chi2_sequence_is_product_of_ratios(pair):
         for bb, t in toks:
             if bb == b:
                 prod *= math.exp(float(train[b, t] - rollout[b, t]))
-        terms.append(prod**2)
-    assert chi2_sequence(train, rollout, mask).item() == pytest.approx(sum(terms) / len(terms) - 1, rel=1e-5)
+        terms.append((prod - 1) ** 2)
+    assert chi2_sequence(train, rollout, mask).item() == pytest.approx(sum(terms) / len(terms), rel=1e-5)
+
+
+@pytest.mark.parametrize("log_r", [-0.1, 1e-6])
+def test_chi2_is_never_negative_and_keeps_small_mismatches(log_r):
+    """Issue 31: verl's ``mean r^2 - 1`` read -0.18 on ratios all below 1, and 2.0e-6 (its first-order term
+    ``2 mean (r - 1)``) for ``log r = 1e-6``; ``(r - 1)^2 = expm1(log r)^2`` per token has the same expectation under
+    sampling from the rollout and is never negative."""
+    rollout = torch.full((2, 3), -0.5)
+    train = rollout + log_r
+    log_r = float(train[0, 0].double() - rollout[0, 0].double())  # as rounded to fp32
+    mask = torch.ones(2, 3, dtype=torch.bool)
+    token = math.expm1(log_r) ** 2
+    sequence = math.expm1(3 * log_r) ** 2
+    assert chi2_token(train, rollout, mask).item() == pytest.approx(token, rel=1e-3)
+    assert chi2_sequence(train, rollout, mask).item() == pytest.approx(sequence, rel=1e-3)
+    logged = mismatch_metrics(train, rollout, mask)
+    assert logged["mismatch/chi2_token"].item() == pytest.approx(token, rel=1e-3)
+    assert logged["mismatch/chi2_seq"].item() == pytest.approx(sequence, rel=1e-3)
 
 
 def test_clamped_ratio_stays_finite():

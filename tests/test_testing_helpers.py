@@ -293,3 +293,43 @@ def test_intersection_rule_strings_work_in_assertions():
     rule = Intersection.of(TopK(8), MinP(0.01))
     assert_pruning_bias_within(z, str(rule), max_tv=1.0)
     assert_pruning_bias_within(z, NoPruning(), max_tv=1e-6)
+
+
+USER_TEST = '''
+import torch
+from safevocab.testing import assert_mismatch_within_bound, assert_pruning_bias_within, assert_sequence_bias_within
+
+def test_pruning():
+    assert_pruning_bias_within(torch.arange(8.0).expand(2, 8), "top_k=1", max_tv=0.1)
+
+def test_mismatch():
+    z = torch.zeros(1, 4)
+    assert_mismatch_within_bound(z, z + torch.tensor([[0.0, 0.0, 0.0, 3.0]]), eps=0.01)
+
+def test_sequence():
+    assert_sequence_bias_within(torch.full((2, 3), 0.5), max_tv=0.1)
+
+def test_misuse():
+    assert_pruning_bias_within(torch.zeros(2, 8), "top_k=1", max_tv=2.0)
+'''
+
+
+def test_a_failing_user_test_shows_the_message_not_the_helpers_source(tmp_path):
+    """Issue 31: a failure inside the helpers printed ~50 lines of their source before the message; with
+    ``__tracebackhide__`` pytest points at the user's call and prints the message."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    (tmp_path / "test_user.py").write_text(USER_TEST)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[1]), *sys.path])}
+    done = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "test_user.py"], cwd=tmp_path,
+                          env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert "4 failed" in done.stdout, done.stdout[-2000:]
+    assert "safevocab/testing/assertions.py" not in done.stdout and "raise AssertionError(" not in done.stdout
+    for message in ("pruning TV 0.367", "exceeds the mismatch bound", "TV(P, Q) = ", "max_tv=2.0 is out of range"):
+        assert message in done.stdout, message
+    # Each failure is shown at the user's line, in a few lines rather than the helpers' source.
+    assert done.stdout.count("test_user.py:") >= 4
+    assert len(done.stdout.splitlines()) < 120, done.stdout

@@ -12,8 +12,8 @@ Definitions follow verl's rollout-correction diagnostics (``verl/trainer/ppo/rol
 | log-ppl gap of sequence ``b`` | ``mean_t log mu - mean_t log pi`` | `log_ppl_gap` |
 | k1 KL | ``mean_M (log mu - log pi)`` | `mismatch_metrics` |
 | k3 KL | ``mean_M (r_t - log r_t - 1)`` | `k3_kl` |
-| chi^2 (token) | ``mean_M r_t^2 - 1`` | `chi2_token` |
-| chi^2 (sequence) | ``mean_b (prod_t r_t)^2 - 1`` | `chi2_sequence` |
+| chi^2 (token) | ``mean_M (r_t - 1)^2`` (verl: ``mean_M r_t^2 - 1``, the same expectation) | `chi2_token` |
+| chi^2 (sequence) | ``mean_b (prod_t r_t - 1)^2`` (verl: ``mean_b (prod_t r_t)^2 - 1``) | `chi2_sequence` |
 | mismatch by probability bucket | ``mean |log r_t|``, ``mean log r_t`` over ``p_t = pi(y_t) in [lo, hi)`` | `bucket_mismatch` |
 | safe-set disagreement | Jaccard ``|S^a ∩ S^b| / |S^a ∪ S^b|``, ``1[S^a != S^b]`` | `safe_set_disagreement` |
 | logit perturbation size | ``eps_t = (max_i delta_i - min_i delta_i) / 2`` | `logit_perturbation_eps` |

@@ -73,7 +73,12 @@ def k3_terms(log_r: torch.Tensor) -> torch.Tensor:
 
 
 def chi2_token(train_logps: torch.Tensor, rollout_logps: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Token-level chi-square divergence estimate ``mean_M r_t^2 - 1`` (``E_mu[r^2] - 1 = chi^2(pi || mu)``).
+    """Token-level chi-square divergence estimate ``mean_M (r_t - 1)^2`` (``E_mu[(r - 1)^2] = chi^2(pi || mu)``).
+
+    verl writes it ``mean_M r_t^2 - 1 = mean_M (r_t - 1)^2 + 2 mean_M (r_t - 1)``: the same expectation when the tokens
+    are sampled from ``mu`` (``E_mu[r] = 1``), plus a zero-mean term that is first order in the mismatch. For a small
+    mismatch that term dominates: verl's form is noise of either sign (negative on a batch whose ratios are mostly
+    below 1) where ``(r - 1)^2``, formed as ``expm1(log r)^2``, is never negative and second order.
 
     Args:
         train_logps: ``[B, T]`` training log-probabilities of the sampled tokens.
@@ -84,16 +89,17 @@ def chi2_token(train_logps: torch.Tensor, rollout_logps: torch.Tensor, mask: tor
         A 0-dim fp32 tensor (NaN when no token counts); ``log r_t`` is clamped to ``±LOG_RATIO_BOUND``.
     """
     _, _, log_r, mask = paired_log_ratio(train_logps, rollout_logps, mask)
-    return masked_mean(chi2_terms(log_r), mask.double()) - 1.0
+    return masked_mean(chi2_terms(log_r), mask.double())
 
 
 def chi2_terms(log_r: torch.Tensor) -> torch.Tensor:
-    """Per-token ``r^2`` with ``log r`` clamped to ``±LOG_RATIO_BOUND`` (`chi2_token`)."""
-    return torch.exp(2.0 * log_r.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND))
+    """Per-token ``(r - 1)^2 = expm1(log r)^2`` with ``log r`` clamped to ``±LOG_RATIO_BOUND`` (`chi2_token`)."""
+    return torch.expm1(log_r.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)).square()
 
 
 def chi2_sequence(train_logps: torch.Tensor, rollout_logps: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Sequence-level chi-square estimate ``mean_b (prod_{t in M_b} r_t)^2 - 1``.
+    """Sequence-level chi-square estimate ``mean_b (prod_{t in M_b} r_t - 1)^2`` (verl: ``mean_b (prod r_t)^2 - 1``,
+    the same expectation; never negative, as `chi2_token`).
 
     The product is taken as ``exp(sum_t log r_t)`` with the sum clamped to ``±LOG_RATIO_BOUND``; sequences
     without a counted token are left out.
@@ -114,7 +120,7 @@ def sequence_chi2(log_r: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
     """`chi2_sequence` from zero-filled ``log r`` and 0/1 weights, branch-free (NaN = 0/0 when no row counts)."""
     rows = m.sum(-1) > 0
     seq = (log_r * m).sum(-1).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
-    return torch.where(rows, torch.exp(2.0 * seq), 0.0).sum(-1) / rows.sum(-1) - 1.0
+    return torch.where(rows, torch.expm1(seq).square(), 0.0).sum(-1) / rows.sum(-1)
 
 
 @dataclass

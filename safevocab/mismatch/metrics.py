@@ -100,7 +100,6 @@ def mismatch_row(train: torch.Tensor, rollout: torch.Tensor, log_r: torch.Tensor
         seq_means[0], seq_means[1], seq_means[2], seq_means[3], gap_max, gap_min, seq_means[4],
         sequence_chi2(log_r, m),
     ], dim=-1).float()  # fmt: skip
-    values[..., 2] -= 1.0  # chi2_token = E[r^2] - 1, in fp32 as before
     counts = counts_vector(_MISMATCH_COUNT_PATTERN, mask.sum(dim=(-2, -1)), n_seq)
     return MetricRow(_MISMATCH_KEYS, values, counts)
 

@@ -34,6 +34,7 @@ def _index(flat: int, shape: Sequence[int]) -> tuple[int, ...]:
 
 
 def _check_max(name: str, value: float | None, upper: float | None) -> None:
+    __tracebackhide__ = True  # a misuse is shown at the caller
     if value is None:
         return
     ok = isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0
@@ -72,6 +73,7 @@ def assert_pruning_bias_within(
         AssertionError: naming the worst position, its TV or KL, ``|S|`` and ``V``.
         ValueError: when neither ``max_tv`` nor ``max_kl`` is given, or one is out of range.
     """
+    __tracebackhide__ = True  # pytest shows the failure at the caller, with this message, not this source
     if max_tv is None and max_kl is None:
         raise ValueError("max_tv=None and max_kl=None: give at least one of them")
     _check_max("max_tv", max_tv, 1.0)
@@ -142,6 +144,7 @@ def assert_mismatch_within_bound(
             ``|delta|`` there.
         ValueError: on mismatched shapes, ``-inf`` patterns that differ, or a bad ``eps``/``atol``.
     """
+    __tracebackhide__ = True  # pytest shows the failure at the caller, with this message, not this source
     for name, x in (("train_logits", train_logits), ("infer_logits", infer_logits)):
         if not isinstance(x, torch.Tensor) or not x.dtype.is_floating_point or x.dim() < 1:
             raise TypeError(f"{name} must be a floating-point tensor [..., V]")
@@ -226,6 +229,7 @@ def assert_sequence_bias_within(
         ValueError: when neither limit is given or one is out of range (and on bad ``kept_mass``,
             ``mask`` or ``weights``, from :mod:`safevocab.bounds`).
     """
+    __tracebackhide__ = True  # pytest shows the failure at the caller, with this message, not this source
     if max_tv is None and max_kl is None:
         raise ValueError("max_tv=None and max_kl=None: give at least one of them")
     _check_max("max_tv", max_tv, 1.0)

@@ -103,3 +103,22 @@ def test_a_right_padded_processor_is_refused(tmp_path):
         check_tokenizer(processor)
     check_tokenizer(AutoProcessor.from_pretrained(str(tmp_path), padding_side="left"))
     assert torch.is_tensor(processor.tokenizer(["ab"], return_tensors="pt")["input_ids"])
+
+
+def test_a_logging_integration_that_is_not_installed_fails_in_one_line_when_the_config_is_built(tmp_path):
+    """Issue 31: ``report_to="tensorboard"`` without tensorboard ended in transformers' RuntimeError when the trainer
+    was built; the config now refuses it with one line naming the field."""
+    import importlib.util
+
+    from transformers.integrations.integration_utils import INTEGRATION_TO_CALLBACK
+
+    # tensorboard, as the issue's user had it, unless installed here; then any integration whose package is missing
+    missing = [name for name in ("tensorboard", "wandb", "comet_ml", "clearml", "mlflow")
+               if name in INTEGRATION_TO_CALLBACK and importlib.util.find_spec(name) is None]  # fmt: skip
+    assert missing, "every candidate integration is installed here: pick another"
+    with pytest.raises(ValueError) as err:
+        _args(tmp_path, report_to=missing[0])
+    message = str(err.value)
+    assert message.startswith(f"report_to={missing[0]!r}") and "not installed" in message and "\n" not in message
+    with pytest.raises(ValueError, match="report_to='no-such-tracker'.*accepted 'none', 'all'"):
+        _args(tmp_path, report_to=["no-such-tracker"])

@@ -60,6 +60,9 @@ def test_the_summary_shows_the_rule_the_run_used_when_the_sampler_composes_with_
     assert summary["rule"] == "min_p=0.001" and summary["effective_rule"] == "top_k=5,min_p=0.001"
     table = capsys.readouterr().out
     assert "top_k=5,min_p=0.001 (--safe_vocab_rule min_p=0.001" in " ".join(table.split())
+    # One step logs one reward: said so, not printed as "first -> last" of one point (issue 31 point 9).
+    assert summary["reward_points"] == 1
+    assert "reward (one logged point)" in table and "first -> last" not in table
 
 
 def test_the_commands_run_as_a_module(tmp_path):

@@ -52,6 +52,7 @@ def run_summary(trainer, accuracy_before: float | None = None, accuracy_after: f
         "effective_rule": str(trainer.args.safe_vocab_effective_rule or trainer.args.safe_vocab_rule),
         # whose sampler the rule reproduces, hence its composition order (vLLM's differs from generate's)
         "effective_rule_engine": trainer.args.effective_rule.engine,
+        "reward_points": len(history),  # logged steps with a reward: with one, first and last are the same point
         "reward_first": _mean_of(history, "reward", first=True),
         "reward_last": _mean_of(history, "reward", first=False),
         "accuracy_before": accuracy_before,
@@ -89,7 +90,7 @@ def print_run_summary(trainer, accuracy_before: float | None = None, accuracy_af
         ("safe-vocabulary rule", (summary["rule"] if summary["effective_rule"] == summary["rule"]
          else f"{summary['effective_rule']} (--safe_vocab_rule {summary['rule']} with the sampler's own)")
          + f", composed in {_ENGINE_ORDER[summary['effective_rule_engine']]}"),
-        ("reward, first -> last steps", f"{fmt(summary['reward_first'])} -> {fmt(summary['reward_last'])}"),
+        _reward_row(summary, fmt),
     ]
     if accuracy_before is not None:
         rows.append(("held-out accuracy (greedy), before -> after", f"{accuracy_before:.3f} -> {accuracy_after:.3f}"))
@@ -119,6 +120,15 @@ def print_run_summary(trainer, accuracy_before: float | None = None, accuracy_af
         for key, value in rows:
             print(f"  {key:<{width}}  {value}")
     return summary
+
+
+def _reward_row(summary: dict, fmt) -> tuple[str, str]:
+    """``first -> last`` over the logged steps; one logged point is shown as such, not as a change of nothing."""
+    if summary["reward_points"] == 0:
+        return ("reward", "n/a (no step logged a reward)")
+    if summary["reward_points"] == 1:
+        return ("reward (one logged point)", fmt(summary["reward_last"]))
+    return ("reward, first -> last steps", f"{fmt(summary['reward_first'])} -> {fmt(summary['reward_last'])}")
 
 
 def _table_width(rows: list[tuple[str, str]]) -> int:

@@ -59,7 +59,7 @@ from trl_integration.plugins import load_callable
 __all__ = [
     "check_safe_vocab_fields", "warn_on_sampler_rule_mismatch", "one_of", "bf16_supported", "fp16_amp_supported",
     "check_length_decay", "refuse_unwrappable_lr_schedules", "check_mismatch_lab", "check_rollout_paths",
-    "check_tokenizer",
+    "check_tokenizer", "check_report_to",
 ]  # fmt: skip
 
 
@@ -354,3 +354,28 @@ def check_tokenizer(processing_class: Any) -> None:
             "processor's prompts must be left-padded for generation; accepted 'left' (load the processor with "
             "padding_side='left')"
         )
+
+
+# ----------------------------------------------------------------------------------------------------
+# logging integrations
+
+
+def check_report_to(report_to) -> None:
+    """Every ``report_to`` integration known and installed, when the config is built: transformers raises only when
+    the Trainer is built, with a RuntimeError that does not name the field (``report_to="tensorboard"`` without
+    tensorboard)."""
+    names = [report_to] if isinstance(report_to, str) else list(report_to or [])
+    names = [name for name in names if name not in ("none", "all")]
+    if not names:
+        return
+    from transformers.integrations import get_available_reporting_integrations
+    from transformers.integrations.integration_utils import INTEGRATION_TO_CALLBACK
+
+    available = set(get_available_reporting_integrations())
+    for name in names:
+        if name not in INTEGRATION_TO_CALLBACK:
+            raise ValueError(f"report_to={name!r} (--report_to {name}): accepted 'none', 'all' or one of "
+                             f"{sorted(INTEGRATION_TO_CALLBACK)}")  # fmt: skip
+        if name not in available:
+            raise ValueError(f"report_to={name!r} (--report_to {name}): its package is not installed (pip install "
+                             f"{name}), or pass report_to='none'")  # fmt: skip

@@ -19,6 +19,7 @@ from trl_integration.grpo.checks import (
     bf16_supported,
     check_length_decay,
     check_mismatch_lab,
+    check_report_to,
     check_rollout_paths,
     check_safe_vocab_fields,
     warn_on_sampler_rule_mismatch,
@@ -414,6 +415,7 @@ class SafeVocabGRPOConfig(GRPOConfig):
         warn_on_sampler_rule_mismatch(self, rule)
         check_rollout_paths(self)
         check_mismatch_lab(self)
+        check_report_to(self.report_to)  # transformers would raise only when the Trainer is built
 
     # ------------------------------------------------------------------------------------------------------
     @property

@@ -78,6 +78,7 @@ from trl_integration.grpo.step import (
     safe_vocabulary_step,
     score_in_loss,
 )
+from trl_integration.grpo.threads import apply_thread_policy
 from trl_integration.grpo.vllm_engine import (
     check_vllm_server_device,
     colocated_engine_dtype,
@@ -144,6 +145,7 @@ class SafeVocabGRPOTrainer(QueuedMetrics, AtomicCheckpoints, GRPOTrainerBridge):
         with colocated_engine_dtype(args):
             super().__init__(model, reward_funcs, args, *pargs, **kwargs)
         check_tokenizer(self.processing_class)  # the one trl loaded, when none was given
+        apply_thread_policy(self.model, self.accelerator.device, announce=self.accelerator.is_main_process)
         check_reward_funcs(self)  # an infinite or non-numeric reward is refused, naming the function
         self._check_zero3()
         # Exact support replay (docs/trl.md): the engine's kept sets, from a rollout_func's "sampling_mask".

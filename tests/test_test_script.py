@@ -1,0 +1,53 @@
+"""``scripts/test.sh`` (issue 31 points 1 and 5): pytest on one thread unless the user chose, a line per step, and
+pytest's progress as a count. The real script runs against a stand-in venv whose ``python`` and ``mkdocs`` only report
+how they were called, so nothing is installed and no suite runs."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+FAKE_PYTHON = """#!/usr/bin/env bash
+if [[ "$1" == "-V" ]]; then echo "Python 3.11.0"; exit 0; fi
+if [[ "$1 $2" == "-m pytest" ]]; then echo "pytest OMP_NUM_THREADS=${OMP_NUM_THREADS:-unset} ARGS=$*"; fi
+exit 0
+"""
+
+
+@pytest.fixture
+def fake_venv(tmp_path):
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    for name, text in (("python", FAKE_PYTHON), ("mkdocs", "#!/usr/bin/env bash\necho mkdocs $*\n")):
+        (venv / "bin" / name).write_text(text)
+        (venv / "bin" / name).chmod(0o755)
+    (venv / "bin" / "activate").write_text(f'export PATH="{venv / "bin"}:$PATH"\n')
+    return venv
+
+
+def _run(venv: Path, **env: str) -> subprocess.CompletedProcess:
+    base = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "SAFEVOCAB_SKIP_DOCS")}
+    base |= {"SAFEVOCAB_VENV": str(venv), "SAFEVOCAB_TORCH": "skip", "PATH": "/usr/bin:/bin", **env}
+    return subprocess.run(["bash", str(ROOT / "scripts" / "test.sh"), "-x"], env=base, capture_output=True, text=True,
+                          timeout=120, check=True)  # fmt: skip
+
+
+def test_pytest_runs_on_one_thread_with_a_step_line_each_and_a_count(fake_venv):
+    result = _run(fake_venv)
+    assert "pytest OMP_NUM_THREADS=1 ARGS=-m pytest -m not slow -o console_output_style=count -x" in result.stdout
+    steps = [line for line in result.stderr.splitlines() if line.startswith("[test] step ")]
+    assert [line[:18] for line in steps] == ["[test] step 1/3: s", "[test] step 2/3: t", "[test] step 3/3: t"]
+    assert "OMP_NUM_THREADS=1 (the default here; set it to choose)" in steps[1]
+    assert "mkdocs build --strict" in result.stdout
+
+
+def test_the_users_thread_count_wins(fake_venv):
+    result = _run(fake_venv, OMP_NUM_THREADS="2", SAFEVOCAB_SKIP_DOCS="1")
+    assert "pytest OMP_NUM_THREADS=2 " in result.stdout
+    assert "OMP_NUM_THREADS=2 (yours)" in result.stderr
+    assert "[test] step 3/3: the docs: skipped (SAFEVOCAB_SKIP_DOCS=1)" in result.stderr
