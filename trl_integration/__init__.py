@@ -21,6 +21,10 @@ from __future__ import annotations
 
 import importlib
 
+from trl_integration.notices import filter_known_notices
+
+filter_known_notices()  # before trl or vLLM is imported: their notices that are wrong for this install (notices.py)
+
 __all__ = ["SafeVocabGRPOConfig", "SafeVocabGRPOTrainer", "add_safe_lm_head"]
 
 _LAZY = {

@@ -168,3 +168,33 @@ def test_an_accelerate_config_file_launches_its_processes(tmp_path):
 
 def test_without_launcher_flags_the_command_trains_in_this_process():
     assert launcher_flags([], _refuse) == []
+
+
+@pytest.mark.slow
+def test_accelerate_launch_of_a_gpu_recipe_on_cpu_runs_one_distributed_job(tmp_path):
+    """Issue 31: `accelerate launch --config_file examples/recipes/ddp.yaml --num_processes 2 -m
+    trl_integration.commands.grpo` (accelerate's own launcher, not this command's) on a CPU started two processes that
+    never joined one group: two trainings into one folder. They now join one gloo group, and one summary is printed."""
+    import os
+
+    recipe = Path(__file__).resolve().parents[2] / "examples" / "recipes" / "ddp.yaml"
+    reward = _rank_recording_reward(tmp_path)
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(recipe), "--num_processes", "2",
+           "--main_process_port", str(_free_port()), "-m", "trl_integration.commands.grpo", "--model_name_or_path",
+           _tiny(), "--dataset_name", "synthetic", "--reward_funcs", reward, *TINY_RUN, "--output_dir",
+           str(tmp_path / "out")]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [(r["trainer_rank"], r["trainer_processes"]) for r in _ranks(tmp_path)] == [(0, 2), (1, 2)]
+    assert proc.stdout.count("safevocab-grpo summary") == 1
+    assert proc.stdout.count("settings that differ from trl's") == 1  # notices once per command, not per process
+
+
+def test_processes_that_did_not_join_are_refused_in_one_line():
+    from trl_integration.commands.launch import check_joined
+
+    check_joined(1, 1)
+    check_joined(2, 2)
+    with pytest.raises(ValueError, match="WORLD_SIZE=2 .* did not join one process group .* same --output_dir"):
+        check_joined(2, 1)

@@ -83,7 +83,7 @@ def test_a_mixture_trains_and_replaces_dataset_name(tmp_path, capsys, monkeypatc
         sys.modules.pop("seen_reward", None)
     seen = [json.loads(line) for line in (tmp_path / "seen.jsonl").read_text().splitlines()]
     assert seen and all(p.startswith(("17+", "25+")) for p in seen), seen
-    assert "the mixture is used and --dataset_name is ignored" in capsys.readouterr().err
+    assert "the mixture is used and --dataset_name is ignored" in capsys.readouterr().out  # a notice: stdout (issue 31)
 
 
 @pytest.mark.parametrize("entries, message", [

@@ -20,9 +20,6 @@ import sys
 from collections.abc import Sequence
 
 from trl_integration.commands.errors import USAGE_ERROR, fail
-from trl_integration.commands.quiet import silence_known_import_notices
-
-silence_known_import_notices()  # before any command imports trl (see trl_integration.commands.quiet)
 
 __all__ = ["COMMANDS", "make_parser", "main"]
 

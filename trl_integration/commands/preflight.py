@@ -11,7 +11,7 @@ checks read only the parsed arguments and the file system: nothing here loads a 
 - ``--temperature`` > 0 (sampling divides by it), ``--max_steps`` a positive integer or -1 (trl's "train by
   epochs"; other negatives would silently train by epochs), ``--num_train_epochs`` > 0; batch size, gradient
   accumulation, completion length and logging steps > 0, ``--learning_rate`` finite and >= 0, the prompt counts
-  >= 0; a local model directory holding ``config.json``; ``--output_dir`` not a file; every ``--report_to``
+  >= 0; ``--loss_type`` one of the values trl's ``GRPOConfig`` documents; a local model directory holding ``config.json``; ``--output_dir`` not a file; every ``--report_to``
   integration installed.
 - a dataset mixture (``datasets:`` in the ``--config`` YAML, trl's ``DatasetMixtureConfig``): every entry's ``path``
   a ``datasets`` builder name, an existing local path or a Hub id, its local ``data_files`` existing, ``fraction``
@@ -23,7 +23,7 @@ from __future__ import annotations
 import os
 import re
 
-__all__ = ["check_before_loading", "check_mixture", "DATA_FILE_SUFFIXES", "DATASETS_BUILDERS"]
+__all__ = ["check_before_loading", "check_mixture", "accepted_loss_types", "DATA_FILE_SUFFIXES", "DATASETS_BUILDERS"]
 
 #: Local data files ``safevocab-grpo`` loads with the matching ``datasets`` builder.
 DATA_FILE_SUFFIXES = (".json", ".jsonl", ".csv", ".parquet")
@@ -80,6 +80,7 @@ def check_before_loading(script_args, training_args, model_args, builtin_dataset
     if training_args.max_steps == -1 and not training_args.num_train_epochs > 0:
         raise ValueError(f"--num_train_epochs {training_args.num_train_epochs}: accepted > 0")
     _check_numbers(script_args, training_args)
+    _check_loss_type(training_args)
     if model and os.path.isdir(os.path.expanduser(model)) and not _has_config(os.path.expanduser(model)):
         raise ValueError(
             f"--model_name_or_path {model!r}: the directory has no config.json: accepted a directory written by "
@@ -89,6 +90,23 @@ def check_before_loading(script_args, training_args, model_args, builtin_dataset
     if output_dir and os.path.exists(output_dir) and not os.path.isdir(output_dir):
         raise ValueError(f"--output_dir {output_dir!r} is a file: accepted a directory (created when missing)")
     _check_report_to(training_args.report_to)
+
+
+def accepted_loss_types(config_cls: type) -> tuple[str, ...]:
+    """The ``loss_type`` values trl's ``GRPOConfig`` documents ("Supported values are 'grpo', ... and 'vespo'" in the
+    field's help: trl keeps no list of them, and checks the value only in the loss); ``()`` if the help changed."""
+    import dataclasses
+
+    text = next((f.metadata.get("help", "") for f in dataclasses.fields(config_cls) if f.name == "loss_type"), "")
+    listed = re.search(r"Supported values are (.*?)\.(\s|$)", text)
+    return tuple(re.findall(r"'(\w+)'", listed.group(1))) if listed else ()
+
+
+def _check_loss_type(training_args) -> None:
+    accepted = accepted_loss_types(type(training_args))
+    if accepted and training_args.loss_type not in accepted:
+        raise ValueError(f"--loss_type {training_args.loss_type!r}: accepted one of {', '.join(accepted)} (trl's "
+                         "GRPOConfig)")  # fmt: skip
 
 
 def _has_config(folder: str) -> bool:

@@ -38,13 +38,20 @@ def _without_progress_bars() -> Iterator[None]:
 def unreadable_data() -> Iterator[None]:
     """A data file ``datasets`` cannot parse (a bad JSON line, columns that differ between files) as a ValueError
     with the parser's own reason, which ``datasets`` keeps as the error's cause."""
+    import datasets
     from datasets.exceptions import DatasetGenerationError
 
+    # datasets logs the parser's error before raising it ("Failed to load JSON from file ..."): the one-line error
+    # below carries the same reason, so its log is off while the data loads (the caller's verbosity is put back).
+    verbosity = datasets.logging.get_verbosity()
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)
     try:
         yield
     except DatasetGenerationError as err:
         reason = err.__cause__ or err
         raise ValueError(f"the data cannot be read: {type(reason).__name__}: {reason}") from err
+    finally:
+        datasets.logging.set_verbosity(verbosity)
 
 
 def load_train_dataset(script_args: ScriptArguments, dataset_args: DatasetMixtureConfig | None = None):
@@ -112,3 +119,19 @@ def _with_prompt(train, name: str):
     if "prompt" not in columns:
         raise ValueError(f"dataset {name!r} needs a 'prompt' column; it has {columns}")
     return train
+
+
+def check_prompts_fit_tokenizer(model_name_or_path: str, model_args, training_args, train_dataset) -> None:
+    """Conversational prompts need a chat template: the model's processor is loaded (as trl loads it; no weights)
+    and checked with the trainer's own check, before the model loads."""
+    from trl_integration.grpo.checks import first_example, check_chat_template
+
+    example = first_example(train_dataset)
+    if not isinstance(example, dict) or isinstance(example.get("prompt"), str):
+        return
+    from transformers import AutoProcessor
+
+    processing_class = AutoProcessor.from_pretrained(
+        model_name_or_path, revision=model_args.model_revision, trust_remote_code=training_args.trust_remote_code
+    )
+    check_chat_template(processing_class, train_dataset, f"the tokenizer of --model_name_or_path {model_name_or_path}")

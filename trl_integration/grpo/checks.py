@@ -58,8 +58,8 @@ from trl_integration.plugins import load_callable
 
 __all__ = [
     "check_safe_vocab_fields", "warn_on_sampler_rule_mismatch", "one_of", "bf16_supported", "fp16_amp_supported",
-    "check_length_decay", "refuse_unwrappable_lr_schedules", "check_mismatch_lab", "check_rollout_paths",
-    "check_tokenizer", "check_report_to",
+    "check_length_decay", "refuse_unwrappable_lr_schedules", "STRING_CHOICES", "check_rule_text", "check_mismatch_lab",
+    "check_rollout_paths", "check_tokenizer", "check_chat_template", "first_example", "check_report_to",
 ]  # fmt: skip
 
 
@@ -73,6 +73,28 @@ def one_of(name: str, value: object, accepted: tuple, in_words: str | None = Non
         raise ValueError(f"{name}={value!r} is not accepted: accepted {in_words or f'one of {accepted}'}")
 
 
+#: The string fields with a fixed set of values: field -> the accepted values (``safevocab-grpo`` checks them before
+#: it imports trl, :mod:`trl_integration.commands.early_checks`, with the same messages as the config).
+STRING_CHOICES: dict[str, tuple[str, ...]] = {
+    "safe_vocab_out_of_set": OUT_OF_SET_MODES,
+    "rollout_dtype": tuple(ROLLOUT_DTYPES),
+    "safe_vocab_scoring": SCORING_MODES,
+    "safe_vocab_support": SUPPORT_SOURCES,
+}
+
+
+def check_rule_text(name: str, text: str, engine: str | None = None):
+    """The parsed rule of field ``name`` (``ValueError`` naming it for an empty or invalid rule)."""
+    if isinstance(text, str) and not text.strip():
+        # An empty value is most often an unset shell variable: refused, never read as "none" (the same in Python, in
+        # YAML and on the command line, which builds the config).
+        raise ValueError(
+            f"{name}='' is not accepted: accepted a rule such as 'min_p=0.001' or 'top_k=50', or 'none' "
+            "for the full vocabulary"
+        )
+    return parse_rule(text) if engine is None else parse_rule(text, engine=engine)
+
+
 def check_safe_vocab_fields(config) -> None:
     """Validate (and normalise in place) the safe-vocabulary fields of a ``SafeVocabGRPOConfig``: the rule (parsed
     into ``config._rule``; an empty one refused), the out-of-set mode, the rollout dtype, the mismatch buckets, the
@@ -80,18 +102,11 @@ def check_safe_vocab_fields(config) -> None:
     if not isinstance(config.resume_allow_missing_state, bool):
         value = config.resume_allow_missing_state
         raise TypeError(f"resume_allow_missing_state must be True or False, got {type(value).__name__}: {value!r}")
-    if isinstance(config.safe_vocab_rule, str) and not config.safe_vocab_rule.strip():
-        # An empty value is most often an unset shell variable: refused, never read as "none" (the same in Python, in
-        # YAML and on the command line, which builds the config).
-        raise ValueError(
-            "safe_vocab_rule='' is not accepted: accepted a rule such as 'min_p=0.001' or 'top_k=50', or 'none' "
-            "for the full vocabulary"
-        )
     # The rule composes in the order of the engine that samples the rollouts (vLLM's differs from generate's).
-    config._rule = parse_rule(config.safe_vocab_rule, engine=config.rule_engine)
+    config._rule = check_rule_text("safe_vocab_rule", config.safe_vocab_rule, engine=config.rule_engine)
     config.safe_vocab_rule = str(config._rule)
-    one_of("safe_vocab_out_of_set", config.safe_vocab_out_of_set, OUT_OF_SET_MODES)
-    one_of("rollout_dtype", config.rollout_dtype, tuple(ROLLOUT_DTYPES))
+    one_of("safe_vocab_out_of_set", config.safe_vocab_out_of_set, STRING_CHOICES["safe_vocab_out_of_set"])
+    one_of("rollout_dtype", config.rollout_dtype, STRING_CHOICES["rollout_dtype"])
     if isinstance(config.mismatch_buckets, (int, float)):
         config.mismatch_buckets = [config.mismatch_buckets]
     edges = [float(e) for e in (config.mismatch_buckets or [])]
@@ -104,8 +119,8 @@ def check_safe_vocab_fields(config) -> None:
     config.safe_vocab_max_chunk_bytes = integer(
         "safe_vocab_max_chunk_bytes", config.safe_vocab_max_chunk_bytes, lambda n: n > 0, "an integer > 0"
     )
-    one_of("safe_vocab_scoring", config.safe_vocab_scoring, SCORING_MODES)
-    one_of("safe_vocab_support", config.safe_vocab_support, SUPPORT_SOURCES)
+    one_of("safe_vocab_scoring", config.safe_vocab_scoring, STRING_CHOICES["safe_vocab_scoring"])
+    one_of("safe_vocab_support", config.safe_vocab_support, STRING_CHOICES["safe_vocab_support"])
 
 
 def warn_on_sampler_rule_mismatch(config, rule) -> None:
@@ -379,3 +394,31 @@ def check_report_to(report_to) -> None:
         if name not in available:
             raise ValueError(f"report_to={name!r} (--report_to {name}): its package is not installed (pip install "
                              f"{name}), or pass report_to='none'")  # fmt: skip
+
+
+def first_example(dataset: Any) -> dict | None:
+    if dataset is None or isinstance(dataset, dict):  # no dataset, or several eval sets: nothing to look at
+        return None
+    if hasattr(dataset, "__len__"):
+        return dataset[0] if len(dataset) else None
+    return next(iter(dataset), None)  # an IterableDataset: its first row (it is read again from the start later)
+
+
+def check_chat_template(processing_class: Any, dataset: Any, tokenizer_of: str = "the tokenizer") -> None:
+    """Raise ``ValueError`` (one line) when ``dataset``'s prompts are conversational (lists of messages, trl's
+    ``is_conversational``) and ``processing_class`` has no chat template to render them with: transformers would
+    refuse it only in the first generation step ("tokenizer.chat_template is not set")."""
+    example = first_example(dataset)
+    if processing_class is None or not isinstance(example, dict):
+        return
+    from trl.data_utils import is_conversational
+
+    if not is_conversational(example):
+        return
+    tokenizer = getattr(processing_class, "tokenizer", None) or processing_class
+    if getattr(processing_class, "chat_template", None) is None and getattr(tokenizer, "chat_template", None) is None:
+        raise ValueError(
+            f"the 'prompt' column is conversational (a list of messages), but {tokenizer_of} "
+            f"({type(tokenizer).__name__}) has no chat_template: accepted plain-text prompts, or a tokenizer with a "
+            "chat template (an instruct model's, or set tokenizer.chat_template and save_pretrained)"
+        )

