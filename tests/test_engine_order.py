@@ -24,14 +24,13 @@ it did not split; the tests assert 0 differences from it and count the split row
 
 from __future__ import annotations
 
-import importlib.util
 import itertools
 import math
-import os
 import types
 
 import pytest
 import torch
+from vllm_required import require_vllm
 
 from safevocab import fused_safe_logprobs, parse_rule, safe_log_softmax, transform_logits
 
@@ -120,10 +119,7 @@ def vllm_sets():
 
     vLLM is imported here, not at collection: it imports triton, which ``tests/test_kernels.py`` must import first
     (under Triton's interpreter)."""
-    if importlib.util.find_spec("vllm") is None:
-        if os.environ.get("SAFEVOCAB_REQUIRE_VLLM") == "1":
-            pytest.fail("SAFEVOCAB_REQUIRE_VLLM=1 but vLLM is not installed: install the vllm extra", pytrace=False)
-        pytest.skip("vLLM is not installed (the vllm extra; scripts/setup_env.sh installs it)")
+    require_vllm()
     return make_vllm_sets()
 
 

@@ -26,21 +26,14 @@ missing vLLM fails the run instead.
 from __future__ import annotations
 
 import gc
-import importlib.util
 import math
-import os
 from dataclasses import dataclass
 
 import pytest
 import torch
+from vllm_required import require_vllm
 
-if importlib.util.find_spec("vllm") is None:
-    if os.environ.get("SAFEVOCAB_REQUIRE_VLLM") == "1":
-        pytest.fail(
-            "SAFEVOCAB_REQUIRE_VLLM=1 but vLLM is not installed: install the vllm extra (scripts/setup_env.sh does)",
-            pytrace=False,
-        )
-    pytest.skip("vLLM is not installed (the vllm extra; scripts/setup_env.sh installs it)", allow_module_level=True)
+require_vllm(module_level=True)
 
 from safevocab.bounds import (  # noqa: E402
     logprob_mismatch_bound,

@@ -13,19 +13,13 @@ missing vLLM fails the run instead.
 from __future__ import annotations
 
 import gc
-import importlib.util
 import os
 
 import pytest
 import torch
+from vllm_required import require_vllm
 
-if importlib.util.find_spec("vllm") is None:
-    if os.environ.get("SAFEVOCAB_REQUIRE_VLLM") == "1":
-        pytest.fail(
-            "SAFEVOCAB_REQUIRE_VLLM=1 but vLLM is not installed: install the vllm extra (scripts/setup_env.sh does)",
-            pytrace=False,
-        )
-    pytest.skip("vLLM is not installed (the vllm extra; scripts/setup_env.sh installs it)", allow_module_level=True)
+require_vllm(module_level=True)
 
 # One GiB of KV cache per engine is plenty for the tiny model (vLLM's CPU default reserves a fraction of RAM).
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")

@@ -89,7 +89,6 @@ def check_before_loading(script_args, training_args, model_args, builtin_dataset
     output_dir = training_args.output_dir
     if output_dir and os.path.exists(output_dir) and not os.path.isdir(output_dir):
         raise ValueError(f"--output_dir {output_dir!r} is a file: accepted a directory (created when missing)")
-    _check_report_to(training_args.report_to)
 
 
 def accepted_loss_types(config_cls: type) -> tuple[str, ...]:
@@ -133,24 +132,6 @@ def _check_numbers(script_args, training_args) -> None:
         if value is not None and value < 0:
             raise ValueError(f"--{flag} {value}: accepted an integer >= 0 (0 skips it)"
                              if flag == "eval_num_prompts" else f"--{flag} {value}: accepted an integer > 0")
-
-
-def _check_report_to(report_to) -> None:
-    """Every ``--report_to`` integration installed (transformers raises only when the Trainer is built)."""
-    names = [report_to] if isinstance(report_to, str) else list(report_to or [])
-    names = [n for n in names if n not in ("none", "all")]
-    if not names:
-        return
-    from transformers.integrations import get_available_reporting_integrations
-    from transformers.integrations.integration_utils import INTEGRATION_TO_CALLBACK
-
-    available = set(get_available_reporting_integrations())
-    for name in names:
-        if name not in INTEGRATION_TO_CALLBACK:
-            raise ValueError(f"--report_to {name!r}: accepted 'none', 'all' or one of {sorted(INTEGRATION_TO_CALLBACK)}")
-        if name not in available:
-            raise ValueError(f"--report_to {name!r}: its package is not installed (pip install {name}), or pass "
-                             "--report_to none")  # fmt: skip
 
 
 def _data_file_names(data_files) -> list[str]:
