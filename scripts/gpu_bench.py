@@ -204,13 +204,13 @@ def grpo_step(model_path: str, tokenizer, trainer_kind: str, precision: str, sma
     return out
 
 
-def grpo(small: bool) -> list[dict]:
+def grpo(small: bool, steps: int = 3) -> list[dict]:
     path, tokenizer = _model_dir(small)
     rows = []
     for precision in (("fp32",) if small else ("bf16", "fp16")):
         for kind in ("stock", "safevocab"):
             try:
-                rows.append(grpo_step(path, tokenizer, kind, precision, small))
+                rows.append(grpo_step(path, tokenizer, kind, precision, small, steps))
             except Exception as err:  # record and go on: one failure must not hide the other measurements
                 rows.append({"trainer": kind, "precision": precision, "error": f"{type(err).__name__}: {err}"[:400]})
     return rows
@@ -251,6 +251,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip", default="", help="comma list of sections to skip: correctness,op,grpo")
     parser.add_argument("--correctness-timeout", type=float, default=600, help="seconds for the reference tests")
     parser.add_argument("--op-timeout", type=float, default=300, help="seconds for each rule's op benchmark")
+    parser.add_argument("--grpo-steps", dest="grpo_steps", type=int, default=3,
+                        help="GRPO steps per trainer (the median leaves out the first); 3 left +-20 %% noise on an H200")
     parser.add_argument("--n", type=int, default=None, help="tokens for the op benchmark (default: the gpu preset's 16384)")
     parser.add_argument("--rules", default=None, help="';'-separated rules for the op benchmark (default: all)")
     parser.add_argument("--no-naive", action="store_true", help="leave out the materialised path (tens of GB, slow)")
@@ -263,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
                                                                     Path(args.out).with_suffix(".pytest.log"))), ("op", lambda: op_bench(args.small, args.op_timeout, args.n,
                                             tuple(args.rules.split(";")) if args.rules else RULES,
                                             not args.no_naive)),
-                      ("grpo", lambda: grpo(args.small))):
+                      ("grpo", lambda: grpo(args.small, args.grpo_steps))):
         if name in skip:
             continue
         print(f"[gpu_bench] {name} ...", file=sys.stderr, flush=True)

@@ -415,3 +415,9 @@ def test_the_quick_pass_knows_exactly_the_parsers_flags():
     ours = {flag for spec in specs.values() for flag in early_checks.option_strings(spec)}
     theirs = {flag for action in grpo.make_parser()._actions for flag in action.option_strings} - {"-h", "--help"}
     assert ours == theirs, (sorted(ours - theirs)[:10], sorted(theirs - ours)[:10])
+    # The defaults the short --help prints are the dataclasses' own, module constants included (default=DEFAULT_RULE)
+    real = {f.name: f.default for f in dataclasses.fields(SafeVocabGRPOConfig) if f.init}
+    read = {name: spec.default for name, spec in early_checks.training_fields().items()
+            if spec.default is not dataclasses.MISSING}  # fmt: skip
+    assert read["safe_vocab_rule"] == real["safe_vocab_rule"] == "min_p=0.001"
+    assert {name: (value, real[name]) for name, value in read.items() if value != real[name]} == {}

@@ -65,6 +65,16 @@ def test_the_summary_shows_the_rule_the_run_used_when_the_sampler_composes_with_
     assert "reward (one logged point)" in table and "first -> last" not in table
 
 
+def test_few_logged_rewards_are_not_averaged_into_one(tmp_path, capsys):
+    """Two logged steps: first -> last are those two rewards (the means of up to three overlapped: 'a -> a')."""
+    out = tmp_path / "run"
+    run(["--max_steps", "2", "--logging_steps", "1", "--eval_num_prompts", "0", "--output_dir", str(out)])
+    summary = json.loads((out / "summary.json").read_text())
+    logged = [h["reward"] for h in json.loads((out / "log_history.json").read_text()) if "reward" in h]
+    assert summary["reward_points"] == 2 and len(logged) == 2
+    assert (summary["reward_first"], summary["reward_last"]) == (logged[0], logged[1])
+
+
 def test_the_commands_run_as_a_module(tmp_path):
     """``python -m trl_integration.commands grpo --help``, as ``safevocab grpo --help``."""
     import subprocess

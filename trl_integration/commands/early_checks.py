@@ -69,11 +69,25 @@ def _source(module: str) -> str:
         return f.read()
 
 
-def _literal(node: ast.AST | None) -> object:
+def _literal(node: ast.AST | None, constants: dict[str, object] | None = None) -> object:
+    """``node``'s value when it is a literal, or a name of one of the module's ``constants``; else ``MISSING``."""
+    if isinstance(node, ast.Name) and constants and node.id in constants:
+        return constants[node.id]  # e.g. default=DEFAULT_RULE
     try:
         return ast.literal_eval(node) if node is not None else dataclasses.MISSING
     except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
         return dataclasses.MISSING
+
+
+def _module_constants(tree: ast.Module) -> dict[str, object]:
+    """The module-level ``NAME = literal`` assignments of ``tree``."""
+    constants: dict[str, object] = {}
+    for item in tree.body:
+        if isinstance(item, ast.Assign) and len(item.targets) == 1 and isinstance(item.targets[0], ast.Name):
+            value = _literal(item.value)
+            if value is not dataclasses.MISSING:
+                constants[item.targets[0].id] = value
+    return constants
 
 
 def _class_fields(module: str, class_name: str, base: str | None) -> dict[str, FieldSpec | None]:
@@ -83,17 +97,18 @@ def _class_fields(module: str, class_name: str, base: str | None) -> dict[str, F
     if node is None or (base is not None and not any(ast.unparse(b).endswith(base) for b in node.bases)):
         raise LookupError(f"{module}.{class_name} (deriving from {base}) is not where this check expects it")
     found: dict[str, FieldSpec | None] = {}
+    constants = _module_constants(tree)
     for item in node.body:
         if not (isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name)):
             continue
         annotation = ast.unparse(item.annotation)
         if "ClassVar" in annotation or "InitVar" in annotation:
             continue
-        default, help_text, init = _literal(item.value), "", True
+        default, help_text, init = _literal(item.value, constants), "", True
         call = item.value
         if isinstance(call, ast.Call) and ast.unparse(call.func).split(".")[-1] == "field":
             keywords = {k.arg: k.value for k in call.keywords}
-            default = _literal(keywords.get("default"))
+            default = _literal(keywords.get("default"), constants)
             init = _literal(keywords.get("init")) is not False
             metadata = keywords.get("metadata")
             if isinstance(metadata, ast.Dict):

@@ -28,9 +28,12 @@ SUMMARY_METRICS = (
 
 
 def _mean_of(history: list[dict], key: str, first: bool, n: int = 3) -> float | None:
+    """Mean of the first (or last) ``n`` logged values, ``n`` cut to half of them: with fewer than ``2n`` points the
+    two means would share points (two logged steps printed as ``a -> a``)."""
     values = [h[key] for h in history if isinstance(h.get(key), (int, float)) and not math.isnan(h[key])]
     if not values:
         return None
+    n = max(1, min(n, len(values) // 2))
     part = values[:n] if first else values[-n:]
     return sum(part) / len(part)
 
@@ -38,8 +41,8 @@ def _mean_of(history: list[dict], key: str, first: bool, n: int = 3) -> float | 
 def run_summary(trainer, accuracy_before: float | None = None, accuracy_after: float | None = None) -> dict:
     """The summary as a dict (also written to ``<output_dir>/summary.json``).
 
-    Rewards are the mean of the first and of the last three logged steps; mismatch metrics are those of
-    the last logged step.
+    Rewards are the mean of the first and of the last three logged steps (of the first and last half when fewer than
+    six steps logged one); mismatch metrics are those of the last logged step.
     """
     history = [h for h in trainer.state.log_history if "reward" in h]
     last = history[-1] if history else {}
