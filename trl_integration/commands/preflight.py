@@ -11,8 +11,9 @@ checks read only the parsed arguments and the file system: nothing here loads a 
 - ``--temperature`` > 0 (sampling divides by it), ``--max_steps`` a positive integer or -1 (trl's "train by
   epochs"; other negatives would silently train by epochs), ``--num_train_epochs`` > 0; batch size, gradient
   accumulation, completion length and logging steps > 0, ``--learning_rate`` finite and >= 0, the prompt counts
-  >= 0; ``--loss_type`` one of the values trl's ``GRPOConfig`` documents; a local model directory holding ``config.json``; ``--output_dir`` not a file; every ``--report_to``
-  integration installed.
+  >= 0; ``--loss_type`` one of the values trl's ``GRPOConfig`` documents; a local model directory holding
+  ``config.json``; ``--output_dir`` not a file. (``--report_to`` is checked when the config is built:
+  ``grpo.checks.check_report_to``.)
 - a dataset mixture (``datasets:`` in the ``--config`` YAML, trl's ``DatasetMixtureConfig``): every entry's ``path``
   a ``datasets`` builder name, an existing local path or a Hub id, its local ``data_files`` existing, ``fraction``
   set for all entries or none (each > 0), and no ``fraction`` when streaming.
