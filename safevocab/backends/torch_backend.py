@@ -42,10 +42,14 @@ from safevocab.rules import SafeVocabRule, ShiftedLogits, finite_floor
 from safevocab.support import SafeSupport
 from safevocab.threads import single_threaded
 
-__all__ = ["TorchBackend", "chunk_rows_for", "row_blocks", "torch_forward", "dense_backward", "full_softmax_backward"]
+__all__ = ["TorchBackend", "chunk_rows_for", "dense_backward", "full_softmax_backward", "row_blocks", "torch_forward"]
 
-#: Bytes of one fp32 row block: the element-wise passes of a block stay in L2/L3 between them.
+#: Bytes of one fp32 row block on a CPU: the element-wise passes of a block stay in L2/L3 between them.
 ROW_BLOCK_BYTES = 4 * 2**20
+#: Bytes of one fp32 row block on an accelerator: there every pass is a kernel launch (and a few are host syncs), so
+#: small blocks cost launches, not cache misses. At V = 151936 the CPU size is 6 rows: an H200 spent 0.82 s on 8192
+#: rows (14x trl's kernel) launching ~1400 blocks; 64 MiB is ~110 rows, and 10 bytes a logit of scratch (160 MiB).
+ROW_BLOCK_BYTES_ACCELERATOR = 64 * 2**20
 #: ``x = z - m`` is clamped to this before products with ``exp(x)``: the exponential is already 0 far above it (fp32
 #: below -104, fp64 below -745), so the clamp changes no product, only keeps ``0 * -inf`` from making a NaN.
 _X_FLOOR = -2.0e4
@@ -59,9 +63,11 @@ def chunk_rows_for(n_rows: int, vocab: int, rule: SafeVocabRule, in_bytes: int, 
     return max(1, min(n_rows, max_chunk_bytes // max(1, vocab * per_logit)))
 
 
-def row_blocks(n_rows: int, vocab: int, elem_bytes: int = 4) -> list[slice]:
-    """Row slices of a chunk for its element-wise passes (about ``ROW_BLOCK_BYTES`` each)."""
-    step = max(1, ROW_BLOCK_BYTES // max(1, vocab * elem_bytes))
+def row_blocks(n_rows: int, vocab: int, elem_bytes: int = 4, device: torch.device | None = None) -> list[slice]:
+    """Row slices of a chunk for its element-wise passes: about ``ROW_BLOCK_BYTES`` each on a CPU (``device`` None
+    or ``cpu``), ``ROW_BLOCK_BYTES_ACCELERATOR`` elsewhere."""
+    block_bytes = ROW_BLOCK_BYTES if device is None or torch.device(device).type == "cpu" else ROW_BLOCK_BYTES_ACCELERATOR
+    step = max(1, block_bytes // max(1, vocab * elem_bytes))
     return [slice(s, min(s + step, n_rows)) for s in range(0, n_rows, step)]
 
 
@@ -110,7 +116,7 @@ def torch_forward(
     if not n_rows:
         return sparse_chunks
     logits_of = ChunkLogits(hidden, weight, bias, transform, min(chunk_rows, n_rows))
-    blocks = row_blocks(min(chunk_rows, n_rows), vocab)
+    blocks = row_blocks(min(chunk_rows, n_rows), vocab, device=hidden.device)
     scratch = _Scratch(blocks[0].stop, vocab, logits_of.buf.dtype, hidden.device)
     for rows in chunk_slices(n_rows, chunk_rows):
         z = logits_of(hidden[rows])
@@ -126,7 +132,7 @@ def _forward_chunk(z, rows: slice, targets, rule, stats: RowStats, scratch, supp
     z_y = z.gather(-1, target_col).squeeze(-1)
     budget = None if density is None else density * n * vocab  # kept logits a sparse chunk may hold
     kept: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]] = []  # (block start, row, col, z - m_S)
-    for block in row_blocks(n, vocab):
+    for block in row_blocks(n, vocab, device=z.device):
         at = slice(rows.start + block.start, rows.start + block.stop)
         kept_here = _forward_block(z[block], targets[at], rule, stats, at, scratch, support, budget)
         if budget is not None:
@@ -283,13 +289,13 @@ def dense_backward(
     """
     vocab = weight.shape[0]
     logits_of = ChunkLogits(hidden, weight, bias, transform, min(chunk_rows, hidden.shape[0]))
-    blocks = row_blocks(min(chunk_rows, hidden.shape[0]), vocab)
+    blocks = row_blocks(min(chunk_rows, hidden.shape[0]), vocab, device=hidden.device)
     scratch = _Scratch(blocks[0].stop, vocab, logits_of.buf.dtype, hidden.device)
     for rows in chunks:
         h = hidden[rows]  # the forward's operand: same slice, same layout
         z = logits_of(h)
         with single_threaded(z.device):  # the GEMMs keep the caller's threads (safevocab.threads)
-            for block in row_blocks(rows.stop - rows.start, vocab):
+            for block in row_blocks(rows.stop - rows.start, vocab, device=z.device):
                 at = slice(rows.start + block.start, rows.start + block.stop)
                 _backward_block(z[block], coef, at, transform, scratch, support, check_sizes)
         accumulate_chunk_grads(z, h, weight, rows, grads, coef.grad_shift)  # z now holds the logits gradient
