@@ -2,7 +2,7 @@
 intervals and the decision the plan attaches to it, from the two ``results.json`` files the study commands write.
 
     python scripts/study2_analysis.py runs/study2/tail/results.json runs/study2/lift2/results.json \
-        [--check runs/study2/lift2-check/results.json] [--json out.json]
+        [--check runs/study2/lift2-check/results.json] [--json out.json] [--plot estimands.png]
 
 Conditions: ``none`` (the controls ``no_mismatch`` = no remedy and ``dvp_no_mismatch`` = DVP, trained once, in the
 tail study's folder), ``tail`` and ``lift2``. Every estimand pairs runs by training seed; with ``d_s`` the paired
@@ -197,12 +197,52 @@ def fmt(stats: dict, bonf: bool = False) -> str:
     return ", ".join(parts) + f" (n={stats['n']})"
 
 
+PRIMARY = ("E1_harm", "E2_residual_harm", "E3_interaction", "E4_cost", "E5_specificity")
+
+
+def plot(report: dict, path: Path) -> None:
+    """A forest plot of E1–E5, one panel per scoring: each estimand's mean with its 95 % interval (thick), the
+    Bonferroni 99 % interval (thin), each evaluation seed's mean alone (dots), and E2's equivalence margin (band)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(SCORINGS), figsize=(5.2 * len(SCORINGS), 3.6), sharey=True)
+    for ax, (scoring, title) in zip(axes, (("rule", "on the rule's support (primary)"),
+                                           ("full", "on the full distribution"))):
+        found = report[scoring]["estimands"]
+        for y, name in enumerate(reversed(PRIMARY)):
+            stats = found[name]
+            if stats["mean"] is None:
+                continue
+            if (wide := bonferroni(stats)) is not None:
+                ax.plot(wide, [y, y], color="0.6", lw=1)
+            if stats["ci95"] is not None:
+                ax.plot(stats["ci95"], [y, y], color="C0", lw=3.5, solid_capstyle="butt")
+            ax.plot([stats["mean"]], [y], "o", color="C0")
+            by_seed = [seed[name]["mean"] for seed in report[scoring]["by_eval_seed"] if seed[name]["mean"] is not None]
+            ax.plot(by_seed, [y - 0.22] * len(by_seed), ".", color="C3", ms=4)
+        e2 = len(PRIMARY) - 1 - PRIMARY.index("E2_residual_harm")
+        ax.fill_betweenx([e2 - 0.4, e2 + 0.4], -report["margin"], report["margin"], color="C2", alpha=0.2, lw=0)
+        ax.axvline(0.0, color="k", lw=0.8)
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel("paired difference of late held-out reward")
+    axes[0].set_yticks(range(len(PRIMARY)), [n.replace("_", " ", 1).replace("_", " ") for n in reversed(PRIMARY)])
+    fig.suptitle("Study 2: estimands (mean, 95 % and Bonferroni 99 % intervals; red: each evaluation seed; "
+                 "green: E2's margin)", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("tail", type=Path, help="the tail study's results.json (with the none controls)")
     parser.add_argument("lift2", type=Path, help="the lift2 study's results.json")
     parser.add_argument("--check", type=Path, help="the determinism check's results.json")
     parser.add_argument("--json", type=Path, help="write every figure here")
+    parser.add_argument("--plot", type=Path, help="draw the estimands' forest plot here (PNG; needs matplotlib)")
     args = parser.parse_args(argv)
     tail = json.loads(args.tail.read_text())
     lift = with_controls(json.loads(args.lift2.read_text()), tail)
@@ -231,6 +271,8 @@ def main(argv: list[str] | None = None) -> int:
         print("\n## determinism check\n" + "\n".join(report["determinism"]))
     if args.json is not None:
         args.json.write_text(json.dumps(report, indent=1))
+    if args.plot is not None:
+        plot(report, args.plot)
     return 0
 
 

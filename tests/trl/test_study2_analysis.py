@@ -151,3 +151,11 @@ def test_main_prints_every_estimand_and_checks_determinism(analysis, studies, tm
     report = json.loads(out_json.read_text())
     assert report["determinism"] == ["dvp_no_mismatch seed 1: identical", "no_mismatch seed 1: DIFFERENT"]
     assert report["rule"]["decisions"]["dvp"] == "DVP removes the tail's harm"
+
+
+def test_plot_draws_every_estimand_of_both_scorings(analysis, studies, tmp_path):
+    pytest.importorskip("matplotlib")
+    _, _, (tail_path, lift_path) = studies
+    png = tmp_path / "estimands.png"
+    assert analysis.main([str(tail_path), str(lift_path), "--plot", str(png)]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
