@@ -2,7 +2,7 @@
 intervals and the decision the plan attaches to it, from the two ``results.json`` files the study commands write.
 
     python scripts/study2_analysis.py runs/study2/tail/results.json runs/study2/lift2/results.json \
-        [--check runs/study2/lift2-check/results.json] [--json out.json] [--plot estimands.png]
+        [--check runs/study2/lift2-check/results.json] [--json out.json] [--plot estimands.png] [--markdown tables.md]
 
 Conditions: ``none`` (the controls ``no_mismatch`` = no remedy and ``dvp_no_mismatch`` = DVP, trained once, in the
 tail study's folder), ``tail`` and ``lift2``. Every estimand pairs runs by training seed; with ``d_s`` the paired
@@ -236,6 +236,59 @@ def plot(report: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def _interval(ci: list[float] | None) -> str:
+    return "–" if ci is None else f"[{ci[0]:+.4f}, {ci[1]:+.4f}]"
+
+
+def _cell(stats: dict) -> str:
+    return "n/a" if stats["mean"] is None else f"{stats['mean']:+.4f} {_interval(stats['ci95'])}"
+
+
+def markdown(report: dict) -> str:
+    """The outcome's tables: E1–E5 per scoring (mean, 95 %, 90 % and Bonferroni 99 % intervals, n), the decisions
+    (all seeds, Bonferroni, each evaluation seed), the secondary contrasts, the cost against the bound, determinism."""
+    out: list[str] = []
+    for scoring, title in (("rule", "on the rule's support (primary)"), ("full", "on the full distribution")):
+        part = report[scoring]
+        out += [f"**Late held-out reward {title}**: paired differences over training seeds (mean, intervals).", "",
+                "| estimand | mean | 95 % | 90 % | 99 % (Bonferroni) | n |", "|---|---:|---|---|---|---:|"]
+        for name in PRIMARY:
+            stats = part["estimands"][name]
+            mean = "n/a" if stats["mean"] is None else f"{stats['mean']:+.4f}"
+            out.append(f"| {name} | {mean} | {_interval(stats['ci95'])} | {_interval(stats['ci90'])} | "
+                       f"{_interval(bonferroni(stats))} | {stats['n']} |")
+        out += ["", "| decision | 95 % | Bonferroni | "
+                + " | ".join(f"eval seed #{j}" for j in range(len(part["decisions_by_eval_seed"]))) + " | robust |",
+                "|---|---|---|" + "---|" * len(part["decisions_by_eval_seed"]) + "---|"]
+        for key, value in part["decisions"].items():
+            by_seed = [d[key] for d in part["decisions_by_eval_seed"]]
+            robust = "yes" if by_seed and all(v == value for v in by_seed) else "no"
+            out.append(f"| {key} | {value} | {part['decisions_bonferroni'][key]} | " + " | ".join(by_seed)
+                       + f" | {robust} |")
+        out += ["", "Each evaluation seed alone (mean and 95 % interval):", "",
+                "| estimand | " + " | ".join(f"eval seed #{j}" for j in range(len(part["by_eval_seed"]))) + " |",
+                "|---|" + "---|" * len(part["by_eval_seed"])]
+        for name in PRIMARY:
+            out.append(f"| {name} | " + " | ".join(_cell(seed[name]) for seed in part["by_eval_seed"]) + " |")
+        secondary = [name for name in part["estimands"] if name not in PRIMARY]
+        out += ["", "Secondary contrasts (descriptive; mean and 95 % interval):", "", "| contrast | mean [95 %] | n |",
+                "|---|---|---:|"]
+        out += [f"| {name} | {_cell(part['estimands'][name])} | {part['estimands'][name]['n']} |" for name in secondary]
+        out.append("")
+    out += ["**DVP's cost against the bound** (`dvp_no_mismatch`, steps after 150; cost: that seed's E4 on the rule's "
+            "support; same policy: its full − rule late held-out reward):", "",
+            "| seed | pruned mass | sequence TV | bound TV·(r_max − r_min) | E4 cost (rule) | same policy full − rule |",
+            "|---:|---:|---:|---:|---:|---:|"]
+    for row in report["cost_against_bound"]["rule"]:
+        cost = "n/a" if row["cost"] is None else f"{row['cost']:+.4f}"
+        out.append(f"| {row['seed']} | {row['pruned_mass']:.4f} | {row['seq_tv']:.4f} | {row['bound']:.4f} | {cost} | "
+                   f"{row['same_policy_full_minus_rule']:+.4f} |")
+    if "determinism" in report:
+        out += ["", "**Determinism check** (seed 1's controls trained again with the `lift2` flags): "
+                + "; ".join(report["determinism"]) + "."]
+    return "\n".join(out) + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("tail", type=Path, help="the tail study's results.json (with the none controls)")
@@ -243,6 +296,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--check", type=Path, help="the determinism check's results.json")
     parser.add_argument("--json", type=Path, help="write every figure here")
     parser.add_argument("--plot", type=Path, help="draw the estimands' forest plot here (PNG; needs matplotlib)")
+    parser.add_argument("--markdown", type=Path, help="write the outcome's tables here (Markdown)")
     args = parser.parse_args(argv)
     tail = json.loads(args.tail.read_text())
     lift = with_controls(json.loads(args.lift2.read_text()), tail)
@@ -273,6 +327,8 @@ def main(argv: list[str] | None = None) -> int:
         args.json.write_text(json.dumps(report, indent=1))
     if args.plot is not None:
         plot(report, args.plot)
+    if args.markdown is not None:
+        args.markdown.write_text(markdown(report))
     return 0
 
 

@@ -159,3 +159,21 @@ def test_plot_draws_every_estimand_of_both_scorings(analysis, studies, tmp_path)
     png = tmp_path / "estimands.png"
     assert analysis.main([str(tail_path), str(lift_path), "--plot", str(png)]) == 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+
+
+def test_markdown_tables_carry_every_estimand_decision_and_bound_row(analysis, studies, tmp_path):
+    tail, _, (tail_path, lift_path) = studies
+    md = tmp_path / "tables.md"
+    assert analysis.main([str(tail_path), str(lift_path), "--markdown", str(md)]) == 0
+    text = md.read_text()
+    for name in ("E1_harm", "E2_residual_harm", "E3_interaction", "E4_cost", "E5_specificity"):
+        assert text.count(f"| {name} |") == 4  # both scorings: the estimand table and the per-evaluation-seed table
+    assert text.count("| dvp | DVP removes the tail's harm | DVP removes the tail's harm |") == 2
+    assert "| robust |" in text and "| yes |" in text
+    e1 = analysis.estimands(tail, analysis.with_controls(json.loads(lift_path.read_text()), tail),
+                            "late_metric_rule")["E1_harm"]
+    assert f"| E1_harm | {e1['mean']:+.4f} | [{e1['ci95'][0]:+.4f}, {e1['ci95'][1]:+.4f}] |" in text
+    bound_rows = [line for line in text.splitlines() if line.startswith("| ") and line.count("|") == 7
+                  and line.split("|")[1].strip().isdigit()]
+    assert [int(r.split("|")[1]) for r in bound_rows] == list(SEEDS)
+    assert all("| 0.5000 | 0.5000 |" in r for r in bound_rows)  # the late TV and its bound (reward in [0, 1])
