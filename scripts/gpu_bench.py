@@ -148,8 +148,10 @@ def _model_dir(small: bool):
     return path, tokenizer
 
 
-def grpo_step(model_path: str, tokenizer, trainer_kind: str, precision: str, small: bool, steps: int = 3) -> dict:
-    """Median step time (after the first) and peak memory of ``steps`` GRPO steps."""
+def grpo_step(model_path: str, tokenizer, trainer_kind: str, precision: str, small: bool, steps: int = 3,
+              overrides: dict | None = None) -> dict:
+    """Median step time (after the first) and peak memory of ``steps`` GRPO steps (``overrides``: more
+    ``SafeVocabGRPOConfig`` fields, for ``trainer_kind="safevocab"``)."""
     import torch
     from datasets import Dataset
     from transformers import TrainerCallback
@@ -173,7 +175,8 @@ def grpo_step(model_path: str, tokenizer, trainer_kind: str, precision: str, sma
     if trainer_kind == "stock":
         args, trainer_cls = GRPOConfig(**common), GRPOTrainer
     else:
-        args, trainer_cls = SafeVocabGRPOConfig(**common, safe_vocab_rule="min_p=0.001"), SafeVocabGRPOTrainer
+        args = SafeVocabGRPOConfig(**common, **{"safe_vocab_rule": "min_p=0.001", **(overrides or {})})
+        trainer_cls = SafeVocabGRPOTrainer
 
     class StepTimer(TrainerCallback):
         def __init__(self):
@@ -196,7 +199,8 @@ def grpo_step(model_path: str, tokenizer, trainer_kind: str, precision: str, sma
     trainer = trainer_cls(model=model_path, reward_funcs=reward, args=args, train_dataset=dataset,
                           processing_class=tokenizer, callbacks=[timer])
     trainer.train()
-    out = {"trainer": trainer_kind, "precision": precision if cuda else "fp32 (cpu)",
+    label = trainer_kind + "".join(f" {k}={v}" for k, v in (overrides or {}).items())
+    out = {"trainer": label, "precision": precision if cuda else "fp32 (cpu)",
            "step_seconds": round(statistics.median(timer.times[1:] or timer.times), 4), "steps": len(timer.times)}
     if cuda:
         out["peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 3)
@@ -212,6 +216,30 @@ def grpo(small: bool, steps: int = 3) -> list[dict]:
             try:
                 rows.append(grpo_step(path, tokenizer, kind, precision, small, steps))
             except Exception as err:  # record and go on: one failure must not hide the other measurements
+                rows.append({"trainer": kind, "precision": precision, "error": f"{type(err).__name__}: {err}"[:400]})
+    return rows
+
+
+#: Where SafeVocab's step time goes: the trainer with the generate path's sampler rule and its log-prob recording
+#: switched off, part by part (bf16 only).
+ABLATION = (
+    None,
+    {"rollout_logprobs": False, "log_mismatch_metrics": False},
+    {"rollout_logprobs": False, "log_mismatch_metrics": False, "safe_vocab_in_sampler": False},
+)
+
+
+def grpo_ablation(small: bool, steps: int = 3, rounds: int = 2) -> list[dict]:
+    """Stock trl, then SafeVocab with each row of ``ABLATION``, ``rounds`` times (stock, variants, stock,
+    variants), so that a drift of the machine shows as a difference between the stock rows."""
+    path, tokenizer = _model_dir(small)
+    precision = "fp32" if small else "bf16"
+    rows = []
+    for _ in range(rounds):
+        for kind, overrides in [("stock", None), *[("safevocab", o) for o in ABLATION]]:
+            try:
+                rows.append(grpo_step(path, tokenizer, kind, precision, small, steps, overrides))
+            except Exception as err:  # record and go on
                 rows.append({"trainer": kind, "precision": precision, "error": f"{type(err).__name__}: {err}"[:400]})
     return rows
 
@@ -256,6 +284,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--n", type=int, default=None, help="tokens for the op benchmark (default: the gpu preset's 16384)")
     parser.add_argument("--rules", default=None, help="';'-separated rules for the op benchmark (default: all)")
     parser.add_argument("--no-naive", action="store_true", help="leave out the materialised path (tens of GB, slow)")
+    parser.add_argument("--grpo-ablation", type=int, default=0, metavar="ROUNDS",
+                        help="grpo section: ROUNDS of stock, then SafeVocab without its sampler rule/log-prob "
+                        "recording, part by part (0: the precision comparison instead)")
     args = parser.parse_args(argv)
     skip = set(filter(None, args.skip.split(",")))
     device = "cpu" if args.small else "cuda"
@@ -265,7 +296,8 @@ def main(argv: list[str] | None = None) -> int:
                                                                     Path(args.out).with_suffix(".pytest.log"))), ("op", lambda: op_bench(args.small, args.op_timeout, args.n,
                                             tuple(args.rules.split(";")) if args.rules else RULES,
                                             not args.no_naive)),
-                      ("grpo", lambda: grpo(args.small, args.grpo_steps))):
+                      ("grpo", lambda: grpo_ablation(args.small, args.grpo_steps, args.grpo_ablation) if args.grpo_ablation
+                       else grpo(args.small, args.grpo_steps))):
         if name in skip:
             continue
         print(f"[gpu_bench] {name} ...", file=sys.stderr, flush=True)
