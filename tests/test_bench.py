@@ -4,6 +4,7 @@ import json
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from safevocab.bench import LiveTensorBytes
@@ -113,3 +114,24 @@ def test_gpu_bench_script_runs_the_chosen_rules_at_the_chosen_size(tmp_path):
     assert [row["rule"] for row in rows] == ["min_p=0.001", "top_k=5,min_p=0.01"]
     for row in rows:
         assert row["args"]["n"] == 48 and "naive" not in row["results"] and row["results"]["fused"]["seconds"] > 0
+
+
+@pytest.mark.slow
+def test_gpu_bench_grpo_ablation_switches_safevocab_parts_off(tmp_path):
+    # --grpo-ablation 1: stock, SafeVocab, then SafeVocab without rollout log-probs/metrics, then also without the
+    # sampler rule; each a real trainer run (CPU-sized), its label naming the fields it switched off.
+    pytest.importorskip("trl")
+    from pathlib import Path
+
+    out = tmp_path / "abl.json"
+    script = Path(__file__).resolve().parents[1] / "scripts" / "gpu_bench.py"
+    cmd = [sys.executable, str(script), "--small", "--skip", "correctness,op", "--grpo-ablation", "1",
+           "--grpo-steps", "2", "--out", str(out)]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = json.loads(out.read_text())["grpo"]
+    assert [row["trainer"] for row in rows] == [
+        "stock", "safevocab", "safevocab rollout_logprobs=False log_mismatch_metrics=False",
+        "safevocab rollout_logprobs=False log_mismatch_metrics=False safe_vocab_in_sampler=False",
+    ]
+    assert all(row["steps"] == 2 and row["step_seconds"] > 0 for row in rows)
