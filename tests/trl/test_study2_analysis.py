@@ -173,7 +173,8 @@ def test_markdown_tables_carry_every_estimand_decision_and_bound_row(analysis, s
     e1 = analysis.estimands(tail, analysis.with_controls(json.loads(lift_path.read_text()), tail),
                             "late_metric_rule")["E1_harm"]
     assert f"| E1_harm | {e1['mean']:+.4f} | [{e1['ci95'][0]:+.4f}, {e1['ci95'][1]:+.4f}] |" in text
-    bound_rows = [line for line in text.splitlines() if line.startswith("| ") and line.count("|") == 7
+    bound_rows = [line for line in text.splitlines() if line.startswith("| ") and line.count("|") == 8
                   and line.split("|")[1].strip().isdigit()]
     assert [int(r.split("|")[1]) for r in bound_rows] == list(SEEDS)
     assert all("| 0.5000 | 0.5000 |" in r for r in bound_rows)  # the late TV and its bound (reward in [0, 1])
+    assert text.count("| E2_residual_harm, 90 % (equivalence) |") == 2  # the per-evaluation-seed equivalence test
