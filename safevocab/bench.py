@@ -108,7 +108,7 @@ def _sample_targets(hidden: torch.Tensor, weight: torch.Tensor, rule: str, gen: 
 
 
 @torch.no_grad()
-def _replay_support(hidden: torch.Tensor, weight: torch.Tensor, rule: str):
+def replay_support(hidden: torch.Tensor, weight: torch.Tensor, rule: str):
     """The sets ``rule`` keeps on these logits, as a :class:`~safevocab.support.SafeSupport` (``fused_replay``)."""
     from safevocab.rules import parse_rule
     from safevocab.support import SafeSupport
@@ -149,7 +149,7 @@ def _make_step(variant: str, args: argparse.Namespace, device: torch.device) -> 
         return step
     if variant == "fused_replay":
         # The engine's kept ids replayed (here: the rule's own sets, built once outside the timing) with no rule.
-        support = _replay_support(hidden.detach(), weight.detach(), args.rule)
+        support = replay_support(hidden.detach(), weight.detach(), args.rule)
 
         def step() -> None:
             out = fused_safe_logprobs(

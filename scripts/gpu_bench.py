@@ -199,8 +199,7 @@ def grpo_step(model_path: str, tokenizer, trainer_kind: str, precision: str, sma
     trainer = trainer_cls(model=model_path, reward_funcs=reward, args=args, train_dataset=dataset,
                           processing_class=tokenizer, callbacks=[timer])
     trainer.train()
-    label = trainer_kind + "".join(f" {k}={v}" for k, v in (overrides or {}).items())
-    out = {"trainer": label, "precision": precision if cuda else "fp32 (cpu)",
+    out = {"trainer": trainer_label(trainer_kind, overrides), "precision": precision if cuda else "fp32 (cpu)",
            "step_seconds": round(statistics.median(timer.times[1:] or timer.times), 4), "steps": len(timer.times)}
     if cuda:
         out["peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 3)
@@ -208,16 +207,25 @@ def grpo_step(model_path: str, tokenizer, trainer_kind: str, precision: str, sma
     return out
 
 
+def trainer_label(trainer_kind: str, overrides: dict | None) -> str:
+    """``stock``, ``safevocab``, or ``safevocab`` followed by the config fields it overrides (``name=value``)."""
+    return trainer_kind + "".join(f" {k}={v}" for k, v in (overrides or {}).items())
+
+
+def grpo_row(model_path: str, tokenizer, trainer_kind: str, precision: str, small: bool, steps: int,
+             overrides: dict | None = None) -> dict:
+    """``grpo_step``'s row, or the error it raised as a row: one failure must not hide the other measurements."""
+    try:
+        return grpo_step(model_path, tokenizer, trainer_kind, precision, small, steps, overrides)
+    except Exception as err:  # record and go on
+        return {"trainer": trainer_label(trainer_kind, overrides), "precision": precision,
+                "error": f"{type(err).__name__}: {err}"[:400]}
+
+
 def grpo(small: bool, steps: int = 3) -> list[dict]:
     path, tokenizer = _model_dir(small)
-    rows = []
-    for precision in (("fp32",) if small else ("bf16", "fp16")):
-        for kind in ("stock", "safevocab"):
-            try:
-                rows.append(grpo_step(path, tokenizer, kind, precision, small, steps))
-            except Exception as err:  # record and go on: one failure must not hide the other measurements
-                rows.append({"trainer": kind, "precision": precision, "error": f"{type(err).__name__}: {err}"[:400]})
-    return rows
+    return [grpo_row(path, tokenizer, kind, precision, small, steps)
+            for precision in (("fp32",) if small else ("bf16", "fp16")) for kind in ("stock", "safevocab")]
 
 
 #: Where SafeVocab's step time goes: the trainer with the generate path's sampler rule and its log-prob recording
@@ -234,14 +242,9 @@ def grpo_ablation(small: bool, steps: int = 3, rounds: int = 2) -> list[dict]:
     variants), so that a drift of the machine shows as a difference between the stock rows."""
     path, tokenizer = _model_dir(small)
     precision = "fp32" if small else "bf16"
-    rows = []
-    for _ in range(rounds):
-        for kind, overrides in [("stock", None), *[("safevocab", o) for o in ABLATION]]:
-            try:
-                rows.append(grpo_step(path, tokenizer, kind, precision, small, steps, overrides))
-            except Exception as err:  # record and go on
-                rows.append({"trainer": kind, "precision": precision, "error": f"{type(err).__name__}: {err}"[:400]})
-    return rows
+    trainers = [("stock", None), *[("safevocab", overrides) for overrides in ABLATION]]
+    return [grpo_row(path, tokenizer, kind, precision, small, steps, overrides)
+            for _ in range(rounds) for kind, overrides in trainers]
 
 
 # ---------------------------------------------------------------------------------------------- report

@@ -48,6 +48,8 @@ CONTROLS = ("no_mismatch", "dvp_no_mismatch")
 T995 = (63.657, 9.925, 5.841, 4.604, 4.032, 3.707, 3.499, 3.355, 3.250, 3.169)
 #: The scorings: the primary (the rule's support) first.
 SCORINGS = {"rule": "late_metric_rule", "full": "late_metric"}
+#: Each scoring's title in the tables and the plot.
+TITLES = {"rule": "on the rule's support (primary)", "full": "on the full distribution"}
 
 
 def with_controls(study: dict, controls_from: dict) -> dict:
@@ -209,8 +211,7 @@ def plot(report: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, len(SCORINGS), figsize=(5.2 * len(SCORINGS), 3.6), sharey=True)
-    for ax, (scoring, title) in zip(axes, (("rule", "on the rule's support (primary)"),
-                                           ("full", "on the full distribution"))):
+    for ax, (scoring, title) in zip(axes, TITLES.items()):
         found = report[scoring]["estimands"]
         for y, name in enumerate(reversed(PRIMARY)):
             stats = found[name]
@@ -248,7 +249,7 @@ def markdown(report: dict) -> str:
     """The outcome's tables: E1–E5 per scoring (mean, 95 %, 90 % and Bonferroni 99 % intervals, n), the decisions
     (all seeds, Bonferroni, each evaluation seed), the secondary contrasts, the cost against the bound, determinism."""
     out: list[str] = []
-    for scoring, title in (("rule", "on the rule's support (primary)"), ("full", "on the full distribution")):
+    for scoring, title in TITLES.items():
         part = report[scoring]
         out += [f"**Late held-out reward {title}**: paired differences over training seeds (mean, intervals).", "",
                 "| estimand | mean | 95 % | 90 % | 99 % (Bonferroni) | n |", "|---|---:|---|---|---|---:|"]
