@@ -291,6 +291,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="grpo section: ROUNDS of stock, then SafeVocab without its sampler rule/log-prob "
                         "recording, part by part (0: the precision comparison instead)")
     args = parser.parse_args(argv)
+    if args.grpo_ablation < 0:
+        parser.error(f"--grpo-ablation must be a number of rounds >= 0, got {args.grpo_ablation}")
     skip = set(filter(None, args.skip.split(",")))
     device = "cpu" if args.small else "cuda"
     results: dict = {"environment": environment(), "small": args.small, "correctness": {}}

@@ -135,3 +135,13 @@ def test_gpu_bench_grpo_ablation_switches_safevocab_parts_off(tmp_path):
         "safevocab rollout_logprobs=False log_mismatch_metrics=False safe_vocab_in_sampler=False",
     ]
     assert all(row["steps"] == 2 and row["step_seconds"] > 0 for row in rows)
+
+
+def test_gpu_bench_refuses_negative_ablation_rounds_in_one_line():
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "gpu_bench.py"
+    proc = subprocess.run([sys.executable, str(script), "--small", "--grpo-ablation", "-1"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1].endswith("--grpo-ablation must be a number of rounds >= 0, got -1")
