@@ -24,6 +24,7 @@ __all__ = [
     "OUT_OF_SET_MODES",
     "SCORING_MODES",
     "SUPPORT_SOURCES",
+    "EMPTY_STEP_ACTIONS",
     "ROLLOUT_DTYPES",
     "NOISE_KINDS",
     "LENGTH_DECAY_STARTS",
@@ -42,6 +43,9 @@ SCORING_MODES = ("auto", "loss_forward", "separate")
 
 #: ``safe_vocab_support``: recompute each position's safe set with the rule, or replay the engine's kept token set.
 SUPPORT_SOURCES = ("rule", "replay")
+
+#: ``safe_vocab_empty_step``: what an optimisation step with no loss token left after the out-of-set masking does.
+EMPTY_STEP_ACTIONS = ("error", "warn")
 
 #: ``rollout_dtype`` values and the torch dtype each selects (``None``: the model's own dtype, trl's behaviour).
 ROLLOUT_DTYPES: dict[str, torch.dtype | None] = {

@@ -61,6 +61,9 @@ def run_summary(trainer, accuracy_before: float | None = None, accuracy_after: f
         "accuracy_before": accuracy_before,
         "accuracy_after": accuracy_after,
         "metrics_last_step": {k: last.get(k) for k in SUMMARY_METRICS if k in last},
+        # the run's share of completion tokens outside the trainer's safe set (masked out of the loss; None: none
+        # scored) and its optimisation steps left with no loss token (grpo/out_of_set_alert.py)
+        **_out_of_set_totals(trainer),
         "output_dir": str(out_dir),
         "log_history": str(out_dir / "log_history.json"),
     }
@@ -98,6 +101,7 @@ def print_run_summary(trainer, accuracy_before: float | None = None, accuracy_af
     if accuracy_before is not None:
         rows.append(("held-out accuracy (greedy), before -> after", f"{accuracy_before:.3f} -> {accuracy_after:.3f}"))
     rows += [(k, fmt(v)) for k, v in summary["metrics_last_step"].items()]
+    rows += _out_of_set_rows(summary)
     rows += [
         ("model and logs", summary["output_dir"]),
         ("per-step metrics", summary["log_history"]),
@@ -132,6 +136,24 @@ def _reward_row(summary: dict, fmt) -> tuple[str, str]:
     if summary["reward_points"] == 1:
         return ("reward (one logged point)", fmt(summary["reward_last"]))
     return ("reward, first -> last steps", f"{fmt(summary['reward_first'])} -> {fmt(summary['reward_last'])}")
+
+
+def _out_of_set_totals(trainer) -> dict:
+    """``out_of_set_share`` and ``steps_trained_nothing`` of the run, from the trainer's out-of-set alert (``None``
+    both for a trainer without one)."""
+    alert = getattr(trainer, "out_of_set_alert", None)
+    if alert is None:
+        return {"out_of_set_share": None, "steps_trained_nothing": None}
+    return {"out_of_set_share": alert.out_of_set_share, "steps_trained_nothing": alert.steps_trained_nothing}
+
+
+def _out_of_set_rows(summary: dict) -> list[tuple[str, str]]:
+    """The out-of-set share of the run and the steps that trained nothing (docs/metrics.md)."""
+    share, empty = summary["out_of_set_share"], summary["steps_trained_nothing"]
+    return [
+        ("completion tokens outside the safe set (masked)", "n/a" if share is None else f"{share:.2%}"),
+        ("steps that trained nothing (every token masked)", "n/a" if empty is None else str(empty)),
+    ]
 
 
 def _table_width(rows: list[tuple[str, str]]) -> int:

@@ -45,6 +45,7 @@ from safevocab import NoPruning, parse_rule
 from safevocab.mantissa import MANTISSA_BITS_RANGE
 from safevocab.validation import integer, real
 from trl_integration.options import (
+    EMPTY_STEP_ACTIONS,
     IS_MODES,
     LENGTH_DECAY_STARTS,
     LENGTH_SURGE_BASELINES,
@@ -80,6 +81,7 @@ STRING_CHOICES: dict[str, tuple[str, ...]] = {
     "rollout_dtype": tuple(ROLLOUT_DTYPES),
     "safe_vocab_scoring": SCORING_MODES,
     "safe_vocab_support": SUPPORT_SOURCES,
+    "safe_vocab_empty_step": EMPTY_STEP_ACTIONS,
 }
 
 
@@ -98,7 +100,8 @@ def check_rule_text(name: str, text: str, engine: str | None = None):
 def check_safe_vocab_fields(config) -> None:
     """Validate (and normalise in place) the safe-vocabulary fields of a ``SafeVocabGRPOConfig``: the rule (parsed
     into ``config._rule``; an empty one refused), the out-of-set mode, the rollout dtype, the mismatch buckets, the
-    chunk budget, the scoring and support sources, and the resume opt-out."""
+    chunk budget, the scoring and support sources, the out-of-set alert's threshold and empty-step action, and the resume
+    opt-out."""
     if not isinstance(config.resume_allow_missing_state, bool):
         value = config.resume_allow_missing_state
         raise TypeError(f"resume_allow_missing_state must be True or False, got {type(value).__name__}: {value!r}")
@@ -121,6 +124,11 @@ def check_safe_vocab_fields(config) -> None:
     )
     one_of("safe_vocab_scoring", config.safe_vocab_scoring, STRING_CHOICES["safe_vocab_scoring"])
     one_of("safe_vocab_support", config.safe_vocab_support, STRING_CHOICES["safe_vocab_support"])
+    config.safe_vocab_out_of_set_warn_frac = real(
+        "safe_vocab_out_of_set_warn_frac", config.safe_vocab_out_of_set_warn_frac, lambda x: 0.0 <= x <= 1.0,
+        "a number in [0, 1] (1: never warn)",
+    )
+    one_of("safe_vocab_empty_step", config.safe_vocab_empty_step, STRING_CHOICES["safe_vocab_empty_step"])
 
 
 def warn_on_sampler_rule_mismatch(config, rule) -> None:

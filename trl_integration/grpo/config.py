@@ -32,6 +32,7 @@ from trl_integration.options import (
     LENGTH_SURGE_BASELINES,
     NOISE_KINDS,
     OUT_OF_SET_MODES,
+    EMPTY_STEP_ACTIONS,
     ROLLOUT_DTYPES,
     SCORING_MODES,
     SUPPORT_SOURCES,
@@ -111,6 +112,15 @@ class SafeVocabGRPOConfig(GRPOConfig):
         safe_vocab_support (`str`, defaults to `"rule"`):
             `"rule"` recomputes each position's safe set with the rule; `"replay"` renormalises over the engine's kept
             token sets (a `rollout_func`'s `"sampling_mask"`, see docs/trl.md) & the rule; rule fallback, one warning.
+        safe_vocab_out_of_set_warn_frac (`float`, defaults to `0.2`):
+            Warn (one line, `OutOfSetWarning`: the share, the rule, the sampler's settings and the fixes) when more
+            than this share of an optimisation step's completion tokens fall outside the trainer's safe set and are
+            masked out of the loss (rollouts not sampled under the rule: a `rollout_func`, tools, an external engine):
+            the first time, then at most every 50 steps. In [0, 1]; `1` never warns. See docs/trl.md, "Out-of-set
+            tokens".
+        safe_vocab_empty_step (`str`, defaults to `"error"`):
+            An optimisation step whose completion tokens were all masked out of the loss (it trains nothing):
+            `"error"` stops the run (`NothingToTrainError`, naming the fixes), `"warn"` warns and trains on.
         > Parameters that control the mismatch lab (injected rollout mismatch, `generate` path)
 
         rollout_logit_noise (`float`, defaults to `0.0`):
@@ -268,6 +278,22 @@ class SafeVocabGRPOConfig(GRPOConfig):
             "help": "Safe set of each position: 'rule' (recomputed by the trainer's rule) or 'replay' (the engine's "
             "kept token ids, a rollout_func's 'sampling_mask', intersected with the rule; rule fallback per batch).",
             "choices": list(SUPPORT_SOURCES),
+        },
+    )
+    safe_vocab_out_of_set_warn_frac: float = field(
+        default=0.2,
+        metadata={
+            "help": "Warn (once, then at most every 50 steps) when more than this share of a step's completion "
+            "tokens fall outside the trainer's safe set and are masked out of the loss (rollouts not sampled under "
+            "the rule). In [0, 1]; 1 never warns."
+        },
+    )
+    safe_vocab_empty_step: str = field(
+        default="error",
+        metadata={
+            "help": "An optimisation step whose completion tokens were all masked out of the loss (it trains "
+            "nothing): 'error' stops the run, 'warn' warns and trains on.",
+            "choices": list(EMPTY_STEP_ACTIONS),
         },
     )
 

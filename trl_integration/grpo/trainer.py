@@ -65,6 +65,7 @@ from trl_integration.grpo.config import SafeVocabGRPOConfig
 from trl_integration.grpo.head import SafeHeadState, add_safe_lm_head
 from trl_integration.grpo.length_decay import LengthDecayCallback, length_decay_scheduler, wraps_base_schedule
 from trl_integration.grpo.metric_queue import MetricQueue, QueuedMetrics, queue_capacity
+from trl_integration.grpo.out_of_set_alert import OutOfSetAlert
 from trl_integration.grpo.replay import SupportReplay
 from trl_integration.grpo.rewards import check_reward_funcs
 from trl_integration.grpo.step import (
@@ -188,6 +189,8 @@ class SafeVocabGRPOTrainer(QueuedMetrics, AtomicCheckpoints, GRPOTrainerBridge):
         self.pending_mean_lengths: list[float] = []
         if args.length_decay:
             self.add_callback(LengthDecayCallback(self))
+        self.out_of_set_alert = OutOfSetAlert(self)  # out-of-set share warning, empty-step check (docs/trl.md)
+        self.add_callback(self.out_of_set_alert)
         # Mismatch lab: the rollouts' injected mismatch, one per run (noise and plug-in state advance across rollouts).
         self.rollout_mismatch = RolloutMismatch.from_config(args, self.accelerator.process_index, rollout_perturbation)
 
@@ -434,6 +437,7 @@ class SafeVocabGRPOTrainer(QueuedMetrics, AtomicCheckpoints, GRPOTrainerBridge):
         batch) also recount ``num_items_in_batch``, which spans the generation batch, after the out-of-set masking."""
         result = safe_vocabulary_step(batch, train_logps.detach(), stats, self._step_settings(batch), measure=measure)
         batch.update(result.entries)
+        self.out_of_set_alert.observe_generation(result.metric_inputs)
         if whole_batch:
             batch["num_items_in_batch"] = self.accelerator.gather(result.loss_mask.sum()).sum()
         return result
@@ -446,6 +450,7 @@ class SafeVocabGRPOTrainer(QueuedMetrics, AtomicCheckpoints, GRPOTrainerBridge):
             self._replay.use(inputs)
         if SCORE_IN_LOSS in inputs:
             inputs = self._loss_forward_first(model, inputs)
+        self.out_of_set_alert.observe_loss(inputs)
         # trl applies the importance ratio only when use_vllm. On the generate path, fold it into the
         # advantages instead: every loss type but VESPO is linear in the advantage per token, and the ratio
         # is >= 0, so A * r gives exactly trl's `per_token_loss * r` (the KL and entropy terms stay unweighted,

@@ -1,0 +1,201 @@
+"""Loud when rollouts and the safe set disagree: the out-of-set share warning and the step that trained nothing.
+
+A completion token outside the trainer's safe set ``S`` is masked out of the loss (``safe_vocab_out_of_set``, see
+:mod:`trl_integration.grpo.step`). With the trainer's own sampler under the rule (``safe_vocab_in_sampler``) that is
+a rare, numerical event; when the rollouts were not sampled under the rule (a ``rollout_func``, an external engine,
+tools or environments, a replaced ``generate``, ``safe_vocab_in_sampler=False``) it can be most tokens, and a run
+would quietly train on a fraction of its tokens, or on none. :class:`OutOfSetAlert` (a ``TrainerCallback`` the
+trainer adds) says so:
+
+- **the share**: at each optimisation step, the share of the completion tokens of the generation batches built during
+  the step (``n = completion_mask * tool_mask``, the tokens ``safevocab/out_of_set_frac`` averages over) that fall
+  outside ``S``; above ``safe_vocab_out_of_set_warn_frac`` it warns (:class:`OutOfSetWarning`, one line naming the
+  share, the rule, the sampler's settings as the trainer knows them and the fixes), the first time and then at most
+  every :data:`REPEAT_EVERY_STEPS` steps;
+- **the step that trained nothing**: an optimisation step whose micro-batches had completion tokens but no loss token
+  left after the masking (every one removed) raises :class:`NothingToTrainError`, or warns with
+  ``safe_vocab_empty_step="warn"``. A step with no completion token to begin with (trl's own masks, e.g.
+  ``mask_truncated_completions``) is trl's business and not counted.
+
+Counts are summed on the device as the batches pass (no synchronisation), then summed over processes with one gather
+at ``on_pre_optimizer_step`` (before the optimizer changes anything), which every process calls: every process takes
+the same decision (the error is raised on all of them), and only the main process warns. The run's totals
+(:attr:`OutOfSetAlert.out_of_set_share`, :attr:`OutOfSetAlert.steps_trained_nothing`) feed the run summary; they
+cover the steps this process ran (a resumed run counts from the resume). Evaluation batches are not counted.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+from transformers import TrainerCallback
+
+__all__ = [
+    "OutOfSetAlert", "OutOfSetWarning", "NothingToTrainError", "REPEAT_EVERY_STEPS", "share_message",
+    "empty_step_message", "sampler_settings_text",
+]  # fmt: skip
+
+#: After the first out-of-set share warning, the next comes at least this many optimisation steps later.
+REPEAT_EVERY_STEPS = 50
+
+#: Indices of the counts summed per optimisation step: completion tokens counted at generation, those outside ``S``,
+#: completion tokens seen by the loss passes, loss tokens left after the masking.
+_COUNTED, _OUT_OF_SET, _COMPLETION, _LOSS = range(4)
+
+
+class OutOfSetWarning(UserWarning):
+    """Completion tokens outside the trainer's safe set are masked out of the loss in a large share, or a whole step."""
+
+
+class NothingToTrainError(RuntimeError):
+    """An optimisation step with completion tokens has no loss token left after the out-of-set masking."""
+
+
+def sampler_settings_text(args) -> str:
+    """``temperature=…, top_k=…, top_p=…, min_p=…`` of the sampler as the config knows it (``generation_kwargs``
+    override the flags, as in trl's ``GenerationConfig``/``SamplingParams``)."""
+    gk = args.generation_kwargs if isinstance(args.generation_kwargs, dict) else {}
+    keys = ("temperature", "top_k", "top_p", "min_p")
+    return ", ".join(f"{key}={gk.get(key, getattr(args, key, None))!r}" for key in keys)
+
+
+def _fixes(rule: str) -> str:
+    return (
+        f"fixes: generate with the rule (safe_vocab_in_sampler=True with the trainer's own sampler, or a rollout_func/"
+        f"engine sampling under {rule!r}), replay the engine's sets (safe_vocab_support='replay', a rollout_func "
+        "returning 'sampling_mask'), choose what is dropped (safe_vocab_out_of_set='mask_token' drops the tokens, "
+        "'mask_sequence' their sequences), or safe_vocab_rule='none' (no pruning, nothing masked)"
+    )
+
+
+def share_message(step: int, out_of_set: int, counted: int, rule: str, sampler: str, source: str, mode: str,
+                  threshold: float) -> str:  # fmt: skip
+    """The one-line out-of-set share warning of ``step``."""
+    return (
+        f"safevocab: step {step}: {out_of_set / counted:.1%} of the completion tokens ({out_of_set} of {counted}) are "
+        f"outside the trainer's safe set (rule {rule!r}) and masked out of the loss (safe_vocab_out_of_set={mode!r}): "
+        f"the rollouts were not sampled under the rule (completions from {source}; the sampler as the trainer knows "
+        f"it: {sampler}); {_fixes(rule)}; warned above safe_vocab_out_of_set_warn_frac={threshold!r}, at most every "
+        f"{REPEAT_EVERY_STEPS} steps"
+    )
+
+
+def empty_step_message(step: int, completion: int, rule: str, source: str, mode: str, action: str) -> str:
+    """The one-line message of an optimisation step with no loss token left."""
+    then = (
+        "set safe_vocab_empty_step='warn' to train on regardless"
+        if action == "error"
+        else "training goes on (safe_vocab_empty_step='warn')"
+    )
+    return (
+        f"safevocab: step {step} trains on nothing: the out-of-set masking (safe_vocab_out_of_set={mode!r}) removed "
+        f"all {completion} completion tokens from the loss (rule {rule!r}; completions from {source}): no parameter "
+        f"learns from this step; {_fixes(rule)}; {then}"
+    )
+
+
+class OutOfSetAlert(TrainerCallback):
+    """The out-of-set share warning and the empty-step check of a trainer (see the module docstring).
+
+    Args:
+        trainer: the :class:`~trl_integration.grpo.trainer.SafeVocabGRPOTrainer` (its ``args``, ``accelerator``,
+            ``model``, ``rollout_func``, ``tools``, ``use_vllm`` are read when needed).
+
+    Attributes:
+        counted_tokens: completion tokens counted at generation over the run (all processes).
+        out_of_set_tokens: those outside the trainer's safe set.
+        steps_trained_nothing: optimisation steps with completion tokens and no loss token left.
+    """
+
+    def __init__(self, trainer) -> None:
+        self.trainer = trainer
+        self.counted_tokens = 0
+        self.out_of_set_tokens = 0
+        self.steps_trained_nothing = 0
+        self._pending: torch.Tensor | None = None  # int64 [4] on the batches' device, since the last step
+        self._last_warned_step: int | None = None
+
+    # ---- counting (called by the trainer, per batch) ------------------------------------------------------------
+    def observe_generation(self, metric_inputs) -> None:
+        """Count a training generation batch's (or micro-batch's) completion tokens and those outside ``S``, from its
+        :class:`~trl_integration.grpo.step.StepMetricInputs` (``None``: not measured, already counted)."""
+        if metric_inputs is None or not self.trainer.model.training:
+            return
+        counted = metric_inputs.masks.counted
+        out_of_set = counted & ~metric_inputs.stats.in_safe.bool()
+        self._add(_COUNTED, counted.sum(), out_of_set.sum())
+
+    def observe_loss(self, inputs: dict) -> None:
+        """Count a training micro-batch's completion tokens and the loss tokens left after the out-of-set masking."""
+        if not self.trainer.model.training:
+            return
+        completion = inputs["completion_mask"]
+        tool_mask = inputs.get("tool_mask")
+        loss = completion if tool_mask is None else completion * tool_mask
+        self._add(_COMPLETION, completion.sum(), loss.sum())
+
+    def _add(self, first: int, a: torch.Tensor, b: torch.Tensor) -> None:
+        if self._pending is None:
+            self._pending = torch.zeros(4, dtype=torch.int64, device=a.device)
+        self._pending[first : first + 2] += torch.stack([a, b]).to(self._pending.device, torch.int64)
+
+    # ---- the run's totals -------------------------------------------------------------------------------------------
+    @property
+    def out_of_set_share(self) -> float | None:
+        """Share of the run's counted completion tokens outside the trainer's safe set (``None``: none counted, e.g.
+        rule ``"none"`` with nothing measured, where nothing can be outside)."""
+        return self.out_of_set_tokens / self.counted_tokens if self.counted_tokens else None
+
+    # ---- the check, once per optimisation step ----------------------------------------------------------------------
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        accelerator = self.trainer.accelerator
+        pending, self._pending = self._pending, None
+        local = torch.zeros(4, dtype=torch.int64) if pending is None else pending
+        counted, out_of_set, completion, loss = (
+            int(v) for v in accelerator.gather(local.to(accelerator.device).reshape(1, 4)).sum(0).tolist()
+        )
+        self.counted_tokens += counted
+        self.out_of_set_tokens += out_of_set
+        step = state.global_step + 1  # the step about to be taken, as it will be logged
+        threshold = float(args.safe_vocab_out_of_set_warn_frac)
+        due = self._last_warned_step is None or step - self._last_warned_step >= REPEAT_EVERY_STEPS
+        if counted and out_of_set / counted > threshold and due:
+            self._last_warned_step = step
+            if accelerator.is_main_process:
+                message = share_message(
+                    step, out_of_set, counted, str(args.effective_rule), sampler_settings_text(args), self._source(),
+                    args.safe_vocab_out_of_set, threshold,
+                )  # fmt: skip
+                warnings.warn(message, OutOfSetWarning, stacklevel=2)
+        if completion > 0 and loss == 0:
+            self.steps_trained_nothing += 1
+            self._empty_step(step, completion)
+        return control
+
+    def _empty_step(self, step: int, completion: int) -> None:
+        args = self.trainer.args
+        action = args.safe_vocab_empty_step
+        message = empty_step_message(
+            step, completion, str(args.effective_rule), self._source(), args.safe_vocab_out_of_set, action
+        )
+        if action == "error":
+            raise NothingToTrainError(message)
+        if self.trainer.accelerator.is_main_process:
+            warnings.warn(message, OutOfSetWarning, stacklevel=2)
+
+    def _source(self) -> str:
+        """Where the completions come from, as the trainer knows it."""
+        trainer = self.trainer
+        if getattr(trainer, "rollout_func", None) is not None:
+            return "a rollout_func"
+        if getattr(trainer, "tools", None) or getattr(trainer, "environments", None):
+            return "trl's tool/environment loop"
+        if getattr(trainer, "use_vllm", False):
+            return "vLLM"
+        args = trainer.args
+        if not args.safe_vocab_in_sampler:
+            return "generate with safe_vocab_in_sampler=False"
+        if args.rollout_logit_noise > 0 or args.rollout_perturbation or args.rollout_mantissa_bits is not None:
+            return "generate with the mismatch lab's injected rollout mismatch"
+        return "generate (replaced or patched?)"
