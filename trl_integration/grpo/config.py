@@ -113,14 +113,11 @@ class SafeVocabGRPOConfig(GRPOConfig):
             `"rule"` recomputes each position's safe set with the rule; `"replay"` renormalises over the engine's kept
             token sets (a `rollout_func`'s `"sampling_mask"`, see docs/trl.md) & the rule; rule fallback, one warning.
         safe_vocab_out_of_set_warn_frac (`float`, defaults to `0.2`):
-            Warn (one line, `OutOfSetWarning`: the share, the rule, the sampler's settings and the fixes) when more
-            than this share of an optimisation step's completion tokens fall outside the trainer's safe set and are
-            masked out of the loss (rollouts not sampled under the rule: a `rollout_func`, tools, an external engine):
-            the first time, then at most every 50 steps. In [0, 1]; `1` never warns. See docs/trl.md, "Out-of-set
-            tokens".
+            Warn in one line (`OutOfSetWarning`: the share, the rule, the sampler's settings, the fixes), once and then
+            at most every 50 steps, when more than this share of a step's completion tokens fall outside the trainer's
+            safe set (rollouts not sampled under the rule); in [0, 1], `1` never warns (docs/trl.md, out-of-set).
         safe_vocab_empty_step (`str`, defaults to `"error"`):
-            An optimisation step whose completion tokens were all masked out of the loss (it trains nothing):
-            `"error"` stops the run (`NothingToTrainError`, naming the fixes), `"warn"` warns and trains on.
+            A step whose completion tokens were all masked out of the loss: `"error"` stops the run, `"warn"` trains on.
         > Parameters that control the mismatch lab (injected rollout mismatch, `generate` path)
 
         rollout_logit_noise (`float`, defaults to `0.0`):
@@ -281,21 +278,13 @@ class SafeVocabGRPOConfig(GRPOConfig):
         },
     )
     safe_vocab_out_of_set_warn_frac: float = field(
-        default=0.2,
-        metadata={
-            "help": "Warn (once, then at most every 50 steps) when more than this share of a step's completion "
-            "tokens fall outside the trainer's safe set and are masked out of the loss (rollouts not sampled under "
-            "the rule). In [0, 1]; 1 never warns."
-        },
-    )
+        default=0.2, metadata={"help": "Warn (once, then at most every 50 steps) when more than this share of a step's "
+        "completion tokens fall outside the trainer's safe set (masked out of the loss). In [0, 1]; 1: never."},
+    )  # fmt: skip
     safe_vocab_empty_step: str = field(
-        default="error",
-        metadata={
-            "help": "An optimisation step whose completion tokens were all masked out of the loss (it trains "
-            "nothing): 'error' stops the run, 'warn' warns and trains on.",
-            "choices": list(EMPTY_STEP_ACTIONS),
-        },
-    )
+        default="error", metadata={"help": "A step whose completion tokens were all masked out of the loss (it trains "
+        "nothing): 'error' stops the run, 'warn' warns and trains on.", "choices": list(EMPTY_STEP_ACTIONS)},
+    )  # fmt: skip
 
     # --- mismatch lab (docs/mismatch.md) ---------------------------------------------------------------
     rollout_logit_noise: float = field(
