@@ -16,6 +16,7 @@ from trl_helpers import grpo_kwargs, prompt_dataset, vowel_reward
 
 from safevocab import SafeSupport, fused_safe_logprobs
 from trl_integration import SafeVocabGRPOConfig, SafeVocabGRPOTrainer
+from trl_integration.grpo.out_of_set_alert import OutOfSetWarning
 from trl_integration.grpo.replay import (
     REPLAY_FRAC,
     REPLAY_KEY,
@@ -137,7 +138,10 @@ def test_select_support_rows_of_scored_positions():
 @pytest.mark.parametrize("perturb", [False, True])
 def test_replay_trains_on_the_engine_sets(tiny_model_dir, tmp_path, perturb):
     rollout_func = make_rollout_func(perturb)
-    trainer = train(tiny_model_dir, tmp_path, rollout_func)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer = train(tiny_model_dir, tmp_path, rollout_func)
+    assert not [w for w in caught if issubclass(w.category, OutOfSetWarning)]  # replayed sets: nothing out of set
     assert logged(trainer, REPLAY_FRAC) == [1.0, 1.0]
     disagreement = logged(trainer, SUPPORT_DISAGREEMENT)
     assert len(disagreement) == 2
@@ -183,6 +187,7 @@ def test_batches_without_masks_fall_back_with_one_warning(tiny_model_dir, tmp_pa
         trainer = train(tiny_model_dir, tmp_path, make_rollout_func(False, with_masks=False))
     fallback = [w for w in caught if "returned no sampling masks" in str(w.message)]
     assert len(fallback) == 1, [str(w.message) for w in fallback]
+    assert not [w for w in caught if issubclass(w.category, OutOfSetWarning)]  # sampled under the rule: silent
     assert logged(trainer, REPLAY_FRAC) == [0.0, 0.0]
     assert not logged(trainer, SUPPORT_DISAGREEMENT)
 

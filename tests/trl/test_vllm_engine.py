@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import gc
 import os
+import warnings
 
 import pytest
 import torch
@@ -27,6 +28,7 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 from safevocab import parse_rule, safe_log_softmax  # noqa: E402
 from trl_integration import SafeVocabGRPOTrainer  # noqa: E402
 from trl_integration.demo import arithmetic_reward, make_dataset, tiny_grpo_config, tiny_model_path  # noqa: E402
+from trl_integration.grpo.out_of_set_alert import OutOfSetWarning  # noqa: E402
 
 #: fp32 engine vs fp32 trainer, per token (the issue's goal is 1e-4; measured ~1e-5, docs/vllm.md).
 FP32_TOL = 1e-4
@@ -314,6 +316,15 @@ def _engine_replay_rollout_func(perturb: bool):
     return rollout_func
 
 
+def _train_silently(tmp_path, **kwargs) -> SafeVocabGRPOTrainer:
+    """:func:`_train`, asserting that no out-of-set warning was raised (issue 43: replay stays silent)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer = _train(tmp_path, **kwargs)
+    assert not [str(w.message) for w in caught if issubclass(w.category, OutOfSetWarning)]
+    return trainer
+
+
 def _logged(trainer, key: str) -> list[float]:
     return [entry[key] for entry in trainer.state.log_history if key in entry]
 
@@ -327,7 +338,9 @@ def test_replay_trains_on_the_engines_sets(engines, tmp_path, perturb):
     from safevocab import SafeSupport
 
     rollout_func = _engine_replay_rollout_func(perturb)
-    trainer = _train(tmp_path, rollout_func=rollout_func, safe_vocab_rule=REPLAY_RULE, safe_vocab_support="replay")
+    trainer = _train_silently(
+        tmp_path, rollout_func=rollout_func, safe_vocab_rule=REPLAY_RULE, safe_vocab_support="replay"
+    )
     masks = rollout_func.masks[-1]
     assert all(isinstance(mask, SamplingMask) for mask in masks)
     support = SafeSupport.from_vllm(masks)
@@ -350,7 +363,7 @@ def test_replay_reads_the_kept_sets_off_trls_own_vllm_path(engines, tmp_path):
     """``safe_vocab_support="replay"`` with ``use_vllm`` and no ``rollout_func``: on the CPU build (no sampling masks)
     the trainer asks trl's generation for the top-4 processed log-probabilities and trains on the ids with a finite
     one, the engine's kept sets; every loss token is replayed and the sets agree with the rule's."""
-    trainer = _train(tmp_path, safe_vocab_rule=REPLAY_RULE, safe_vocab_support="replay")
+    trainer = _train_silently(tmp_path, safe_vocab_rule=REPLAY_RULE, safe_vocab_support="replay")
     assert trainer.vllm_generation.logprobs == 4
     assert _logged(trainer, "safevocab/replay_frac") and min(_logged(trainer, "safevocab/replay_frac")) >= 0.99
     assert max(_logged(trainer, "safevocab/support_disagreement")) == 0.0
