@@ -258,3 +258,42 @@ def _inputs(out_of_set: int, counted: int):
     in_safe = torch.tensor([[i >= out_of_set for i in range(counted)]])
     masks = SimpleNamespace(counted=torch.ones(1, counted, dtype=torch.bool))
     return SimpleNamespace(masks=masks, stats=SimpleNamespace(in_safe=in_safe))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# trl's tool test under a pruning rule (the issue's case)
+
+
+def test_trls_tool_test_under_top_k_5_warns_naming_the_tool_loop(tmp_path):
+    """trl's ``test_train_with_tools`` (as tests/trl/test_trl_conformance.py builds it: a patched ``generate``
+    returning fixed tool calls) under rule ``top_k=5``: almost every completion token is outside the set; the run
+    says so."""
+    from chat_helpers import build_chat_tokenizer
+    from test_trl_conformance import agent, chat_dataset, multiply_tool, tool_call
+    from trl_helpers import build_model, grpo_kwargs
+
+    from trl_integration import SafeVocabGRPOConfig
+
+    tokenizer = build_chat_tokenizer()
+    build_model(tokenizer, head_scale=1.0, max_position_embeddings=2048).save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    name = multiply_tool.__name__
+    first = [tool_call(name, '{"a": 3, "b": 4}'), tool_call(name, '{"a": 3, "c": 4}'), "I don't know any tool<|im_end|>"]
+    kwargs = agent(str(tmp_path / "model"), first)
+    fake_generate = kwargs.pop("fake_generate")
+    args = SafeVocabGRPOConfig(**grpo_kwargs(
+        tmp_path / "run", safe_vocab_rule=RULE, **{k: kwargs.pop(k) for k in list(kwargs) if k not in (
+            "model", "processing_class", "reward_funcs")},
+    ))  # fmt: skip
+    trainer = SafeVocabGRPOTrainer(
+        model=kwargs["model"], reward_funcs=kwargs["reward_funcs"], args=args, train_dataset=chat_dataset(),
+        processing_class=kwargs["processing_class"], tools=[multiply_tool],
+    )  # fmt: skip
+    patched = patch.object(trainer.model, "generate", side_effect=fake_generate)
+    with warnings.catch_warnings(record=True) as caught, patched:
+        warnings.simplefilter("always")
+        trainer.train()
+    alerts = [str(w.message) for w in caught if issubclass(w.category, OutOfSetWarning)]
+    assert len(alerts) == 1 and "completions from trl's tool/environment loop" in alerts[0], alerts
+    assert_names_the_fixes(alerts[0])
+    assert trainer.out_of_set_alert.out_of_set_share > 0.9

@@ -28,11 +28,11 @@ from trl_integration.grpo.sampler_settings import compose_with_sampler, resolve_
 from trl_integration.options import (
     DEFAULT_BUCKETS,
     DEFAULT_MAX_CHUNK_BYTES,
+    EMPTY_STEP_ACTIONS,
     LENGTH_DECAY_STARTS,
     LENGTH_SURGE_BASELINES,
     NOISE_KINDS,
     OUT_OF_SET_MODES,
-    EMPTY_STEP_ACTIONS,
     ROLLOUT_DTYPES,
     SCORING_MODES,
     SUPPORT_SOURCES,
