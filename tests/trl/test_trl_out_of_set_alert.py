@@ -278,7 +278,8 @@ def test_trls_tool_test_under_top_k_5_warns_naming_the_tool_loop(tmp_path):
     build_model(tokenizer, head_scale=1.0, max_position_embeddings=2048).save_pretrained(tmp_path / "model")
     tokenizer.save_pretrained(tmp_path / "model")
     name = multiply_tool.__name__
-    first = [tool_call(name, '{"a": 3, "b": 4}'), tool_call(name, '{"a": 3, "c": 4}'), "I don't know any tool<|im_end|>"]
+    first = [tool_call(name, '{"a": 3, "b": 4}'), tool_call(name, '{"a": 3, "c": 4}')]
+    first.append("I don't know any tool<|im_end|>")
     kwargs = agent(str(tmp_path / "model"), first)
     fake_generate = kwargs.pop("fake_generate")
     args = SafeVocabGRPOConfig(**grpo_kwargs(
