@@ -218,38 +218,77 @@ def test_config_fields_refuse_out_of_range_values(tmp_path):
         config(tmp_path, safe_vocab_empty_step="skip")
 
 
-def test_the_warning_repeats_at_most_every_n_steps():
-    """The throttle on its own: a fake trainer, one step over the threshold after another."""
+class _State:
+    global_step = 0
+
+
+def _fake_trainer(is_main_process: bool = True, other_rank: list[int] | None = None, **overrides):
+    """A stand-in trainer for the alert alone; ``other_rank``: the counts another process adds to the gather."""
 
     class Accelerator:
-        device, is_main_process = torch.device("cpu"), True
+        device = torch.device("cpu")
 
         @staticmethod
         def gather(t):
-            return t
+            return t if other_rank is None else torch.cat([t, torch.tensor([other_rank], dtype=t.dtype)])
 
-    class Trainer:
-        accelerator, rollout_func, model = Accelerator(), None, torch.nn.Linear(1, 1)
-        args = config("unused")
+    trainer = type("Trainer", (), {})()
+    trainer.accelerator, trainer.rollout_func, trainer.model = Accelerator(), None, torch.nn.Linear(1, 1)
+    trainer.accelerator.is_main_process = is_main_process
+    trainer.args = config("unused", **overrides)
+    return trainer
 
-    class State:
-        global_step = 0
 
-    trainer = Trainer()
+def test_the_warning_repeats_at_most_every_n_steps():
+    """The throttle on its own: one step over the threshold after another."""
+    trainer = _fake_trainer()
     alert = OutOfSetAlert(trainer)
     warned = []
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for step in range(2 * REPEAT_EVERY_STEPS + 1):
-            State.global_step = step
+            _State.global_step = step
             alert.observe_generation(_inputs(out_of_set=3, counted=4))
             alert.observe_loss({"completion_mask": torch.ones(1, 4)})
             n = len(caught)
-            alert.on_pre_optimizer_step(trainer.args, State, None)
+            alert.on_pre_optimizer_step(trainer.args, _State, None)
             if len(caught) > n:
                 warned.append(step + 1)
     assert warned == [1, 1 + REPEAT_EVERY_STEPS, 1 + 2 * REPEAT_EVERY_STEPS]
     assert alert.out_of_set_share == 0.75 and alert.steps_trained_nothing == 0
+
+
+def test_several_processes_decide_on_the_sums_and_only_the_main_one_warns():
+    """The counts are summed over processes before anything is decided: this process's 1 of 4 out of set with
+    another's 4 of 4 is 5 of 8, over the threshold; another process whose loss tokens remain makes the step not
+    empty; a process other than the main one warns nothing but raises the same error."""
+    _State.global_step = 0
+    for is_main in (True, False):
+        trainer = _fake_trainer(is_main, other_rank=[4, 4, 4, 3])  # counted, out of set, completion, loss
+        alert = OutOfSetAlert(trainer)
+        alert.observe_generation(_inputs(out_of_set=1, counted=4))
+        alert.observe_loss({"completion_mask": torch.ones(1, 4), "tool_mask": torch.zeros(1, 4)})  # nothing left here
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            alert.on_pre_optimizer_step(trainer.args, _State, None)
+        assert [("5 of 8" in str(w.message)) for w in caught] == ([True] if is_main else [])
+        assert alert.out_of_set_share == 5 / 8 and alert.steps_trained_nothing == 0
+
+        trainer = _fake_trainer(is_main, other_rank=[0, 0, 4, 0])  # nothing left on the other process either
+        alert = OutOfSetAlert(trainer)
+        alert.observe_loss({"completion_mask": torch.ones(1, 4), "tool_mask": torch.zeros(1, 4)})
+        with pytest.raises(NothingToTrainError, match="removed all 8 completion tokens"):
+            alert.on_pre_optimizer_step(trainer.args, _State, None)
+
+
+def test_evaluation_batches_are_not_counted():
+    trainer = _fake_trainer()
+    trainer.model.eval()
+    alert = OutOfSetAlert(trainer)
+    alert.observe_generation(_inputs(out_of_set=4, counted=4))
+    alert.observe_loss({"completion_mask": torch.ones(1, 4), "tool_mask": torch.zeros(1, 4)})
+    alert.on_pre_optimizer_step(trainer.args, _State, None)
+    assert alert.out_of_set_share is None and alert.steps_trained_nothing == 0
 
 
 def _inputs(out_of_set: int, counted: int):
