@@ -64,7 +64,8 @@ RULES = [
     ("top_p=0.9", {}),
     ("top_k=10,min_p=0.05", {}),
     ("none", {"rollout_logprobs": True}),  # rule "none" records (and measures) only when switched on
-    ("min_prob=0.02", {"safe_vocab_in_sampler": False}),
+    # the sampler does not prune: with mask_sequence every sequence can be masked, which stops a run by default
+    ("min_prob=0.02", {"safe_vocab_in_sampler": False, "safe_vocab_empty_step": "warn"}),
 ]
 
 

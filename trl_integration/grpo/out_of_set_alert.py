@@ -167,7 +167,7 @@ class OutOfSetAlert(TrainerCallback):
                     step, out_of_set, counted, str(args.effective_rule), sampler_settings_text(args), self._source(),
                     args.safe_vocab_out_of_set, threshold,
                 )  # fmt: skip
-                warnings.warn(message, OutOfSetWarning, stacklevel=2)
+                warnings.warn(message, OutOfSetWarning, stacklevel=1)
         if completion > 0 and loss == 0:
             self.steps_trained_nothing += 1
             self._empty_step(step, completion)
@@ -182,7 +182,7 @@ class OutOfSetAlert(TrainerCallback):
         if action == "error":
             raise NothingToTrainError(message)
         if self.trainer.accelerator.is_main_process:
-            warnings.warn(message, OutOfSetWarning, stacklevel=2)
+            warnings.warn(message, OutOfSetWarning, stacklevel=1)
 
     def _source(self) -> str:
         """Where the completions come from, as the trainer knows it."""
