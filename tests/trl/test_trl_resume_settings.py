@@ -212,7 +212,8 @@ def test_a_full_disk_is_one_line_and_leaves_nothing_half_written(tiny_model_dir,
         return save(obj, f, *args, **kwargs)
 
     out = tmp_path / "run"
-    trainer = make_trainer(tiny_model_dir, out, max_steps=2, safe_vocab_atomic_checkpoints=atomic)
+    switch = {} if atomic else {"safe_vocab_atomic_checkpoints": False}  # the default: atomic
+    trainer = make_trainer(tiny_model_dir, out, max_steps=2, **switch)
     monkeypatch.setattr(torch, "save", full_disk)
     with pytest.raises(OSError) as info:
         trainer.train()
@@ -225,3 +226,25 @@ def test_a_full_disk_is_one_line_and_leaves_nothing_half_written(tiny_model_dir,
     left = sorted(p.name for p in out.iterdir() if p.is_dir())
     # atomic: nothing of the failed save stays; in place: transformers' partial checkpoint-2 stays, as it leaves it
     assert left == (["checkpoint-1"] if atomic else ["checkpoint-1", "checkpoint-2"]), left
+
+
+def test_the_command_refuses_a_changed_rule_and_accepts_it_with_the_flag(tiny_model_dir, tmp_path, saved_run, capsys):
+    from trl_integration.commands.grpo import main
+
+    checkpoint = checkpoint_copy(saved_run, tmp_path)
+    argv = [
+        "--model_name_or_path", tiny_model_dir, "--dataset_name", "synthetic", "--output_dir", str(tmp_path / "run"),
+        "--per_device_train_batch_size", "4", "--num_generations", "4", "--max_completion_length", "8",
+        "--max_steps", "3", "--report_to", "none", "--save_strategy", "no", "--use_cpu", "true", "--bf16", "false",
+        "--no_gradient_checkpointing", "--disable_tqdm", "true", "--resume_from_checkpoint", str(checkpoint),
+        "--learning_rate", "0.01", "--safe_vocab_rule", "top_k=5",
+    ]  # fmt: skip
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 1
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith(f"safevocab-grpo: error: resume_from_checkpoint='{checkpoint}' was trained with other "
+                           "settings (safevocab_settings.json): safe_vocab_rule 'min_p=0.001' -> 'top_k=5', ")  # fmt: skip
+    assert "(--resume_allow_changed_settings safe_vocab_rule safe_vocab_effective_rule)" in last
+    with pytest.warns(UserWarning, match="with changed settings: .*safe_vocab_rule 'min_p=0.001' -> 'top_k=5'"):
+        assert main(argv + ["--resume_allow_changed_settings", "safe_vocab_rule", "safe_vocab_effective_rule"]) == 0

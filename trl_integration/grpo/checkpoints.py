@@ -169,8 +169,9 @@ def save_staged(trainer, model, trial) -> None:
         if args.should_save:
             write_settings(trainer, os.path.join(staging, name))
     except (OSError, RuntimeError) as error:
+        full = no_space_error(error, name, staging)  # the space left measured before the clean-up
         shutil.rmtree(staging, ignore_errors=True)  # nothing half-written stays behind
-        raise no_space_error(error, name, staging) or error
+        raise full or error
     trainer.accelerator.wait_for_everyone()  # every process has written its files (rng_state_<r>.pth, shards)
     if args.should_save:
         _settle_best_checkpoint(trainer, run_dir, os.path.join(staging, name))
@@ -188,8 +189,7 @@ def save_staged(trainer, model, trial) -> None:
 
 
 def save_in_place(trainer, model, trial) -> None:
-    """transformers' own save of ``checkpoint-<global_step>`` into the run directory (not atomic), with the settings
-    file; a full disk is named as in :func:`save_staged` (the partial folder stays, as transformers leaves it)."""
+    """transformers' own save of ``checkpoint-N``, in place (not atomic), with the settings file; a full disk named."""
     name = f"{PREFIX_CHECKPOINT_DIR}-{trainer.state.global_step}"
     folder = os.path.join(trainer.checkpoint_run_dir(trial), name)
     try:

@@ -27,7 +27,7 @@ def no_space_error(error: BaseException, name: str, folder: str, removed: bool =
     else:
         return None
     try:
-        free = f"{shutil.disk_usage(os.path.dirname(folder) or '.').free / 2**20:.0f} MiB left there"
+        free = f"{shutil.disk_usage(os.path.dirname(folder) or '.').free / 2**20:.1f} MiB left there"
     except OSError:
         free = "space left unknown"
     return OSError(
