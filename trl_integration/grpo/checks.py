@@ -446,17 +446,20 @@ def check_chat_template(processing_class: Any, dataset: Any, tokenizer_of: str =
         )
 
 
-def check_train_dataset(dataset: Any) -> None:
+def check_train_dataset(dataset: Any, environments: bool = False) -> None:
     """Raise ``ValueError`` (one line) when trl cannot train on ``dataset``: no rows, no ``prompt`` column (naming the
     columns it has), or an empty prompt (an empty string or an empty list of messages; naming the first such row).
     ``None`` (no dataset) and datasets without a length or columns (an ``IterableDataset``: its first row only) are
-    checked as far as they can be without reading them whole."""
+    checked as far as they can be without reading them whole. With ``environments`` (trl's ``environment_factory``,
+    whose ``reset()`` may supply the prompt) only the rows are required."""
     if dataset is None:
         return
     sized = hasattr(dataset, "__len__")
     if sized and len(dataset) == 0:
         raise ValueError(f"train_dataset has no rows ({type(dataset).__name__} of length 0): accepted a dataset with at "
                          "least one row, with a 'prompt' column")  # fmt: skip
+    if environments:
+        return
     columns = getattr(dataset, "column_names", None)
     if columns is None:
         example = first_example(dataset)

@@ -43,7 +43,7 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 from transformers import TrainerCallback
-from transformers.trainer import TRAINER_STATE_NAME
+from transformers.trainer import SCHEDULER_NAME, TRAINER_STATE_NAME
 from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
 
 __all__ = [
@@ -294,14 +294,15 @@ def check_settings(trainer, checkpoint: str, global_step: int) -> ResumedLearnin
     accepted = [c for c in changes if c[0] in REFUSED_SETTINGS]
     if (honoured or accepted) and main:
         listed = ", ".join(f"{name} {old!r} -> {new!r}" for name, old, new in honoured + accepted)
+        how = (" (honoured: the schedule is rebuilt from this run's settings at the checkpoint's step, and a new "
+               "learning_rate scales the restored LRs)") if honoured else ""  # fmt: skip
         note = f"; {ALLOW_FIELD} accepts {[c[0] for c in accepted]}" if accepted else ""
-        warnings.warn(f"resuming from {checkpoint} with changed settings: {listed} (a schedule setting is honoured: "
-                      f"the schedule is rebuilt from this run's settings at the checkpoint's step, and a new "
-                      f"learning_rate scales the restored LRs){note}",
-                      UserWarning, stacklevel=4)  # fmt: skip
+        warnings.warn(f"resuming from {checkpoint} with changed settings: {listed}{how}{note}", UserWarning, stacklevel=4)
     old_lr = next((old for name, old, _ in honoured if name == "learning_rate"), None)
-    if old_lr is None or not old_lr:
-        return None
+    # transformers restores the optimizer and the schedule only together (optimizer.pt or FSDP's optimizer*)
+    restored = Path(checkpoint, SCHEDULER_NAME).is_file() and any(Path(checkpoint).glob("optimizer*"))
+    if not old_lr or not restored or getattr(trainer, "is_deepspeed_enabled", False):
+        return None  # nothing restores the old LR (a fresh schedule already has the new one), or DeepSpeed's own does
     return ResumedLearningRate(float(args.learning_rate) / float(old_lr))
 
 

@@ -146,7 +146,7 @@ class SafeVocabGRPOTrainer(QueuedMetrics, AtomicCheckpoints, GRPOTrainerBridge):
             super().__init__(model, reward_funcs, args, *pargs, **kwargs)
         check_tokenizer(self.processing_class)  # the one trl loaded, when none was given
         apply_thread_policy(self.model, self.accelerator.device, announce=self.accelerator.is_main_process)
-        check_train_dataset(self.train_dataset)  # no rows, no 'prompt' column, an empty prompt: one line each
+        check_train_dataset(self.train_dataset, self.environment_factories is not None)  # rows, 'prompt': one line
         check_chat_template(self.processing_class, self.train_dataset)  # not at the first generation step
         check_reward_funcs(self)  # an infinite or non-numeric reward is refused, naming the function
         self._check_zero3()
