@@ -227,3 +227,68 @@ def test_the_command_names_an_infinite_reward(tmp_path, capsys):
     last = capsys.readouterr().err.strip().splitlines()[-1]
     assert last.startswith("safevocab-grpo: error: reward function 'inf_at_step_1' returned inf for completion 1 of 4 "
                            "at global_step=1: ")  # fmt: skip
+
+
+# --- issue 37, N5/N5b: a dict or a set, and rewards large enough to overflow trl's float32 group statistics ---------
+
+
+def as_dict(completions, **kwargs):
+    return {i: 0.1 * len(c) for i, c in enumerate(completions)}
+
+
+def as_set(completions, **kwargs):
+    return {0.1 * i for i in range(len(completions))}
+
+
+@pytest.mark.parametrize(("func", "kind"), [(as_dict, "a dict is not: trl would train on its keys"),
+                                            (as_set, "a set is not: trl would train on its elements in hash order")])
+def test_a_dict_or_a_set_of_rewards_is_refused(tiny_model_dir, tmp_path, func, kind):
+    """Old code: trained on the dict's keys 0..3 (reward 1.5 = mean(0..3)) or the set's elements in hash order."""
+    trainer = make_trainer(tiny_model_dir, tmp_path, func)
+    with pytest.raises(TypeError) as info:
+        trainer.train()
+    message = str(info.value)
+    assert message.startswith(f"reward function '{func.__name__}' returned {type(func([''])).__name__} ")
+    assert message.endswith(f"at global_step=0: accepted a list of one float (or None for no reward) per completion, "
+                            f"in the completions' order ({kind})")  # fmt: skip
+    assert "\n" not in message and trainer.state.global_step == 0
+
+
+def huge(completions, **kwargs):
+    """Finite float32 rewards: the group mean of 4 overflows to inf (the audit's reproducer, >~ 4e37)."""
+    return [1e38 if i % 2 else 0.0 for i in range(len(completions))]
+
+
+def test_rewards_that_overflow_the_group_statistics_are_refused(tiny_model_dir, tmp_path):
+    """Old code: mean/std inf, every advantage 0, loss 0, exit 0 (the run trained nothing)."""
+    trainer = make_trainer(tiny_model_dir, tmp_path, huge)
+    with pytest.raises(ValueError) as info:
+        trainer.train()
+    assert str(info.value) == (
+        "reward function 'huge' returned 1e+38 for completion 1 of 4 at global_step=0: accepted rewards of magnitude "
+        "<= 4.61e+18 (with these reward weights); larger ones overflow trl's float32 group mean/std and the group "
+        "trains nothing: rescale it"
+    )
+
+
+def test_the_largest_accepted_reward_keeps_the_statistics_finite():
+    """reward_limit is what trl's own statistics take: rewards at +-limit give finite advantages, in float32."""
+    from trl.trainer.utils import nanstd
+
+    from trl_integration.grpo.rewards import reward_limit
+
+    for rows in (2, 4, 16, 1024):
+        limit = reward_limit(rows)
+        rewards = torch.full((rows,), limit, dtype=torch.float32)
+        rewards[::2] = -limit
+        advantages = (rewards - torch.nanmean(rewards)) / (nanstd(rewards) + 1e-4)
+        assert bool(torch.isfinite(advantages).all()) and bool((advantages != 0).any()), rows
+        assert reward_limit(rows, weight_sum=2.0) == limit / 2
+
+
+def test_the_reward_checks_can_be_switched_off(tiny_model_dir, tmp_path):
+    args = SafeVocabGRPOConfig(**grpo_kwargs(tmp_path, report_to="none", save_strategy="no",
+                                             safe_vocab_check_rewards=False))  # fmt: skip
+    trainer = SafeVocabGRPOTrainer(model=tiny_model_dir, reward_funcs=as_dict, args=args,
+                                   train_dataset=prompt_dataset(), processing_class=build_tokenizer())  # fmt: skip
+    assert trainer.reward_funcs == [as_dict]  # trl's own behaviour: the function is called as it is

@@ -23,6 +23,10 @@ skips them. A killed save's staging folder is ignored by resuming (named in its 
 
 Nothing this module writes is required, so a complete checkpoint of plain transformers or trl qualifies.
 
+**Disk full**: one ``OSError`` naming ENOSPC and the folder (:mod:`~trl_integration.grpo.disk_full`); the staging
+folder is deleted. Each save also writes ``safevocab_settings.json`` (:mod:`trl_integration.grpo.resume_settings`).
+``args.safe_vocab_atomic_checkpoints=False`` saves in place, as transformers does (the resume checks stay).
+
 **Resume state** (:func:`missing_state`). A checkpoint a run resumes from must also hold what the Trainer would
 otherwise silently start fresh: the optimizer (``optimizer.pt``, or FSDP's ``optimizer*`` / DeepSpeed's
 ``global_step*``), ``scheduler.pt`` (transformers loads the optimizer and the scheduler only together; with
@@ -32,6 +36,9 @@ multi-process run) and, when the run uses a gradient scaler (fp16), ``scaler.pt`
 refused in one line naming the missing files; ``resume_allow_missing_state=True`` accepts it with a warning naming
 what starts fresh. Under DeepSpeed, ``scheduler.pt`` is required only with ``length_decay`` (DeepSpeed's own
 schedulers are saved in ``global_step*``).
+
+**What it must match** (:mod:`~trl_integration.grpo.resume_settings`): a valid ``global_step``, the model's weight
+names and shapes, ``max_steps`` >= its step, and its stored settings (``resume_allow_changed_settings``).
 
 **The length-decay schedule's base** (:func:`length_decay_base_problem`). The length-decay state in ``scheduler.pt``
 holds the base schedule's state, or none when the run had ``lr_scheduler_type="constant"`` (and in every checkpoint
@@ -65,6 +72,15 @@ from transformers.utils import (
 )
 
 from trl_integration.grpo.length_decay import uses_detector
+from trl_integration.grpo.disk_full import no_space_error
+from trl_integration.grpo.resume_settings import (
+    check_settings,
+    checkpoint_step,
+    trainer_state_problem,
+    weights_loaded_elsewhere,
+    weights_problem,
+    write_settings,
+)
 
 __all__ = [
     "STAGING_PREFIX",
@@ -108,17 +124,28 @@ class AtomicCheckpoints:
     (:func:`checked_resume_checkpoint`)."""
 
     def save_checkpoint(self, model, trial) -> None:
-        """trl's checkpoint, written so that a kill leaves the complete ``checkpoint-N`` or none (:func:`save_staged`)."""
-        save_staged(self, model, trial)
+        """trl's checkpoint, written so that a kill leaves the complete ``checkpoint-N`` or none (:func:`save_staged`);
+        in place with ``args.safe_vocab_atomic_checkpoints=False`` (:func:`save_in_place`)."""
+        if getattr(self.args, "safe_vocab_atomic_checkpoints", True):
+            save_staged(self, model, trial)
+        else:
+            save_in_place(self, model, trial)
 
     def train(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None, **kwargs):
         """``Trainer.train``. ``resume_from_checkpoint=True`` resumes from the newest *complete* checkpoint (one warning
-        names what was skipped); a checkpoint that is incomplete or lacks its optimizer, scheduler or RNG state is
-        refused in one line (see the module docstring)."""
+        names what was skipped); a checkpoint that is incomplete, lacks its optimizer, scheduler or RNG state, holds
+        other weights or unchangeable other settings is refused in one line (see the module docstring)."""
         checkpoint = checked_resume_checkpoint(self, resume_from_checkpoint)
-        return super().train(
-            resume_from_checkpoint=checkpoint, trial=trial, ignore_keys_for_eval=ignore_keys_for_eval, **kwargs
-        )
+        learning_rate = None if checkpoint is None else check_settings(self, checkpoint, checkpoint_step(checkpoint))
+        if learning_rate is not None:
+            self.add_callback(learning_rate)
+        try:
+            return super().train(
+                resume_from_checkpoint=checkpoint, trial=trial, ignore_keys_for_eval=ignore_keys_for_eval, **kwargs
+            )
+        finally:
+            if learning_rate is not None:
+                self.remove_callback(learning_rate)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -137,7 +164,14 @@ def save_staged(trainer, model, trial) -> None:
         shutil.rmtree(staging, ignore_errors=True)  # what a killed save of this step left
         os.makedirs(staging)
     trainer.accelerator.wait_for_everyone()  # no process writes into the folder before it is emptied
-    trainer.stock_save_checkpoint(model, trial, parent=staging)
+    try:
+        trainer.stock_save_checkpoint(model, trial, parent=staging)
+        if args.should_save:
+            write_settings(trainer, os.path.join(staging, name))
+    except (OSError, RuntimeError) as error:
+        full = no_space_error(error, name, staging)  # the space left measured before the clean-up
+        shutil.rmtree(staging, ignore_errors=True)  # nothing half-written stays behind
+        raise full or error
     trainer.accelerator.wait_for_everyone()  # every process has written its files (rng_state_<r>.pth, shards)
     if args.should_save:
         _settle_best_checkpoint(trainer, run_dir, os.path.join(staging, name))
@@ -152,6 +186,18 @@ def save_staged(trainer, model, trial) -> None:
         # A node that does not share the saving process's disk: its processes' files (rng_state_<r>.pth) end up in
         # its own checkpoint-N, as transformers leaves them.
         publish(os.path.join(staging, name), final)
+
+
+def save_in_place(trainer, model, trial) -> None:
+    """transformers' own save of ``checkpoint-N``, in place (not atomic), with the settings file; a full disk named."""
+    name = f"{PREFIX_CHECKPOINT_DIR}-{trainer.state.global_step}"
+    folder = os.path.join(trainer.checkpoint_run_dir(trial), name)
+    try:
+        trainer.stock_save_checkpoint(model, trial)
+        if trainer.args.should_save and os.path.isdir(folder):
+            write_settings(trainer, folder)
+    except (OSError, RuntimeError) as error:
+        raise no_space_error(error, name, folder, removed=False) or error
 
 
 def publish(staged: str, final: str) -> None:
@@ -420,6 +466,10 @@ def checked_resume_checkpoint(trainer, resume_from_checkpoint):
                 f"resume_from_checkpoint={checkpoint!r} is not a complete checkpoint: {problem}; resume from an "
                 "earlier checkpoint-N, or pass resume_from_checkpoint=True for the newest complete one"
             )
+    problem = trainer_state_problem(checkpoint) or (
+        None if weights_loaded_elsewhere(trainer) else weights_problem(trainer.model, checkpoint))  # fmt: skip
+    if problem is not None:
+        raise ValueError(f"resume_from_checkpoint={checkpoint!r}: {problem}")
     length_decay = bool(getattr(args, "length_decay", False))
     if length_decay:
         schedule = getattr(args.lr_scheduler_type, "value", args.lr_scheduler_type)

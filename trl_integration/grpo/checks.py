@@ -21,6 +21,11 @@ cooldown without a second decay, an EMA coefficient without the EMA baseline.
 ``rollout_tail_rule``, ``rollout_mantissa_bits``, ``rollout_perturbation``, ``zero_mismatch``; what each rollout path
 (``generate``, vLLM, continuous batching) supports, and fp16 on CPU.
 
+**Training data** (:func:`check_train_dataset`, when the trainer is built): trl reads each row's ``prompt``; a
+dataset without that column failed with a bare ``KeyError: 'prompt'`` in the first generation step, an empty-string
+prompt with an ``IndexError`` inside ``generate`` (a prompt of no tokens), and an empty dataset trained 0 steps without
+a word. Each is one line naming the column (and the dataset's columns) or the row.
+
 **Tokenizer** (:func:`check_tokenizer`, when the trainer is built): what trl repairs itself is accepted; what it
 cannot repair, which would otherwise fail deep inside the first generation step (a ``None`` id in a tensor) or train
 on garbage, is refused:
@@ -61,6 +66,7 @@ __all__ = [
     "check_safe_vocab_fields", "warn_on_sampler_rule_mismatch", "one_of", "bf16_supported", "fp16_amp_supported",
     "check_length_decay", "refuse_unwrappable_lr_schedules", "STRING_CHOICES", "check_rule_text", "check_mismatch_lab",
     "check_rollout_paths", "check_tokenizer", "check_chat_template", "first_example", "check_report_to",
+    "check_train_dataset", "check_allowed_changes",
 ]  # fmt: skip
 
 
@@ -101,10 +107,12 @@ def check_safe_vocab_fields(config) -> None:
     """Validate (and normalise in place) the safe-vocabulary fields of a ``SafeVocabGRPOConfig``: the rule (parsed
     into ``config._rule``; an empty one refused), the out-of-set mode, the rollout dtype, the mismatch buckets, the
     chunk budget, the scoring and support sources, the out-of-set alert's threshold and empty-step action, and the resume
-    opt-out."""
-    if not isinstance(config.resume_allow_missing_state, bool):
-        value = config.resume_allow_missing_state
-        raise TypeError(f"resume_allow_missing_state must be True or False, got {type(value).__name__}: {value!r}")
+    opt-outs."""
+    for name in ("resume_allow_missing_state", "safe_vocab_atomic_checkpoints", "safe_vocab_check_rewards"):
+        value = getattr(config, name)
+        if not isinstance(value, bool):
+            raise TypeError(f"{name} must be True or False, got {type(value).__name__}: {value!r}")
+    check_allowed_changes(config)
     # The rule composes in the order of the engine that samples the rollouts (vLLM's differs from generate's).
     config._rule = check_rule_text("safe_vocab_rule", config.safe_vocab_rule, engine=config.rule_engine)
     config.safe_vocab_rule = str(config._rule)
@@ -129,6 +137,20 @@ def check_safe_vocab_fields(config) -> None:
         "a number in [0, 1] (1: never warn)",
     )
     one_of("safe_vocab_empty_step", config.safe_vocab_empty_step, STRING_CHOICES["safe_vocab_empty_step"])
+
+
+def check_allowed_changes(config) -> None:
+    """``resume_allow_changed_settings`` as a list of the settings a resume may be told to accept (a single name is
+    taken as a list of one); ``ValueError`` naming an unknown one."""
+    from trl_integration.grpo.resume_settings import ALLOW_FIELD, REFUSED_SETTINGS
+
+    names = getattr(config, ALLOW_FIELD)
+    names = [names] if isinstance(names, str) else list(names or [])
+    for name in names:
+        if name not in REFUSED_SETTINGS:
+            raise ValueError(f"{ALLOW_FIELD} holds {name!r}: accepted names of settings a resume refuses to change, "
+                             f"{list(REFUSED_SETTINGS)} (a changed learning rate, schedule or max_steps needs none)")  # fmt: skip
+    setattr(config, ALLOW_FIELD, names)
 
 
 def warn_on_sampler_rule_mismatch(config, rule) -> None:
@@ -430,3 +452,34 @@ def check_chat_template(processing_class: Any, dataset: Any, tokenizer_of: str =
             f"({type(tokenizer).__name__}) has no chat_template: accepted plain-text prompts, or a tokenizer with a "
             "chat template (an instruct model's, or set tokenizer.chat_template and save_pretrained)"
         )
+
+
+def check_train_dataset(dataset: Any, environments: bool = False) -> None:
+    """Raise ``ValueError`` (one line) when trl cannot train on ``dataset``: no rows, no ``prompt`` column (naming the
+    columns it has), or an empty prompt (an empty string or an empty list of messages; naming the first such row).
+    ``None`` (no dataset) and datasets without a length or columns (an ``IterableDataset``: its first row only) are
+    checked as far as they can be without reading them whole. With ``environments`` (trl's ``environment_factory``,
+    whose ``reset()`` may supply the prompt) only the rows are required."""
+    if dataset is None:
+        return
+    sized = hasattr(dataset, "__len__")
+    if sized and len(dataset) == 0:
+        raise ValueError(f"train_dataset has no rows ({type(dataset).__name__} of length 0): accepted a dataset with at "
+                         "least one row, with a 'prompt' column")  # fmt: skip
+    if environments:
+        return
+    columns = getattr(dataset, "column_names", None)
+    if columns is None:
+        example = first_example(dataset)
+        columns = list(example) if isinstance(example, dict) else None
+    if columns is not None and "prompt" not in columns:
+        raise ValueError(f"train_dataset has no 'prompt' column, which GRPO generates from: it has {list(columns)}; "
+                         "rename the column holding the prompts (dataset.rename_column('question', 'prompt'))")  # fmt: skip
+    if columns is None:
+        return
+    prompts = dataset["prompt"] if sized and hasattr(dataset, "column_names") else [first_example(dataset)["prompt"]]
+    for index, prompt in enumerate(prompts):
+        if isinstance(prompt, (str, list)) and len(prompt) == 0:
+            raise ValueError(f"train_dataset row {index}: prompt={prompt!r} is empty: accepted a non-empty prompt "
+                             "(text, or a list of messages); drop or fill the empty rows "
+                             "(dataset.filter(lambda row: len(row['prompt']) > 0))")  # fmt: skip

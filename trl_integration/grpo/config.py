@@ -194,6 +194,18 @@ class SafeVocabGRPOConfig(GRPOConfig):
             `rng_state.pth` (`rng_state_<rank>.pth` per process) or `scaler.pt` (with fp16): by default such a
             checkpoint is refused, naming the missing files; with `True` it is accepted with a warning naming what
             starts fresh (see :mod:`trl_integration.grpo.checkpoints`).
+        resume_allow_changed_settings (`list[str]`, defaults to `[]`):
+            Settings a resume may change on purpose (stored per checkpoint in `safevocab_settings.json`): a changed
+            `safe_vocab_rule`, `safe_vocab_effective_rule`, `rule_engine`, `length_decay*`/`length_surge_*` setting or
+            model (`model_config_class`, `model_vocab_size`, `model_hidden_size`, `model_num_parameters`) is refused
+            unless named here. A changed `learning_rate` (the new LR scales the restored schedule), schedule or
+            `max_steps` is honoured with a warning; `max_steps` below the checkpoint's step is refused
+            (:mod:`trl_integration.grpo.resume_settings`).
+        safe_vocab_atomic_checkpoints (`bool`, defaults to `True`):
+            Publish each checkpoint with one rename (a kill or full disk leaves it whole or absent); `False`: in place.
+        safe_vocab_check_rewards (`bool`, defaults to `True`):
+            Refuse, naming the function, a reward output that is not one number per completion (a string, a dict, a
+            set), infinite, or large enough to overflow trl's float32 group mean/std (:mod:`trl_integration.grpo.rewards`).
     """
 
     safe_vocab_rule: str = field(
@@ -403,6 +415,17 @@ class SafeVocabGRPOConfig(GRPOConfig):
             "rng_state.pth (rng_state_<rank>.pth per process) or scaler.pt (fp16): refused by default, naming the "
             "missing files; true accepts it with a warning naming what starts fresh."
         },
+    )
+    resume_allow_changed_settings: list[str] = field(
+        default_factory=list,
+        metadata={"help": "Settings a resume may change on purpose (refused otherwise): safe_vocab_rule, "
+                          "safe_vocab_effective_rule, rule_engine, length_decay*/length_surge_*, model_* (see docs)."},
+    )
+    safe_vocab_atomic_checkpoints: bool = field(
+        default=True, metadata={"help": "Publish each checkpoint with one rename (false: save in place, as transformers)."}
+    )
+    safe_vocab_check_rewards: bool = field(
+        default=True, metadata={"help": "Refuse non-numeric, dict/set, infinite or overflowing rewards, naming the function."}
     )
 
     def __post_init__(self):

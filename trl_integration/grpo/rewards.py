@@ -18,8 +18,15 @@ that calls it unchanged and then checks its output:
 - not iterable (a float, ``None``, a string): ``TypeError`` naming the function and what it returned;
 - an element trl cannot turn into a float32 (a string, a list): ``TypeError`` naming the function, the
   completion and the element;
+- a ``dict`` or a ``set`` (any mapping or set): ``TypeError`` naming the function (trl would train on a dict's
+  keys, and on a set's elements in hash order, not per completion);
 - ``+inf`` or ``-inf``: ``ValueError`` naming the function, the completion and ``trainer_state.global_step``
-  (trl's ``trainer_state`` reward keyword).
+  (trl's ``trainer_state`` reward keyword);
+- a finite reward so large that trl's float32 group statistics overflow (:func:`reward_limit`: the squared deviations
+  of ``nanstd`` overflow from about ``1.8e19 / sqrt(rows)``, the group mean from ``3.4e38 / G``; an overflowing std
+  makes every advantage of the group 0, which trains nothing): ``ValueError`` naming the function, the value and the limit.
+
+``args.safe_vocab_check_rewards=False`` leaves the reward functions unwrapped (trl's own behaviour).
 
 What trl accepts is accepted unchanged (floats, ints, bools, numpy scalars, 0-dim tensors), and ``None`` and NaN
 stay trl's "no reward for this completion": a step where every reward is missing keeps trl's behaviour, a warning
@@ -39,16 +46,32 @@ from __future__ import annotations
 import functools
 import inspect
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Set
 from typing import Any
 
 import torch
 from torch import nn
 
-__all__ = ["CheckedReward", "AsyncCheckedReward", "RewardModelCheck", "check_reward_funcs", "check_rewards"]
+__all__ = [
+    "CheckedReward", "AsyncCheckedReward", "RewardModelCheck", "check_reward_funcs", "check_rewards", "reward_limit",
+]  # fmt: skip
 
 #: What a reward function must return, in the errors' words.
 ACCEPTED = "accepted a list of one float (or None for no reward) per completion"
+#: The largest float32.
+_FLOAT32_MAX = float(torch.finfo(torch.float32).max)
+
+
+def reward_limit(rows: int, weight_sum: float = 1.0) -> float:
+    """The largest reward magnitude whose weighted sums keep trl's float32 statistics finite over ``rows`` rewards
+    (the generation batch: ``scale_rewards="batch"`` and the logged per-function std reduce over all of it, a group
+    over fewer) with reward weights whose magnitudes sum to ``weight_sum``.
+
+    A weighted sum is at most ``R W`` in magnitude and its deviation from the mean at most ``2 R W``; ``nanstd``
+    sums ``rows`` squared deviations (``<= rows (2 R W)^2``) before dividing, so ``R <= sqrt(max / rows) / (2 W)``
+    keeps every sum, mean and std finite (about ``4.6e18`` for 4 rewards of weight 1, ``2.9e17`` for 1,024).
+    """
+    return math.sqrt(_FLOAT32_MAX / max(int(rows), 2)) / (2.0 * max(weight_sum, 1e-30))
 
 
 def _is_async(func: Callable) -> bool:
@@ -81,9 +104,15 @@ def _not_a_number(reward: object) -> bool:
         return True
 
 
-def check_rewards(output: object, name: str, trainer_state: Any = None) -> list:
+def check_rewards(output: object, name: str, trainer_state: Any = None, limit: float | None = None) -> list:
     """``output`` of the reward function ``name`` as a list, after checking it holds one finite float or ``None``
-    per completion (NaN allowed: trl's missing reward); raises ``TypeError``/``ValueError`` naming ``name``."""
+    per completion (NaN allowed: trl's missing reward), each of magnitude at most ``limit`` (:func:`reward_limit`;
+    ``None``: no limit); raises ``TypeError``/``ValueError`` naming ``name``."""
+    if isinstance(output, (Mapping, Set)):
+        kind = "a dict" if isinstance(output, Mapping) else "a set"
+        raise TypeError(f"reward function {name!r} returned {type(output).__name__} {_short(output)}"
+                        f"{_step(trainer_state)}: {ACCEPTED}, in the completions' order ({kind} is not: trl would "
+                        f"train on its {'keys' if isinstance(output, Mapping) else 'elements in hash order'})")  # fmt: skip
     try:
         if isinstance(output, (str, bytes)):
             raise TypeError("a string")
@@ -110,19 +139,30 @@ def check_rewards(output: object, name: str, trainer_state: Any = None) -> list:
             f"{_step(trainer_state)}: accepted finite rewards (None or NaN for a completion without one); an "
             "infinite reward makes its group's advantages NaN, which trains nothing"
         )
+    if limit is not None:
+        too_large = values.abs() > limit
+        if bool(too_large.any()):
+            index = int(too_large.nonzero()[0])
+            raise ValueError(
+                f"reward function {name!r} returned {float(values[index]):.6g} for completion {index} of "
+                f"{len(rewards)}{_step(trainer_state)}: accepted rewards of magnitude <= {limit:.3g} (with these reward "
+                "weights); larger ones overflow trl's float32 group mean/std and the group trains nothing: rescale it"
+            )
     return rewards
 
 
 class CheckedReward:
     """A reward function whose output is checked by :func:`check_rewards`; called as trl calls reward functions."""
 
-    def __init__(self, func: Callable, name: str):
+    def __init__(self, func: Callable, name: str, limit: float | None = None):
         self.func = func
         #: trl's name of the function (``rewards/<name>/*`` metrics), read by trl through ``__name__``.
         self.__name__ = name
+        #: The largest accepted reward magnitude (:func:`reward_limit`), or ``None``.
+        self.limit = limit
 
     def __call__(self, *args, **kwargs):
-        return check_rewards(self.func(*args, **kwargs), self.__name__, kwargs.get("trainer_state"))
+        return check_rewards(self.func(*args, **kwargs), self.__name__, kwargs.get("trainer_state"), self.limit)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.func!r})"
@@ -132,36 +172,50 @@ class AsyncCheckedReward(CheckedReward):
     """:class:`CheckedReward` of an asynchronous reward function (trl awaits it on its event loop)."""
 
     async def __call__(self, *args, **kwargs):
-        return check_rewards(await self.func(*args, **kwargs), self.__name__, kwargs.get("trainer_state"))
+        return check_rewards(await self.func(*args, **kwargs), self.__name__, kwargs.get("trainer_state"), self.limit)
 
 
 class RewardModelCheck:
     """Forward hook of a reward model: raises ``ValueError`` naming it when a score trl reads (``logits[:, 0]``)
     is infinite. ``step`` gives the trainer's ``global_step`` at the time."""
 
-    def __init__(self, name: str, step: Callable[[], int]):
-        self.name, self.step = name, step
+    def __init__(self, name: str, step: Callable[[], int], limit: float = math.inf):
+        self.name, self.step, self.limit = name, step, limit
 
     def __call__(self, module: nn.Module, args: tuple, output: Any) -> None:
         logits = getattr(output, "logits", None)
         if not isinstance(logits, torch.Tensor) or logits.dim() != 2:
             return
         infinite = torch.isinf(logits[:, 0])
+        label = repr(self.name) if self.name else type(module).__name__  # a model built in code has no id
         if bool(infinite.any()):
             index = int(infinite.nonzero()[0])
-            label = repr(self.name) if self.name else type(module).__name__  # a model built in code has no id
             raise ValueError(
                 f"reward model {label} returned {float(logits[index, 0])} for completion {index} of "
                 f"{logits.shape[0]} at global_step={self.step()}: accepted finite rewards (an overflow: try the model "
                 "in float32)"
             )
+        too_large = logits[:, 0].detach().float().abs() > self.limit
+        if bool(too_large.any()):
+            index = int(too_large.nonzero()[0])
+            raise ValueError(
+                f"reward model {label} returned {float(logits[index, 0]):.6g} for completion {index} of "
+                f"{logits.shape[0]} at global_step={self.step()}: accepted rewards of magnitude <= {self.limit:.3g} "
+                "(with these reward weights); larger ones overflow trl's float32 group mean/std"
+            )
 
 
 def check_reward_funcs(trainer: Any) -> None:
     """Wrap each reward callable of a built trl GRPO ``trainer`` (``reward_funcs``, named by ``reward_func_names``) in
-    a :class:`CheckedReward`, and hook a :class:`RewardModelCheck` on each reward model; once per trainer."""
+    a :class:`CheckedReward`, and hook a :class:`RewardModelCheck` on each reward model; once per trainer. Nothing
+    when ``trainer.args.safe_vocab_check_rewards`` is ``False``."""
+    if not getattr(trainer.args, "safe_vocab_check_rewards", True):
+        return
+    weights = getattr(trainer, "reward_weights", None)
+    weight_sum = float(weights.abs().sum()) if isinstance(weights, torch.Tensor) else float(len(trainer.reward_funcs))
+    limit = reward_limit(getattr(trainer.args, "generation_batch_size", None) or 1, weight_sum)
     for i, (func, name) in enumerate(zip(trainer.reward_funcs, trainer.reward_func_names, strict=True)):
         if isinstance(func, nn.Module):  # trl's own test: Module, for compiled models too
-            func.register_forward_hook(RewardModelCheck(name, lambda: trainer.state.global_step))
+            func.register_forward_hook(RewardModelCheck(name, lambda: trainer.state.global_step, limit))
         elif not isinstance(func, CheckedReward):
-            trainer.reward_funcs[i] = (AsyncCheckedReward if _is_async(func) else CheckedReward)(func, name)
+            trainer.reward_funcs[i] = (AsyncCheckedReward if _is_async(func) else CheckedReward)(func, name, limit)

@@ -60,7 +60,7 @@ from trl_integration._private import (
 )
 from trl_integration.grpo.batch import BatchState, LossReplay, PendingGeneration
 from trl_integration.grpo.checkpoints import AtomicCheckpoints
-from trl_integration.grpo.checks import check_chat_template, check_tokenizer
+from trl_integration.grpo.checks import check_chat_template, check_tokenizer, check_train_dataset
 from trl_integration.grpo.config import SafeVocabGRPOConfig
 from trl_integration.grpo.head import SafeHeadState, add_safe_lm_head
 from trl_integration.grpo.length_decay import LengthDecayCallback, length_decay_scheduler, wraps_base_schedule
@@ -147,6 +147,7 @@ class SafeVocabGRPOTrainer(QueuedMetrics, AtomicCheckpoints, GRPOTrainerBridge):
             super().__init__(model, reward_funcs, args, *pargs, **kwargs)
         check_tokenizer(self.processing_class)  # the one trl loaded, when none was given
         apply_thread_policy(self.model, self.accelerator.device, announce=self.accelerator.is_main_process)
+        check_train_dataset(self.train_dataset, self.environment_factories is not None)  # rows, 'prompt': one line
         check_chat_template(self.processing_class, self.train_dataset)  # not at the first generation step
         check_reward_funcs(self)  # an infinite or non-numeric reward is refused, naming the function
         self._check_zero3()
