@@ -36,11 +36,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # study2_analysis: the shared interval helpers
 
-from study2_analysis import CONTROLS, above, below, bonferroni, with_controls, within  # noqa: E402
+from study2_analysis import CONTROLS, above, below, bonferroni, with_controls, within
 
-from trl_integration.study.aggregate import paired_stats  # noqa: E402
-from trl_integration.study.contrasts import contrasts  # noqa: E402
-from trl_integration.study.provenance import check_code_versions  # noqa: E402
+from trl_integration.study.aggregate import paired_stats
+from trl_integration.study.contrasts import contrasts
+from trl_integration.study.provenance import check_code_versions
 
 #: The margin of every equivalence statement (late held-out reward), Study 2's.
 MARGIN = 0.005

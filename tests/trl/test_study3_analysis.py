@@ -11,7 +11,7 @@ import pytest
 
 pytest.importorskip("trl")
 
-from test_study2_analysis import JITTER, SEEDS, _results, _run  # noqa: E402
+from test_study2_analysis import JITTER, SEEDS, _results, _run
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "study3_analysis.py"
 

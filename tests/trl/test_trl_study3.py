@@ -21,8 +21,8 @@ from trl_integration.study.provenance import check_code_versions, code_version
 REPO = Path(__file__).resolve().parents[2]
 
 #: A one-step study on the bundled tiny arithmetic model (1 seed, 2 prompts x 4 completions).
-TINY = dict(task="arithmetic", seeds=[0], steps=1, eval_every=1, eval_num_prompts=4, num_prompts_per_step=2,
-            num_generations=4, train_num_prompts=8, noise=0.0)
+TINY = {"task": "arithmetic", "seeds": [0], "steps": 1, "eval_every": 1, "eval_num_prompts": 4,
+        "num_prompts_per_step": 2, "num_generations": 4, "train_num_prompts": 8, "noise": 0.0}
 
 
 def _config(arm: str, settings: StudySettings, tmp_path) -> SafeVocabGRPOConfig:
@@ -92,8 +92,8 @@ def test_trunc_short_run_stock_scores_full_softmax_dvp_none_and_records_carry_th
     assert _last(tis, "sampling/importance_sampling_ratio/max") < 1.0  # the ratio reads the kept mass
     assert abs(_last(dvp_tis, "mismatch/abs_logp_diff_mean")) < 1e-5
     assert _last(dvp_tis, "sampling/importance_sampling_ratio/min") > 1 - 1e-5
-    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
-    clean = subprocess.run(["git", "status", "--porcelain"], cwd=REPO, capture_output=True, text=True).stdout == ""
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, check=True).stdout.strip()
+    clean = subprocess.run(["git", "status", "--porcelain"], cwd=REPO, capture_output=True, text=True, check=True).stdout == ""
     assert results["code"]["commit"] == head and results["code"]["clean"] is clean
     assert all(run["code"] == results["code"] for run in results["runs"])
     assert "rollouts sampled with min_p=0.05" in (tmp_path / "report.md").read_text(encoding="utf-8")
