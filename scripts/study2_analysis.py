@@ -3,6 +3,12 @@ intervals and the decision the plan attaches to it, from the two ``results.json`
 
     python scripts/study2_analysis.py runs/study2/tail/results.json runs/study2/lift2/results.json \
         [--check runs/study2/lift2-check/results.json] [--json out.json] [--plot estimands.png] [--markdown tables.md]
+        [--allow_mixed_commits] [--allow_dirty]
+
+Before any figure, the runs' code versions are checked (:func:`trl_integration.study.provenance.check_code_versions`):
+records from more than one commit, or from a tree with uncommitted changes, are refused (exit 2, one line) unless
+``--allow_mixed_commits`` / ``--allow_dirty``; records written before the commit was recorded count as one version,
+"not recorded" (Study 2's own records).
 
 Conditions: ``none`` (the controls ``no_mismatch`` = no remedy and ``dvp_no_mismatch`` = DVP, trained once, in the
 tail study's folder), ``tail`` and ``lift2``. Every estimand pairs runs by training seed; with ``d_s`` the paired
@@ -39,6 +45,7 @@ from pathlib import Path
 from safevocab.bounds import objective_bias_bound
 from trl_integration.study.aggregate import metric_name, paired_stats
 from trl_integration.study.contrasts import contrasts
+from trl_integration.study.provenance import check_code_versions
 
 #: The equivalence margin of E2 (late held-out reward), fixed in the pre-registration.
 MARGIN = 0.005
@@ -302,10 +309,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, help="write every figure here")
     parser.add_argument("--plot", type=Path, help="draw the estimands' forest plot here (PNG; needs matplotlib)")
     parser.add_argument("--markdown", type=Path, help="write the outcome's tables here (Markdown)")
+    parser.add_argument("--allow_mixed_commits", action="store_true",
+                        help="analyse runs recorded from different commits (refused by default)")
+    parser.add_argument("--allow_dirty", action="store_true",
+                        help="analyse runs trained from a tree with uncommitted changes (refused by default)")
     args = parser.parse_args(argv)
     tail = json.loads(args.tail.read_text())
-    lift = with_controls(json.loads(args.lift2.read_text()), tail)
-    report: dict = {"margin": MARGIN}
+    lift_alone = json.loads(args.lift2.read_text())
+    check = json.loads(args.check.read_text()) if args.check is not None else None
+    studies = [("tail", tail), ("lift2", lift_alone)] + ([("check", check)] if check is not None else [])
+    try:
+        code = check_code_versions(studies, allow_mixed_commits=args.allow_mixed_commits, allow_dirty=args.allow_dirty)
+    except ValueError as err:
+        print(f"study2_analysis: {err}", file=sys.stderr)
+        return 2
+    lift = with_controls(lift_alone, tail)
+    report: dict = {"margin": MARGIN, "code": code}
     for scoring, key in SCORINGS.items():
         found = estimands(tail, lift, key)
         seeds = per_eval_seed(tail, lift, key)
@@ -325,8 +344,8 @@ def main(argv: list[str] | None = None) -> int:
     print("\n## DVP's cost against the bound (rule-support cost)")
     for row in report["cost_against_bound"]["rule"]:
         print(row)
-    if args.check is not None:
-        report["determinism"] = determinism(tail, json.loads(args.check.read_text()))
+    if check is not None:
+        report["determinism"] = determinism(tail, check)
         print("\n## determinism check\n" + "\n".join(report["determinism"]))
     if args.json is not None:
         args.json.write_text(json.dumps(report, indent=1))

@@ -178,3 +178,48 @@ def test_markdown_tables_carry_every_estimand_decision_and_bound_row(analysis, s
     assert [int(r.split("|")[1]) for r in bound_rows] == list(SEEDS)
     assert all("| 0.5000 | 0.5000 |" in r for r in bound_rows)  # the late TV and its bound (reward in [0, 1])
     assert text.count("| E2_residual_harm, 90 % (equivalence) |") == 2  # the per-evaluation-seed equivalence test
+
+
+def _with_code(results: dict, commits: dict[tuple[str, int], str], clean: bool = True) -> dict:
+    """``results`` whose runs carry the ``code`` record run_study writes (``commits``: per (arm, seed), else "aaa")."""
+    for run in results["runs"]:
+        run["code"] = {"commit": commits.get((run["arm"], run["seed"]), "a" * 40), "clean": clean}
+    return results
+
+
+def test_records_from_different_commits_are_refused_unless_told(analysis, studies, tmp_path, capsys):
+    """Issue 42: the runs' code version is recorded, and the analysis refuses records from two commits."""
+    tail, lift, (tail_path, lift_path) = studies
+    tail_path.write_text(json.dumps(_with_code(tail, {})))
+    lift_path.write_text(json.dumps(_with_code(lift, {("dvp", 3): "b" * 40})))
+    assert analysis.main([str(tail_path), str(lift_path)]) == 2
+    err = capsys.readouterr().err
+    assert "the records come from 2 code versions" in err and "lift2: dvp seed 3" in err and "--allow_mixed_commits" \
+        in err and len(err.strip().splitlines()) == 1
+    out_json = tmp_path / "out.json"
+    assert analysis.main([str(tail_path), str(lift_path), "--allow_mixed_commits", "--json", str(out_json)]) == 0
+    assert json.loads(out_json.read_text())["code"]["commits"] == {"a" * 40: 34, "b" * 40: 1}
+
+
+def test_records_without_a_commit_mixed_with_recorded_ones_are_refused(analysis, studies, capsys):
+    tail, lift, (tail_path, lift_path) = studies
+    tail_path.write_text(json.dumps(_with_code(tail, {})))  # the lift2 file has no code record (Study 2's files)
+    assert analysis.main([str(tail_path), str(lift_path)]) == 2
+    assert "not recorded: 10 runs" in capsys.readouterr().err
+
+
+def test_records_from_a_dirty_tree_are_refused_unless_told(analysis, studies, capsys):
+    tail, lift, (tail_path, lift_path) = studies
+    tail_path.write_text(json.dumps(_with_code(tail, {})))
+    lift_path.write_text(json.dumps(_with_code(lift, {}, clean=False)))
+    assert analysis.main([str(tail_path), str(lift_path)]) == 2
+    assert "10 runs were trained from a tree with uncommitted changes" in capsys.readouterr().err
+    assert analysis.main([str(tail_path), str(lift_path), "--allow_dirty"]) == 0
+
+
+def test_study2s_own_records_without_code_still_analyse(analysis, studies, tmp_path):
+    _, _, (tail_path, lift_path) = studies
+    out_json = tmp_path / "out.json"
+    assert analysis.main([str(tail_path), str(lift_path), "--json", str(out_json)]) == 0
+    assert json.loads(out_json.read_text())["code"] == {"commits": {"not recorded": 35}, "dirty_runs": [],
+                                                        "mixed": False}

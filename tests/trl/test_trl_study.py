@@ -181,7 +181,7 @@ def test_arms_differ_only_in_what_they_name():
     s = StudySettings()
     # issue 19 added dvp_mis and no_mismatch, issue 33 dvp_no_mismatch (tests/trl/test_trl_study_tasks.py and
     # test_trl_study_eval.py); the default study keeps the five
-    assert set(ARM_NAMES) == {"no_remedy", "tis", "mis", "dvp", "dvp_length_decay", "dvp_mis", "no_mismatch",
+    assert set(ARM_NAMES) == {"no_remedy", "tis", "mis", "dvp", "dvp_length_decay", "dvp_mis", "dvp_tis", "no_mismatch",
                               "dvp_no_mismatch"}
     assert s.arms == ["no_remedy", "tis", "mis", "dvp", "dvp_length_decay"]
     assert arm_overrides("no_remedy", s) == {"safe_vocab_rule": "none", "vllm_importance_sampling_correction": False}

@@ -124,13 +124,16 @@ def test_contrasts_pair_the_arms_by_seed(tail_study):
     out, results = tail_study
     late = {r["arm"]: r["eval"] for r in results["runs"]}
     c = results["contrasts"]
-    assert set(c) == {"harm", "dvp_cost", "dvp_residual_harm", "dvp_interaction", "dvp_gain"}
+    # issue 42 added dvp_residual_clean (dvp − no_mismatch); the tis / dvp_tis contrasts need arms not run here
+    assert set(c) == {"harm", "dvp_cost", "dvp_residual_harm", "dvp_interaction", "dvp_gain", "dvp_residual_clean"}
     for suffix in ("", "_rule"):
         value = {arm: ev[f"reward{suffix}"][-1] for arm, ev in late.items()}  # late = the step-2 evaluation
         expected = (value["dvp"] - value["dvp_no_mismatch"]) - (value["no_remedy"] - value["no_mismatch"])
         assert c["dvp_interaction"][f"late_metric{suffix}"]["diffs"] == [pytest.approx(expected, abs=1e-15)]
         assert c["dvp_cost"][f"late_metric{suffix}"]["mean"] == pytest.approx(
             value["dvp_no_mismatch"] - value["no_mismatch"], abs=1e-15)
+        assert c["dvp_residual_clean"][f"late_metric{suffix}"]["mean"] == pytest.approx(
+            value["dvp"] - value["no_mismatch"], abs=1e-15)
         for j in (0, 1):
             seed_value = {arm: ev[f"reward{suffix}_by_seed"][-1][j] for arm, ev in late.items()}
             assert c["harm"][f"late_metric{suffix}_by_eval_seed"][j]["mean"] == pytest.approx(

@@ -4,7 +4,8 @@ On one task (``--task``: ``arithmetic``, the default, ``freetext``, or ``module:
 :class:`~trl_integration.task.StudyTask`) and under one controlled mismatch of the ``generate`` rollouts
 (injected bounded logit noise ``--noise EPS`` of kind ``--noise_kind`` (``tail``: ``EPS`` added to exactly the tokens
 ``--dvp_rule`` cuts at the rollout's logits), weights rounded to ``--rollout_mantissa_bits``,
-a plug-in ``--rollout_perturbation``, a lower precision ``--rollout_dtype``), the command trains the same GRPO job
+a plug-in ``--rollout_perturbation``, a lower precision ``--rollout_dtype``, a truncated sampler ``--sampler_rule``
+whose rollouts the rule-none arms score on the full softmax, as stock trl does), the command trains the same GRPO job
 once per *(arm, seed)*, in-process and one after the other, and writes a report folder:
 
 - ``report.md``: the settings, the exact command, a table of the final and best held-out metric per arm (mean ± std
@@ -24,6 +25,7 @@ The arms (``--arms``, default the first five):
 - ``dvp_length_decay``: ``dvp`` + ``--length_decay --length_decay_period auto`` (the LR is held until the response
   length surges, then halved every ``round(1.8 x surge step)`` steps);
 - ``dvp_mis``: ``dvp`` + the ``mis`` arm's masked IS;
+- ``dvp_tis``: ``dvp`` + the ``tis`` arm's truncated IS;
 - ``no_mismatch``: ``no_remedy`` with every injected mismatch switched off (the matched zero-mismatch control);
 - ``dvp_no_mismatch``: ``dvp`` with every injected mismatch switched off (DVP's own cost, against ``no_mismatch``).
 
@@ -49,6 +51,8 @@ Examples::
     safevocab study --noise 0 --rollout_mantissa_bits 7 --arms no_remedy dvp dvp_mis no_mismatch --resume
     safevocab study --task my_tasks:make --rollout_perturbation my_perturbations:heavier_tail
     safevocab study --noise 0 --rollout_dtype bfloat16 --arms no_remedy dvp --seeds 0 1
+    safevocab study --task freetext --noise 0 --sampler_rule min_p=0.05 --dvp_rule min_p=0.05 \
+        --arms no_remedy tis dvp dvp_tis no_mismatch --seeds 1 2                    # the truncated sampler
     safevocab study --steps 3 --seeds 0 --arms no_remedy dvp --eval_num_prompts 20   # smoke run
     safevocab study --task freetext --noise 1 --noise_kind tail --arms no_remedy dvp no_mismatch dvp_no_mismatch \
         --eval_num_prompts 432 --eval_seeds 0 1 2 3 --eval_on_rule --eval_steps 0 150 200 250 300 --steps 300
@@ -117,6 +121,11 @@ def make_parser(prog: str = PROG) -> argparse.ArgumentParser:
     p.add_argument("--rollout_perturbation", default=d.rollout_perturbation, metavar="MODULE:FUNCTION",
                    help="a factory function(seed) -> transformers LogitsProcessor applied to the rollouts' scores "
                         "(default: none)")
+    p.add_argument("--sampler_rule", default=d.sampler_rule, metavar="RULE",
+                   help="every arm's rollouts sample with this rule (top_k/top_p/min_p, e.g. top_p=0.9 or min_p=0.05) "
+                        "and record their log-probabilities under it; the rule-none arms' trainer scores the full "
+                        "softmax, as stock trl does; the dvp arms compose it with --dvp_rule; the no_mismatch arms "
+                        "sample without it (default: the full distribution)")
     p.add_argument("--dvp_rule", default=d.dvp_rule, help="safe-vocabulary rule of the dvp arms (default: %(default)s)")
     p.add_argument("--mis_mode", choices=MIS_MODES, default=d.mis_mode, help="mis arm's mode (default: %(default)s)")
     p.add_argument("--is_clip_min", type=float, default=d.is_clip_min,

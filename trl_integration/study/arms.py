@@ -11,14 +11,25 @@ The arms (each a set of ``SafeVocabGRPOConfig`` overrides, :func:`arm_overrides`
 - ``dvp_length_decay``: ``dvp`` + ``length_decay`` with ``length_decay_period="auto"`` (the LR is held until the
   response length surges, then halved every ``round(1.8 x surge step)`` steps);
 - ``dvp_mis``: ``dvp`` + the ``mis`` arm's masked IS;
+- ``dvp_tis``: ``dvp`` + the ``tis`` arm's truncated IS (the ratio of the two renormalised distributions);
 - ``no_mismatch``: ``no_remedy`` with every injected mismatch switched off (no logit noise, no rounded weights, no
-  plug-in perturbation, ``rollout_dtype="auto"``): the matched zero-mismatch control, on the same seeds;
+  plug-in perturbation, ``rollout_dtype="auto"``, no sampler truncation): the matched zero-mismatch control, on the
+  same seeds;
 - ``dvp_no_mismatch``: ``dvp`` with every injected mismatch switched off (``no_mismatch``'s switches, ``dvp``'s rule
   in the sampler and the trainer): DVP's own cost, measured against ``no_mismatch`` on the same seeds.
 
 Every arm shares the rest (:func:`shared_config`: the tiny GRPO job of :func:`trl_integration.demo.tiny_grpo_config`
 with the study's batch, steps, learning-rate schedule and injected mismatch); runs of the same seed share the data
 order, the sampling seed and the noise seed.
+
+**The truncated sampler** (``sampler_rule``, ``--sampler_rule``, e.g. ``top_p=0.9`` or ``min_p=0.05``): every arm's
+rollouts are sampled with that rule, and the rollout log-probabilities are recorded under it (renormalised over its
+kept set, what vLLM returns with ``logprobs_mode="processed_logprobs"``). The arms with rule ``none`` (``no_remedy``,
+``tis``, ``mis``) keep the sampler's rule apart from the trainer's (``safe_vocab_in_sampler=False``), so their trainer
+scores the full softmax, as stock trl does with vLLM's ``top_p``/``min_p``: the mismatch is ``log Z``, the kept mass,
+on every token. The ``dvp`` arms compose their rule with the sampler's in sampler and trainer alike (with ``--dvp_rule``
+equal to ``--sampler_rule``, they train on exactly what was sampled). ``no_mismatch`` and ``dvp_no_mismatch`` sample
+without it.
 """
 
 from __future__ import annotations
@@ -34,12 +45,12 @@ from trl_integration.plugins import split_spec
 
 __all__ = [
     "ARM_NAMES", "DEFAULT_ARMS", "ARM_DESCRIPTIONS", "MIS_MODES", "StudySettings", "arm_overrides", "shared_config",
-    "resolved_max_completion_length", "rule_min_p",
+    "resolved_max_completion_length", "rule_min_p", "NEUTRAL_SAMPLER",
 ]  # fmt: skip
 
 #: The arms, in report order.
 ARM_NAMES: tuple[str, ...] = (
-    "no_remedy", "tis", "mis", "dvp", "dvp_length_decay", "dvp_mis", "no_mismatch", "dvp_no_mismatch",
+    "no_remedy", "tis", "mis", "dvp", "dvp_length_decay", "dvp_mis", "dvp_tis", "no_mismatch", "dvp_no_mismatch",
 )
 
 #: The arms a study runs when ``--arms`` is not given (those of the bundled study, docs/results.md).
@@ -53,12 +64,16 @@ ARM_DESCRIPTIONS: dict[str, str] = {
     "dvp": "DVP: safe-vocabulary rule in sampler and trainer, no IS",
     "dvp_length_decay": "DVP + length-decay LR (period auto)",
     "dvp_mis": "DVP + masked IS (the mis arm's)",
+    "dvp_tis": "DVP + token-level truncated IS (the tis arm's)",
     "no_mismatch": "no remedy, every injected mismatch switched off (matched zero-mismatch control)",
     "dvp_no_mismatch": "DVP (the dvp arm's rule), every injected mismatch switched off (DVP's own cost)",
 }
 
 #: Modes of the ``mis`` arm (trl's masked importance sampling).
 MIS_MODES = ("token_mask", "sequence_mask")
+
+#: trl's sampler settings that truncate nothing (``GRPOConfig`` defaults): what the no-mismatch arms sample with.
+NEUTRAL_SAMPLER: dict[str, Any] = {"top_k": 0, "top_p": 1.0, "min_p": None}
 
 
 @dataclass
@@ -93,6 +108,9 @@ class StudySettings:
             ``None``: not rounded), a mismatch that follows the weights as they train.
         rollout_perturbation: ``module:function``, a factory ``f(seed) -> LogitsProcessor`` applied to the
             rollouts' scores (``None``: none).
+        sampler_rule: the rule every arm's rollouts are sampled with (``top_k``/``top_p``/``min_p``, e.g.
+            ``"top_p=0.9"``; ``None``: the full distribution); the ``none`` arms' trainer scores the full softmax
+            (the truncated-sampler mismatch of stock trl), the ``dvp`` arms compose it with ``dvp_rule``.
         dvp_rule: safe-vocabulary rule of the ``dvp`` arms.
         mis_mode: ``token_mask`` or ``sequence_mask`` for the ``mis`` arm.
         is_clip_min: lower IS bound of the ``mis`` arm (ratios below it are masked).
@@ -125,6 +143,7 @@ class StudySettings:
     rollout_dtype: str = "auto"
     rollout_mantissa_bits: int | None = None
     rollout_perturbation: str | None = None
+    sampler_rule: str | None = None
     dvp_rule: str = "min_p=0.01"
     mis_mode: str = "token_mask"
     is_clip_min: float = 0.5
@@ -217,6 +236,16 @@ class StudySettings:
             )
         if self.rollout_perturbation is not None:
             split_spec(self.rollout_perturbation, "--rollout_perturbation")
+        if self.sampler_rule is not None:
+            from safevocab import MinProb, NoPruning, parse_rule
+
+            if not isinstance(self.sampler_rule, str):
+                raise ValueError(f"--sampler_rule {self.sampler_rule!r} is not accepted: accepted a rule such as "
+                                 "'top_p=0.9' or 'min_p=0.05'")
+            rule = parse_rule(self.sampler_rule)  # raises ValueError naming the rule
+            if isinstance(rule, NoPruning) or any(isinstance(part, MinProb) for part in rule.parts):
+                raise ValueError(f"--sampler_rule {self.sampler_rule!r} is not accepted: accepted a rule a sampler "
+                                 "applies that prunes (top_k, top_p, min_p), e.g. 'top_p=0.9' or 'min_p=0.05'")
 
 
 def rule_min_p(settings: StudySettings) -> float:
@@ -242,10 +271,13 @@ def rule_min_p(settings: StudySettings) -> float:
 def arm_overrides(arm: str, settings: StudySettings) -> dict[str, Any]:
     """The ``SafeVocabGRPOConfig`` fields that define ``arm`` (on top of the shared settings)."""
     no_is = dict(vllm_importance_sampling_correction=False)
+    # with a truncated sampler, the rule-none arms keep it apart from the trainer (stock trl: full-softmax scoring)
+    apart = dict(safe_vocab_in_sampler=False) if settings.sampler_rule is not None else {}
     if arm == "no_remedy":
-        return dict(safe_vocab_rule="none", **no_is)
+        return dict(safe_vocab_rule="none", **apart, **no_is)
     if arm == "tis":
         return dict(
+            **apart,
             safe_vocab_rule="none",
             vllm_importance_sampling_correction=True,
             vllm_importance_sampling_mode="token_truncate",
@@ -254,6 +286,7 @@ def arm_overrides(arm: str, settings: StudySettings) -> dict[str, Any]:
         )
     if arm == "mis":
         return dict(
+            **apart,
             safe_vocab_rule="none",
             vllm_importance_sampling_correction=True,
             vllm_importance_sampling_mode=settings.mis_mode,
@@ -267,13 +300,14 @@ def arm_overrides(arm: str, settings: StudySettings) -> dict[str, Any]:
             safe_vocab_rule=settings.dvp_rule, safe_vocab_in_sampler=True, length_decay=True,
             length_decay_period="auto", **no_is,
         )
-    if arm == "dvp_mis":
-        mis = arm_overrides("mis", settings)
-        return {**mis, "safe_vocab_rule": settings.dvp_rule, "safe_vocab_in_sampler": True}
+    if arm in ("dvp_mis", "dvp_tis"):
+        correction = arm_overrides(arm[len("dvp_"):], settings)
+        return {**correction, "safe_vocab_rule": settings.dvp_rule, "safe_vocab_in_sampler": True}
     if arm == "no_mismatch":
+        untruncated = dict(NEUTRAL_SAMPLER) if settings.sampler_rule is not None else {}
         return dict(
             safe_vocab_rule="none", rollout_logit_noise=0.0, rollout_mantissa_bits=None, rollout_perturbation=None,
-            rollout_dtype="auto", **no_is,
+            rollout_dtype="auto", **untruncated, **no_is,
         )
     if arm == "dvp_no_mismatch":
         return {**arm_overrides("no_mismatch", settings), "safe_vocab_rule": settings.dvp_rule,
@@ -292,8 +326,15 @@ def resolved_max_completion_length(settings: StudySettings, task_length: int | N
 
 def shared_config(settings: StudySettings, seed: int, output_dir: str) -> dict[str, Any]:
     """The ``SafeVocabGRPOConfig`` fields every arm shares: the tiny job with the study's batch, schedule and
-    injected mismatch, logging every step, without gradient checkpointing or a progress bar of its own."""
+    injected mismatch (the truncated sampler's ``top_k``/``top_p``/``min_p`` included), logging every step, without
+    gradient checkpointing or a progress bar of its own."""
+    sampler: dict[str, Any] = {}
+    if settings.sampler_rule is not None:
+        from safevocab import parse_rule
+
+        sampler = {**NEUTRAL_SAMPLER, **parse_rule(settings.sampler_rule).sampler_kwargs()}
     return tiny_grpo_config_kwargs(
+        **sampler,
         output_dir=output_dir,
         max_steps=settings.steps,
         per_device_train_batch_size=settings.num_prompts_per_step * settings.num_generations,

@@ -14,6 +14,11 @@ injected mismatch) and ``dvp_no_mismatch`` (DVP, no injected mismatch) in the sa
 | ``dvp_gain`` | ``dvp − no_remedy`` | DVP against no remedy, under the mismatch (its cost included) |
 | ``tis_gain`` | ``tis − no_remedy`` | truncated IS against no remedy |
 | ``tis_residual_harm`` | ``tis − no_mismatch`` | what the mismatch still costs under truncated IS |
+| ``dvp_minus_tis`` | ``dvp − tis`` | DVP against truncated IS, under the mismatch |
+| ``dvp_residual_clean`` | ``dvp − no_mismatch`` | DVP under the mismatch against the clean control (its cost included) |
+| ``dvp_tis_gain`` | ``dvp_tis − no_remedy`` | DVP + truncated IS against no remedy |
+| ``dvp_tis_minus_dvp`` | ``dvp_tis − dvp`` | what truncated IS adds to DVP |
+| ``dvp_tis_residual_clean`` | ``dvp_tis − no_mismatch`` | DVP + truncated IS against the clean control |
 
 Each is computed for the late and the final held-out metric of every scoring the runs recorded (the full
 distribution; the DVP rule's support with ``--eval_on_rule``: keys with ``_rule``), and, with evaluation seeds,
@@ -48,6 +53,11 @@ CONTRASTS: dict[str, tuple[dict[str, int], str]] = {
     "dvp_gain": ({"dvp": 1, "no_remedy": -1}, "DVP against no remedy under the mismatch"),
     "tis_gain": ({"tis": 1, "no_remedy": -1}, "truncated IS against no remedy"),
     "tis_residual_harm": ({"tis": 1, "no_mismatch": -1}, "the mismatch's cost under truncated IS"),
+    "dvp_minus_tis": ({"dvp": 1, "tis": -1}, "DVP against truncated IS under the mismatch"),
+    "dvp_residual_clean": ({"dvp": 1, "no_mismatch": -1}, "DVP under the mismatch against the clean control"),
+    "dvp_tis_gain": ({"dvp_tis": 1, "no_remedy": -1}, "DVP + truncated IS against no remedy"),
+    "dvp_tis_minus_dvp": ({"dvp_tis": 1, "dvp": -1}, "what truncated IS adds to DVP"),
+    "dvp_tis_residual_clean": ({"dvp_tis": 1, "no_mismatch": -1}, "DVP + truncated IS against the clean control"),
 }
 
 

@@ -70,8 +70,12 @@ def _settings_rows(results: dict) -> list[tuple[str, str]]:
         mismatch.append(f"rollout weights rounded to {bits} mantissa bits (rollout_mantissa_bits)")
     if s.get("rollout_perturbation"):
         mismatch.append(f"rollout perturbation {s['rollout_perturbation']}")
+    if s.get("sampler_rule"):
+        mismatch.append(f"rollouts sampled with {s['sampler_rule']} (sampler_rule; rule-none arms score the full "
+                        "softmax)")
     mismatch.append(f"rollout_dtype {s['rollout_dtype']}")
     injected = s["noise"] > 0 or s.get("rollout_mantissa_bits") is not None or s.get("rollout_perturbation")
+    injected = injected or s.get("sampler_rule")
     if not injected and s["rollout_dtype"] in ("auto", "float32"):
         mismatch.append("no injected mismatch (fp32 rollout and fp32 training)")
     model = results.get("model") or "bundled"
@@ -96,8 +100,17 @@ def _settings_rows(results: dict) -> list[tuple[str, str]]:
         ("held-out evaluation", _evaluation_text(s, metric)),
         ("software", f"torch {env.get('torch')}, transformers {env.get('transformers')}, trl {env.get('trl')}, "
                      f"python {env.get('python')}, {env.get('torch_threads')} torch threads"),
+        ("code", _code_text(results.get("code"))),
         ("wall time", f"{results['wall_time_s']:.0f} s in total" if results.get("wall_time_s") is not None else "–"),
     ]
+
+
+def _code_text(code: dict | None) -> str:
+    """The commit a study ran from and whether its tree was clean (``results["code"]``)."""
+    if not code or not code.get("commit"):
+        return "not recorded"
+    state = {True: "clean tree", False: "**uncommitted changes**", None: "tree state unknown"}[code.get("clean")]
+    return f"git {code['commit'][:12]} ({state})"
 
 
 def _evaluation_text(s: dict, metric: str) -> str:

@@ -6,7 +6,8 @@ held-out set before training and every ``eval_every`` steps, or at ``eval_steps`
 on the full distribution and optionally on the DVP rule's support (:mod:`trl_integration.study.evaluation`,
 :class:`HeldOutMetricCallback`), and records the per-step training log. A run that raises is recorded as failed with what it logged so far; the results are written
 after every run, so an interrupted study keeps what it finished, and ``resume=True`` (``--resume``) trains only the
-runs not finished yet (:mod:`trl_integration.study.resume`).
+runs not finished yet (:mod:`trl_integration.study.resume`). ``results["code"]`` and every trained run's ``code``
+hold the git commit and whether the tree was clean (:mod:`trl_integration.study.provenance`).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from trl_integration.study.evaluation import (
     check_evaluation,
     evaluation_callback,
 )
+from trl_integration.study.provenance import code_version
 from trl_integration.study.report import write_json, write_report
 from trl_integration.study.resume import finished_runs
 from trl_integration.study.tasks import load_task
@@ -276,6 +278,7 @@ def run_study(
         "task": task_record(task, spec),
         "model": model_path,
         "environment": _environment(),
+        "code": code_version(),  # the commit and whether the tree was clean, here where the study runs
         "arms": {a: {k: v for k, v in o.items()} for a, o in arms.items()},
         "started": previous_results.get("started", time.strftime("%Y-%m-%d %H:%M:%S")),
         "wall_time_s": None,
@@ -305,6 +308,7 @@ def run_study(
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 record = _run_one(arm, arms[arm], seed, settings, model_path, task, train_dataset, test_dataset, bar)
+            record["code"] = results["code"]  # per run: a study resumed from another commit keeps each run's own
             results["runs"].append(record)
             results["runs_trained"] += 1
             if record["status"] != "ok":
