@@ -27,6 +27,9 @@ ratios of ``fused`` to each other variant that ran. Timings are ratios from one 
 machine; tests never assert them.
 
 This module imports trl lazily, and only to time it: ``safevocab`` itself never depends on trl.
+
+**Experimental** (as ``trl.experimental``): this module's names may change or go in any release without
+deprecation; the stable API is listed in ``docs/api.md``.
 """
 
 from __future__ import annotations

@@ -22,22 +22,10 @@ PROMPTS = ["abc", "hello", "1+1=", "count:", "xyz", "the cat", "go!", "ok?"]
 
 
 def build_tokenizer():
-    """A character-level ``PreTrainedTokenizerFast`` (each character is a token)."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
+    """A character-level ``PreTrainedTokenizerFast`` (each character is a token): the demo's, on this alphabet."""
+    from trl_integration.demo.tokenizer import build_tokenizer as build_character_tokenizer
 
-    vocab = {tok: i for i, tok in enumerate(SPECIALS + CHARS)}
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    tok.decoder = decoders.Fuse()
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        pad_token="<pad>",
-        eos_token="<eos>",
-        bos_token="<bos>",
-        unk_token="<unk>",
-        padding_side="left",
-    )
+    return build_character_tokenizer(specials=SPECIALS, characters=CHARS, model_max_length=None)
 
 
 def build_model(tokenizer, *, arch: str = "llama", head_scale: float = 6.0, seed: int = 0, **overrides):

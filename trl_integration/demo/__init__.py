@@ -22,6 +22,9 @@ The code that built the two models is tooling, not part of the package: ``script
 ``scripts/stdlib_corpus.py``), run from a checkout.
 
 Names are imported lazily: ``import trl_integration.demo`` imports neither trl nor transformers.
+
+**Experimental** (as ``trl.experimental``): this module's names may change or go in any release without
+deprecation; the stable API is listed in ``docs/api.md``.
 """
 
 from __future__ import annotations

@@ -9,6 +9,7 @@ characters, the same way during training, in trl and in vLLM.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 
 __all__ = ["SPECIAL_TOKENS", "CHARACTERS", "build_tokenizer", "write_portable_tokenizer_class"]
@@ -17,15 +18,32 @@ SPECIAL_TOKENS = ["<pad>", "<bos>", "<eos>", "<unk>"]
 CHARACTERS = list("0123456789+-*= ")
 
 
-def build_tokenizer():
-    """The character-level tokenizer: one token per character, ids 0-3 are ``<pad> <bos> <eos> <unk>``."""
+def build_tokenizer(
+    *,
+    specials: Sequence[str] = SPECIAL_TOKENS,
+    characters: Sequence[str] = CHARACTERS,
+    model_max_length: int | None = 512,
+):
+    """A character-level tokenizer: one token per character, after the special tokens.
+
+    Args:
+        specials: the four special tokens in id order, named ``<pad> <bos> <eos> <unk>`` whatever their order
+            (default: the bundled model's, ids 0-3 in that order).
+        characters: the characters, one token each, in id order after the specials (default: the bundled
+            model's digits, operators and space).
+        model_max_length: the tokenizer's length limit; ``None`` leaves transformers' default (no limit).
+
+    Returns:
+        A ``PreTrainedTokenizerFast``, padding on the left, adding no special token when encoding.
+    """
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS + CHARACTERS)}
+    vocab = {token: i for i, token in enumerate([*specials, *characters])}
     backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     backend.decoder = decoders.Fuse()
+    limit = {} if model_max_length is None else {"model_max_length": model_max_length}
     return PreTrainedTokenizerFast(
         tokenizer_object=backend,
         pad_token="<pad>",
@@ -33,8 +51,8 @@ def build_tokenizer():
         eos_token="<eos>",
         unk_token="<unk>",
         padding_side="left",
-        model_max_length=512,
         clean_up_tokenization_spaces=False,
+        **limit,
     )
 
 

@@ -10,6 +10,9 @@
 - :mod:`~trl_integration.lab.figures`: the three PNG figures.
 
 The command is ``safevocab diagnose`` (:mod:`trl_integration.commands.diagnose`); see ``docs/mismatch.md``.
+
+**Experimental** (as ``trl.experimental``): this module's names may change or go in any release without
+deprecation; the stable API is listed in ``docs/api.md``.
 """
 
 from trl_integration.lab.engine import BOUND_TOLERANCE, DiagnoseResult, run_diagnose

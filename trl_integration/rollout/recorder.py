@@ -37,6 +37,7 @@ from __future__ import annotations
 from contextlib import contextmanager, nullcontext
 
 import torch
+from einops import rearrange
 from transformers import LogitsProcessor, LogitsProcessorList
 
 from safevocab import SafeVocabRule, safe_log_softmax
@@ -161,7 +162,8 @@ class RolloutLogprobRecorder(LogitsProcessor):
         scores = torch.cat([s for s, _ in self._closed])
         tokens = torch.cat([t for _, t in self._closed])
         out = safe_log_softmax(scores, tokens, self.rule, temperature=self.temperature)
-        self._steps.append(out.logprobs.view(-1, batch))  # [steps, batch], steps in order
+        # The buffered steps were concatenated step after step, each [batch, V]: unflatten to [steps, batch].
+        self._steps.append(rearrange(out.logprobs, "(steps batch) -> steps batch", batch=batch))
         self._closed, self._closed_bytes = [], 0
 
     def finalize(self, sequences: torch.Tensor) -> torch.Tensor:

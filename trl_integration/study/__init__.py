@@ -13,6 +13,9 @@
 - :mod:`~trl_integration.study.plots`: one PNG per metric (``plot_specs``, ``PLOTS``).
 
 The command line is :mod:`trl_integration.commands.study`. See ``docs/results.md``.
+
+**Experimental** (as ``trl.experimental``): this module's names may change or go in any release without
+deprecation; the stable API is listed in ``docs/api.md``.
 """
 
 from trl_integration.study.aggregate import summarize
