@@ -435,6 +435,10 @@ def test_the_quick_pass_knows_exactly_the_parsers_flags():
     read = {name: spec.default for name, spec in early_checks.training_fields().items()
             if spec.default is not dataclasses.MISSING}  # fmt: skip
     assert read["safe_vocab_rule"] == real["safe_vocab_rule"] == "min_p=0.001"
+    # The values the quick pass checks with grpo.checks (which imports torch) are all the config's own fields
+    from trl_integration.grpo.checks import STRING_CHOICES
+
+    assert set(STRING_CHOICES) | set(early_checks.RULE_FIELDS) <= early_checks._own_field_names()
     assert {name: (value, real[name]) for name, value in read.items() if value != real[name]} == {}
 
 
@@ -493,17 +497,17 @@ def _cheap_mistakes(tmp_path):
         "resume from nowhere": (["--resume_from_checkpoint", "/nonexistent", *out],
                                 "--resume_from_checkpoint '/nonexistent': no such directory: accepted a checkpoint-N"),
         "checkpoint without optimizer": (["--resume_from_checkpoint", _checkpoint(tmp_path), *out],
-                                         "checkpoint-4' lacks optimizer.pt: resuming would silently start the optimizer "
-                                         "state and the learning-rate schedule"),
+                                         ("checkpoint-4' lacks optimizer.pt: resuming would silently start the optimizer "
+                                         "state and the learning-rate schedule")),
         "missing config": (["--config", str(tmp_path / "nope.yaml"), *out], "nope.yaml': no such file"),
         "unknown loss type": (["--loss_type", "grpoo", *out], "--loss_type 'grpoo': accepted one of grpo, dr_grpo, "),
         "generations not dividing the batch": (["--num_generations", "7", *out],
                                                "--num_generations 7: a generation batch of 64 completions "),
         "generations not dividing a yaml batch": (
             [*model, "--config", str(_yaml(tmp_path, "b", {"per_device_train_batch_size": 6})), "--num_generations",
-             "4", *out], "--num_generations 4: a generation batch of 6 completions (per_device_train_batch_size x "
+             "4", *out], ("--num_generations 4: a generation batch of 6 completions (per_device_train_batch_size x "
                          "processes x steps_per_generation) cannot hold whole groups of 4: accepted a divisor of 6 "
-                         "(2, 3, 6), or --per_device_train_batch_size a multiple of 4"),
+                         "(2, 3, 6), or --per_device_train_batch_size a multiple of 4")),
         "output dir is a file": (["--output_dir", str(a_file)], "is a file: accepted a directory"),
         "yaml output dir is a file": (["--config", str(_yaml(tmp_path, "o", {"output_dir": str(a_file)}))],
                                       "--output_dir"),
@@ -512,8 +516,8 @@ def _cheap_mistakes(tmp_path):
         "no prompt column in a csv": ([*model, "--dataset_name", str(no_prompt_csv), "--reward_funcs",
                                        "accuracy_reward", *out], "needs a 'prompt' column; it has ['question', 'answer']"),
         "missing reward module": ([*model, "--dataset_name", "synthetic", "--reward_funcs", "nosuch_module_x.reward",
-                                   *out], "--reward_funcs 'nosuch_module_x.reward': no module named 'nosuch_module_x': "
-                                          "looked in the current folder ("),
+                                   *out], ("--reward_funcs 'nosuch_module_x.reward': no module named 'nosuch_module_x': "
+                                          "looked in the current folder (")),
         "unknown reward name": ([*model, "--dataset_name", "synthetic", "--reward_funcs", "nosuch", *out],
                                 "unknown reward function 'nosuch'"),
     }  # fmt: skip

@@ -45,7 +45,7 @@ def read_config(path: str) -> object:
     """
     try:
         with open(path, encoding="utf-8") as f:
-            return yaml.load(f, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
+            return yaml.load(f, Loader=_UniqueKeyLoader)
     except FileNotFoundError:
         raise ValueError(f"--config {path!r}: no such file") from None
     except IsADirectoryError:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import difflib
+import functools
 import importlib.util
 import os
 import re
@@ -220,9 +221,14 @@ def _check_value(spec: FieldSpec, flag: str, value: str) -> None:
     _check_safe_vocab_value(spec.name, value)
 
 
+@functools.lru_cache(maxsize=1)
+def _own_field_names() -> frozenset[str]:
+    return frozenset(spec.name for spec in own_fields())
+
+
 def _check_safe_vocab_value(name: str, value: object) -> None:
-    if not isinstance(value, str):
-        return
+    if not isinstance(value, str) or name not in _own_field_names():
+        return  # grpo.checks imports torch: only for the safe-vocabulary fields it checks (all of them our own)
     from trl_integration.grpo.checks import STRING_CHOICES, check_rule_text, one_of
 
     if name in RULE_FIELDS and (name == "safe_vocab_rule" or value.strip()):
