@@ -13,8 +13,8 @@ should not wait for that. This pass reads the *names* of every flag from the ins
 
 Each field ``x_y`` is a flag ``--x_y`` and ``--x-y``, a boolean defaulting to true also ``--no_x_y`` and
 ``--no-x-y`` (transformers' ``HfArgumentParser`` rules). With these names the pass refuses an unknown flag or an
-unknown ``--config`` YAML key with a did-you-mean (:mod:`difflib`), a value an ``int``/``float`` field cannot take,
-and an invalid safe-vocabulary rule or mode (the config's own checks, :mod:`trl_integration.grpo.checks`). It
+unknown ``--config`` YAML key with a did-you-mean (:mod:`difflib`), a value an ``int``/``float`` field (in the YAML
+also a ``bool`` field) cannot take, and an invalid safe-vocabulary rule or mode (the config's own checks, :mod:`trl_integration.grpo.checks`). It
 accepts everything else: trl's ``TrlParser`` then parses the command line for real. If the sources cannot be read
 as expected (another trl or transformers layout), the pass checks nothing and the full parse answers, as before.
 """

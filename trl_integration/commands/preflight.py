@@ -3,6 +3,8 @@
 Every check raises ``ValueError`` with one line that names the flag, the value and what is accepted; the
 command turns it into its one-line error (exit status 2, :func:`trl_integration.commands.errors.fail`). The
 checks read only the parsed arguments and the file system: nothing here loads a model, a tokenizer or a dataset.
+The quick pass (:mod:`~trl_integration.commands.quick_values`) runs them on the settings it reads before trl's
+parser is imported; the command runs them again on the parsed arguments.
 
 - ``--model_name_or_path``: an existing local directory, or something shaped like a Hub id (``org/name`` or
   ``name``); a path that points nowhere (``./x``, ``/x``, ``~/x``, ``x/y/z``) is refused here instead of being
@@ -14,6 +16,8 @@ checks read only the parsed arguments and the file system: nothing here loads a 
   >= 0; ``--loss_type`` one of the values trl's ``GRPOConfig`` documents; a local model directory holding
   ``config.json``; ``--output_dir`` not a file. (``--report_to`` is checked when the config is built:
   ``grpo.checks.check_report_to``.)
+- ``--resume_from_checkpoint`` (:func:`check_resume_checkpoint`): an existing checkpoint folder with its trainer,
+  optimizer and scheduler state (unless ``--resume_allow_missing_state``).
 - a dataset mixture (``datasets:`` in the ``--config`` YAML, trl's ``DatasetMixtureConfig``): every entry's ``path``
   a ``datasets`` builder name, an existing local path or a Hub id, its local ``data_files`` existing, ``fraction``
   set for all entries or none (each > 0), and no ``fraction`` when streaming.

@@ -150,7 +150,7 @@ def local_columns(name: str, train_split: str = "train") -> list[str] | None:
         if suffix == ".csv":
             import csv
 
-            with open(name, newline="", encoding="utf-8") as f:
+            with open(name, newline="", encoding="utf-8-sig") as f:  # -sig: a byte-order mark is not in the name
                 return next(csv.reader(f), None)
         if suffix == ".parquet":
             import pyarrow.parquet
