@@ -17,7 +17,7 @@ import sys
 from collections.abc import Callable
 from types import ModuleType
 
-__all__ = ["import_module", "load_callable", "split_spec"]
+__all__ = ["import_module", "load_callable", "split_spec", "module_is_findable", "where_modules_are_looked_for"]
 
 
 def split_spec(spec: object, name: str) -> tuple[str, str]:
@@ -67,18 +67,54 @@ def import_module(module_name: str) -> ModuleType:
     beside it, at import time, resolve as they would with the folder on the path).
 
     Raises:
-        ModuleNotFoundError: the module is neither on ``sys.path`` nor in the current folder.
+        ModuleNotFoundError: the module is neither on ``sys.path`` nor in the current folder; the message says where
+            it was looked for (:func:`where_modules_are_looked_for`).
     """
     try:
         return importlib.import_module(module_name)
     except ModuleNotFoundError as err:
         here = os.getcwd()
         missing_is_ours = err.name is not None and module_name.split(".")[0] == err.name.split(".")[0]
-        if not missing_is_ours or here in sys.path:
+        if not missing_is_ours:
             raise
+        if here in sys.path:
+            raise _not_found(err) from None
     sys.path.insert(0, here)
     try:
         return importlib.import_module(module_name)
+    except ModuleNotFoundError as err:
+        if err.name is None or module_name.split(".")[0] != err.name.split(".")[0]:
+            raise
+        raise _not_found(err) from None
     finally:
         if here in sys.path:
             sys.path.remove(here)
+
+
+def where_modules_are_looked_for(missing: str) -> str:
+    """Where :func:`import_module` looked for the module ``missing`` (``"pkg.sub"``): its parent package's folders
+    once the parent was imported, else the current folder and every ``sys.path`` entry."""
+    parent = missing.rpartition(".")[0]
+    if parent and parent in sys.modules:
+        folders = getattr(sys.modules[parent], "__path__", None)
+        return f"in package {parent!r} ({', '.join(folders)})" if folders is not None else f"{parent!r} is a module, not a package"
+    return f"in the current folder ({os.getcwd()}) and on sys.path {[p or '.' for p in sys.path]}"
+
+
+def module_is_findable(module_name: str) -> bool:
+    """Whether :func:`import_module` can find ``module_name``'s top-level package or module, asked of Python's
+    finders without importing anything."""
+    import importlib.machinery
+    import importlib.util
+
+    top = module_name.split(".")[0]
+    try:
+        found = importlib.util.find_spec(top) is not None
+    except (ImportError, ValueError):  # a module in sys.modules without a spec: it is there
+        return True
+    return found or importlib.machinery.PathFinder.find_spec(top, [os.getcwd()]) is not None
+
+
+def _not_found(err: ModuleNotFoundError) -> ModuleNotFoundError:
+    return ModuleNotFoundError(f"No module named {err.name!r}: looked {where_modules_are_looked_for(err.name)}",
+                               name=err.name)  # fmt: skip

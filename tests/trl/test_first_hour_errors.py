@@ -361,24 +361,39 @@ _HEAVY = ("transformers.training_args", "peft", "vllm", "trl.trainer.grpo_traine
 @pytest.mark.parametrize(
     "argv, code",
     [(["--safe_vocab_rul", "x"], 2), (["--help"], 0), (["--safe_vocab_rule", "min_p=2"], 2),
-     (["--max_steps", "abc"], 2), (["--safe_vocab_support", "engine"], 2), (["--config", "TYPO_YAML"], 2)],
-    ids=["typo", "help", "rule", "int", "mode", "yaml key"],
+     (["--max_steps", "abc"], 2), (["--safe_vocab_support", "engine"], 2), (["--config", "TYPO_YAML"], 2),
+     # issues 37 (N7) and 38 (point 5)
+     (["--num_generations", "0"], 2), (["--num_generations", "7"], 2), (["--loss_type", "grpoo"], 2),
+     (["--config", "REPEATED_YAML"], 2), (["--config", "SEED_YAML"], 2), (["--config", "/nonexistent.yaml"], 2),
+     (["--resume_from_checkpoint", "/nonexistent"], 2), (["--output_dir", "A_FILE"], 2),
+     (["--model_name_or_path", TINY, "--dataset_name", "NO_PROMPT", "--reward_funcs", "accuracy_reward"], 2),
+     (["--model_name_or_path", TINY, "--dataset_name", "synthetic", "--reward_funcs", "nosuch_module_x.f"], 2)],
+    ids=["typo", "help", "rule", "int", "mode", "yaml key", "generations 0", "generations 7", "loss type",
+         "repeated yaml key", "yaml seed 1.5", "missing config", "missing checkpoint", "output dir a file",
+         "no prompt column", "missing reward module"],
 )  # fmt: skip
 def test_mistakes_and_help_answer_before_the_training_stack_is_imported(argv, code, tmp_path):
     """Issue 31: a typo answered in seconds: transformers' TrainingArguments (which imports peft), trl's trainer and
-    vLLM are not imported by then (a fresh interpreter, as a user runs the command)."""
+    vLLM are not imported by then (a fresh interpreter, as a user runs the command). Issues 37 and 38: so are the
+    cheap mistakes that reached the full parse or the model load before."""
     import subprocess
     import sys
 
-    typo = _yaml(tmp_path, "typo", {"safe_vocab_rul": "min_p=0.1"})
-    argv = [str(typo) if a == "TYPO_YAML" else a for a in argv]
+    no_prompt = tmp_path / "no_prompt.jsonl"
+    no_prompt.write_text('{"text": "hi"}\n')
+    (tmp_path / "a_file").write_text("")
+    repeated = tmp_path / "repeated.yaml"
+    repeated.write_text("max_steps: 2\nmax_steps: 3\n")
+    files = {"TYPO_YAML": _yaml(tmp_path, "typo", {"safe_vocab_rul": "min_p=0.1"}), "REPEATED_YAML": repeated,
+             "SEED_YAML": _yaml(tmp_path, "seed", {"seed": 1.5}), "A_FILE": tmp_path / "a_file", "NO_PROMPT": no_prompt}
+    argv = [str(files.get(a, a)) for a in argv]
+    argv += [] if "--output_dir" in argv else ["--output_dir", str(tmp_path)]
     script = (
         "import sys\nfrom trl_integration.commands.grpo import main\ntry:\n    main(sys.argv[1:])\n"
         "except SystemExit as exit:\n    code = exit.code\n"
         f"print('IMPORTED', [m for m in {_HEAVY!r} if m in sys.modules], code)\n"
     )
-    proc = subprocess.run([sys.executable, "-c", script, *argv, "--output_dir", str(tmp_path)], capture_output=True,
-                          text=True, timeout=300)  # fmt: skip
+    proc = subprocess.run([sys.executable, "-c", script, *argv], capture_output=True, text=True, timeout=300)
     assert f"IMPORTED [] {code}" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-2000:]
     if code == 2:
         lines = [line for line in proc.stderr.splitlines() if line.strip()]
@@ -420,4 +435,153 @@ def test_the_quick_pass_knows_exactly_the_parsers_flags():
     read = {name: spec.default for name, spec in early_checks.training_fields().items()
             if spec.default is not dataclasses.MISSING}  # fmt: skip
     assert read["safe_vocab_rule"] == real["safe_vocab_rule"] == "min_p=0.001"
+    # The values the quick pass checks with grpo.checks (which imports torch) are all the config's own fields
+    from trl_integration.grpo.checks import STRING_CHOICES
+
+    assert set(STRING_CHOICES) | set(early_checks.RULE_FIELDS) <= early_checks._own_field_names()
     assert {name: (value, real[name]) for name, value in read.items() if value != real[name]} == {}
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Issues 37 (N7) and 38 (point 5): cheap mistakes answered by the quick pass, before trl's parser imports its training
+# stack (make_parser) and before the model loads; each of these reached the full parse (or the model load) before.
+
+
+@pytest.fixture
+def no_full_parse(monkeypatch, no_model_load):
+    """A case that reaches trl's parser (which imports transformers' TrainingArguments, peft, trl's trainer) fails."""
+
+    def full_parse(*args, **kwargs):
+        raise AssertionError("the full parse ran: the mistake was not answered by the quick pass")
+
+    monkeypatch.setattr(grpo, "make_parser", full_parse)
+
+
+def _checkpoint(tmp_path, files=("trainer_state.json", "model.safetensors", "scheduler.pt", "rng_state.pth")):
+    folder = tmp_path / "run" / "checkpoint-4"
+    folder.mkdir(parents=True)
+    for name in files:
+        (folder / name).write_text("{}")
+    return str(folder)
+
+
+def _cheap_mistakes(tmp_path):
+    out = ["--output_dir", str(tmp_path / "run")]
+    model = ["--model_name_or_path", TINY]
+    a_file = tmp_path / "a_file"
+    a_file.write_text("")
+    no_prompt = tmp_path / "no_prompt.jsonl"
+    no_prompt.write_text('{"text": "hi"}\n{"text": "ho", "answer": 1}\n')
+    no_prompt_csv = tmp_path / "no_prompt.csv"
+    no_prompt_csv.write_text("question,answer\n1+1=,2\n")
+    repeated = tmp_path / "repeated.yaml"
+    repeated.write_text("max_steps: 2\nlearning_rate: 1.0e-5\nmax_steps: 200\n")
+    nested = tmp_path / "nested.yaml"
+    nested.write_text("model_init_kwargs:\n  dtype: float32\n  dtype: bfloat16\n")
+    return {
+        "zero generations": (["--num_generations", "0", *out],
+                             "--num_generations 0: accepted an integer >= 2"),
+        "one generation": (["--num_generations=1", *out], "--num_generations 1: accepted an integer >= 2"),
+        "yaml steps not an integer": (["--config", str(_yaml(tmp_path, "f", {"max_steps": 2.7})), *out],
+                                      "f.yaml: max_steps 2.7: accepted an integer"),
+        "yaml steps a list": (["--config", str(_yaml(tmp_path, "l", {"max_steps": [2]})), *out],
+                              "l.yaml: max_steps [2]: accepted an integer"),
+        "yaml seed not an integer": (["--config", str(_yaml(tmp_path, "s", {"seed": 1.5})), *out],
+                                     "s.yaml: seed 1.5: accepted an integer"),
+        "yaml rate a list": (["--config", str(_yaml(tmp_path, "r", {"learning_rate": [1]})), *out],
+                             "r.yaml: learning_rate [1]: accepted a number"),
+        "yaml repeated key": (["--config", str(repeated), *out],
+                              "repeated.yaml: key 'max_steps' is set twice (lines 1 and 3): accepted each key once"),
+        "yaml repeated nested key": (["--config", str(nested), *out],
+                                     "nested.yaml: key 'dtype' is set twice (lines 2 and 3)"),
+        "resume from nowhere": (["--resume_from_checkpoint", "/nonexistent", *out],
+                                "--resume_from_checkpoint '/nonexistent': no such directory: accepted a checkpoint-N"),
+        "checkpoint without optimizer": (["--resume_from_checkpoint", _checkpoint(tmp_path), *out],
+                                         ("checkpoint-4' lacks optimizer.pt: resuming would silently start the optimizer "
+                                         "state and the learning-rate schedule")),
+        "missing config": (["--config", str(tmp_path / "nope.yaml"), *out], "nope.yaml': no such file"),
+        "unknown loss type": (["--loss_type", "grpoo", *out], "--loss_type 'grpoo': accepted one of grpo, dr_grpo, "),
+        "generations not dividing the batch": (["--num_generations", "7", *out],
+                                               "--num_generations 7: a generation batch of 64 completions "),
+        "generations not dividing a yaml batch": (
+            [*model, "--config", str(_yaml(tmp_path, "b", {"per_device_train_batch_size": 6})), "--num_generations",
+             "4", *out], ("--num_generations 4: a generation batch of 6 completions (per_device_train_batch_size x "
+                         "processes x steps_per_generation) cannot hold whole groups of 4: accepted a divisor of 6 "
+                         "(2, 3, 6), or --per_device_train_batch_size a multiple of 4")),
+        "output dir is a file": (["--output_dir", str(a_file)], "is a file: accepted a directory"),
+        "yaml output dir is a file": (["--config", str(_yaml(tmp_path, "o", {"output_dir": str(a_file)}))],
+                                      "--output_dir"),
+        "no prompt column": ([*model, "--dataset_name", str(no_prompt), "--reward_funcs", "accuracy_reward", *out],
+                             "needs a 'prompt' column; it has ['text', 'answer']"),
+        "no prompt column in a csv": ([*model, "--dataset_name", str(no_prompt_csv), "--reward_funcs",
+                                       "accuracy_reward", *out], "needs a 'prompt' column; it has ['question', 'answer']"),
+        "missing reward module": ([*model, "--dataset_name", "synthetic", "--reward_funcs", "nosuch_module_x.reward",
+                                   *out], ("--reward_funcs 'nosuch_module_x.reward': no module named 'nosuch_module_x': "
+                                          "looked in the current folder (")),
+        "unknown reward name": ([*model, "--dataset_name", "synthetic", "--reward_funcs", "nosuch", *out],
+                                "unknown reward function 'nosuch'"),
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize("case", [
+    "zero generations", "one generation", "yaml steps not an integer", "yaml steps a list", "yaml seed not an integer",
+    "yaml rate a list", "yaml repeated key", "yaml repeated nested key", "resume from nowhere",
+    "checkpoint without optimizer", "missing config", "unknown loss type", "generations not dividing the batch",
+    "generations not dividing a yaml batch", "output dir is a file", "yaml output dir is a file", "no prompt column",
+    "no prompt column in a csv", "missing reward module", "unknown reward name",
+])  # fmt: skip
+def test_cheap_mistakes_answer_in_one_line_before_the_full_parse(case, tmp_path, capsys, no_full_parse):
+    argv, message = _cheap_mistakes(tmp_path)[case]
+    with pytest.raises(SystemExit) as exit_info:
+        grpo.main(argv)
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert exit_info.value.code == 2, lines
+    assert len(lines) == 1 and lines[0].startswith("safevocab-grpo: error: "), lines
+    assert message in lines[0], lines
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--config", "examples/recipes/dvp_grpo.yaml", "--model_name_or_path", TINY],
+        ["--config", "examples/recipes/vllm_colocate_cpu.yaml", "--model_name_or_path", TINY],
+        ["--config", "YAML:num_generations: 7\nmax_steps: '5'\nlearning_rate: 1e-3\nbf16: false\n", "--num_generations", "8"],
+        ["--num_generations", "4", "--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "3"],
+        ["--num_generations", "3", "--generation_batch_size", "12"],
+        ["--resume_from_checkpoint", "CHECKPOINT", "--resume_allow_missing_state", "true"],
+        ["--resume_from_checkpoint", "FULL_CHECKPOINT"],
+        ["--dataset_name", "PROMPTS", "--model_name_or_path", TINY, "--reward_funcs", "math.isfinite"],
+    ],
+    ids=["recipe", "vllm recipe", "yaml overridden", "accumulation", "generation batch", "allowed", "complete", "data"],
+)  # fmt: skip
+def test_good_settings_pass_the_quick_pass(argv, tmp_path, monkeypatch, no_full_parse):
+    """No false refusal: each reaches the full parse (the flag overrides the YAML, a YAML string is converted as
+    argparse converts it, the checkpoint's missing state is allowed, ...)."""
+    import os
+
+    monkeypatch.chdir(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the repo
+    replace = {"CHECKPOINT": _checkpoint(tmp_path, ("trainer_state.json",)), "PROMPTS": str(_prompts(tmp_path)),
+               "FULL_CHECKPOINT": _checkpoint(tmp_path / "full", ("trainer_state.json", "optimizer.pt", "scheduler.pt"))}
+    for i, arg in enumerate(argv):
+        if arg.startswith("YAML:"):
+            path = tmp_path / "good.yaml"
+            path.write_text(arg[len("YAML:"):])
+            argv[i] = str(path)
+    argv = [replace.get(a, a) for a in argv]
+    with pytest.raises(AssertionError, match="the full parse ran"):
+        grpo.main([*argv, "--output_dir", str(tmp_path / "out")])
+
+
+def test_a_missing_reward_module_says_where_it_was_looked_for(tmp_path, monkeypatch):
+    """The import itself (after the quick pass, or for `safevocab study --task`) names the folders searched."""
+    import sys
+
+    from trl_integration.plugins import import_module
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ModuleNotFoundError) as missing:
+        import_module("nosuch_module_x.rewards")
+    assert f"No module named 'nosuch_module_x': looked in the current folder ({tmp_path}) and on sys.path [" in str(missing.value)
+    assert sys.path[-1] in str(missing.value) and str(tmp_path) not in sys.path
+    with pytest.raises(ModuleNotFoundError, match=r"No module named 'json.nosuch': looked in package 'json' \(/"):
+        import_module("json.nosuch")

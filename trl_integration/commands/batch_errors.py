@@ -13,7 +13,7 @@ import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-__all__ = ["reword_generation_batch_error", "generation_batch_errors"]
+__all__ = ["reword_generation_batch_error", "generation_batch_message", "check_generations", "generation_batch_errors"]
 
 #: trl's message (``trl/trainer/grpo_config.py``, ``GRPOConfig.__post_init__``).
 _TRL_MESSAGE = re.compile(r"generation_batch_size \((\d+)\) must be divisible by num_generations \((\d+)\)")
@@ -31,7 +31,13 @@ def reword_generation_batch_error(message: str, set_by_user: set[str], batch_siz
     found = _TRL_MESSAGE.search(message)
     if found is None:
         return None
-    batch, generations = int(found[1]), int(found[2])
+    return generation_batch_message(int(found[1]), int(found[2]), set_by_user, batch_size)
+
+
+def generation_batch_message(batch: int, generations: int, set_by_user: set[str], batch_size: tuple[int, str]) -> str:
+    """``--num_generations G: a generation batch of B completions (where B comes from) cannot hold whole groups of
+    G: accepted a divisor of B (...), or --<the batch flag> a multiple of G`` (arguments as
+    :func:`reword_generation_batch_error`'s)."""
     if "generation_batch_size" in set_by_user:
         origin = "--generation_batch_size"
     else:
@@ -46,6 +52,29 @@ def reword_generation_batch_error(message: str, set_by_user: set[str], batch_siz
         f"groups of {generations}: accepted a divisor of {batch} ({', '.join(map(str, divisors))}), or {flag} a "
         f"multiple of {generations}"
     )
+
+
+def check_generations(values: dict, set_by_user: set[str], batch_size: tuple[int, str], processes: int) -> None:
+    """Raise ``ValueError`` (one line) for a ``num_generations`` trl's ``GRPOConfig`` would refuse, before it is built:
+    below 2 (trl divides by it first: a ``ZeroDivisionError`` for 0), or not dividing the generation batch, derived
+    as trl derives it (``GRPOConfig.__post_init__``) from ``values`` (the settings the run will take; a setting
+    missing from it is not checked) and the ``processes`` the run is launched among."""
+    generations = values.get("num_generations")
+    if not isinstance(generations, int) or isinstance(generations, bool):
+        return
+    if generations < 2:
+        raise ValueError(f"--num_generations {generations}: accepted an integer >= 2 (GRPO compares the completions "
+                         "of each prompt with each other)")  # fmt: skip
+    names = ("per_device_train_batch_size", "gradient_accumulation_steps", "generation_batch_size", "steps_per_generation")
+    per_device, accumulation, batch, steps = (values.get(name, ...) for name in names)
+    if ... in (per_device, accumulation, batch, steps) or batch is not None and steps is not None:
+        return  # unknown, or both set: trl's own error names that
+    if batch is None:
+        batch = per_device * processes * (accumulation if steps is None else steps)
+    elif per_device > 0 and batch % (per_device * processes):
+        return  # trl's own error names the global batch size
+    if batch > 0 and batch % generations:
+        raise ValueError(generation_batch_message(batch, generations, set_by_user, batch_size))
 
 
 @contextmanager

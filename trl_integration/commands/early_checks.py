@@ -13,8 +13,8 @@ should not wait for that. This pass reads the *names* of every flag from the ins
 
 Each field ``x_y`` is a flag ``--x_y`` and ``--x-y``, a boolean defaulting to true also ``--no_x_y`` and
 ``--no-x-y`` (transformers' ``HfArgumentParser`` rules). With these names the pass refuses an unknown flag or an
-unknown ``--config`` YAML key with a did-you-mean (:mod:`difflib`), a value an ``int``/``float`` field cannot take,
-and an invalid safe-vocabulary rule or mode (the config's own checks, :mod:`trl_integration.grpo.checks`). It
+unknown ``--config`` YAML key with a did-you-mean (:mod:`difflib`), a value an ``int``/``float`` field (in the YAML
+also a ``bool`` field) cannot take, and an invalid safe-vocabulary rule or mode (the config's own checks, :mod:`trl_integration.grpo.checks`). It
 accepts everything else: trl's ``TrlParser`` then parses the command line for real. If the sources cannot be read
 as expected (another trl or transformers layout), the pass checks nothing and the full parse answers, as before.
 """
@@ -24,12 +24,14 @@ from __future__ import annotations
 import ast
 import dataclasses
 import difflib
+import functools
 import importlib.util
 import os
 import re
 from collections.abc import Callable, Iterable
 
-__all__ = ["FieldSpec", "training_fields", "dataclass_fields", "option_strings", "check_command_line", "check_yaml"]
+__all__ = ["FieldSpec", "training_fields", "dataclass_fields", "option_strings", "value_kind", "converted",
+           "check_command_line", "check_yaml"]
 
 #: The classes ``SafeVocabGRPOConfig`` derives from, base first: (module, class, the base it must name).
 CONFIG_CHAIN = (
@@ -140,9 +142,19 @@ def dataclass_fields(classes: Iterable[type]) -> dict[str, FieldSpec]:
         for f in dataclasses.fields(cls):
             if f.init:
                 default = f.default if f.default is not dataclasses.MISSING else dataclasses.MISSING
-                specs[f.name] = FieldSpec(f.name, str(getattr(f.type, "__name__", f.type)), default,
-                                          f.metadata.get("help", ""))  # fmt: skip
+                specs[f.name] = FieldSpec(f.name, _annotation(cls, f.name), default, f.metadata.get("help", ""))
     return specs
+
+
+def _annotation(cls: type, name: str) -> str:
+    """The annotation of field ``name`` as its class wrote it: the class's ``__annotations__``, not the field's
+    ``type``, which transformers' ``HfArgumentParser`` replaces (``list[str] | None`` becomes ``list``)."""
+    for klass in cls.__mro__:
+        written = vars(klass).get("__annotations__", {}).get(name)
+        if written is not None:
+            plain = isinstance(written, type) and not hasattr(written, "__origin__")  # str, not list[str]
+            return written if isinstance(written, str) else written.__name__ if plain else str(written)
+    return ""
 
 
 def _is_bool(annotation: str) -> bool:
@@ -162,22 +174,61 @@ def _did_you_mean(name: str, candidates: Iterable[str]) -> str:
     return f" (did you mean {close[0]}?)" if close else ""
 
 
+def value_kind(annotation: str) -> tuple[str, bool]:
+    """``(the annotation without None, whether None is accepted)``: ``"int | None"`` -> ``("int", True)``."""
+    kind = annotation.replace(" ", "").replace("typing.", "")
+    if kind.startswith("Optional[") and kind.endswith("]"):
+        kind = kind[len("Optional[") : -1] + "|None"
+    parts = kind.split("|")
+    return "|".join(p for p in parts if p != "None"), "None" in parts
+
+
+_WORDS = {"int": "an integer", "float": "a number", "bool": "true or false"}
+_TRUE, _FALSE = ("yes", "true", "t", "y", "1"), ("no", "false", "f", "n", "0")  # transformers' string_to_bool
+
+
+def converted(spec: FieldSpec, value: object) -> object:
+    """``value`` as trl's parser gives it to an ``int``/``float``/``bool``/``str`` field (a string converted as
+    argparse converts a flag's value or a YAML default; a number kept as it is); ``dataclasses.MISSING`` when the
+    field cannot take it (the caller names it) or its annotation is another."""
+    kind, optional = value_kind(spec.annotation)
+    if value is None:
+        return None if optional else dataclasses.MISSING
+    if kind not in ("int", "float", "bool", "str"):
+        return dataclasses.MISSING
+    if kind == "str":
+        return value if isinstance(value, str) else dataclasses.MISSING
+    if isinstance(value, str):
+        if kind == "bool":
+            text = value.lower()
+            return True if text in _TRUE else False if text in _FALSE else dataclasses.MISSING
+        try:
+            return int(value) if kind == "int" else float(value)
+        except ValueError:
+            return dataclasses.MISSING
+    if kind == "bool":
+        return value if isinstance(value, bool) or value in (0, 1) and isinstance(value, int) else dataclasses.MISSING
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or kind == "int" and not isinstance(value, int):
+        return dataclasses.MISSING  # max_steps: 2.7, max_steps: [2], seed: true
+    return value
+
+
 def _check_value(spec: FieldSpec, flag: str, value: str) -> None:
     """The checks that need no trl: a number an ``int``/``float`` field cannot take, a safe-vocabulary rule or mode."""
-    kind = spec.annotation.replace(" ", "").replace("|None", "").replace("Optional[", "").rstrip("]")
-    converters = {"int": (int, "an integer"), "float": (float, "a number")}
-    if kind in converters:
-        convert, what = converters[kind]
-        try:
-            convert(value)
-        except ValueError:
-            raise ValueError(f"{flag} {value!r}: accepted {what}") from None
+    kind, _ = value_kind(spec.annotation)
+    if kind in ("int", "float") and converted(spec, value) is dataclasses.MISSING:
+        raise ValueError(f"{flag} {value!r}: accepted {_WORDS[kind]}")
     _check_safe_vocab_value(spec.name, value)
 
 
+@functools.lru_cache(maxsize=1)
+def _own_field_names() -> frozenset[str]:
+    return frozenset(spec.name for spec in own_fields())
+
+
 def _check_safe_vocab_value(name: str, value: object) -> None:
-    if not isinstance(value, str):
-        return
+    if not isinstance(value, str) or name not in _own_field_names():
+        return  # grpo.checks imports torch: only for the safe-vocabulary fields it checks (all of them our own)
     from trl_integration.grpo.checks import STRING_CHOICES, check_rule_text, one_of
 
     if name in RULE_FIELDS and (name == "safe_vocab_rule" or value.strip()):
@@ -210,12 +261,18 @@ def check_command_line(argv: list[str], specs: dict[str, FieldSpec], launcher_ta
 
 
 def check_yaml(path: str, config: object, specs: dict[str, FieldSpec], launcher_takes: Callable[[str], bool]) -> None:
-    """Raise ``ValueError`` naming the file for an unknown key of a ``--config`` YAML mapping, or a safe-vocabulary
-    value the config refuses. Keys are field names (trl's ``TrlParser``), ``env``, or ``accelerate launch`` flags."""
-    if not isinstance(config, dict):
-        return  # the full parse names it
+    """Raise ``ValueError`` naming the file for an unknown key of a ``--config`` YAML mapping, a value an ``int``,
+    ``float`` or ``bool`` field cannot take (``max_steps: 2.7``: trl's parser takes YAML values as they are, and the
+    run fails on them later), or a safe-vocabulary value the config refuses. Keys are field names (trl's ``TrlParser``), ``env``, or ``accelerate launch`` flags."""
+    if not isinstance(config, dict):  # trl's parser would refuse it too, once its training stack is imported
+        kind = "nothing" if config is None else f"a {type(config).__name__}"
+        raise ValueError(f"--config {path}: holds {kind}: accepted a YAML mapping (key: value lines)")
     for key, value in config.items():
         if key in specs:
+            kind, optional = value_kind(specs[key].annotation)
+            if kind in _WORDS and converted(specs[key], value) is dataclasses.MISSING:
+                raise ValueError(f"--config {path}: {key} {value!r}: accepted {_WORDS[kind]}"
+                                 f"{' or null' if optional else ''}")  # fmt: skip
             _check_safe_vocab_value(key, value)
         elif key != "env" and not launcher_takes(f"--{key}"):
             raise ValueError(

@@ -38,6 +38,7 @@ from trl_integration.commands.launch import (
     running_under_launch,
 )
 from trl_integration.commands.preflight import check_before_loading, check_mixture
+from trl_integration.commands.quick_values import REWARD_REQUIRED
 from trl_integration.commands.train_data import (
     ARITHMETIC_DATASET_NAME,
     check_prompts_fit_tokenizer,
@@ -231,10 +232,7 @@ def resolve_reward_funcs(script_args: SafeVocabScriptArguments) -> list:
         elif script_args.dataset_name == ARITHMETIC_DATASET_NAME:
             names = ["arithmetic_reward"]
         else:
-            raise ValueError(
-                "--reward_funcs is required (e.g. --reward_funcs accuracy_reward, or a dotted path "
-                "my_pkg.rewards.my_reward), or --reward_model_name_or_path"
-            )
+            raise ValueError(REWARD_REQUIRED)
     funcs: list = []
     if script_args.reward_model_name_or_path:
         funcs.append(script_args.reward_model_name_or_path)
@@ -279,34 +277,37 @@ _DESCRIPTION = (
 
 
 def _quick_checks(argv: list[str], debug: bool, bundled: bool) -> None:
-    """Answer ``--help`` and refuse an unknown flag or YAML key, a mistyped number or an invalid safe-vocabulary
-    value before trl's training stack is imported (:mod:`trl_integration.commands.early_checks`); one line, exit 2."""
-    import yaml
-
-    from trl_integration.commands import early_checks
+    """Answer ``--help`` and refuse an unknown flag or YAML key, a mistyped number, an invalid safe-vocabulary value,
+    or a setting the run would refuse (:mod:`~trl_integration.commands.quick_values`) before trl's training stack is
+    imported (:mod:`trl_integration.commands.early_checks`); one line, exit 2."""
+    from trl_integration.commands import early_checks, quick_values
+    from trl_integration.commands.config_file import read_config
     from trl_integration.commands.launch import accelerate_launch_takes
+    from trl_integration.commands.preflight import loss_types_in
 
     try:
         specs = early_checks.training_fields()
     except (LookupError, OSError, SyntaxError):  # another layout of trl or transformers: the full parse answers
         return
     specs.update(early_checks.dataclass_fields((SafeVocabScriptArguments, ModelConfig, DatasetMixtureConfig)))
+    defaults = BUNDLED_JOB_DEFAULTS if bundled else {}
     if ("--help" in argv or "-h" in argv) and "--help-all" not in argv:
         from trl_integration.commands.grpo_help import short_help
 
-        defaults = BUNDLED_JOB_DEFAULTS if bundled else {}
         print(short_help(PROG, _DESCRIPTION, early_checks.own_fields(), specs, defaults, _EPILOG), end="")
         raise SystemExit(0)
     config = _config_path(argv)
     with _usage_errors(debug):
         early_checks.check_command_line(argv, specs, accelerate_launch_takes)
-        if config is not None and os.path.isfile(config):
-            try:
-                with open(config) as f:
-                    mapping = yaml.safe_load(f)
-            except (OSError, UnicodeDecodeError, yaml.YAMLError):
-                return  # the full parse names the problem
+        mapping = read_config(config) if config is not None else None
+        if config is not None:
             early_checks.check_yaml(config, mapping, specs, accelerate_launch_takes)
+        batch_size = defaults.get("per_device_train_batch_size", specs["per_device_train_batch_size"].default)
+        quick_values.check_settings(
+            quick_values.read_settings(argv, specs, mapping, defaults), loss_types_in(specs["loss_type"].help),
+            (SYNTHETIC_DATASET_NAME, ARITHMETIC_DATASET_NAME),
+            (batch_size, "the main job's default" if bundled else "trl's default"),
+        )  # fmt: skip
 
 
 def run(argv: list[str] | None = None):
@@ -336,8 +337,6 @@ def run(argv: list[str] | None = None):
         with _usage_errors(debug, f"--model {alias}: "):
             parser.set_defaults(**grpo_alias_defaults(alias))
     config = _config_path(argv)
-    if config is not None and not os.path.isfile(config):
-        raise SystemExit(fail(PROG, f"--config {config!r}: no such file"))
     with _usage_errors(debug, f"--config {config}: " if config else ""), _mixture_key_errors(), \
             generation_batch_errors(argv, config, TINY_GRPO_DEFAULTS if bundled else None):
         script_args, training_args, model_args, dataset_args, config_leftover, cli_leftover = (

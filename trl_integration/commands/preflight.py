@@ -3,6 +3,8 @@
 Every check raises ``ValueError`` with one line that names the flag, the value and what is accepted; the
 command turns it into its one-line error (exit status 2, :func:`trl_integration.commands.errors.fail`). The
 checks read only the parsed arguments and the file system: nothing here loads a model, a tokenizer or a dataset.
+The quick pass (:mod:`~trl_integration.commands.quick_values`) runs them on the settings it reads before trl's
+parser is imported; the command runs them again on the parsed arguments.
 
 - ``--model_name_or_path``: an existing local directory, or something shaped like a Hub id (``org/name`` or
   ``name``); a path that points nowhere (``./x``, ``/x``, ``~/x``, ``x/y/z``) is refused here instead of being
@@ -14,6 +16,8 @@ checks read only the parsed arguments and the file system: nothing here loads a 
   >= 0; ``--loss_type`` one of the values trl's ``GRPOConfig`` documents; a local model directory holding
   ``config.json``; ``--output_dir`` not a file. (``--report_to`` is checked when the config is built:
   ``grpo.checks.check_report_to``.)
+- ``--resume_from_checkpoint`` (:func:`check_resume_checkpoint`): an existing checkpoint folder with its trainer,
+  optimizer and scheduler state (unless ``--resume_allow_missing_state``).
 - a dataset mixture (``datasets:`` in the ``--config`` YAML, trl's ``DatasetMixtureConfig``): every entry's ``path``
   a ``datasets`` builder name, an existing local path or a Hub id, its local ``data_files`` existing, ``fraction``
   set for all entries or none (each > 0), and no ``fraction`` when streaming.
@@ -24,7 +28,8 @@ from __future__ import annotations
 import os
 import re
 
-__all__ = ["check_before_loading", "check_mixture", "accepted_loss_types", "DATA_FILE_SUFFIXES", "DATASETS_BUILDERS"]
+__all__ = ["check_before_loading", "check_mixture", "accepted_loss_types", "loss_types_in", "check_resume_checkpoint",
+           "DATA_FILE_SUFFIXES", "DATASETS_BUILDERS"]
 
 #: Local data files ``safevocab-grpo`` loads with the matching ``datasets`` builder.
 DATA_FILE_SUFFIXES = (".json", ".jsonl", ".csv", ".parquet")
@@ -52,14 +57,18 @@ def _check_location(flag: str, value: str, what: str, builtin: tuple[str, ...] =
         )
 
 
-def check_before_loading(script_args, training_args, model_args, builtin_datasets: tuple[str, ...] = ()) -> None:
+def check_before_loading(
+    script_args, training_args, model_args, builtin_datasets: tuple[str, ...] = (), loss_types: tuple[str, ...] | None = None
+) -> None:
     """Raise ``ValueError`` (one line naming the flag) for arguments that would fail only after the model loads.
 
     Args:
-        script_args: the parsed ``SafeVocabScriptArguments``.
-        training_args: the parsed ``SafeVocabGRPOConfig``.
-        model_args: the parsed ``trl.ModelConfig``.
+        script_args: the parsed ``SafeVocabScriptArguments`` (or a namespace with its attributes).
+        training_args: the parsed ``SafeVocabGRPOConfig`` (or a namespace with the attributes checked here).
+        model_args: the parsed ``trl.ModelConfig`` (or a namespace with ``model_name_or_path``).
         builtin_datasets: ``--dataset_name`` values the command builds itself (no file, no Hub).
+        loss_types: the accepted ``--loss_type`` values (default: :func:`accepted_loss_types` of
+            ``type(training_args)``).
     """
     model = model_args.model_name_or_path
     if model:
@@ -81,7 +90,7 @@ def check_before_loading(script_args, training_args, model_args, builtin_dataset
     if training_args.max_steps == -1 and not training_args.num_train_epochs > 0:
         raise ValueError(f"--num_train_epochs {training_args.num_train_epochs}: accepted > 0")
     _check_numbers(script_args, training_args)
-    _check_loss_type(training_args)
+    _check_loss_type(training_args.loss_type, accepted_loss_types(type(training_args)) if loss_types is None else loss_types)
     if model and os.path.isdir(os.path.expanduser(model)) and not _has_config(os.path.expanduser(model)):
         raise ValueError(
             f"--model_name_or_path {model!r}: the directory has no config.json: accepted a directory written by "
@@ -98,15 +107,50 @@ def accepted_loss_types(config_cls: type) -> tuple[str, ...]:
     import dataclasses
 
     text = next((f.metadata.get("help", "") for f in dataclasses.fields(config_cls) if f.name == "loss_type"), "")
-    listed = re.search(r"Supported values are (.*?)\.(\s|$)", text)
+    return loss_types_in(text)
+
+
+def loss_types_in(help_text: str) -> tuple[str, ...]:
+    """The values listed in the help of trl's ``loss_type`` field ("Supported values are 'grpo', ..., and 'vespo'."),
+    also as the quick pass reads it from trl's source (``early_checks.training_fields``); ``()`` if not listed."""
+    listed = re.search(r"Supported values are (.*?)\.(\s|$)", help_text)
     return tuple(re.findall(r"'(\w+)'", listed.group(1))) if listed else ()
 
 
-def _check_loss_type(training_args) -> None:
-    accepted = accepted_loss_types(type(training_args))
-    if accepted and training_args.loss_type not in accepted:
-        raise ValueError(f"--loss_type {training_args.loss_type!r}: accepted one of {', '.join(accepted)} (trl's "
-                         "GRPOConfig)")  # fmt: skip
+def _check_loss_type(loss_type: str, accepted: tuple[str, ...]) -> None:
+    if accepted and loss_type not in accepted:
+        raise ValueError(f"--loss_type {loss_type!r}: accepted one of {', '.join(accepted)} (trl's GRPOConfig)")
+
+
+def check_resume_checkpoint(checkpoint: str, allow_missing_state: bool) -> None:
+    """Raise ``ValueError`` (one line) for a ``--resume_from_checkpoint`` folder the run would refuse only once the
+    model is loaded (``grpo.checkpoints.checked_resume_checkpoint``): missing, without ``trainer_state.json``, or,
+    unless ``--resume_allow_missing_state``, without the optimizer or scheduler state (``grpo.checkpoints
+    .missing_state``'s rule for them: ``optimizer.pt``, ``optimizer.bin`` or an ``optimizer*`` folder, ``scheduler.pt``;
+    DeepSpeed's ``global_step*`` holds both). What depends on the run (the RNG state per process, the fp16 scaler,
+    the length-decay state, whole files) is checked when the trainer resumes."""
+    flag = f"--resume_from_checkpoint {checkpoint!r}"
+    folder = os.path.expanduser(checkpoint)
+    if not os.path.isdir(folder):
+        what = "is a file" if os.path.exists(folder) else "no such directory"
+        raise ValueError(f"{flag}: {what}: accepted a checkpoint-N folder a run saved (in its --output_dir)")
+    names = set(os.listdir(folder))
+    if "trainer_state.json" not in names:
+        raise ValueError(f"{flag} is not a complete checkpoint: trainer_state.json is missing; accepted a checkpoint-N "
+                         "folder a run saved (in its --output_dir)")  # fmt: skip
+    folders = {n for n in names if os.path.isdir(os.path.join(folder, n))}
+    deepspeed = any(n.startswith("global_step") for n in folders)
+    missing = []
+    if not (deepspeed or {"optimizer.pt", "optimizer.bin"} & names or any("optimizer" in n for n in folders)):
+        missing.append("optimizer.pt")
+    if "scheduler.pt" not in names and not deepspeed:
+        missing.append("scheduler.pt")
+    if missing and not allow_missing_state:
+        raise ValueError(
+            f"{flag} lacks {', '.join(missing)}: resuming would silently start the optimizer state and the "
+            "learning-rate schedule (transformers loads the two only together) fresh; accepted a checkpoint that has "
+            "them, or --resume_allow_missing_state true to accept that"
+        )
 
 
 def _has_config(folder: str) -> bool:

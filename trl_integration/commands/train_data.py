@@ -13,7 +13,7 @@ from trl_integration.demo.data import SYNTHETIC_DATASET_NAME, synthetic_dataset
 if TYPE_CHECKING:
     from trl import DatasetMixtureConfig, ScriptArguments
 
-__all__ = ["ARITHMETIC_DATASET_NAME", "load_train_dataset", "unreadable_data"]
+__all__ = ["ARITHMETIC_DATASET_NAME", "load_train_dataset", "unreadable_data", "local_columns", "check_prompt_column"]
 
 #: ``--dataset_name arithmetic``: the bundled model's task (``trl_integration.demo.arithmetic``).
 ARITHMETIC_DATASET_NAME = "arithmetic"
@@ -117,8 +117,67 @@ def load_train_dataset(script_args: ScriptArguments, dataset_args: DatasetMixtur
 def _with_prompt(train, name: str):
     columns = train.column_names or []
     if "prompt" not in columns:
-        raise ValueError(f"dataset {name!r} needs a 'prompt' column; it has {columns}")
+        raise ValueError(_no_prompt_column(name, columns))
     return train
+
+
+def _no_prompt_column(name: str, columns: list[str]) -> str:
+    return f"dataset {name!r} needs a 'prompt' column; it has {columns}"
+
+
+#: A local JSON file larger than this is not read twice: its columns are checked when ``datasets`` loads it.
+_SNIFF_LIMIT = 64 * 2**20
+
+
+def local_columns(name: str, train_split: str = "train") -> list[str] | None:
+    """The column names of the local dataset ``name`` read without ``datasets`` (which imports in seconds): a
+    ``.csv`` file's header, a ``.jsonl``/``.json`` file's keys (every record's, as ``datasets`` unites them), a
+    ``.parquet`` file's schema, a ``save_to_disk`` folder's features (``train_split``'s for a ``DatasetDict``);
+    ``None`` when it cannot tell (not such a file, too large, not parsable: loading it names the problem)."""
+    import json
+
+    suffix = os.path.splitext(name)[1]
+    try:
+        if os.path.isdir(name):
+            info = os.path.join(name, "dataset_info.json")
+            if not os.path.isfile(info) and os.path.isfile(os.path.join(name, "dataset_dict.json")):
+                info = os.path.join(name, train_split, "dataset_info.json")
+            with open(info, encoding="utf-8") as f:
+                features = json.load(f)["features"]
+            return list(features) if isinstance(features, dict) else None
+        if not os.path.isfile(name) or os.path.getsize(name) == 0:
+            return None
+        if suffix == ".csv":
+            import csv
+
+            with open(name, newline="", encoding="utf-8-sig") as f:  # -sig: a byte-order mark is not in the name
+                return next(csv.reader(f), None)
+        if suffix == ".parquet":
+            import pyarrow.parquet
+
+            return list(pyarrow.parquet.read_schema(name).names)
+        if suffix in (".json", ".jsonl") and os.path.getsize(name) <= _SNIFF_LIMIT:
+            with open(name, encoding="utf-8") as f:
+                text = f.read()
+            try:
+                records = json.loads(text)
+            except ValueError:  # JSON lines
+                records = [json.loads(line) for line in text.splitlines() if line.strip()]
+            records = records if isinstance(records, list) else [records]
+            if not all(isinstance(r, dict) for r in records):
+                return None
+            return list(dict.fromkeys(key for record in records for key in record))
+    except Exception:  # noqa: BLE001 - unreadable, not JSON, pyarrow's own errors: loading the file names them
+        return None
+    return None
+
+
+def check_prompt_column(name: str, train_split: str = "train") -> None:
+    """Raise ``ValueError`` (``_with_prompt``'s line) when the local dataset ``name`` has columns but no ``prompt``
+    (:func:`local_columns`), before ``datasets`` is imported."""
+    columns = local_columns(name, train_split)
+    if columns and "prompt" not in columns:
+        raise ValueError(_no_prompt_column(name, columns))
 
 
 def check_prompts_fit_tokenizer(model_name_or_path: str, model_args, training_args, train_dataset) -> None:
