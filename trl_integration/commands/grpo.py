@@ -360,6 +360,7 @@ def run(argv: list[str] | None = None):
     from trl import get_peft_config, get_quantization_config
 
     from trl_integration.commands.broken_run import RewardGuard, check_trained
+    from trl_integration.grpo.console_log import show_notices
     from trl_integration.grpo.trainer import SafeVocabGRPOTrainer
     from trl_integration.grpo.vllm_engine import shut_down_colocated_engine
 
@@ -402,6 +403,7 @@ def run(argv: list[str] | None = None):
     model_init_kwargs.update(training_args.model_init_kwargs or {})
     training_args.model_init_kwargs = model_init_kwargs
 
+    show_notices()  # the trainer's thread line
     with _runtime_errors(debug):
         trainer = SafeVocabGRPOTrainer(
             model=model_args.model_name_or_path,

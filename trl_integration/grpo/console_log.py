@@ -1,0 +1,76 @@
+"""The per-step console output: trl's own keys; the project's metrics stay in the logs, not on the screen.
+
+transformers prints every logged dictionary on the console from one callback: ``ProgressCallback.on_log`` (above
+the progress bar) or, with ``disable_tqdm``, ``PrinterCallback.on_log``. The trainer logs stock trl's keys (24 for a
+default run) and the project's ``safevocab/*`` and ``mismatch/*`` metrics (50 more), which made every step a
+74-key dictionary. :func:`quiet_console` swaps that one callback for a subclass that prints the dictionary without
+:data:`PROJECT_PREFIXES`' keys; every other callback (the ``report_to`` integrations) and
+``trainer.state.log_history`` still get every key, and ``safe_vocab_print_metrics=True`` prints them all again.
+
+The library's own notices (the thread line of :mod:`trl_integration.grpo.threads`) are logged, not printed, under the
+``trl_integration`` logger; :func:`show_notices` is how a command line shows them (``safevocab-grpo`` calls it).
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+from transformers.trainer_callback import PrinterCallback, ProgressCallback
+
+__all__ = ["PROJECT_PREFIXES", "console_keys", "quiet_console", "show_notices"]
+
+#: Prefixes of the project's metrics (docs/metrics.md); ``eval_`` versions are matched too.
+PROJECT_PREFIXES = ("safevocab/", "mismatch/")
+
+
+def console_keys(logs: dict) -> dict:
+    """``logs`` without the project's metrics (a new dict; ``logs`` is shared with the other callbacks)."""
+    return {
+        key: value for key, value in logs.items()
+        if not key.removeprefix("eval_").startswith(PROJECT_PREFIXES)
+    }  # fmt: skip
+
+
+class _QuietProgress(ProgressCallback):
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        return super().on_log(args, state, control, logs=console_keys(logs or {}), **kwargs)
+
+
+class _QuietPrinter(PrinterCallback):
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        return super().on_log(args, state, control, logs=console_keys(logs or {}), **kwargs)
+
+
+def quiet_console(trainer) -> bool:
+    """Make ``trainer``'s console callback print trl's keys only (unless ``args.safe_vocab_print_metrics``); returns
+    whether one was swapped. Called when the trainer is built (no progress bar yet); the new callback takes the old
+    one's place in the handler's list and its ``max_str_len``."""
+    if getattr(trainer.args, "safe_vocab_print_metrics", False):
+        return False
+    callbacks = trainer.callback_handler.callbacks
+    for index, callback in enumerate(callbacks):
+        if type(callback) is ProgressCallback:
+            callbacks[index] = _QuietProgress(max_str_len=callback.max_str_len)
+        elif type(callback) is PrinterCallback:
+            callbacks[index] = _QuietPrinter()
+        else:
+            continue
+        return True
+    return False
+
+
+class _NoticeHandler(logging.StreamHandler):
+    """The handler :func:`show_notices` adds (found again by its type, so a second call adds none)."""
+
+
+def show_notices(stream=None) -> None:
+    """Show the ``trl_integration`` logger's INFO notices and warnings on ``stream`` (default: stdout, where the
+    command's other notices go), as their bare message. For command lines: a library user configures logging."""
+    logger = logging.getLogger("trl_integration")
+    logger.setLevel(logging.INFO)
+    if not any(isinstance(handler, _NoticeHandler) for handler in logger.handlers):
+        handler = _NoticeHandler(sys.stdout if stream is None else stream)
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        logger.addHandler(handler)
+    logger.propagate = False
