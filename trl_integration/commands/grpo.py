@@ -452,8 +452,12 @@ def _runtime_errors(debug: bool) -> Iterator[None]:
 
 
 def _arithmetic_evaluator(script_args: SafeVocabScriptArguments, trainer):
-    """Greedy held-out accuracy on the arithmetic task (``None`` for other datasets or with 0 prompts)."""
+    """Greedy held-out accuracy on the arithmetic task (``None`` for other datasets, with 0 prompts, and on every
+    process but the main one: under ``accelerate launch`` each would repeat the same evaluation of the same weights,
+    and only the main one prints the summary)."""
     if script_args.dataset_name != ARITHMETIC_DATASET_NAME or script_args.eval_num_prompts <= 0:
+        return None
+    if not trainer.accelerator.is_main_process:
         return None
     from trl_integration.demo.arithmetic import accuracy, make_dataset
 
