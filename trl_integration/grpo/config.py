@@ -392,17 +392,10 @@ class SafeVocabGRPOConfig(GRPOConfig):
     length_surge_ema_alpha: float | None = field(
         default=None, metadata={"help": "EMA coefficient in (0, 1] (baseline 'ema'); unset: 2 / (baseline_window + 1)."}
     )
-    safe_vocab_print_metrics: bool = field(
-        default=False,
-        metadata={"help": "Print the safevocab/* and mismatch/* metrics in the per-step console output too (they are "
-                          "always in the logged history, the summary and report_to)."},
-    )
-    choose_torch_threads: bool = field(
-        default=True,
-        metadata={"help": "On CPU, choose torch's intra-op thread count when the trainer is built (1 for a model "
-                          "under 1M parameters or a busy machine; OMP_NUM_THREADS is kept) and log it; false leaves "
-                          "torch's count as it is."},
-    )
+    safe_vocab_print_metrics: bool = field(default=False, metadata={"help": "Print the safevocab/* and mismatch/* "
+        "metrics per step on the console too (always in the logged history, the summary and report_to)."})  # fmt: skip
+    choose_torch_threads: bool = field(default=True, metadata={"help": "On CPU, choose torch's thread count when the "
+        "trainer is built (1 for a model under 1M parameters or a busy machine; OMP_NUM_THREADS kept)."})  # fmt: skip
     resume_allow_missing_state: bool = field(
         default=False,
         metadata={
