@@ -26,11 +26,18 @@ class _SeenByIntegrations(TrainerCallback):
         self.logs.append(dict(logs))
 
 
-def _train(tmp_path, **overrides):
+def _train(tmp_path, stock: bool = False, **overrides):
+    """Two logged steps of the tiny test job; ``stock``: trl's own ``GRPOTrainer`` with the same settings."""
+    from trl import GRPOConfig, GRPOTrainer
+
     tokenizer = build_tokenizer()
     seen = _SeenByIntegrations()
-    args = SafeVocabGRPOConfig(**grpo_kwargs(tmp_path, report_to="none", save_strategy="no", **overrides))
-    trainer = SafeVocabGRPOTrainer(
+    config, trainer_class = (GRPOConfig, GRPOTrainer) if stock else (SafeVocabGRPOConfig, SafeVocabGRPOTrainer)
+    kwargs = grpo_kwargs(tmp_path, report_to="none", save_strategy="no", **overrides)
+    if stock:
+        kwargs = {k: v for k, v in kwargs.items() if k in GRPOConfig.__dataclass_fields__}
+    args = config(**kwargs)
+    trainer = trainer_class(
         model=build_model(tokenizer), reward_funcs=vowel_reward, args=args, train_dataset=prompt_dataset(),
         processing_class=tokenizer, callbacks=[seen],
     )  # fmt: skip
@@ -54,7 +61,16 @@ def test_the_console_shows_trls_keys_and_the_logs_keep_every_metric(tmp_path, ca
     history = [logs for logs in trainer.state.log_history if "loss" in logs]
     assert any(key.startswith("safevocab/") for key in history[0])
     assert any(key.startswith("safevocab/") for key in seen.logs[0])  # the integrations get every key
-    assert set(steps[0]) == {key for key in history[0] if not key.startswith(PROJECT) and key not in ("total_flos", "step")}
+    assert any(key.startswith("sampling/") for key in history[0])  # the generate path's importance ratio, logged
+
+
+def test_the_console_shows_the_keys_stock_trl_shows(tmp_path, capsys):
+    _train(tmp_path / "ours", disable_tqdm=True)
+    ours = [logs for logs in _printed_dicts(capsys.readouterr().out) if "loss" in logs]
+    _train(tmp_path / "stock", stock=True, disable_tqdm=True)
+    stock = [logs for logs in _printed_dicts(capsys.readouterr().out) if "loss" in logs]
+    assert len(ours) == len(stock) == 2
+    assert list(ours[0]) == list(stock[0]), set(ours[0]) ^ set(stock[0])
 
 
 def test_the_flag_prints_the_projects_metrics(tmp_path, capsys):
@@ -64,6 +80,8 @@ def test_the_flag_prints_the_projects_metrics(tmp_path, capsys):
 
 
 def test_console_keys_drops_the_projects_metrics_also_under_eval():
-    logs = {"loss": 1.0, "safevocab/safe_size_mean": 3.0, "eval_mismatch/k3_kl": 0.1, "eval_loss": 2.0, "step": 1}
-    assert console_keys(logs) == {"loss": 1.0, "eval_loss": 2.0, "step": 1}
+    logs = {"loss": 1.0, "safevocab/safe_size_mean": 3.0, "eval_mismatch/k3_kl": 0.1, "eval_loss": 2.0, "step": 1,
+            "sampling/importance_sampling_ratio/min": 1.0}  # fmt: skip
+    assert console_keys(logs) == {"loss": 1.0, "eval_loss": 2.0, "step": 1, "sampling/importance_sampling_ratio/min": 1.0}
+    assert console_keys(logs, ("safevocab/", "mismatch/", "sampling/")) == {"loss": 1.0, "eval_loss": 2.0, "step": 1}
     assert "safevocab/safe_size_mean" in logs  # the shared dict is untouched

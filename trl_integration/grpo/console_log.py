@@ -4,8 +4,10 @@ transformers prints every logged dictionary on the console from one callback: ``
 the progress bar) or, with ``disable_tqdm``, ``PrinterCallback.on_log``. The trainer logs stock trl's keys (24 for a
 default run) and the project's ``safevocab/*`` and ``mismatch/*`` metrics (50 more), which made every step a
 74-key dictionary. :func:`quiet_console` swaps that one callback for a subclass that prints the dictionary without
-:data:`PROJECT_PREFIXES`' keys; every other callback (the ``report_to`` integrations) and
-``trainer.state.log_history`` still get every key, and ``safe_vocab_print_metrics=True`` prints them all again.
+:data:`PROJECT_PREFIXES`' keys and, off vLLM, without trl's ``sampling/*`` keys (stock trl logs those only for vLLM
+rollouts; the trainer logs them on the ``generate`` path too, for its importance ratio there): the keys stock trl
+prints for the same run. Every other callback (the ``report_to`` integrations) and ``trainer.state.log_history``
+still get every key, and ``safe_vocab_print_metrics=True`` prints them all again.
 
 The library's own notices (the thread line of :mod:`trl_integration.grpo.threads`) are logged, not printed, under the
 ``trl_integration`` logger; :func:`show_notices` is how a command line shows them (``safevocab-grpo`` calls it).
@@ -18,28 +20,36 @@ import sys
 
 from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
-__all__ = ["PROJECT_PREFIXES", "console_keys", "quiet_console", "show_notices"]
+__all__ = ["PROJECT_PREFIXES", "VLLM_ONLY_PREFIXES", "console_keys", "quiet_console", "show_notices"]
 
 #: Prefixes of the project's metrics (docs/metrics.md); ``eval_`` versions are matched too.
 PROJECT_PREFIXES = ("safevocab/", "mismatch/")
+#: trl's importance-sampling metrics, which stock trl logs only for vLLM rollouts.
+VLLM_ONLY_PREFIXES = ("sampling/",)
 
 
-def console_keys(logs: dict) -> dict:
-    """``logs`` without the project's metrics (a new dict; ``logs`` is shared with the other callbacks)."""
-    return {
-        key: value for key, value in logs.items()
-        if not key.removeprefix("eval_").startswith(PROJECT_PREFIXES)
-    }  # fmt: skip
+def console_keys(logs: dict, hidden: tuple[str, ...] = PROJECT_PREFIXES) -> dict:
+    """``logs`` without the keys starting with a ``hidden`` prefix (a new dict; ``logs`` is shared with the other
+    callbacks)."""
+    return {key: value for key, value in logs.items() if not key.removeprefix("eval_").startswith(hidden)}
 
 
 class _QuietProgress(ProgressCallback):
+    def __init__(self, max_str_len: int, hidden: tuple[str, ...]):
+        super().__init__(max_str_len=max_str_len)
+        self.hidden = hidden
+
     def on_log(self, args, state, control, logs=None, **kwargs):
-        return super().on_log(args, state, control, logs=console_keys(logs or {}), **kwargs)
+        return super().on_log(args, state, control, logs=console_keys(logs or {}, self.hidden), **kwargs)
 
 
 class _QuietPrinter(PrinterCallback):
+    def __init__(self, hidden: tuple[str, ...]):
+        super().__init__()
+        self.hidden = hidden
+
     def on_log(self, args, state, control, logs=None, **kwargs):
-        return super().on_log(args, state, control, logs=console_keys(logs or {}), **kwargs)
+        return super().on_log(args, state, control, logs=console_keys(logs or {}, self.hidden), **kwargs)
 
 
 def quiet_console(trainer) -> bool:
@@ -48,12 +58,13 @@ def quiet_console(trainer) -> bool:
     one's place in the handler's list and its ``max_str_len``."""
     if getattr(trainer.args, "safe_vocab_print_metrics", False):
         return False
+    hidden = PROJECT_PREFIXES + (() if getattr(trainer, "use_vllm", False) else VLLM_ONLY_PREFIXES)
     callbacks = trainer.callback_handler.callbacks
     for index, callback in enumerate(callbacks):
         if type(callback) is ProgressCallback:
-            callbacks[index] = _QuietProgress(max_str_len=callback.max_str_len)
+            callbacks[index] = _QuietProgress(callback.max_str_len, hidden)
         elif type(callback) is PrinterCallback:
-            callbacks[index] = _QuietPrinter()
+            callbacks[index] = _QuietPrinter(hidden)
         else:
             continue
         return True
