@@ -11,7 +11,7 @@ from transformers import TrainerCallback
 from trl_helpers import build_model, build_tokenizer, grpo_kwargs, prompt_dataset, vowel_reward
 
 from trl_integration import SafeVocabGRPOConfig, SafeVocabGRPOTrainer
-from trl_integration.grpo.console_log import console_keys
+from trl_integration.grpo.console_log import PROJECT_PREFIXES, console_keys
 
 PROJECT = ("safevocab/", "mismatch/")
 
@@ -81,7 +81,7 @@ def test_the_flag_prints_the_projects_metrics(tmp_path, capsys):
 
 def test_console_keys_drops_the_projects_metrics_also_under_eval():
     logs = {"loss": 1.0, "safevocab/safe_size_mean": 3.0, "eval_mismatch/k3_kl": 0.1, "eval_loss": 2.0, "step": 1,
-            "sampling/importance_sampling_ratio/min": 1.0}  # fmt: skip
+            "sampling/importance_sampling_ratio/min": 1.0, "lr_base": 1e-3, "length_decay/factor": 0.5}  # fmt: skip
     assert console_keys(logs) == {"loss": 1.0, "eval_loss": 2.0, "step": 1, "sampling/importance_sampling_ratio/min": 1.0}
-    assert console_keys(logs, ("safevocab/", "mismatch/", "sampling/")) == {"loss": 1.0, "eval_loss": 2.0, "step": 1}
+    assert console_keys(logs, PROJECT_PREFIXES + ("sampling/",)) == {"loss": 1.0, "eval_loss": 2.0, "step": 1}
     assert "safevocab/safe_size_mean" in logs  # the shared dict is untouched

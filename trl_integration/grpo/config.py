@@ -94,9 +94,10 @@ class SafeVocabGRPOConfig(GRPOConfig):
         mismatch_buckets (`list[float]`, defaults to `[0.001, 0.01, 0.1, 0.5]`):
             Edges of the probability buckets of the `mismatch/*/p=lo-hi` metrics.
         safe_vocab_print_metrics (`bool`, defaults to `False`):
-            Also print the `safevocab/*` and `mismatch/*` metrics in the per-step console output. They are always in
-            the logged history (`trainer.state.log_history`), the run summary and the `report_to` integrations; the
-            console shows trl's own keys unless this is on (:mod:`trl_integration.grpo.console_log`).
+            Also print the project's metrics (`safevocab/*`, `mismatch/*`, `length_decay/*`, `lr_base`) in the
+            per-step console output. They are always in the logged history (`trainer.state.log_history`), the run
+            summary and the `report_to` integrations; the console shows the keys stock trl prints unless this is on
+            (:mod:`trl_integration.grpo.console_log`).
         > Parameters that control torch's threads
 
         choose_torch_threads (`bool`, defaults to `True`):

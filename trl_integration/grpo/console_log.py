@@ -2,7 +2,8 @@
 
 transformers prints every logged dictionary on the console from one callback: ``ProgressCallback.on_log`` (above
 the progress bar) or, with ``disable_tqdm``, ``PrinterCallback.on_log``. The trainer logs stock trl's keys (24 for a
-default run) and the project's ``safevocab/*`` and ``mismatch/*`` metrics (50 more), which made every step a
+default run) and the project's ``safevocab/*`` and ``mismatch/*`` metrics (50 more; ``lr_base`` and
+``length_decay/*`` with length decay), which made every step a
 74-key dictionary. :func:`quiet_console` swaps that one callback for a subclass that prints the dictionary without
 :data:`PROJECT_PREFIXES`' keys and, off vLLM, without trl's ``sampling/*`` keys (stock trl logs those only for vLLM
 rollouts; the trainer logs them on the ``generate`` path too, for its importance ratio there): the keys stock trl
@@ -22,8 +23,9 @@ from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
 __all__ = ["PROJECT_PREFIXES", "VLLM_ONLY_PREFIXES", "console_keys", "quiet_console", "show_notices"]
 
-#: Prefixes of the project's metrics (docs/metrics.md); ``eval_`` versions are matched too.
-PROJECT_PREFIXES = ("safevocab/", "mismatch/")
+#: Prefixes of the project's metrics (docs/metrics.md; ``lr_base`` and ``length_decay/*`` with length decay, see
+#: :mod:`trl_integration.grpo.length_decay`); ``eval_`` versions are matched too.
+PROJECT_PREFIXES = ("safevocab/", "mismatch/", "length_decay/", "lr_base")
 #: trl's importance-sampling metrics, which stock trl logs only for vLLM rollouts.
 VLLM_ONLY_PREFIXES = ("sampling/",)
 
