@@ -91,6 +91,7 @@ def test_the_summary_of_rule_none_names_no_composition_order(tmp_path, capsys):
     run(["--max_steps", "1", "--safe_vocab_rule", "none", "--eval_num_prompts", "0", "--output_dir", str(tmp_path)])
     table = " ".join(capsys.readouterr().out.split())
     assert "none (no pruning: the full vocabulary)" in table and "composed in" not in table
+    assert "[safevocab] torch threads: " in table  # logged by the trainer, shown by the command
 
 
 def test_the_summary_has_a_length_decay_row(tmp_path, capsys):

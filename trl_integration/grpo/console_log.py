@@ -74,7 +74,17 @@ def quiet_console(trainer) -> bool:
 
 
 class _NoticeHandler(logging.StreamHandler):
-    """The handler :func:`show_notices` adds (found again by its type, so a second call adds none)."""
+    """The handler :func:`show_notices` adds (found again by its type, so a second call adds none). Without a stream
+    of its own it writes to ``sys.stdout`` as it is when a notice is logged (a caller may have replaced it since)."""
+
+    def __init__(self, stream=None):
+        super().__init__(stream)
+        self.follow_stdout = stream is None
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self.follow_stdout:
+            self.stream = sys.stdout
+        super().emit(record)
 
 
 def show_notices(stream=None) -> None:
@@ -83,7 +93,7 @@ def show_notices(stream=None) -> None:
     logger = logging.getLogger("trl_integration")
     logger.setLevel(logging.INFO)
     if not any(isinstance(handler, _NoticeHandler) for handler in logger.handlers):
-        handler = _NoticeHandler(sys.stdout if stream is None else stream)
+        handler = _NoticeHandler(stream)
         handler.setFormatter(logging.Formatter("%(message)s"))
         logger.addHandler(handler)
     logger.propagate = False
