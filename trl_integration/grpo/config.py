@@ -94,6 +94,18 @@ class SafeVocabGRPOConfig(GRPOConfig):
             Log the `mismatch/*` metrics whenever rollout log-probabilities exist.
         mismatch_buckets (`list[float]`, defaults to `[0.001, 0.01, 0.1, 0.5]`):
             Edges of the probability buckets of the `mismatch/*/p=lo-hi` metrics.
+        safe_vocab_print_metrics (`bool`, defaults to `False`):
+            Also print the project's metrics (`safevocab/*`, `mismatch/*`, `length_decay/*`, `lr_base`) in the
+            per-step console output. They are always in the logged history (`trainer.state.log_history`), the run
+            summary and the `report_to` integrations; the console shows the keys stock trl prints unless this is on
+            (:mod:`trl_integration.grpo.console_log`).
+        > Parameters that control torch's threads
+
+        choose_torch_threads (`bool`, defaults to `True`):
+            On CPU, choose torch's intra-op thread count when the trainer is built (one thread for a model under 1M
+            parameters or a busy machine; `OMP_NUM_THREADS` or an earlier `torch.set_num_threads` is kept), before a
+            colocated vLLM engine is built, and log one line saying which and why
+            (:mod:`trl_integration.grpo.threads`). `False` leaves torch's count as it is.
         > Parameters that control how the trainer scores
 
         safe_vocab_max_chunk_bytes (`int`, defaults to 64 MiB):
@@ -408,6 +420,10 @@ class SafeVocabGRPOConfig(GRPOConfig):
     length_surge_ema_alpha: float | None = field(
         default=None, metadata={"help": "EMA coefficient in (0, 1] (baseline 'ema'); unset: 2 / (baseline_window + 1)."}
     )
+    safe_vocab_print_metrics: bool = field(default=False, metadata={"help": "Print the safevocab/* and mismatch/* "
+        "metrics per step on the console too (always in the logged history, the summary and report_to)."})  # fmt: skip
+    choose_torch_threads: bool = field(default=True, metadata={"help": "On CPU, choose torch's thread count when the "
+        "trainer is built (1 for a model under 1M parameters or a busy machine; OMP_NUM_THREADS kept)."})  # fmt: skip
     resume_allow_missing_state: bool = field(
         default=False,
         metadata={

