@@ -5,6 +5,7 @@ from __future__ import annotations
 import warnings
 
 import pytest
+from pathlib import Path
 import torch
 from trl import GRPOConfig
 
@@ -253,3 +254,37 @@ def test_rules_compose_in_the_rollout_engines_order(tmp_path, use_vllm, kept):
     logits = torch.tensor([[math.log(p) for p in (0.4, 0.3, 0.2, 0.1)]])
     assert int(cfg.effective_rule.keep_mask(logits).sum()) == kept
     assert parse_rule(cfg.safe_vocab_effective_rule, engine=cfg.rule_engine) == cfg.effective_rule
+
+
+def test_every_field_s_help_is_its_docstring_entry_written_once():
+    # Issue 39 point 3: the config's fields are described once, in the docstring (rendered by the API reference); the
+    # command line's --help text is read from it, and a field without an entry cannot be defined.
+    import dataclasses
+
+    from trl_integration.grpo.config import SafeVocabGRPOConfig
+    from trl_integration.grpo.field_help import docstring_help, fill_field_help
+
+    described = docstring_help(SafeVocabGRPOConfig.__doc__)
+    own = SafeVocabGRPOConfig.__dict__["__annotations__"]
+    fields = [f for f in dataclasses.fields(SafeVocabGRPOConfig) if f.name in own]
+    assert len(fields) > 30
+    for f in fields:
+        assert f.metadata["help"] == described[f.name] and len(f.metadata["help"]) > 20, f.name
+    assert ":func:" not in described["safe_vocab_in_sampler"] and "compose_rules" in described["safe_vocab_in_sampler"]
+    source = (Path(__file__).resolve().parents[2] / "trl_integration" / "grpo" / "config.py").read_text()
+    assert '"help"' not in source  # no second copy in the fields' metadata
+
+    @dataclasses.dataclass
+    class Undocumented:
+        """A config.
+
+        Parameters:
+            documented (`int`, defaults to `1`):
+                Described.
+        """
+
+        documented: int = 1
+        forgotten: int = 2
+
+    with pytest.raises(TypeError, match=r"fields \['forgotten'\] have no entry in the class docstring"):
+        fill_field_help(Undocumented)

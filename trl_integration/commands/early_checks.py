@@ -30,6 +30,9 @@ import os
 import re
 from collections.abc import Callable, Iterable
 
+from trl_integration.grpo.field_help import docstring_help
+
+
 __all__ = ["FieldSpec", "training_fields", "dataclass_fields", "option_strings", "value_kind", "converted",
            "check_command_line", "check_yaml"]
 
@@ -100,13 +103,14 @@ def _class_fields(module: str, class_name: str, base: str | None) -> dict[str, F
         raise LookupError(f"{module}.{class_name} (deriving from {base}) is not where this check expects it")
     found: dict[str, FieldSpec | None] = {}
     constants = _module_constants(tree)
+    described = docstring_help(ast.get_docstring(node) or "")  # a field's help may live in the class docstring only
     for item in node.body:
         if not (isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name)):
             continue
         annotation = ast.unparse(item.annotation)
         if "ClassVar" in annotation or "InitVar" in annotation:
             continue
-        default, help_text, init = _literal(item.value, constants), "", True
+        default, help_text, init = _literal(item.value, constants), described.get(item.target.id, ""), True
         call = item.value
         if isinstance(call, ast.Call) and ast.unparse(call.func).split(".")[-1] == "field":
             keywords = {k.arg: k.value for k in call.keywords}

@@ -24,6 +24,7 @@ from trl_integration.grpo.checks import (
     check_safe_vocab_fields,
     warn_on_sampler_rule_mismatch,
 )
+from trl_integration.grpo.field_help import fill_field_help
 from trl_integration.grpo.sampler_settings import compose_with_sampler, resolve_rollout_logprobs
 from trl_integration.options import (
     DEFAULT_BUCKETS,
@@ -44,6 +45,7 @@ __all__ = ["SafeVocabGRPOConfig", "OUT_OF_SET_MODES", "SCORING_MODES", "DEFAULT_
 DEFAULT_RULE = "min_p=0.001"
 
 
+@fill_field_help  # each field's --help is its docstring entry below: one description, not two copies
 @dataclass
 class SafeVocabGRPOConfig(GRPOConfig):
     r"""Configuration of :class:`~trl_integration.grpo.trainer.SafeVocabGRPOTrainer`.
@@ -220,229 +222,48 @@ class SafeVocabGRPOConfig(GRPOConfig):
             set), infinite, or large enough to overflow trl's float32 group mean/std (:mod:`trl_integration.grpo.rewards`).
     """
 
-    safe_vocab_rule: str = field(
-        default=DEFAULT_RULE,
-        metadata={
-            "help": "Safe-vocabulary rule picking the per-position set S the policy is renormalised over, e.g. "
-            "'min_p=0.001', 'top_k=50,min_p=0.01', 'top_p=0.95', 'min_prob=1e-4' or 'none'. Keys: top_k (int >= 1), "
-            "top_p (0 < q <= 1), min_p (0 < rho <= 1), min_prob (0 < tau < 1); comma-separated parts intersect."
-        },
-    )
-    safe_vocab_out_of_set: str = field(
-        default="mask_token",
-        metadata={
-            "help": "Handling of a sampled token outside the trainer's safe set: 'mask_token' (drop the token from "
-            "the loss) or 'mask_sequence' (drop its whole sequence).",
-            "choices": list(OUT_OF_SET_MODES),
-        },
-    )
-    safe_vocab_in_sampler: bool = field(
-        default=True,
-        metadata={
-            "help": "Sample rollouts with the same rule (top_k/top_p/min_p are set from safe_vocab_rule, on vLLM "
-            "and generate). Disable to let the sampler keep its own top_k/top_p/min_p."
-        },
-    )
-    rollout_dtype: str = field(
-        default="auto",
-        metadata={
-            "help": "Precision of the generate-path rollouts: 'auto' (the model's dtype), 'float32', 'bfloat16' or "
-            "'float16'. Lower precisions use autocast and leave the trained weights untouched.",
-            "choices": list(ROLLOUT_DTYPES),
-        },
-    )
-    rollout_logprobs: bool | None = field(
-        default=None,
-        metadata={
-            "help": "Record the sampled tokens' log-probabilities on the generate path (renormalised over the "
-            "sampler's set), so that the importance-sampling correction and mismatch metrics work without vLLM. "
-            "Default (unset): on when the effective rule or the sampler prunes or a mismatch-lab setting is on, off "
-            "for rule 'none' with default settings (stock trl)."
-        },
-    )
-    safe_vocab_effective_rule: str | None = field(
-        default=None,
-        metadata={
-            "help": "Set by the config, not an input: safe_vocab_rule composed with the sampler's top_k/top_p/min_p "
-            "(flags or generation_kwargs), the rule both the sampler and the trainer use. A value passed in must "
-            "equal the computed one."
-        },
-    )
-    log_mismatch_metrics: bool = field(
-        default=True,
-        metadata={"help": "Log the mismatch/* metrics (training vs rollout log-probabilities) every generation."},
-    )
-    mismatch_buckets: list[float] = field(
-        default_factory=lambda: list(DEFAULT_BUCKETS),
-        metadata={
-            "help": "Edges of the probability buckets for the per-bucket mismatch metrics "
-            "(mismatch/abs_diff/p=lo-hi, ...): strictly increasing values in (0, 1)."
-        },
-    )
-    safe_vocab_max_chunk_bytes: int = field(
-        default=DEFAULT_MAX_CHUNK_BYTES,
-        metadata={"help": "Scratch memory budget (bytes) of one chunk of the fused safe log-softmax."},
-    )
-    safe_vocab_scoring: str = field(
-        default="auto",
-        metadata={
-            "help": "Source of the out-of-set masks, importance ratio and metrics of on-policy generation batches: "
-            "'loss_forward' (the loss's own forward, no extra pass), 'separate' (one more no-grad forward after the "
-            "rollout) or 'auto' ('loss_forward' where exact, i.e. unless a dapo/cispo/vespo loss splits a "
-            "generation batch into several micro-batches).",
-            "choices": list(SCORING_MODES),
-        },
-    )
-    safe_vocab_support: str = field(
-        default="rule",
-        metadata={
-            "help": "Safe set of each position: 'rule' (recomputed by the trainer's rule) or 'replay' (the engine's "
-            "kept token ids, a rollout_func's 'sampling_mask', intersected with the rule; rule fallback per batch).",
-            "choices": list(SUPPORT_SOURCES),
-        },
-    )
-    safe_vocab_out_of_set_warn_frac: float = field(
-        default=0.2, metadata={"help": "Warn (once, then at most every 50 steps) when more than this share of a step's "
-        "completion tokens fall outside the trainer's safe set (masked out of the loss). In [0, 1]; 1: never."},
-    )  # fmt: skip
-    safe_vocab_empty_step: str = field(
-        default="error", metadata={"help": "A step whose completion tokens were all masked out of the loss (it trains "
-        "nothing): 'error' stops the run, 'warn' warns and trains on.", "choices": list(EMPTY_STEP_ACTIONS)},
-    )  # fmt: skip
+    safe_vocab_rule: str = field(default=DEFAULT_RULE)
+    safe_vocab_out_of_set: str = field(default="mask_token", metadata={"choices": list(OUT_OF_SET_MODES)})
+    safe_vocab_in_sampler: bool = field(default=True)
+    rollout_dtype: str = field(default="auto", metadata={"choices": list(ROLLOUT_DTYPES)})
+    rollout_logprobs: bool | None = field(default=None)
+    safe_vocab_effective_rule: str | None = field(default=None)
+    log_mismatch_metrics: bool = field(default=True)
+    mismatch_buckets: list[float] = field(default_factory=lambda: list(DEFAULT_BUCKETS))
+    safe_vocab_max_chunk_bytes: int = field(default=DEFAULT_MAX_CHUNK_BYTES)
+    safe_vocab_scoring: str = field(default="auto", metadata={"choices": list(SCORING_MODES)})
+    safe_vocab_support: str = field(default="rule", metadata={"choices": list(SUPPORT_SOURCES)})
+    safe_vocab_out_of_set_warn_frac: float = field(default=0.2)
+    safe_vocab_empty_step: str = field(default="error", metadata={"choices": list(EMPTY_STEP_ACTIONS)})
 
     # --- mismatch lab (docs/mismatch.md) ---------------------------------------------------------------
-    rollout_logit_noise: float = field(
-        default=0.0,
-        metadata={
-            "help": "Mismatch lab: hard bound eps (>= 0) of a seeded perturbation |delta_i| <= eps added to the "
-            "generate rollout's transformed logits before the rule and softmax (tokens are sampled from the "
-            "perturbed distribution). 0 disables it. Generate path only."
-        },
-    )
-    rollout_logit_noise_kind: str = field(
-        default="uniform",
-        metadata={
-            "help": "The injected logit perturbation: 'uniform' (U[-eps, eps]), 'clipped_gaussian' (N(0, (eps/2)^2) "
-            "clipped to +-eps), 'lift' (deterministic: eps * min(1, (z_max - z_i) / 10), a heavier tail) or 'tail' "
-            "(eps on exactly the tokens rollout_tail_rule cuts).",
-            "choices": list(NOISE_KINDS),
-        },
-    )
-    rollout_tail_rule: str | None = field(
-        default=None,
-        metadata={"help": "The rule whose cut tokens rollout_logit_noise_kind='tail' lifts by eps (e.g. "
-                          "'min_p=0.01'); unset: safe_vocab_rule."},
-    )
-    rollout_noise_seed: int = field(
-        default=0,
-        metadata={"help": "Seed of the injected logit noise (its own generator; sampling RNG untouched)."},
-    )
-    rollout_mantissa_bits: int | None = field(
-        default=None,
-        metadata={
-            "help": "Mismatch lab: sample the generate rollouts with the current weights rounded to this many "
-            "mantissa bits (1-23; 7 = bfloat16's, 10 = float16's), so the mismatch follows the weights as they "
-            "train; the trained weights are untouched. Unset: no rounding. Generate path only."
-        },
-    )
-    rollout_perturbation: str | None = field(
-        default=None,
-        metadata={
-            "help": "Mismatch lab: 'module:function', a factory function(seed) -> transformers LogitsProcessor "
-            "applied to the generate rollouts' scores before the rollout log-prob recorder (tokens are sampled "
-            "from and recorded under the perturbed distribution). Generate path only."
-        },
-    )
-    zero_mismatch: bool = field(
-        default=False,
-        metadata={
-            "help": "Mismatch lab: use the training engine's own scoring of the sampled tokens as rollout "
-            "log-probabilities (bit-identical: importance ratio exactly 1). The gap measured before the "
-            "replacement is logged under mismatch/removed/*. Generate path only."
-        },
-    )
+    rollout_logit_noise: float = field(default=0.0)
+    rollout_logit_noise_kind: str = field(default="uniform", metadata={"choices": list(NOISE_KINDS)})
+    rollout_tail_rule: str | None = field(default=None)
+    rollout_noise_seed: int = field(default=0)
+    rollout_mantissa_bits: int | None = field(default=None)
+    rollout_perturbation: str | None = field(default=None)
+    zero_mismatch: bool = field(default=False)
 
-    length_decay: bool = field(
-        default=False,
-        metadata={
-            "help": "Multiply the LR schedule (lr_scheduler_type, warm-up; trl's default is linear, 'constant' holds "
-            "the LR) by the length-decay factor (safevocab.schedulers.LengthDecayLR): 1 until the mean response length "
-            "surges, then halved every length_decay_period steps down to length_decay_min_lr_ratio."
-        },
-    )
-    length_decay_period: str = field(
-        default="auto",
-        metadata={
-            "help": "Steps between halvings: an integer, or 'auto' = round(length_surge_factor x the step at which "
-            "the length surge started)."
-        },
-    )
-    length_decay_min_lr_ratio: float = field(
-        default=0.1, metadata={"help": "Floor of the length-decay factor, in [0, 1]."}
-    )
-    length_decay_start: str = field(
-        default="on_surge",
-        metadata={
-            "help": "'on_surge': hold the factor at 1 until the surge detector fires; 'step0': halve from the first "
-            "step (Algorithm 1; needs an integer length_decay_period).",
-            "choices": list(LENGTH_DECAY_STARTS),
-        },
-    )
-    length_decay_max_decays: int = field(
-        default=1,
-        metadata={"help": "Cap on decays (>= 1): the start, then each later surge halves the factor at once."},
-    )
-    length_decay_cooldown: int = field(
-        default=0, metadata={"help": "Steps after a decay before the next is accepted (>= 0; needs max_decays >= 2)."}
-    )
-    length_surge_window: int = field(
-        default=10, metadata={"help": "Surge detector: recent steps whose median length is compared (>= 1)."}
-    )
-    length_surge_baseline_window: int = field(
-        default=30, metadata={"help": "Surge detector: steps before the recent ones forming the baseline (>= 1)."}
-    )
-    length_surge_ratio: float = field(
-        default=1.5, metadata={"help": "Surge detector: recent median / baseline that counts as a surge (> 1)."}
-    )
-    length_surge_warmup: int = field(
-        default=20, metadata={"help": "Surge detector: no detection before this many generation steps."}
-    )
-    length_surge_factor: float = field(
-        default=1.8, metadata={"help": "Auto period = round(factor x surge step) (the paper's 1.8)."}
-    )
-    length_surge_baseline: str = field(
-        default="median",
-        metadata={
-            "help": "Surge detector baseline: 'median' of the baseline window, or 'ema' of every earlier length.",
-            "choices": list(LENGTH_SURGE_BASELINES),
-        },
-    )
-    length_surge_ema_alpha: float | None = field(
-        default=None, metadata={"help": "EMA coefficient in (0, 1] (baseline 'ema'); unset: 2 / (baseline_window + 1)."}
-    )
-    safe_vocab_print_metrics: bool = field(default=False, metadata={"help": "Print the safevocab/* and mismatch/* "
-        "metrics per step on the console too (always in the logged history, the summary and report_to)."})  # fmt: skip
-    choose_torch_threads: bool = field(default=True, metadata={"help": "On CPU, choose torch's thread count when the "
-        "trainer is built (1 for a model under 1M parameters or a busy machine; OMP_NUM_THREADS kept)."})  # fmt: skip
-    resume_allow_missing_state: bool = field(
-        default=False,
-        metadata={
-            "help": "Resume from a checkpoint that lacks optimizer.pt, scheduler.pt (or its length-decay state), "
-            "rng_state.pth (rng_state_<rank>.pth per process) or scaler.pt (fp16): refused by default, naming the "
-            "missing files; true accepts it with a warning naming what starts fresh."
-        },
-    )
-    resume_allow_changed_settings: list[str] = field(
-        default_factory=list,
-        metadata={"help": "Settings a resume may change on purpose (refused otherwise): safe_vocab_rule, "
-                          "safe_vocab_effective_rule, rule_engine, length_decay*/length_surge_*, model_* (see docs)."},
-    )
-    safe_vocab_atomic_checkpoints: bool = field(
-        default=True, metadata={"help": "Publish each checkpoint with one rename (false: save in place, as transformers)."}
-    )
-    safe_vocab_check_rewards: bool = field(
-        default=True, metadata={"help": "Refuse non-numeric, dict/set, infinite or overflowing rewards, naming the function."}
-    )
+    length_decay: bool = field(default=False)
+    length_decay_period: str = field(default="auto")
+    length_decay_min_lr_ratio: float = field(default=0.1)
+    length_decay_start: str = field(default="on_surge", metadata={"choices": list(LENGTH_DECAY_STARTS)})
+    length_decay_max_decays: int = field(default=1)
+    length_decay_cooldown: int = field(default=0)
+    length_surge_window: int = field(default=10)
+    length_surge_baseline_window: int = field(default=30)
+    length_surge_ratio: float = field(default=1.5)
+    length_surge_warmup: int = field(default=20)
+    length_surge_factor: float = field(default=1.8)
+    length_surge_baseline: str = field(default="median", metadata={"choices": list(LENGTH_SURGE_BASELINES)})
+    length_surge_ema_alpha: float | None = field(default=None)
+    safe_vocab_print_metrics: bool = field(default=False)
+    choose_torch_threads: bool = field(default=True)
+    resume_allow_missing_state: bool = field(default=False)
+    resume_allow_changed_settings: list[str] = field(default_factory=list)
+    safe_vocab_atomic_checkpoints: bool = field(default=True)
+    safe_vocab_check_rewards: bool = field(default=True)
 
     def __post_init__(self):
         # Validate our own fields before trl's (cheap, and the errors name what the user typed).
@@ -521,7 +342,10 @@ class SafeVocabGRPOConfig(GRPOConfig):
         """The rule the rollout sampler applies (from ``top_k``/``top_p``/``min_p`` and ``generation_kwargs``)."""
         gk = self.generation_kwargs if isinstance(self.generation_kwargs, dict) else {}
         return sampler_rule(
-            gk.get("top_k", self.top_k), gk.get("top_p", self.top_p), gk.get("min_p", self.min_p), engine=self.rule_engine
+            gk.get("top_k", self.top_k),
+            gk.get("top_p", self.top_p),
+            gk.get("min_p", self.min_p),
+            engine=self.rule_engine,
         )
 
     @property
