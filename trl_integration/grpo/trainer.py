@@ -47,6 +47,7 @@ import math
 import warnings
 
 import torch
+from accelerate.logging import get_logger
 from accelerate.utils import is_peft_model
 
 from safevocab import NoPruning
@@ -92,6 +93,9 @@ from trl_integration.rollout.mismatch import PerturbationArg, RolloutMismatch
 from trl_integration.rollout.recorder import recording_generate, rollout_recorder
 
 __all__ = ["SafeVocabGRPOTrainer", "SafeTokenStats"]
+
+#: The trainer's notices (main process only, as trl's): a logger, never ``print``; the entry points choose what shows.
+logger = get_logger(__name__)
 
 #: Key of a generation batch whose out-of-set masks, importance ratio and metrics come from the loss's forward.
 SCORE_IN_LOSS = "safevocab_score_in_loss"
@@ -156,10 +160,10 @@ class SafeVocabGRPOTrainer(QueuedMetrics, AtomicCheckpoints, GRPOTrainerBridge):
 
         # The rule the trainer scores with: safe_vocab_rule composed with the sampler's own truncation.
         self.safe_vocab_rule = args.effective_rule
-        if str(args.effective_rule) != str(args.rule) and self.accelerator.is_main_process:
-            print(
-                f"[safevocab] effective rule {str(args.effective_rule)!r} = safe_vocab_rule {str(args.rule)!r} & the "
-                "sampler's top_k/top_p/min_p: the sampler and the trainer renormalise over it"
+        if str(args.effective_rule) != str(args.rule):
+            logger.info(
+                f"effective rule {str(args.effective_rule)!r} = safe_vocab_rule {str(args.rule)!r} & the sampler's "
+                "top_k/top_p/min_p: the sampler and the trainer renormalise over it"
             )
         self._rollout_dtype = ROLLOUT_DTYPES[args.rollout_dtype]
         self._safe_head = SafeHeadState()
