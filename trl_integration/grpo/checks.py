@@ -60,6 +60,7 @@ __all__ = [
     "check_safe_vocab_fields", "warn_on_sampler_rule_mismatch", "one_of", "bf16_supported", "fp16_amp_supported",
     "check_length_decay", "refuse_unwrappable_lr_schedules", "STRING_CHOICES", "check_rule_text", "check_mismatch_lab",
     "check_rollout_paths", "check_tokenizer", "check_chat_template", "first_example", "check_report_to",
+    "check_zero3_rollout_dtype",
 ]  # fmt: skip
 
 
@@ -421,4 +422,21 @@ def check_chat_template(processing_class: Any, dataset: Any, tokenizer_of: str =
             f"the 'prompt' column is conversational (a list of messages), but {tokenizer_of} "
             f"({type(tokenizer).__name__}) has no chat_template: accepted plain-text prompts, or a tokenizer with a "
             "chat template (an instruct model's, or set tokenizer.chat_template and save_pretrained)"
+        )
+
+
+def check_zero3_rollout_dtype(args, model) -> None:
+    """DeepSpeed ZeRO-3: the safe head gathers the partitioned LM-head weight around its forward and,
+    through ``fused_safe_logprobs``' ``weight_gather`` hook, again around its backward
+    (:mod:`trl_integration.grpo.head`). What cannot work on partitioned parameters is the in-place upcast of a
+    ``rollout_dtype="float32"`` rollout over lower-precision weights (``model``'s), refused here."""
+    from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
+
+    if not is_deepspeed_zero3_enabled() or args.rollout_dtype != "float32":
+        return
+    if any(p.is_floating_point() and p.dtype != torch.float32 for p in model.parameters()):
+        raise ValueError(
+            "rollout_dtype='float32' upcasts lower-precision parameters in place for the rollout, which DeepSpeed "
+            "ZeRO-3's partitioned parameters do not allow: use rollout_dtype='auto' under ZeRO-3, load the model "
+            "in float32, or use ZeRO-2 / FSDP2 for fp32 rollouts"
         )
