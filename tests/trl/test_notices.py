@@ -1,6 +1,7 @@
 """Issue 31: the third-party notices that are wrong for this install (trl's vLLM range, Triton's missing CPU backend,
 torch's pin_memory without an accelerator, vLLM's use of ``torch.distributed.reduce_op``) are not shown, while the
-user's own warnings and the libraries' other warnings still are (``trl_integration.notices``)."""
+user's own warnings and the libraries' other warnings still are (``trl_integration.notices``), where the command-line
+entry points install the filters; ``import trl_integration`` itself changes no process-wide setting (issue 39)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 
 SCRIPT = """
 import warnings
-import trl_integration  # installs the filters, as every entry point does
+import trl_integration.commands  # the entry points' package: installs the filters
 import torch
 import torch.distributed
 import trl.generation.vllm_client, trl.generation.vllm_generation  # trl checks the vLLM version in each
@@ -37,3 +38,23 @@ def test_known_notices_are_filtered_and_others_shown():
     for notice in ("TRL currently supports vLLM", "doesn't include CPU backend", "pin_memory", "reduce_op"):
         assert notice not in proc.stderr, proc.stderr
     assert "the user's own warning" in proc.stderr and "another library's notice" in proc.stderr
+
+
+IMPORT_SCRIPT = """
+import logging, warnings
+import torch
+def settings():
+    return (list(warnings.filters), torch.get_num_threads(), torch.get_num_interop_threads(),
+            torch.get_default_dtype(), list(logging.getLogger("vllm.triton_utils.importing").filters))
+before = settings()
+import trl_integration
+after = settings()
+assert after == before, f"import trl_integration changed {[i for i, (a, b) in enumerate(zip(before, after)) if a != b]}"
+"""
+
+
+def test_import_changes_no_process_wide_setting():
+    """``import trl_integration`` leaves the warning filters, torch's thread counts and default dtype
+    and vLLM's logger filters as they were: only the entry points install the notice filters."""
+    proc = subprocess.run([sys.executable, "-c", IMPORT_SCRIPT], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]

@@ -12,6 +12,7 @@ The list of covered features is in docs/trl.md ("Conformance with trl").
 
 from __future__ import annotations
 
+import logging
 import math
 import warnings
 from unittest.mock import patch
@@ -298,12 +299,13 @@ def test_sampler_flags_compose(tiny_model_dir, tmp_path):
         assert not any("mismatch/is_mean" in h for h in steps(trainer))
 
 
-def test_sampler_flags_without_penalty_record(tiny_model_dir, tmp_path, capsys):
+def test_sampler_flags_without_penalty_record(tiny_model_dir, tmp_path, caplog):
     """Truncation alone composes and is recorded: the ratio is exactly 1 in fp32 (same support on both sides); the
-    effective rule is printed once per trainer."""
-    runs = run_all(tmp_path=tmp_path, agree=False, **plain(tiny_model_dir, top_p=0.9, top_k=10, min_p=0.01))
-    printed = [line for line in capsys.readouterr().out.splitlines() if "[safevocab] effective rule" in line]
-    assert len(printed) == 2 and all("'top_k=10,top_p=0.9,min_p=0.01'" in line for line in printed)
+    effective rule is logged once per trainer (the trainer's logger, at INFO: the library prints nothing)."""
+    with caplog.at_level(logging.INFO, logger="trl_integration.grpo.trainer"):
+        runs = run_all(tmp_path=tmp_path, agree=False, **plain(tiny_model_dir, top_p=0.9, top_k=10, min_p=0.01))
+    logged = [r.getMessage() for r in caplog.records if "effective rule" in r.getMessage()]
+    assert len(logged) == 2 and all("'top_k=10,top_p=0.9,min_p=0.01'" in line for line in logged)
     for name in ("safevocab", "none"):
         trainer, _, fallbacks = runs[name]
         assert not fallbacks

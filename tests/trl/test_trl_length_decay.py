@@ -204,7 +204,7 @@ def inject_lengths(trainer):
 
     def generate_with_injected_lengths(inputs):
         output = original(inputs)
-        trainer.pending_mean_lengths[-1] = float(LENGTHS[trainer.state.global_step])
+        trainer._length_decay.pending_lengths[-1] = float(LENGTHS[trainer.state.global_step])
         return output
 
     trainer._generate_and_score_completions = generate_with_injected_lengths

@@ -59,7 +59,7 @@ def test_logps_match_materialised(arch, spec, temperature, extra, tiny_model_dir
         assert model._safevocab_head[2] == 5.0  # the softcap reached the safe head
     ids, mask, keep = batch(model.config.vocab_size)
     logps, entropy, _ = trainer._get_per_token_logps_and_entropies(model, ids, mask, keep, compute_entropy=True)
-    stats = trainer._batch.last_stats
+    stats = trainer.last_scoring_stats
     ref = reference(model, ids, mask, keep, trainer.args.rule, temperature)
     valid = mask[:, -keep:].bool()
     torch.testing.assert_close(logps[valid], ref.logprobs[valid], atol=2e-5, rtol=1e-5)
@@ -99,7 +99,7 @@ def test_reference_model_uses_the_safe_head(tiny_model_dir, tmp_path):
     with torch.no_grad():
         policy, _, _ = trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, keep)
         ref, _, _ = trainer._get_per_token_logps_and_entropies(trainer.ref_model, ids, mask, keep)
-    assert not trainer._batch.last_stats.in_safe[mask[:, -keep:].bool()].all()
+    assert not trainer.last_scoring_stats.in_safe[mask[:, -keep:].bool()].all()
     torch.testing.assert_close(policy, ref)  # same weights at initialisation, same rule
 
 

@@ -272,19 +272,18 @@ def test_zero3_rejects_only_the_in_place_fp32_rollout(monkeypatch):
 
     import transformers.integrations.deepspeed as hf_ds
 
-    from trl_integration.grpo.trainer import SafeVocabGRPOTrainer
+    from trl_integration.grpo.checks import check_zero3_rollout_dtype
 
     def stub(rollout_dtype, dtype):
-        model = torch.nn.Linear(2, 2).to(dtype)
-        return SimpleNamespace(args=SimpleNamespace(rollout_dtype=rollout_dtype), model=model)
+        return SimpleNamespace(rollout_dtype=rollout_dtype), torch.nn.Linear(2, 2).to(dtype)
 
     monkeypatch.setattr(hf_ds, "is_deepspeed_zero3_enabled", lambda: True)
     for rollout_dtype, dtype in [("auto", torch.bfloat16), ("float32", torch.float32), ("bfloat16", torch.bfloat16)]:
-        SafeVocabGRPOTrainer._check_zero3(stub(rollout_dtype, dtype))
+        check_zero3_rollout_dtype(*stub(rollout_dtype, dtype))
     with pytest.raises(ValueError, match="rollout_dtype='float32'"):
-        SafeVocabGRPOTrainer._check_zero3(stub("float32", torch.bfloat16))
+        check_zero3_rollout_dtype(*stub("float32", torch.bfloat16))
     monkeypatch.setattr(hf_ds, "is_deepspeed_zero3_enabled", lambda: False)
-    SafeVocabGRPOTrainer._check_zero3(stub("float32", torch.bfloat16))
+    check_zero3_rollout_dtype(*stub("float32", torch.bfloat16))
 
 
 def test_vllm_server_must_return_processed_logprobs():

@@ -16,10 +16,10 @@ from trl_helpers import grpo_kwargs, prompt_dataset, vowel_reward
 
 from safevocab import SafeSupport, fused_safe_logprobs
 from trl_integration import SafeVocabGRPOConfig, SafeVocabGRPOTrainer
+from trl_integration.grpo.batch import HANDLE_KEY
 from trl_integration.grpo.out_of_set_alert import OutOfSetWarning
 from trl_integration.grpo.replay import (
     REPLAY_FRAC,
-    REPLAY_KEY,
     SUPPORT_DISAGREEMENT,
     per_sequence_supports,
     replay_metrics,
@@ -164,7 +164,7 @@ def test_replay_trains_on_the_engine_sets(tiny_model_dir, tmp_path, perturb):
         masks.append([0] * (width - len(p)) + [1] * (len(p) + len(c)) + [0] * (length - len(c)))
     input_ids, attention_mask = torch.tensor(rows), torch.tensor(masks)
     supports = per_sequence_supports(out["sampling_mask"], out["completion_ids"])
-    trainer._replay.use({REPLAY_KEY: supports})
+    trainer._replay.use(supports)
     with torch.no_grad():
         logps, _, _ = trainer.score_completion_tokens(model, input_ids, attention_mask, length, batch_size=2)
         hidden = model.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
@@ -209,7 +209,8 @@ def test_replayed_sets_follow_their_sequences_through_trl_shuffle(tiny_model_dir
     }
     rows = 0
     for micro_batch in trainer._buffered_inputs:
-        for ids, mask, support in zip(micro_batch["completion_ids"], micro_batch["completion_mask"], micro_batch[REPLAY_KEY]):
+        supports = [row.batch.supports[row.index] for row in micro_batch[HANDLE_KEY]]  # the rows trl shuffled
+        for ids, mask, support in zip(micro_batch["completion_ids"], micro_batch["completion_mask"], supports):
             want = expected[tuple(ids[mask.bool()].tolist())]
             assert torch.equal(support.token_ids, want.token_ids) and torch.equal(support.offsets, want.offsets)
             rows += 1

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from safevocab.mismatch import reduce_gathered
-from trl_integration.grpo.batch import BatchState, LossReplay, PendingGeneration
+from trl_integration.grpo.batch import HANDLE_KEY, BatchSettings, GenerationBatch, LossReplay, PendingGeneration
 from trl_integration.grpo.step import (
     MASKED_TOKEN_FRAC,
     SafeTokenStats,
@@ -201,14 +201,43 @@ def test_old_policy_pass_is_found_by_value():
     assert old_policy_stats(captured, torch.tensor([[-1.0], [-2.0]])) is None  # same values, other shape
 
 
-def test_batch_state_collects_scoring_passes_only_while_capturing():
-    state = BatchState()
-    logps = torch.zeros(1, 2)
-    state.keep(logps, stats(torch.tensor([[T, T]])))
-    assert state.captured is None and state.last_stats is not None
-    state.captured = []
-    state.keep(logps, stats(torch.tensor([[T, F]])))
-    assert len(state.captured) == 1 and state.captured[0][1] is state.last_stats
+def _generation_batch(published: list, **settings) -> GenerationBatch:
+    def score(inputs, model, for_loss):
+        raise AssertionError("no extra pass expected")
+
+    return GenerationBatch(
+        BatchSettings(**settings), score, mode="train", gather=lambda t: t.reshape(-1),
+        publish=lambda mode, rows, record: published.append((mode, rows, record)),
+    )  # fmt: skip
+
+
+def test_generation_batch_keeps_scoring_passes_only_while_trl_builds_it():
+    """The passes trl runs while it builds the batch are kept (one is trl's old-policy pass, found by value); the
+    batch's step then reads its safe sets from it and trl's batch gets one key of ours, a row handle per completion."""
+    published: list = []
+    batch = _generation_batch(published)
+    old = TRAIN.clone()
+    batch.keep_pass(old, stats())  # outside trl's build: not kept
+
+    def trl_generate_and_score(inputs):
+        batch.keep_pass(old.clone(), stats())  # trl's old-policy pass, then the reference pass
+        batch.keep_pass(old - 1.0, stats(torch.ones_like(IN_SAFE)))
+        return {"completion_ids": torch.zeros_like(COMPLETION), "completion_mask": COMPLETION,
+                "old_per_token_logps": old, "num_items_in_batch": torch.tensor(99)}  # fmt: skip
+
+    class TrlTrainer:  # trl's ratio switch is off on the generate path
+        use_vllm = False
+
+    output = batch.generate(trl_generate_and_score, [], TrlTrainer())
+    assert batch.regime == "old_policy"
+    assert [key for key in output if key.startswith("safevocab")] == [HANDLE_KEY]
+    assert GenerationBatch.of(output) is batch and [row.index for row in output[HANDLE_KEY]] == [0, 1]
+    expected = safe_vocabulary_step({"completion_mask": COMPLETION}, TRAIN, stats(), StepSettings())
+    assert torch.equal(output["tool_mask"], expected.entries["tool_mask"])
+    assert output["num_items_in_batch"].item() == expected.loss_mask.sum().item()  # recounted after the masking
+    assert len(published) == 1 and published[0][2]["in_safe"] is not None
+    batch.keep_pass(old, stats())  # after the build: not kept
+    assert batch._captured is None
 
 
 def test_loss_replay_refuses_another_batch():

@@ -115,7 +115,11 @@ class _Counter:
 def test_scoring_mode_decides_the_extra_pass(tiny_model_dir, tmp_path, scoring, loss_type, accumulation, separate_pass):
     common = dict(loss_type=loss_type, gradient_accumulation_steps=accumulation, max_steps=2)
     trainer = make_trainer(tiny_model_dir, tmp_path / "ours", safe_vocab_scoring=scoring, **common)
-    scoring_passes = trainer._score_generation_batch = _Counter(trainer._score_generation_batch)
+    score_batch = trainer._score_batch
+    scoring_passes = _Counter(score_batch)  # the generation batches' separate passes, not their loss forwards
+    trainer._score_batch = lambda inputs, model, for_loss: (score_batch if for_loss else scoring_passes)(
+        inputs, model, for_loss
+    )
     forwards = trainer._safe_head.begin = _Counter(trainer._safe_head.begin)
     trainer.train()
     stock = make_trainer(tiny_model_dir, tmp_path / "stock", GRPOTrainer, GRPOConfig, min_p=0.001, **common)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -45,6 +46,7 @@ def generate_batch(trainer, n_prompts: int = 2):
     The batch is scored by the separate pass (``safe_vocab_scoring="separate"``), so that its masks, ratio and
     metrics can be inspected before any loss pass; test_trl_scoring.py shows the loss-forward path equals it."""
     trainer.args.safe_vocab_scoring = "separate"
+    trainer._batch_settings = replace(trainer._batch_settings, scoring="separate")  # built once, from the config
     trainer.model.train()
     g = trainer.num_generations
     inputs = [{"prompt": PROMPTS[i]} for i in range(n_prompts) for _ in range(g)]
@@ -254,6 +256,7 @@ def test_generate_path_ratio_equals_trl_multiplication(tiny_model_dir, tmp_path,
     out["importance_sampling_ratio"] = 0.5 + torch.rand(out["completion_ids"].shape, generator=g)
     trainer.current_gradient_accumulation_steps = 1
     trainer.loss_type = loss_type
+    trainer._batch_settings = replace(trainer._batch_settings, loss_type=loss_type)  # built once, from the config
     ours = trainer._compute_loss(trainer.model, out)
     trainer.use_vllm = True  # trl's own code path: multiplies the per-token loss by the ratio
     try:

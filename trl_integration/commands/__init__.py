@@ -20,6 +20,11 @@ import sys
 from collections.abc import Sequence
 
 from trl_integration.commands.errors import USAGE_ERROR, fail
+from trl_integration.notices import filter_known_notices
+
+# The entry points' console: third-party notices that are wrong for this install are filtered (notices.py), before a
+# subcommand imports trl or vLLM (their import-time notices). Here, not at `import trl_integration`.
+filter_known_notices()
 
 __all__ = ["COMMANDS", "make_parser", "main"]
 

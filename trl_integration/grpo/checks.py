@@ -66,7 +66,7 @@ __all__ = [
     "check_safe_vocab_fields", "warn_on_sampler_rule_mismatch", "one_of", "bf16_supported", "fp16_amp_supported",
     "check_length_decay", "refuse_unwrappable_lr_schedules", "STRING_CHOICES", "check_rule_text", "check_mismatch_lab",
     "check_rollout_paths", "check_tokenizer", "check_chat_template", "first_example", "check_report_to",
-    "check_train_dataset", "check_allowed_changes",
+    "check_train_dataset", "check_allowed_changes", "check_zero3_rollout_dtype", "check_built_trainer",
 ]  # fmt: skip
 
 
@@ -483,3 +483,29 @@ def check_train_dataset(dataset: Any, environments: bool = False) -> None:
             raise ValueError(f"train_dataset row {index}: prompt={prompt!r} is empty: accepted a non-empty prompt "
                              "(text, or a list of messages); drop or fill the empty rows "
                              "(dataset.filter(lambda row: len(row['prompt']) > 0))")  # fmt: skip
+
+
+def check_zero3_rollout_dtype(args, model) -> None:
+    """DeepSpeed ZeRO-3: the safe head gathers the partitioned LM-head weight around its forward and,
+    through ``fused_safe_logprobs``' ``weight_gather`` hook, again around its backward
+    (:mod:`trl_integration.grpo.head`). What cannot work on partitioned parameters is the in-place upcast of a
+    ``rollout_dtype="float32"`` rollout over lower-precision weights (``model``'s), refused here."""
+    from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
+
+    if not is_deepspeed_zero3_enabled() or args.rollout_dtype != "float32":
+        return
+    if any(p.is_floating_point() and p.dtype != torch.float32 for p in model.parameters()):
+        raise ValueError(
+            "rollout_dtype='float32' upcasts lower-precision parameters in place for the rollout, which DeepSpeed "
+            "ZeRO-3's partitioned parameters do not allow: use rollout_dtype='auto' under ZeRO-3, load the model "
+            "in float32, or use ZeRO-2 / FSDP2 for fp32 rollouts"
+        )
+
+
+def check_built_trainer(trainer) -> None:
+    """The checks that need what trl built, in one line each: the tokenizer it loaded, the train dataset's rows and
+    prompts, a chat template for conversational prompts, ZeRO-3 with fp32 rollouts."""
+    check_tokenizer(trainer.processing_class)  # the one trl loaded, when none was given
+    check_train_dataset(trainer.train_dataset, trainer.environment_factories is not None)
+    check_chat_template(trainer.processing_class, trainer.train_dataset)  # not at the first generation step
+    check_zero3_rollout_dtype(trainer.args, trainer.model)  # fp32 rollouts upcast in place: not on ZeRO-3

@@ -15,9 +15,10 @@ without a base, so the LRs are the same and checkpoints written before length de
 (``LengthDecayLR`` without a base, the only schedule it had then) resume with ``lr_scheduler_type="constant"``.
 ``reduce_lr_on_plateau`` and ``greedy``, which step on evaluation metrics, cannot be wrapped (the config refuses them).
 
-**The surge detector** (:class:`LengthDecayCallback`). The trainer queues the global mean completion length of every
-training generation (the value trl logs as ``completions/mean_length``, already gathered over all processes, so every
-rank takes the same decision); at the end of each optimizer step the callback hands the queued lengths to the
+**The surge detector** (:class:`LengthDecayCallback`). The trainer hands the callback the logs of every training
+generation (trl's metrics of the batch, as ``ReduceLROnPlateau.step(metrics)`` is handed its metric); the callback
+reads the global mean completion length there (``completions/mean_length``, already gathered over all processes, so
+every rank takes the same decision) and, at the end of each optimizer step, hands the lengths read since to the
 scheduler's :class:`~safevocab.surge_detector.SurgeDetector`, which decays when it reports a surge. The detector
 exists with ``length_decay_start="on_surge"``, and with ``"step0"`` when ``length_decay_max_decays`` allows decays
 after the start (:func:`uses_detector`). Its state lives in the scheduler's ``state_dict``, which the Trainer saves
@@ -26,25 +27,29 @@ in every checkpoint (``scheduler.pt``) and restores on resume.
 **Metrics** (:data:`METRICS`), logged with trl's: those of the optimizer step just taken, as transformers logs
 ``learning_rate`` (the effective LR that step used, read after ``optimizer.step()`` and before the scheduler's step), so
 that ``learning_rate == lr_base * length_decay/factor`` exactly (the product ``LengthDecayLR`` computes). The callback
-reads them at ``on_optimizer_step`` and sets them in trl's metric store at ``on_step_end``, one value per key: at a log,
-the value of the log's step (like ``learning_rate``), not a mean over ``logging_steps``. A surge detected at the end of
-step ``t`` lowers the LR of step ``t + 1``, and shows in that step's metrics. ``length_decay/surge_step`` and
-``length_decay/period`` are absent until known: trl would log an undefined (NaN) value as ``None``, which
-TensorBoard's logger drops with a warning at every log.
+reads them at ``on_optimizer_step``; the trainer adds them to the next training log (:meth:`LengthDecayCallback.
+take_metrics`), one value per key: at a log, the value of the log's step (like ``learning_rate``), not a mean over
+``logging_steps``. A surge detected at the end of step ``t`` lowers the LR of step ``t + 1``, and shows in that step's
+metrics. ``length_decay/surge_step`` and ``length_decay/period`` are absent until known: trl would log an undefined
+(NaN) value as ``None``, which TensorBoard's logger drops with a warning at every log.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Mapping, Sequence
 
 from transformers import TrainerCallback
 
 from safevocab.schedulers import LengthDecayLR
-from trl_integration._private import metric_store as trl_metric_store
 
 __all__ = [
     "LengthDecayCallback", "length_decay_scheduler", "wraps_base_schedule", "uses_detector", "step_metrics", "METRICS",
+    "MEAN_LENGTH",
 ]  # fmt: skip
+
+#: The metric of trl's generation logs the surge detector reads: the batch's global mean completion length.
+MEAN_LENGTH = "completions/mean_length"
 
 #: The callback's metrics and what they hold (docs/metrics.md). ``surge_step`` and ``period`` are logged once known.
 METRICS = {
@@ -103,30 +108,46 @@ def step_metrics(scheduler: LengthDecayLR) -> dict[str, float]:
 
 class LengthDecayCallback(TrainerCallback):
     """Feeds each training generation's mean completion length to the trainer's
-    :class:`~safevocab.schedulers.LengthDecayLR` and logs its metrics (see the module docstring)."""
+    :class:`~safevocab.schedulers.LengthDecayLR` and hands its metrics to the trainer's log (see the module docstring).
 
-    def __init__(self, trainer) -> None:
-        self.trainer = trainer
+    Args:
+        scheduler: the trainer's current scheduler, when asked (the Trainer builds it after its callbacks).
+    """
+
+    def __init__(self, scheduler: Callable[[], object]) -> None:
+        self._scheduler = scheduler
+        #: Mean completion lengths of training generations read by :meth:`observe`, not yet seen by the schedule.
+        self.pending_lengths: list[float] = []
         self._step_metrics: dict[str, float] = {}
+        self._unlogged: dict[str, float] = {}
+
+    def observe(self, logs: Mapping[str, Sequence[float]]) -> None:
+        """Read the mean completion length of a training generation from its logs (trl's ``{name: [values]}``
+        metrics, the batch's value last); nothing when they have none."""
+        lengths = logs.get(MEAN_LENGTH)
+        if lengths:
+            self.pending_lengths.append(float(lengths[-1]))
+
+    def take_metrics(self) -> dict[str, float]:
+        """The :data:`METRICS` of the latest optimizer step not logged yet (then empty until the next step)."""
+        metrics, self._unlogged = self._unlogged, {}
+        return metrics
 
     def on_optimizer_step(self, args, state, control, **kwargs):
         # After optimizer.step(), before the scheduler's step: the schedule of the step just taken.
-        scheduler = self.trainer.lr_scheduler
-        if isinstance(scheduler, LengthDecayLR):
-            self._step_metrics = step_metrics(scheduler)
+        lr_scheduler = self._scheduler()
+        if isinstance(lr_scheduler, LengthDecayLR):
+            self._step_metrics = step_metrics(lr_scheduler)
         return control
 
     def on_step_end(self, args, state, control, **kwargs):
-        scheduler = self.trainer.lr_scheduler
-        if not isinstance(scheduler, LengthDecayLR):
+        lr_scheduler = self._scheduler()
+        if not isinstance(lr_scheduler, LengthDecayLR):
             return control
-        pending = self.trainer.pending_mean_lengths
-        while pending:
-            length = pending.pop(0)
-            if scheduler.detector is not None and math.isfinite(length):
-                scheduler.observe_length(state.global_step, length)
-        # One value per key, replaced each step: trl's log averages the store, which then holds this step's value.
-        metrics = trl_metric_store(self.trainer)["train"]
-        for name, value in self._step_metrics.items():
-            metrics[name] = [value]
+        while self.pending_lengths:
+            length = self.pending_lengths.pop(0)
+            if lr_scheduler.detector is not None and math.isfinite(length):
+                lr_scheduler.observe_length(state.global_step, length)
+        # One value per key, replaced each step: the next log holds this step's value.
+        self._unlogged = dict(self._step_metrics)
         return control

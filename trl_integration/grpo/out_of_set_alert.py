@@ -126,6 +126,10 @@ class OutOfSetAlert(TrainerCallback):
         out_of_set = counted & ~metric_inputs.stats.in_safe.bool()
         self._add(_COUNTED, counted.sum(), out_of_set.sum())
 
+    def observe_step(self, result) -> None:
+        """A generation batch's (or micro-batch's) :class:`~trl_integration.grpo.step.StepResult`, as applied."""
+        self.observe_generation(result.metric_inputs)
+
     def observe_loss(self, inputs: dict) -> None:
         """Count a training micro-batch's completion tokens and the loss tokens left after the out-of-set masking."""
         if not self.trainer.model.training:

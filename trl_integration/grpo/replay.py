@@ -6,8 +6,8 @@ over exactly those sets instead of recomputing them with its rule (:class:`safev
 ``fused_safe_logprobs(..., support=...)``). This module holds the trl-free pieces:
 
 - :func:`per_sequence_supports` turns the engine's masks into one :class:`~safevocab.SafeSupport` per completion (one
-  row per completion token). The trainer stores that list in the generation batch under :data:`REPLAY_KEY`, a list,
-  which trl shuffles and splits into micro-batches together with the rest of the batch (as it does ``num_images``).
+  row per completion token). The generation batch (:class:`~trl_integration.grpo.batch.GenerationBatch`) keeps that
+  list; each micro-batch trl shuffles and splits from it takes the supports of its own rows.
 - :func:`select_support` builds the support of one LM-head call: the rows of the positions the head scores, in
   flattened order. The head scores exactly the completion tokens its attention mask keeps (prompt and padding
   positions carry label ``-100`` and get no row, so they need none); a completion whose tokens are all unscored
@@ -38,7 +38,6 @@ from safevocab.support import SafeSupport
 
 __all__ = [
     "SAMPLING_MASK_KEY",
-    "REPLAY_KEY",
     "per_sequence_supports",
     "select_support",
     "replay_metrics",
@@ -56,9 +55,6 @@ SAMPLING_MASK_KEY = "sampling_mask"
 #: Metrics of ``safe_vocab_support="replay"`` (:func:`replay_metrics`).
 REPLAY_FRAC = "safevocab/replay_frac"
 SUPPORT_DISAGREEMENT = "safevocab/support_disagreement"
-
-#: Key of a generation batch holding its list of per-completion :class:`~safevocab.SafeSupport` (replay mode).
-REPLAY_KEY = "safevocab_replay"
 
 
 def per_sequence_supports(sampling_mask: Sequence, completion_ids: Sequence[Sequence[int]]) -> list[SafeSupport]:
@@ -200,8 +196,8 @@ class SupportReplay:
 
     ``current`` is the list of per-sequence supports the next scoring call uses (rows = that call's sequences): set
     by the wrapped ``rollout_func`` during a rollout (trl's old-policy and reference passes score the generation batch
-    in rollout order), then by :meth:`use` from the batch in hand (the loss's micro-batches, shuffled by trl, carry
-    their own list under :data:`REPLAY_KEY`)."""
+    in rollout order), then by :meth:`use` with the supports of the micro-batch in hand (shuffled by trl: its
+    :class:`~trl_integration.grpo.batch.GenerationBatch` picks its rows' supports)."""
 
     def __init__(self) -> None:
         self.current: list[SafeSupport] | None = None
@@ -229,23 +225,25 @@ class SupportReplay:
     def begin_generation(self) -> None:
         self.current = None
 
-    def attach(self, batch: dict) -> None:
-        """Store :attr:`current` in the generation batch; without one, warn once per run (rule fallback)."""
+    def kept_sets(self) -> list[SafeSupport] | None:
+        """The supports of the generation batch just built (:attr:`current`); without them, warn once per run (the
+        batch trains on the rule's sets)."""
         if self.current is not None:
-            batch[REPLAY_KEY] = self.current
-        elif not self.warned:
+            return self.current
+        if not self.warned:
             self.warned = True
             reason = self.fallback_reason or (
                 f"the rollout returned no sampling masks (a rollout_func returning '{SAMPLING_MASK_KEY}')"
             )
             warnings.warn(
                 f"safe_vocab_support='replay' but {reason}: such batches train on the rule's sets, and {REPLAY_FRAC} "
-                "logs the replayed share", UserWarning, stacklevel=3,
+                "logs the replayed share", UserWarning, stacklevel=4,
             )  # fmt: skip
+        return None
 
-    def use(self, batch: Mapping) -> None:
-        """Take the supports of the batch (or micro-batch) about to be scored."""
-        self.current = batch.get(REPLAY_KEY)
+    def use(self, supports: list[SafeSupport] | None) -> None:
+        """Take the supports of the batch (or micro-batch) about to be scored, one per sequence (``None``: none)."""
+        self.current = supports
 
 
 def _frac(selected: torch.Tensor, among: torch.Tensor) -> torch.Tensor:

@@ -1,9 +1,8 @@
 """The safe-vocabulary step of a generation batch, on plain tensors: out-of-set masks, importance ratio, metric rows.
 
-No trl and no trainer here: :class:`~trl_integration.grpo.trainer.SafeVocabGRPOTrainer`'s overrides collect the inputs
-(trl's batch dict, the scoring pass's log-probabilities and safe-set statistics), call :func:`safe_vocabulary_step`
-and apply its result; the state they hand each other within a generation batch is one
-:class:`~trl_integration.grpo.batch.BatchState`.
+No trl and no trainer here: a :class:`~trl_integration.grpo.batch.GenerationBatch` (one per trl generation batch)
+collects the inputs (trl's batch dict, the scoring pass's log-probabilities and safe-set statistics), calls
+:func:`safe_vocabulary_step` and applies its result.
 
 For a batch with completion mask ``c``, loss-only mask ``u`` (trl's ``tool_mask``, 1 when absent) and ``in_safe``
 ``s`` (the sampled token is in the trainer's safe set ``S``):
