@@ -3,16 +3,16 @@
 Logits are ``z = h W^T`` (no bias: trl's kernel takes none), drawn on the device that runs the benchmark.
 
 - ``synthetic`` (the default, and every figure before issue 41): ``h ~ N(0, 1)``, ``W ~ N(0, 9 / H)``, so each
-  logit is ``N(0, 9)`` across the vocabulary. The distribution is flat: at ``V = 151936`` ``min_p=0.001`` keeps
-  1-4 % of ``V`` and ``top_p=0.9`` about 4 %, far more than a language model keeps.
+  logit is ``N(0, 9)`` across the vocabulary. The distribution is flat: thousands of kept tokens per row at
+  ``V = 151936`` for ``min_p=0.001`` and ``top_p=0.9``, far more than a language model keeps.
 - ``lm``: a documented Zipf-shaped profile, ``z[n, v] = -s log(1 + rank(v)) + sigma * eps[n, v]`` with a fixed random
   ranking of the vocabulary (a unigram prior, as a language model's head has) and a per-row context term ``eps ~
   N(0, 1)``; ``s = LM_PRIOR_EXPONENT = 1.5``, ``sigma = LM_CONTEXT_STD = 3.0``. The prior rides in the GEMM: the last
   hidden unit is 1 and the weight's last column holds the prior, the other ``H - 1`` units carry the context term.
-  At ``V = 151936`` (measured on 256 rows, ``python -c "from safevocab.bench_inputs import kept_set_table;
-  print(kept_set_table())"``) the kept sets are ``min_p=0.01``: median 17, p99 89; ``top_p=0.9``: median 29, p99 260;
-  ``min_p=0.001``: median 80, p99 405: tens to hundreds of tokens, as a real LM's rows (prime-rl measured a mean of
-  about 8 and a p99 of about 82 kept tokens; ``docs/real_model.md`` measures SmolLM2).
+  At ``V = 151936`` (256 rows, ``H = 64``; ``python -c "from safevocab.bench_inputs import kept_set_table;
+  print(kept_set_table())"``) the kept sets are, median / p99: ``min_p=0.01`` 17 / 98, ``top_p=0.9`` 29 / 257,
+  ``min_p=0.001`` 82 / 427 (synthetic: 309 / 1765, 6488 / 21706, 2566 / 13920): tens to hundreds of tokens, as a real
+  LM's rows (prime-rl measured a mean of about 8 and a p99 of about 82 kept tokens).
 
 Targets are drawn from the pruned policy (Gumbel-max over the kept logits), as RL rollouts sampled with the same rule
 are, so ``y`` is in ``S`` for every row.
