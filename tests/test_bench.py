@@ -1,6 +1,7 @@
 """The benchmark runs end to end at a tiny size, and its memory tracker counts what it should."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -214,8 +215,10 @@ def test_gpu_bench_sh_runs_the_device_measurement_small(tmp_path):
     out = tmp_path / "g.json"
     root = Path(__file__).resolve().parents[1]
     cmd = ["bash", str(root / "scripts" / "gpu_bench.sh"), "--small", "--n", "128", "--grpo-pairs", "3",
-           "--fuzz-examples", "10", "--tests", "tests/test_reference_fuzz.py", "--out", str(out)]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1500)
+           "--fuzz-examples", "10", "--tests", "tests/test_reference_fuzz.py", "--op-timeout", "300",
+           "--profile-timeout", "600", "--correctness-timeout", "600", "--out", str(out)]  # fmt: skip
+    env = {**os.environ, "PYTHON": sys.executable}  # this interpreter, not whatever python3 is on PATH
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1500, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads(out.read_text())
     assert results["sections"] == ["correctness", "op", "profile", "pairs"]
