@@ -48,6 +48,8 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from safevocab.bench_inputs import PROFILES, draw_logit_factors, kept_set_sizes, replay_support, sample_targets
+
 VARIANTS = ("floor", "fused", "fused_torch", "fused_replay", "naive", "trl", "liger")
 #: Variants run when ``--variants`` is not given, per device type.
 DEFAULT_VARIANTS = {
@@ -74,17 +76,17 @@ def _inputs(args: argparse.Namespace, device: torch.device):
     core, targets drawn by CPU ``multinomial`` over softmaxes copied back) and rebuilt for every variant, the GPU
     preset's setup took about 55 s per variant on an H200 against 0.06 s for the step it sets up. Fresh leaves
     (``detach().requires_grad_()``, storage shared) give each variant its own ``.grad``, so its peak memory
-    still counts allocating the gradients.
+    still counts allocating the gradients. The logits follow ``--logits-profile`` (:mod:`safevocab.bench_inputs`).
     """
-    key = (args.n, args.h, args.v, args.dtype, args.rule, args.seed, str(device))
+    key = (args.n, args.h, args.v, args.dtype, args.rule, args.seed, str(device), args.logits_profile)
     if key not in _INPUTS:
         _INPUTS.clear()  # one shape at a time: a GPU holds a few GB per set
         gen = torch.Generator(device=device).manual_seed(args.seed)
         dtype = _DTYPES[args.dtype]
-        hidden = torch.randn(args.n, args.h, generator=gen, device=device).to(dtype)
-        # Scale so logits have an LM-like spread (std ~ 3): min-p then prunes a realistic tail.
-        weight = (torch.randn(args.v, args.h, generator=gen, device=device) * (3.0 / args.h**0.5)).to(dtype)
-        targets = _sample_targets(hidden, weight, args.rule, gen)
+        hidden, weight = draw_logit_factors(args.n, args.h, args.v, profile=args.logits_profile, generator=gen,
+                                            device=device)  # fmt: skip
+        hidden, weight = hidden.to(dtype), weight.to(dtype)
+        targets = sample_targets(hidden, weight, args.rule, gen)
         grad_out = torch.randn(args.n, generator=gen, device=device)
         _INPUTS[key] = (hidden, weight, targets, grad_out)
     hidden, weight, targets, grad_out = _INPUTS[key]
@@ -92,38 +94,7 @@ def _inputs(args: argparse.Namespace, device: torch.device):
 
 
 _INPUTS: dict[tuple, tuple[torch.Tensor, ...]] = {}
-
-
-@torch.no_grad()
-def _sample_targets(hidden: torch.Tensor, weight: torch.Tensor, rule: str, gen: torch.Generator) -> torch.Tensor:
-    """Targets drawn from the pruned policy, as RL rollouts sampled with the same rule are: Gumbel-max on the
-    kept logits (``argmax(z + G)`` with ``G = -log(-log U)`` is a draw from ``softmax(z)``), on the inputs' device."""
-    from safevocab.rules import parse_rule
-
-    keep_rule = parse_rule(rule)
-    out = []
-    for h in hidden.split(256):
-        z = (h @ weight.t()).float()
-        z = z.masked_fill(~keep_rule.keep_mask(z), float("-inf"))
-        uniform = torch.rand(z.shape, generator=gen, device=z.device).clamp_min_(torch.finfo(torch.float32).tiny)
-        out.append((z - uniform.log_().neg_().log_()).argmax(-1))
-    return torch.cat(out)
-
-
-@torch.no_grad()
-def replay_support(hidden: torch.Tensor, weight: torch.Tensor, rule: str):
-    """The sets ``rule`` keeps on these logits, as a :class:`~safevocab.support.SafeSupport` (``fused_replay``)."""
-    from safevocab.rules import parse_rule
-    from safevocab.support import SafeSupport
-
-    keep_rule = parse_rule(rule)
-    ids, sizes = [], []
-    for h in hidden.split(256):
-        keep = keep_rule.keep_mask((h @ weight.t()).float())
-        ids.append(keep.nonzero()[:, 1])
-        sizes.append(keep.sum(-1))
-    offsets = torch.cat([torch.zeros(1, dtype=torch.long, device=hidden.device), torch.cat(sizes).cumsum(0)])
-    return SafeSupport(torch.cat(ids), offsets)
+_sample_targets = sample_targets  # the name tests/test_bench.py checks the draws by
 
 
 def _make_step(variant: str, args: argparse.Namespace, device: torch.device) -> Callable[[], None]:
@@ -363,16 +334,20 @@ def make_parser(prog: str = "python -m safevocab.bench") -> argparse.ArgumentPar
                    help="spinning processes (one busy core each) that run during the measurement, default 0")
     p.add_argument("--replay", default=None,
                    help="with --rules: also time support replay of this rule's sets (the fused_replay variant)")
+    p.add_argument("--logits-profile", dest="logits_profile", choices=PROFILES, default="synthetic",
+                   help="synthetic: N(0, 9) logits (flat, kept sets of 1-4 %% of V); lm: a Zipf prior plus a context "
+                   "term, kept sets of tens to hundreds of tokens (safevocab.bench_inputs); default synthetic")
     p.add_argument("--_worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--_threads", type=int, default=None, help=argparse.SUPPRESS)
     return p
 
 
-def _format_table(args: argparse.Namespace, results: dict[str, dict]) -> str:
+def _format_table(args: argparse.Namespace, results: dict[str, dict], kept_set: dict | None = None) -> str:
     lines = [
         f"safevocab.bench  N={args.n} H={args.h} V={args.v} dtype={args.dtype} rule={args.rule} "
         f"device={_device_name(args.device)} threads={torch.get_num_threads()} repeats={args.repeats} "
-        f"backend={args.backend} max_chunk_bytes={args.max_chunk_bytes}",
+        f"backend={args.backend} max_chunk_bytes={args.max_chunk_bytes} logits={args.logits_profile}",
+        *([f"kept set |S|: median {kept_set['median']:.0f}, p99 {kept_set['p99']:.0f}"] if kept_set else []),
         "",
         "| variant | fwd+bwd time (s) | peak extra memory (MiB) |",
         "|---|---:|---:|",
@@ -433,7 +408,10 @@ def main(argv: list[str] | None = None, prog: str = "python -m safevocab.bench")
         print(json.dumps(measure_matrix(args, _make_step, _measure_steps, with_trl)))
         return 0
     if args._worker:
-        print(json.dumps(_measure(args._worker.split(","), args)))
+        results = _measure(args._worker.split(","), args)
+        hidden, weight, _, _ = _inputs(args, torch.device(args.device))
+        results["_kept_set"] = kept_set_sizes(hidden.detach(), weight.detach(), args.rule)  # |S| of the timed rows
+        print(json.dumps(results))
         return 0
     if args.rules is not None or args.threads is not None or args.busy_cores:
         return _main_matrix(args, argv)
@@ -450,10 +428,12 @@ def main(argv: list[str] | None = None, prog: str = "python -m safevocab.bench")
     parse_rule(args.rule)  # fail fast on a bad rule, before any worker starts
     print(f"measuring {', '.join(variants)} ({args.repeats} round-robin repeats) ...", file=sys.stderr, flush=True)
     results = _run_worker(variants, argv)
-    print(_format_table(args, results))
+    kept_set = results.pop("_kept_set", None)
+    print(_format_table(args, results, kept_set))
     if args.json_path:
         with open(args.json_path, "w") as f:
-            json.dump({"args": {k: v for k, v in vars(args).items() if k != "_worker"}, "results": results}, f, indent=2)
+            json.dump({"args": {k: v for k, v in vars(args).items() if k != "_worker"}, "results": results,
+                       "kept_set": kept_set}, f, indent=2)  # fmt: skip
     return 0
 
 

@@ -1,9 +1,15 @@
 #!/usr/bin/env bash
-# GPU truth in one run (see scripts/gpu_bench.py): correctness on CUDA, the fused op vs trl's kernel at
-# N=16384, H=4096, V=151936 bf16, and a GRPO step on a ~0.5B Qwen2-shaped model; one results file.
+# The whole device measurement in one call (see scripts/gpu_bench.py), sized to finish within 9 minutes on one
+# H100/H200: the CUDA fuzz of the reference tests (300 examples a property), the op table at N=8192, H=4096,
+# V=151936 bf16 on the synthetic and the LM-like logits profile (fused vs trl's kernel vs the floor, support replay
+# of 64 ids), the per-kernel profile of fused and trl for none/min_p/top_k/top_p, and 30 interleaved pairs of GRPO
+# steps (stock vs SafeVocab) on a ~0.5B Qwen2-shaped model; one results file (JSON and Markdown), written after
+# every section so a timeout loses only the section it hit.
 #
-#   bash scripts/gpu_bench.sh [--out gpu_results.json]      # on a CUDA machine, about 10 minutes
-#   bash scripts/gpu_bench.sh --small                        # CPU, small shapes: tests the script
+#   bash scripts/gpu_bench.sh [--out gpu_results.json]      # on a CUDA machine
+#   bash scripts/gpu_bench.sh --small --grpo-pairs 3 --out /tmp/g.json    # CPU, small shapes: tests the script
+#
+# Later flags override the defaults below (argparse keeps the last value).
 #
 # The GPU machine has torch, Triton, transformers and accelerate but no trl/datasets/hypothesis: wheels in
 # .whl/ (pure-Python ones can be carried) are installed to /tmp/site first when present.
@@ -18,4 +24,11 @@ if compgen -G ".whl/*.whl" >/dev/null; then
 else
     export PYTHONPATH="${ROOT}${PYTHONPATH:+:${PYTHONPATH}}"
 fi
-exec "${PY}" scripts/gpu_bench.py "$@"
+DEVICE_RUN=(
+    --sections correctness,op,profile,pairs
+    --tests tests/test_reference_fuzz.py,tests/test_kernels.py --fuzz-examples 300 --correctness-timeout 120
+    --n 8192 --no-naive --op-variants floor,fused,trl --op-timeout 40 --profiles synthetic,lm
+    --rules "none;min_p=0.001;top_k=50;top_p=0.9;top_k=50,min_p=0.01" --lm-rules "min_p=0.01;top_p=0.9;top_k=50"
+    --replay top_k=64 --profile-timeout 120 --grpo-pairs 30
+)
+exec "${PY}" scripts/gpu_bench.py "${DEVICE_RUN[@]}" "$@"

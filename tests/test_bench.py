@@ -1,6 +1,7 @@
 """The benchmark runs end to end at a tiny size, and its memory tracker counts what it should."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -145,3 +146,86 @@ def test_gpu_bench_refuses_negative_ablation_rounds_in_one_line():
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1].endswith("--grpo-ablation must be a number of rounds >= 0, got -1")
+
+
+def test_lm_logits_profile_keeps_tens_to_hundreds_of_tokens_where_the_synthetic_one_keeps_thousands():
+    # Issue 41 point 5: the bench's LM-like profile (a Zipf prior plus a context term) at the GPU bench's vocabulary.
+    from safevocab.bench_inputs import draw_logit_factors, kept_set_sizes
+
+    sizes = {}
+    for profile in ("synthetic", "lm"):
+        gen = torch.Generator().manual_seed(0)
+        hidden, weight = draw_logit_factors(256, 64, 151936, profile=profile, generator=gen, device="cpu")
+        sizes[profile] = {rule: kept_set_sizes(hidden, weight, rule) for rule in ("min_p=0.01", "top_p=0.9")}
+    for rule in ("min_p=0.01", "top_p=0.9"):
+        assert 5 <= sizes["lm"][rule]["median"] <= 100 and sizes["lm"][rule]["p99"] <= 1000, sizes["lm"]
+        assert sizes["synthetic"][rule]["median"] > 10 * sizes["lm"][rule]["median"], sizes
+    with pytest.raises(ValueError, match="profile='zipf'"):
+        draw_logit_factors(2, 4, 8, profile="zipf", generator=torch.Generator(), device="cpu")
+
+
+def test_bench_reports_the_kept_sets_of_the_timed_rows(tmp_path):
+    out = tmp_path / "b.json"
+    cmd = [sys.executable, "-m", "safevocab.bench", "--device", "cpu", "--n", "64", "--h", "16", "--v", "2000",
+           "--repeats", "1", "--variants", "floor,fused", "--rule", "top_k=7", "--logits-profile", "lm",
+           "--json", str(out)]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "logits=lm" in proc.stdout and "kept set |S|: median 7" in proc.stdout
+    data = json.loads(out.read_text())
+    assert data["kept_set"]["median"] == 7 and set(data["results"]) == {"floor", "fused"}
+
+
+def _grpo_pairs_module():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "grpo_pairs.py"
+    spec = importlib.util.spec_from_file_location("grpo_pairs", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_median_interval_is_the_sign_test_interval():
+    # n = 30: P(Bin(30, 1/2) <= 9) = 0.0214, P(<= 10) = 0.0494, so the 95 % interval is [x_(10), x_(21)].
+    pairs = _grpo_pairs_module()
+    values = [float(i) for i in range(1, 31)]
+    assert pairs.median_interval(values) == (10.0, 21.0)
+    assert pairs.median_interval([3.0, 1.0, 2.0]) == (1.0, 3.0)  # too few for 95 %: the range
+    with pytest.raises(ValueError, match="values"):
+        pairs.median_interval([])
+
+
+def test_pairs_alternate_abba_after_one_warm_up_each():
+    pairs = _grpo_pairs_module()
+    assert pairs.turn_schedule(3) == ["stock", "safevocab", "stock", "safevocab", "safevocab", "stock",
+                                      "stock", "safevocab"]  # fmt: skip
+    times = {"stock": [9.0, 1.0, 2.0], "safevocab": [9.0, 1.5, 1.0]}
+    assert pairs.pair_ratios(times, 2) == [1.5, 0.5]
+
+
+@pytest.mark.slow
+def test_gpu_bench_sh_runs_the_device_measurement_small(tmp_path):
+    # Issue 41 point 6: scripts/gpu_bench.sh's one call, CPU-sized: every section lands in the results, the GRPO
+    # pairs interleaved in the scheduled order.
+    pytest.importorskip("trl")
+    from pathlib import Path
+
+    out = tmp_path / "g.json"
+    root = Path(__file__).resolve().parents[1]
+    cmd = ["bash", str(root / "scripts" / "gpu_bench.sh"), "--small", "--n", "128", "--grpo-pairs", "3",
+           "--fuzz-examples", "10", "--tests", "tests/test_reference_fuzz.py", "--op-timeout", "300",
+           "--profile-timeout", "600", "--correctness-timeout", "600", "--out", str(out)]  # fmt: skip
+    env = {**os.environ, "PYTHON": sys.executable}  # this interpreter, not whatever python3 is on PATH
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1500, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads(out.read_text())
+    assert results["sections"] == ["correctness", "op", "profile", "pairs"]
+    assert results["correctness"]["returncode"] == 0, results["correctness"]
+    assert {row["logits_profile"] for row in results["op"]} == {"synthetic", "lm"}
+    assert all("error" not in row for row in results["op"]), results["op"]
+    assert {(r["rule"], r["logits_profile"]) for r in results["profile"]} >= {("top_k=50", "lm"), ("none", "synthetic")}
+    pairs = results["pairs"]
+    assert "error" not in pairs, pairs
+    assert pairs["order"] == _grpo_pairs_module().turn_schedule(3) and len(pairs["ratios"]) == 3
