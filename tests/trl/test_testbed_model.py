@@ -57,7 +57,7 @@ def model():
 
 
 def test_vocabulary_has_4096_ids_and_grpo_special_tokens(tokenizer, model):
-    from trl_integration.grpo.checks import check_tokenizer
+    from trl_integration.grpo.trainer_checks import check_tokenizer
 
     assert len(tokenizer) >= 4096 and model.config.vocab_size == len(tokenizer) == 4096
     assert tokenizer.eos_token == "<eos>" and tokenizer.pad_token == "<pad>"

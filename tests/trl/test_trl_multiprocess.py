@@ -272,7 +272,7 @@ def test_zero3_rejects_only_the_in_place_fp32_rollout(monkeypatch):
 
     import transformers.integrations.deepspeed as hf_ds
 
-    from trl_integration.grpo.checks import check_zero3_rollout_dtype
+    from trl_integration.grpo.trainer_checks import check_zero3_rollout_dtype
 
     def stub(rollout_dtype, dtype):
         return SimpleNamespace(rollout_dtype=rollout_dtype), torch.nn.Linear(2, 2).to(dtype)

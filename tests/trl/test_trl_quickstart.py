@@ -9,7 +9,8 @@ import torch
 from trl_helpers import build_model, build_tokenizer, prompt_dataset
 
 from trl_integration import SafeVocabGRPOConfig, SafeVocabGRPOTrainer
-from trl_integration.grpo.checks import bf16_supported, check_tokenizer
+from trl_integration.grpo.checks import bf16_supported
+from trl_integration.grpo.trainer_checks import check_tokenizer
 
 no_bf16_device = pytest.mark.skipif(bf16_supported(), reason="this machine has a bf16 device: trl's default stands")
 

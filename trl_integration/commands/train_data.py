@@ -183,7 +183,7 @@ def check_prompt_column(name: str, train_split: str = "train") -> None:
 def check_prompts_fit_tokenizer(model_name_or_path: str, model_args, training_args, train_dataset) -> None:
     """Conversational prompts need a chat template: the model's processor is loaded (as trl loads it; no weights)
     and checked with the trainer's own check, before the model loads."""
-    from trl_integration.grpo.checks import first_example, check_chat_template
+    from trl_integration.grpo.trainer_checks import check_chat_template, first_example
 
     example = first_example(train_dataset)
     if not isinstance(example, dict) or isinstance(example.get("prompt"), str):

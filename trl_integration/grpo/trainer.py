@@ -26,7 +26,7 @@ from trl_integration._private import (
 )
 from trl_integration.grpo.batch import BatchSettings, GenerationBatch
 from trl_integration.grpo.checkpoints import AtomicCheckpoints
-from trl_integration.grpo.checks import check_built_trainer, check_tokenizer
+from trl_integration.grpo.trainer_checks import check_built_trainer, check_tokenizer
 from trl_integration.grpo.config import SafeVocabGRPOConfig
 from trl_integration.grpo.console_log import quiet_console
 from trl_integration.grpo.head import SafeHeadState, add_safe_lm_head
