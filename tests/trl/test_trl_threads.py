@@ -86,11 +86,18 @@ def logged():
     """What the thread module logs (INFO and up), read off its logger: the library prints nothing itself."""
     logger = logging.getLogger(threads.__name__)
     handler, level = _Lines(), logger.level
+    # As a library user's process: no console handler a command line installed earlier in this process
+    # (console_log.show_notices, run by safevocab-grpo's in-process tests) on the package's logger.
+    package = logging.getLogger("trl_integration")
+    saved = package.handlers[:], package.propagate, package.level
+    package.handlers = [h for h in package.handlers if type(h).__name__ != "_NoticeHandler"]
+    package.propagate = True
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)
     yield handler
     logger.removeHandler(handler)
     logger.setLevel(level)
+    package.handlers, package.propagate, package.level = saved
 
 
 def _build(tmp_path):
