@@ -117,8 +117,15 @@ class SafeVocabRule(ABC):
         The threshold is never above the row maximum, so the argmax is always kept, and, for rows
         with a finite maximum, never below the most negative finite number of the statistics dtype
         (:func:`finite_floor`), so ``-inf`` logits are never kept.
+
+        Raises:
+            TypeError: ``z`` is not a float tensor (an integer one would be compared against a float threshold).
+            ValueError: a row holds a NaN or ``+inf`` (one line naming the row), as ``safe_log_softmax`` refuses
+                such logits: the threshold would be NaN and the row would keep nothing.
         """
-        return self.threshold_and_max(z)[0]
+        t, z_max = self.threshold_and_max(z)
+        _raise_on_non_finite_rows(z, z_max)
+        return t
 
     @torch.no_grad()
     def threshold_and_max(self, z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -128,6 +135,7 @@ class SafeVocabRule(ABC):
             ValueError: ``z`` has no vocabulary dimension or an empty one (``V = 0``): there is no argmax to keep,
                 and no sampler draws from an empty vocabulary. Zero positions (``[0, V]``) are fine.
         """
+        _check_float_logits(z)
         if z.dim() < 1 or z.shape[-1] == 0:
             raise ValueError(f"z.shape={tuple(z.shape)}: expected [..., V] with a vocabulary size V >= 1")
         z = stat_float(z)
@@ -143,7 +151,9 @@ class SafeVocabRule(ABC):
 
     @torch.no_grad()
     def keep_mask(self, z: torch.Tensor) -> torch.Tensor:
-        """Boolean mask ``[..., V]`` of the safe set on transformed logits ``z``."""
+        """Boolean mask ``[..., V]`` of the safe set on transformed logits ``z`` (a row with a NaN or ``+inf`` raises,
+        as in :meth:`threshold`)."""
+        _check_float_logits(z)
         z = stat_float(z)
         return z >= self.threshold(z)
 
@@ -434,6 +444,25 @@ class Intersection(SafeVocabRule):
             # Capped at the row maximum, so every stage keeps the argmax, as the samplers do.
             t = torch.minimum(t_new if t is None else torch.maximum(t, t_new), logits.z_max)
         return torch.full_like(logits.z_max, -math.inf) if t is None else t
+
+
+def _check_float_logits(z: object, name: str = "z") -> None:
+    if not isinstance(z, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(z).__name__}")
+    if not z.is_floating_point():
+        raise TypeError(f"{name}.dtype={z.dtype} is not accepted: accepted a float dtype (transformed logits)")
+
+
+def _raise_on_non_finite_rows(z: torch.Tensor, z_max: torch.Tensor) -> None:
+    """One-line ``ValueError`` naming the first row of ``z`` with a NaN or ``+inf`` (its maximum is NaN or ``+inf``:
+    ``amax`` propagates NaN); ``[..., 1]`` statistics only, so the common case costs one small check."""
+    bad = torch.isnan(z_max) | (z_max == math.inf)
+    if not bool(bad.any()):
+        return
+    index = tuple(int(i) for i in bad.nonzero()[0][:-1])
+    where = index[0] if len(index) == 1 else index
+    what = "a NaN" if bool(torch.isnan(z[index]).any()) else "+inf"
+    raise ValueError(f"z has {what} at row {where}: accepted finite logits or -inf")
 
 
 def stat_float(x: torch.Tensor) -> torch.Tensor:
