@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from safevocab.validation import real
+from safevocab.validation import not_meta, real
 
 __all__ = ["IS_MODES", "ImportanceRatio", "importance_sampling_ratio"]
 
@@ -80,6 +80,7 @@ def importance_sampling_ratio(
     for name, value in (("train_logps", train_logps), ("rollout_logps", rollout_logps), ("mask", mask)):
         if not isinstance(value, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+        not_meta(name, value)
     if train_logps.shape != rollout_logps.shape or train_logps.shape != mask.shape:
         raise ValueError(
             f"train_logps {tuple(train_logps.shape)}, rollout_logps {tuple(rollout_logps.shape)} and mask "

@@ -39,7 +39,7 @@ from safevocab.chunking import Transform
 from safevocab.fused_op import FusedSafeLogProbs, raise_on_empty_support
 from safevocab.rules import SafeVocabRule, parse_rule, stat_float
 from safevocab.support import SafeSupport
-from safevocab.validation import boolean, integer, real
+from safevocab.validation import boolean, integer, not_meta, real
 
 __all__ = [
     "SafeLogProbs",
@@ -91,6 +91,7 @@ def _check_targets(targets: torch.Tensor, expected_shape: torch.Size, vocab_size
         raise TypeError(f"targets must be a torch.Tensor of token ids, got {type(targets).__name__}")
     if targets.dtype not in (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8):
         raise TypeError(f"targets.dtype={targets.dtype} is not accepted: accepted an integer dtype (token ids)")
+    not_meta("targets", targets)
     if targets.shape != expected_shape:
         raise ValueError(
             f"targets.shape={tuple(targets.shape)} does not match {shape_name}={tuple(expected_shape)}"
@@ -107,6 +108,7 @@ def _check_float(name: str, x: object) -> None:
         raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
     if not x.is_floating_point():
         raise TypeError(f"{name}.dtype={x.dtype} is not accepted: accepted float32, bfloat16, float16 or float64")
+    not_meta(name, x)
 
 
 def _check_bias_values(bias: torch.Tensor) -> None:

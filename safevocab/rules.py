@@ -42,7 +42,7 @@ import torch
 from safevocab.engine_order import ENGINES, check_engine, composition_stages, print_order
 from safevocab.nucleus import nucleus_threshold
 from safevocab.shifted_logits import ShiftedLogits
-from safevocab.validation import integer, real, real_text
+from safevocab.validation import integer, not_meta, real, real_text
 
 __all__ = [
     "SafeVocabRule",
@@ -451,6 +451,7 @@ def _check_float_logits(z: object, name: str = "z") -> None:
         raise TypeError(f"{name} must be a torch.Tensor, got {type(z).__name__}")
     if not z.is_floating_point():
         raise TypeError(f"{name}.dtype={z.dtype} is not accepted: accepted a float dtype (transformed logits)")
+    not_meta(name, z)
 
 
 def _raise_on_non_finite_rows(z: torch.Tensor, z_max: torch.Tensor) -> None:

@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterable, Mapping
 
 import torch
 
-__all__ = ["real", "integer", "boolean", "check_range", "is_real_scalar", "require_keys", "real_text"]
+__all__ = ["real", "integer", "boolean", "check_range", "is_real_scalar", "require_keys", "real_text", "not_meta"]
 
 
 def _unwrap(value: object) -> object:
@@ -163,3 +163,15 @@ def real_text(value: object) -> str:
         if torch.tensor(float(text), dtype=dtype).item() == as_float:
             return text
     return repr(as_float)  # pragma: no cover - 9 digits always round-trip a float32
+
+
+def not_meta(name: str, tensor: torch.Tensor) -> None:
+    """Refuse a tensor on PyTorch's ``meta`` device (shapes without values): every check that reads a value would
+    otherwise fail with torch's ``Tensor.item() cannot be called on meta tensors``.
+
+    Raises:
+        ValueError: ``"<name> is on the meta device (a shape without values): accepted a tensor with values"``.
+    """
+    if tensor.device.type == "meta":
+        raise ValueError(f"{name} is on the meta device (a shape without values): accepted a tensor with values "
+                         "(cpu, cuda, ...)")

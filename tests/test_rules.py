@@ -231,7 +231,9 @@ def test_top_k_matches_hf(k, seed):
     assert torch.equal(TopK(k).keep_mask(z), hf_keep([TopKLogitsWarper(top_k=k)], z))
 
 
-@given(st.floats(0.01, 1.0), st.integers(0, 2**16), st.floats(0.5, 6.0))
+# q up to 0.99 (and exactly 1): nearer 1, transformers' float32 cumsum decides differently from the exact set in a
+# growing share of rows (issue 37, N9: 0.03 % of rows at 0.999, 2.6 % at 0.99999, 18 % at 0.999999; TopP's docstring)
+@given(st.one_of(st.floats(0.01, 0.99), st.just(1.0)), st.integers(0, 2**16), st.floats(0.5, 6.0))
 def test_top_p_matches_hf(q, seed, scale):
     z = random_logits(seed, scale=scale)
     assert torch.equal(TopP(q).keep_mask(z), hf_keep([TopPLogitsWarper(top_p=q)], z))

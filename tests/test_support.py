@@ -162,3 +162,28 @@ def test_bounds_take_a_support():
     torch.testing.assert_close(pruning_kl(1 - m), -torch.log1p(-m))
     with pytest.raises(ValueError, match="the support has 6 rows but probs"):
         pruned_mass(probs[:1], support)
+
+
+@pytest.mark.parametrize(
+    "call, error, message",
+    [
+        (lambda: SafeSupport.from_lists([[1], [3, 2**64 - 1]]), ValueError,
+         f"SafeSupport row 1 token id={2**64 - 1} is out of range: accepted 0 <= id < vocab_size (an int64)"),
+        (lambda: SafeSupport.from_lists([[2**63]]), ValueError, f"SafeSupport row 0 token id={2**63} is out of range"),
+        (lambda: SafeSupport(torch.ones(5000, dtype=torch.bool), torch.tensor([0, 5000])), TypeError,
+         "SafeSupport.token_ids must be a 1-D integer torch.Tensor, got a tensor of dtype torch.bool and shape (5000,)"),
+        (lambda: SafeSupport.from_lists([[1]], device="meta"), ValueError,
+         "SafeSupport.token_ids is on the meta device (a shape without values): accepted a tensor with values"),
+        (lambda: safe_log_softmax(torch.zeros(2, 5, device="meta"), torch.zeros(2, dtype=torch.long), "top_k=2"), ValueError,
+         "logits is on the meta device"),
+        (lambda: fused_safe_logprobs(torch.zeros(2, 3, device="meta"), torch.zeros(5, 3, device="meta"),
+                                     torch.zeros(2, dtype=torch.long), "top_k=2"), ValueError, "hidden is on the meta device"),
+        (lambda: parse_rule("top_p=0.5").keep_mask(torch.zeros(2, 5, device="meta")), ValueError, "z is on the meta device"),
+    ],
+)
+def test_ids_past_int64_bool_ids_and_meta_tensors_raise_one_line(call, error, message):
+    """Issue 37, N8/N10: ids >= 2^63 gave torch's "Overflow when unpacking long long" (no row named); a bool-ids
+    TypeError printed the whole tensor; meta-device tensors gave "Tensor.item() cannot be called on meta tensors"."""
+    with pytest.raises(error) as err:
+        call()
+    assert str(err.value).startswith(message) and "\n" not in str(err.value), str(err.value)[:300]
