@@ -333,6 +333,13 @@ class TopP(SafeVocabRule):
     The threshold is found without sorting the vocabulary (:func:`safevocab.nucleus.nucleus_threshold`, a radix select
     on the probabilities with float64 masses); HF's fp32 sort and cumulative sum can differ from it only where the mass
     at the boundary is within fp32 rounding of ``q``.
+
+    Near ``q = 1`` that is no longer rare: the tail ``1 - q`` shrinks towards fp32's rounding of a cumulative sum near
+    1, and the engines' float32 cumsums (transformers, vLLM) decide differently from this exact float64 set in a
+    growing share of rows: about 1 % of Gaussian rows at ``q = 0.9999``, 4-5 % at ``0.99999``, 14-15 % at
+    ``0.999999`` (``pytest -s -m slow tests/test_engine_order.py -k share_of_rows``). There, replay the engine's own
+    sets (:class:`~safevocab.support.SafeSupport`; ``safe_vocab_support="replay"`` in the trainer) for the exact set
+    the rollout sampled from.
     """
 
     q: float
