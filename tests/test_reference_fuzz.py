@@ -13,8 +13,10 @@ they use temperatures in [1e-2, 1e2] and a tolerance that grows with that roundi
 transforms the logits in the statistics dtype (fp32, or fp64 for fp64 inputs), as the sampler and the
 library do, and differentiates the exact transform.
 
-Examples per property: ``SAFEVOCAB_FUZZ_EXAMPLES`` (default 2,000, fixed seed); the ``slow`` variants run
-20,000 (``SAFEVOCAB_FUZZ_EXAMPLES_SLOW``).
+Examples per property (fixed seed), one test per size: a few hundred in the fast suite (``pytest -m "not slow"``;
+``SAFEVOCAB_FUZZ_EXAMPLES``, default 300), thousands in CI's slow phase (``-m "slow and not fuzz20k"``, the ``_ci``
+variants; ``SAFEVOCAB_FUZZ_EXAMPLES_CI``, default 3,000) and 20,000 on demand (``-m fuzz20k``, the ``_20k`` variants;
+``SAFEVOCAB_FUZZ_EXAMPLES_SLOW``). The same property runs at each size.
 """
 
 from __future__ import annotations
@@ -32,11 +34,32 @@ import safevocab.fused_op as fused_op
 from safevocab import SafeSupport, fused_safe_logprobs, parse_rule, safe_log_softmax
 from safevocab.backends.torch_backend import chunk_rows_for
 
-EXAMPLES = int(os.environ.get("SAFEVOCAB_FUZZ_EXAMPLES", "2000"))
+EXAMPLES = int(os.environ.get("SAFEVOCAB_FUZZ_EXAMPLES", "300"))
+EXAMPLES_CI = int(os.environ.get("SAFEVOCAB_FUZZ_EXAMPLES_CI", "3000"))
 #: Device of the fused op in the properties (the reference always runs on the CPU): ``cuda`` on a GPU machine.
 DEVICE = os.environ.get("SAFEVOCAB_TEST_DEVICE", "cpu")
 EXAMPLES_SLOW = int(os.environ.get("SAFEVOCAB_FUZZ_EXAMPLES_SLOW", "20000"))
 EPS = {torch.float64: 2.0**-52, torch.float32: 2.0**-23, torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10}
+
+
+def fuzz_tiers(prop, **strategies):
+    """``prop`` as three tests: ``EXAMPLES`` examples (fast suite), ``EXAMPLES_CI`` (``slow``: CI's slow phase) and
+    ``EXAMPLES_SLOW`` (``slow`` and ``fuzz20k``). Assign them to ``test_<name>``, ``test_<name>_ci``, ``test_<name>_20k``."""
+
+    def sized(examples: int):
+        @fuzz_settings(examples)
+        @given(**strategies)
+        def test(**kwargs):
+            prop(**kwargs)
+
+        test.__doc__ = prop.__doc__
+        return test
+
+    return (
+        sized(EXAMPLES),
+        pytest.mark.slow(sized(EXAMPLES_CI)),
+        pytest.mark.fuzz20k(pytest.mark.slow(sized(EXAMPLES_SLOW))),
+    )
 
 
 def fuzz_settings(examples: int):
@@ -289,18 +312,9 @@ def _fused_property(inputs, data, max_chunk_bytes, dense, backend="torch"):
     check_fused(inputs, parts, transform, max_chunk_bytes, dense, backend, device=DEVICE)
 
 
-@fuzz_settings(EXAMPLES)
-@given(**fused_cases)
-def test_fused_matches_reference(inputs, data, max_chunk_bytes, dense):
-    _fused_property(inputs, data, max_chunk_bytes, dense)
-
-
-@pytest.mark.slow
-@pytest.mark.fuzz20k
-@fuzz_settings(EXAMPLES_SLOW)
-@given(**fused_cases)
-def test_fused_matches_reference_20k(inputs, data, max_chunk_bytes, dense):
-    _fused_property(inputs, data, max_chunk_bytes, dense)
+test_fused_matches_reference, test_fused_matches_reference_ci, test_fused_matches_reference_20k = fuzz_tiers(
+    _fused_property, **fused_cases
+)
 
 
 # ---------------------------------------------------------------------------------------------- replayed supports
@@ -334,6 +348,8 @@ def far_below_the_maximum(inputs: dict, support: list[list[int]], data) -> tuple
 
 
 def _support_property(inputs, data, max_chunk_bytes, dense):
+    """``support=...`` (fused and materialised): S is exactly the replayed ids (with a rule: their intersection),
+    including supports far below the row maximum and supports that keep nothing (which must raise)."""
     parts = data.draw(st.one_of(st.just([]), st.just([]), rule_parts(inputs["weight"].shape[0])))
     transform = data.draw(transforms(inputs["exact"]))
     support = data.draw(supports(inputs))
@@ -348,19 +364,11 @@ def _support_property(inputs, data, max_chunk_bytes, dense):
         check_materialised(inputs, parts, data.draw(transforms(exact=True)), support=support)
 
 
-@fuzz_settings(EXAMPLES)
-@given(**fused_cases)
-def test_fused_with_support_matches_reference(inputs, data, max_chunk_bytes, dense):
-    """``support=...`` (fused and materialised): S is exactly the replayed ids (with a rule: their intersection)."""
-    _support_property(inputs, data, max_chunk_bytes, dense)
-
-
-@pytest.mark.slow
-@pytest.mark.fuzz20k
-@fuzz_settings(EXAMPLES_SLOW)
-@given(**fused_cases)
-def test_fused_with_support_matches_reference_20k(inputs, data, max_chunk_bytes, dense):
-    _support_property(inputs, data, max_chunk_bytes, dense)
+(
+    test_fused_with_support_matches_reference,
+    test_fused_with_support_matches_reference_ci,
+    test_fused_with_support_matches_reference_20k,
+) = fuzz_tiers(_support_property, **fused_cases)
 
 
 # ---------------------------------------------------------------------------------------------- materialised op
@@ -406,18 +414,9 @@ def _materialised_property(inputs, data):
     check_materialised(inputs, parts, data.draw(transforms(exact=True)))
 
 
-@fuzz_settings(EXAMPLES)
-@given(inputs=head_inputs(), data=st.data())
-def test_materialised_matches_reference(inputs, data):
-    _materialised_property(inputs, data)
-
-
-@pytest.mark.slow
-@pytest.mark.fuzz20k
-@fuzz_settings(EXAMPLES_SLOW)
-@given(inputs=head_inputs(), data=st.data())
-def test_materialised_matches_reference_20k(inputs, data):
-    _materialised_property(inputs, data)
+test_materialised_matches_reference, test_materialised_matches_reference_ci, test_materialised_matches_reference_20k = (
+    fuzz_tiers(_materialised_property, inputs=head_inputs(), data=st.data())
+)
 
 
 # ---------------------------------------------------------------------------------------------- boundary search
