@@ -42,7 +42,7 @@ import torch
 from safevocab.engine_order import ENGINES, check_engine, composition_stages, print_order
 from safevocab.nucleus import nucleus_threshold
 from safevocab.shifted_logits import ShiftedLogits
-from safevocab.validation import integer, not_meta, real, real_text
+from safevocab.validation import float_tensor, integer, raise_on_nan_or_inf_rows, real, real_text
 
 __all__ = [
     "SafeVocabRule",
@@ -116,15 +116,11 @@ class SafeVocabRule(ABC):
 
         The threshold is never above the row maximum, so the argmax is always kept, and, for rows
         with a finite maximum, never below the most negative finite number of the statistics dtype
-        (:func:`finite_floor`), so ``-inf`` logits are never kept.
-
-        Raises:
-            TypeError: ``z`` is not a float tensor (an integer one would be compared against a float threshold).
-            ValueError: a row holds a NaN or ``+inf`` (one line naming the row), as ``safe_log_softmax`` refuses
-                such logits: the threshold would be NaN and the row would keep nothing.
+        (:func:`finite_floor`), so ``-inf`` logits are never kept. A non-float ``z`` raises ``TypeError``, a row
+        holding a NaN or ``+inf`` (it would keep nothing) a one-line ``ValueError`` naming the row.
         """
         t, z_max = self.threshold_and_max(z)
-        _raise_on_non_finite_rows(z, z_max)
+        raise_on_nan_or_inf_rows("z", z, z_max)
         return t
 
     @torch.no_grad()
@@ -135,7 +131,7 @@ class SafeVocabRule(ABC):
             ValueError: ``z`` has no vocabulary dimension or an empty one (``V = 0``): there is no argmax to keep,
                 and no sampler draws from an empty vocabulary. Zero positions (``[0, V]``) are fine.
         """
-        _check_float_logits(z)
+        float_tensor("z", z, "a float dtype (transformed logits)")
         if z.dim() < 1 or z.shape[-1] == 0:
             raise ValueError(f"z.shape={tuple(z.shape)}: expected [..., V] with a vocabulary size V >= 1")
         z = stat_float(z)
@@ -151,11 +147,8 @@ class SafeVocabRule(ABC):
 
     @torch.no_grad()
     def keep_mask(self, z: torch.Tensor) -> torch.Tensor:
-        """Boolean mask ``[..., V]`` of the safe set on transformed logits ``z`` (a row with a NaN or ``+inf`` raises,
-        as in :meth:`threshold`)."""
-        _check_float_logits(z)
-        z = stat_float(z)
-        return z >= self.threshold(z)
+        """Boolean mask ``[..., V]`` of the safe set on transformed logits ``z`` (raises as :meth:`threshold`)."""
+        return stat_float(z) >= self.threshold(z)  # threshold checks z (stat_float runs first but raises nothing)
 
     def __and__(self, other: SafeVocabRule) -> SafeVocabRule:
         """The intersection, in the engine's order; both sides must name the same engine (one-line
@@ -333,13 +326,9 @@ class TopP(SafeVocabRule):
     The threshold is found without sorting the vocabulary (:func:`safevocab.nucleus.nucleus_threshold`, a radix select
     on the probabilities with float64 masses); HF's fp32 sort and cumulative sum can differ from it only where the mass
     at the boundary is within fp32 rounding of ``q``.
-
-    Near ``q = 1`` that is no longer rare: the tail ``1 - q`` shrinks towards fp32's rounding of a cumulative sum near
-    1, and the engines' float32 cumsums (transformers, vLLM) decide differently from this exact float64 set in a
-    growing share of rows: about 1 % of Gaussian rows at ``q = 0.9999``, 4-5 % at ``0.99999``, 14-15 % at
-    ``0.999999`` (``pytest -s -m slow tests/test_engine_order.py -k share_of_rows``). There, replay the engine's own
-    sets (:class:`~safevocab.support.SafeSupport`; ``safe_vocab_support="replay"`` in the trainer) for the exact set
-    the rollout sampled from.
+    Near ``q = 1`` that is not rare: the engines' float32 cumsums (transformers, vLLM) differ from this exact set in
+    ~1 % of Gaussian rows at ``q = 0.9999``, 4-5 % at 0.99999, 14-15 % at 0.999999 (docs/guide.md). There, replay the
+    engine's sets (:class:`~safevocab.support.SafeSupport`, ``safe_vocab_support="replay"``): the exact route.
     """
 
     q: float
@@ -451,26 +440,6 @@ class Intersection(SafeVocabRule):
             # Capped at the row maximum, so every stage keeps the argmax, as the samplers do.
             t = torch.minimum(t_new if t is None else torch.maximum(t, t_new), logits.z_max)
         return torch.full_like(logits.z_max, -math.inf) if t is None else t
-
-
-def _check_float_logits(z: object, name: str = "z") -> None:
-    if not isinstance(z, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(z).__name__}")
-    if not z.is_floating_point():
-        raise TypeError(f"{name}.dtype={z.dtype} is not accepted: accepted a float dtype (transformed logits)")
-    not_meta(name, z)
-
-
-def _raise_on_non_finite_rows(z: torch.Tensor, z_max: torch.Tensor) -> None:
-    """One-line ``ValueError`` naming the first row of ``z`` with a NaN or ``+inf`` (its maximum is NaN or ``+inf``:
-    ``amax`` propagates NaN); ``[..., 1]`` statistics only, so the common case costs one small check."""
-    bad = torch.isnan(z_max) | (z_max == math.inf)
-    if not bool(bad.any()):
-        return
-    index = tuple(int(i) for i in bad.nonzero()[0][:-1])
-    where = index[0] if len(index) == 1 else index
-    what = "a NaN" if bool(torch.isnan(z[index]).any()) else "+inf"
-    raise ValueError(f"z has {what} at row {where}: accepted finite logits or -inf")
 
 
 def stat_float(x: torch.Tensor) -> torch.Tensor:

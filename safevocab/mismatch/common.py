@@ -7,6 +7,8 @@ from collections.abc import Sequence
 
 import torch
 
+from safevocab.validation import float_tensor
+
 #: Default edges of the probability buckets of `bucket_mismatch` / `bucket_mismatch_metrics`.
 DEFAULT_BUCKETS: tuple[float, ...] = (1e-3, 1e-2, 1e-1, 0.5)
 
@@ -66,14 +68,6 @@ def masked_extreme(x: torch.Tensor, mask: torch.Tensor, largest: bool) -> torch.
     return as_scalar(masked_max(x, mask) if largest else -masked_max(-x, mask))
 
 
-def check_float(name: str, x: object) -> None:
-    """``x`` must be a float tensor (log-probabilities, logits): an integer one would be read as rounded values."""
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-    if not x.is_floating_point():
-        raise TypeError(f"{name}.dtype={x.dtype} is not accepted: accepted a float dtype")
-
-
 def check_mask(mask: torch.Tensor, *tensors: torch.Tensor) -> torch.Tensor:
     for t in tensors:
         if t.shape != mask.shape:
@@ -85,8 +79,8 @@ def check_mask(mask: torch.Tensor, *tensors: torch.Tensor) -> torch.Tensor:
 
 def paired_log_ratio(train_logps: torch.Tensor, rollout_logps: torch.Tensor, mask: torch.Tensor):
     """Validated float64 ``(train, rollout, log_r, mask)`` with NaN tokens removed from the mask and zeroed."""
-    check_float("train_logps", train_logps)
-    check_float("rollout_logps", rollout_logps)
+    float_tensor("train_logps", train_logps)
+    float_tensor("rollout_logps", rollout_logps)
     return zero_filled_pair(train_logps, rollout_logps, check_mask(mask, train_logps, rollout_logps))
 
 
