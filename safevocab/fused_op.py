@@ -98,14 +98,14 @@ class FusedSafeLogProbs(torch.autograd.Function):
         # MKL/cuSPARSE sparse GEMMs take fp32/fp64 only; half inputs use the dense backward.
         density = SPARSE_MAX_DENSITY if hidden.dtype in (torch.float32, torch.float64) else None
         # A -inf weight entry times positive hidden values gives a -inf logit, which reads as a banned token and
-        # leaves every row statistic finite: the sum of the weight (one read, no [V, H] temporary, checked at the
-        # statistics' sync) is what shows it
-        weight_sum = weight.sum(dtype=stat_dtype)
+        # leaves every row statistic finite: the weight's extremes (one read in its own dtype, no [V, H] temporary,
+        # checked at the statistics' sync; NaN propagates through them) show it
+        weight_range = torch.stack(torch.aminmax(weight))
         if support is None:
             sparse_chunks = backend.forward(hidden, weight, bias, targets, rule, transform, chunk_rows, stats, density)
         else:
             sparse_chunks = backend.forward(hidden, weight, bias, targets, rule, transform, chunk_rows, stats, density, support)
-        raise_on_non_finite_rows(stats, hidden, weight, bias, transform, weight_sum)
+        raise_on_non_finite_rows(stats, hidden, weight, bias, transform, weight_range)
         if support is not None:
             raise_on_empty_support(stats.safe_size, rule)
         if support is None:
@@ -227,7 +227,7 @@ def raise_on_empty_support(safe_size: torch.Tensor, rule: SafeVocabRule) -> None
 
 def raise_on_non_finite_rows(
     stats: RowStats, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, transform: Transform,
-    weight_sum: torch.Tensor | None = None,
+    weight_range: torch.Tensor | None = None,
 ) -> None:
     """Raise a one-line ``ValueError`` naming the argument when a row's statistics are not finite.
 
@@ -235,17 +235,16 @@ def raise_on_non_finite_rows(
     or ``log sum_V exp(z - m)`` non-finite; checking those ``[N]`` statistics costs nothing next to a pass
     over ``[N, V]``. Finding *which* argument caused it runs only here, on the error path.
 
-    ``weight_sum`` (the weight's sum in the statistics dtype, read once per call): a ``-inf`` weight entry times
-    positive hidden values gives a ``-inf`` logit, a banned token to the statistics, which stay finite; a non-finite
-    sum shows it (issue 37). Finite weights whose sum overflows are looked at entry by entry and pass.
+    ``weight_range`` (the weight's minimum and maximum, read once per call): a ``-inf`` weight entry times positive
+    hidden values gives a ``-inf`` logit, a banned token to the statistics, which stay finite; a non-finite extreme
+    shows it (issue 37).
     """
     bad = ~(torch.isfinite(stats.row_max) & torch.isfinite(stats.log_sum_full))
-    suspect_weight = torch.zeros((), dtype=torch.bool, device=bad.device) if weight_sum is None else ~torch.isfinite(weight_sum)
-    if not bool(bad.any() | suspect_weight):  # one sync for both
+    weight_bad = False if weight_range is None else ~torch.isfinite(weight_range).all()
+    if not bool(bad.any() | weight_bad):  # one sync for both
         return
-    if not bool(bad.any()):  # a non-finite sum: a non-finite weight, or (rarely) finite weights summing past the range
+    if not bool(bad.any()):  # finite statistics: a -inf weight entry that made only -inf logits
         _raise_on_non_finite_weight(weight)
-        return
     row = int(bad.nonzero()[0])
     h = hidden[row]
     where = f"(row {row} of {hidden.shape[0]})"
