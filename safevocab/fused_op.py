@@ -97,11 +97,15 @@ class FusedSafeLogProbs(torch.autograd.Function):
         stats = RowStats.empty(n_rows, hidden.device, stat_dtype, compute_entropy, replay=support is not None)
         # MKL/cuSPARSE sparse GEMMs take fp32/fp64 only; half inputs use the dense backward.
         density = SPARSE_MAX_DENSITY if hidden.dtype in (torch.float32, torch.float64) else None
+        # A -inf weight entry times positive hidden values gives a -inf logit, which reads as a banned token and
+        # leaves every row statistic finite: the weight's extremes (one read in its own dtype, no [V, H] temporary,
+        # checked at the statistics' sync; NaN propagates through them) show it
+        weight_range = torch.stack(torch.aminmax(weight))
         if support is None:
             sparse_chunks = backend.forward(hidden, weight, bias, targets, rule, transform, chunk_rows, stats, density)
         else:
             sparse_chunks = backend.forward(hidden, weight, bias, targets, rule, transform, chunk_rows, stats, density, support)
-        raise_on_non_finite_rows(stats, hidden, weight, bias, transform)
+        raise_on_non_finite_rows(stats, hidden, weight, bias, transform, weight_range)
         if support is not None:
             raise_on_empty_support(stats.safe_size, rule)
         if support is None:
@@ -222,26 +226,31 @@ def raise_on_empty_support(safe_size: torch.Tensor, rule: SafeVocabRule) -> None
 
 
 def raise_on_non_finite_rows(
-    stats: RowStats, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, transform: Transform
+    stats: RowStats, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, transform: Transform,
+    weight_range: torch.Tensor | None = None,
 ) -> None:
     """Raise a one-line ``ValueError`` naming the argument when a row's statistics are not finite.
 
     A NaN or ``+inf`` logit, an all ``-inf`` row or an overflowing GEMM or transform make the row maximum
     or ``log sum_V exp(z - m)`` non-finite; checking those ``[N]`` statistics costs nothing next to a pass
     over ``[N, V]``. Finding *which* argument caused it runs only here, on the error path.
+
+    ``weight_range`` (the weight's minimum and maximum, read once per call): a ``-inf`` weight entry times positive
+    hidden values gives a ``-inf`` logit, a banned token to the statistics, which stay finite; a non-finite extreme
+    shows it (issue 37).
     """
     bad = ~(torch.isfinite(stats.row_max) & torch.isfinite(stats.log_sum_full))
-    if not bool(bad.any()):
+    weight_bad = False if weight_range is None else ~torch.isfinite(weight_range).all()
+    if not bool(bad.any() | weight_bad):  # one sync for both
         return
+    if not bool(bad.any()):  # finite statistics: a -inf weight entry that made only -inf logits
+        _raise_on_non_finite_weight(weight)
     row = int(bad.nonzero()[0])
     h = hidden[row]
     where = f"(row {row} of {hidden.shape[0]})"
     if not bool(torch.isfinite(h).all()):
         raise ValueError(f"hidden has a non-finite value (NaN or inf) {where}: accepted finite hidden states")
-    finite_weight = torch.isfinite(weight).all(dim=-1)
-    if not bool(finite_weight.all()):
-        token = int((~finite_weight).nonzero()[0])
-        raise ValueError(f"weight has a non-finite value (NaN or inf) in row {token} (token id): accepted finite weights")
+    _raise_on_non_finite_weight(weight)
     raw = h.double() @ weight.double().t()
     if bias is not None:
         raw = raw + bias.double()
@@ -259,6 +268,13 @@ def raise_on_non_finite_rows(
         f"{stats.row_max.dtype} {where}: |logit| up to {peak:.4g} gives |logit| * logit_scale / temperature > "
         f"{torch.finfo(stats.row_max.dtype).max:.4g}; accepted a larger temperature"
     )
+
+
+def _raise_on_non_finite_weight(weight: torch.Tensor) -> None:
+    finite_weight = torch.isfinite(weight).all(dim=-1)
+    if not bool(finite_weight.all()):
+        token = int((~finite_weight).nonzero()[0])
+        raise ValueError(f"weight has a non-finite value (NaN or inf) in row {token} (token id): accepted finite weights")
 
 
 def sparse_backward(

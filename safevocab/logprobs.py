@@ -39,7 +39,7 @@ from safevocab.chunking import Transform
 from safevocab.fused_op import FusedSafeLogProbs, raise_on_empty_support
 from safevocab.rules import SafeVocabRule, parse_rule, stat_float
 from safevocab.support import SafeSupport
-from safevocab.validation import boolean, integer, real
+from safevocab.validation import boolean, integer, not_meta, real
 
 __all__ = [
     "SafeLogProbs",
@@ -91,6 +91,7 @@ def _check_targets(targets: torch.Tensor, expected_shape: torch.Size, vocab_size
         raise TypeError(f"targets must be a torch.Tensor of token ids, got {type(targets).__name__}")
     if targets.dtype not in (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8):
         raise TypeError(f"targets.dtype={targets.dtype} is not accepted: accepted an integer dtype (token ids)")
+    not_meta("targets", targets)
     if targets.shape != expected_shape:
         raise ValueError(
             f"targets.shape={tuple(targets.shape)} does not match {shape_name}={tuple(expected_shape)}"
@@ -107,6 +108,7 @@ def _check_float(name: str, x: object) -> None:
         raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
     if not x.is_floating_point():
         raise TypeError(f"{name}.dtype={x.dtype} is not accepted: accepted float32, bfloat16, float16 or float64")
+    not_meta(name, x)
 
 
 def _check_bias_values(bias: torch.Tensor) -> None:
@@ -247,18 +249,27 @@ def safe_log_softmax(
     shifted_y = shifted.gather(-1, idx).squeeze(-1)
     in_safe = keep.gather(-1, idx).squeeze(-1)
     if support is None:  # S holds the argmax (e = 1 there): the safe sum is >= 1
+        shifted_safe = shifted
         lse_safe = torch.where(keep, e, 0.0).sum(-1).log()
-    else:  # a replayed S may sit far below the maximum: logsumexp shifts by its own maximum
-        lse_safe = torch.logsumexp(shifted.masked_fill(~keep, -math.inf), dim=-1)
-    logprobs = torch.where(in_safe, shifted_y - lse_safe, shifted_y - lse_full)
+        log_kept_mass = lse_safe - lse_full
+    else:
+        # A replayed S need not hold the argmax and may sit far below it: pi_S is formed from z - m_S, S's own
+        # (detached) maximum, as the fused op does. fl(z - m) would lose S's differences when m_S is far below m
+        # (z - m rounds to a multiple of ulp(m - m_S): 2 at 3e7, so [0, 0.3] below 3e7 became a tie and a 0.3 gap).
+        set_max = z.detach().masked_fill(~keep, -math.inf).amax(-1, keepdim=True)  # finite: no S is empty here
+        shifted_safe = z - set_max
+        lse_safe = torch.logsumexp(shifted_safe.masked_fill(~keep, -math.inf), dim=-1)
+        log_kept_mass = (set_max - row_max).squeeze(-1) + lse_safe - lse_full
+    shifted_safe_y = shifted_safe.gather(-1, idx).squeeze(-1)
+    logprobs = torch.where(in_safe, shifted_safe_y - lse_safe, shifted_y - lse_full)
     entropy = None
     if compute_entropy:
-        log_p_safe = (shifted - lse_safe.unsqueeze(-1)).masked_fill(~keep, 0.0)  # 0 outside S: no 0 * -inf
+        log_p_safe = (shifted_safe - lse_safe.unsqueeze(-1)).masked_fill(~keep, 0.0)  # 0 outside S: no 0 * -inf
         entropy = -(log_p_safe.exp().masked_fill(~keep, 0.0) * log_p_safe).sum(-1)
     return SafeLogProbs(
         logprobs=logprobs,
         in_safe=in_safe,
-        log_kept_mass=lse_safe - lse_full,
+        log_kept_mass=log_kept_mass,
         safe_size=keep.sum(-1),
         entropy=entropy,
     )

@@ -45,7 +45,7 @@ import torch
 from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 
 from safevocab.surge_detector import SurgeDetector
-from safevocab.validation import integer, real, require_keys
+from safevocab.validation import boolean, integer, real, require_keys
 
 __all__ = ["LengthDecayLR", "SurgeDetector"]
 
@@ -69,6 +69,23 @@ def _check_base(base_scheduler: object, optimizer: torch.optim.Optimizer) -> Non
         )
     if base_scheduler.optimizer is not optimizer:
         raise ValueError("base_scheduler drives another optimizer: accepted a scheduler built on this optimizer")
+
+
+def _integer_list(name: str, values: object, accepted: str) -> list[int]:
+    """``values`` as a list of integers ``>= 0`` (a saved list of steps); one line naming the first bad entry."""
+    if not isinstance(values, (list, tuple)):
+        raise TypeError(f"{name} must be a list, got {type(values).__name__}: {values!r}")
+    return [integer(f"{name}[{i}]", v, lambda x: x >= 0, accepted) for i, v in enumerate(values)]
+
+
+def _lr_list(name: str, values: object, n_groups: int) -> list[float | torch.Tensor]:
+    """A saved list of per-group LRs: one finite real ``>= 0`` (or a 0-dim tensor) per parameter group, kept as given."""
+    if not isinstance(values, (list, tuple)) or len(values) != n_groups:
+        raise ValueError(f"{name}={values!r} is out of range: accepted a list of {n_groups} learning rate(s), one per "
+                         "parameter group of the optimizer")
+    for i, value in enumerate(values):
+        real(f"{name}[{i}]", value, lambda x: x >= 0, "a finite learning rate >= 0")
+    return list(values)
 
 
 def _set_lrs(optimizer: torch.optim.Optimizer, lrs: list[float | torch.Tensor]) -> list[float | torch.Tensor]:
@@ -288,9 +305,11 @@ class LengthDecayLR(LRScheduler):
         scheduler: a resumed run continues the run that wrote the state.
 
         Raises:
-            TypeError: ``state_dict`` is not a dict.
-            ValueError: one line naming the keys it lacks, or when it was written with a base scheduler and this
-                wrapper has none, or the other way round.
+            TypeError: ``state_dict`` is not a dict, or a value has the wrong type (one line naming the key).
+            ValueError: one line naming the keys it lacks, or a value the constructor would refuse
+                (``min_lr_ratio`` outside ``[0, 1]``, an unknown ``start``, ``max_decays < 1``, ``cooldown < 0``, a
+                NaN or negative LR, ...), or when it was written with a base scheduler and this wrapper has none, or
+                the other way round. Nothing is changed then.
         """
         state = state_dict
         require_keys("state_dict", state, _REQUIRED_KEYS, "a dict from LengthDecayLR.state_dict()")
@@ -303,22 +322,51 @@ class LengthDecayLR(LRScheduler):
                 f"state_dict has no base_scheduler state (its run had the constant schedule) but this LengthDecayLR "
                 f"wraps {type(self.base_scheduler).__name__}: build it without base_scheduler to resume that run"
             )
-        self.decay_period = _check_period(state["decay_period"])
-        self.min_lr_ratio = float(state["min_lr_ratio"])
-        self.start = state["start"]
-        self.auto_period = bool(state.get("auto_period", False))
-        self.trigger_step = state["trigger_step"]
-        self.max_decays = int(state.get("max_decays", 1))
-        self.cooldown = int(state.get("cooldown", 0))
+        # Every value is checked as the constructor checks it, before anything is replaced: a state that breaks the
+        # schedule's invariants (min_lr_ratio=2 doubles the LR at each "halving") is refused in one line naming the key.
+        def key(name: str) -> str:
+            return f"state_dict[{name!r}]"
+
+        decay_period = _check_period(state["decay_period"], key("decay_period"))
+        min_lr_ratio = real(key("min_lr_ratio"), state["min_lr_ratio"], lambda x: 0.0 <= x <= 1.0, "0 <= min_lr_ratio <= 1")
+        start = state["start"]
+        if not isinstance(start, str) or start not in _STARTS:
+            raise ValueError(f"{key('start')}={start!r} is out of range: accepted one of {_STARTS}")
+        auto_period = boolean(key("auto_period"), state.get("auto_period", False))
+        step = "an integer step >= 0"
+        trigger_step = state["trigger_step"]
+        if trigger_step is not None:
+            trigger_step = integer(key("trigger_step"), trigger_step, lambda x: x >= 0, "None or " + step)
+        if start == "step0" and trigger_step != 0:
+            raise ValueError(f"{key('trigger_step')}={trigger_step!r} with start='step0': accepted 0 (the clock starts "
+                             "at step 0)")
+        max_decays = integer(key("max_decays"), state.get("max_decays", 1), lambda x: x >= 1, "an integer >= 1")
+        cooldown = integer(key("cooldown"), state.get("cooldown", 0), lambda x: x >= 0, "an integer number of steps >= 0")
         if "decay_steps" in state:
-            self.decay_steps = [int(s) for s in state["decay_steps"]]
+            decay_steps = _integer_list(key("decay_steps"), state["decay_steps"], step)
         else:  # the first release decayed once, at trigger_step
-            self.decay_steps = [] if self.trigger_step is None else [int(self.trigger_step)]
-        self.base_lrs = list(state["base_lrs"])
-        self.last_epoch = int(state["last_epoch"])
-        self._step_count = int(state.get("_step_count", 1))
-        self._last_lr = list(state["_last_lr"])
+            decay_steps = [] if trigger_step is None else [trigger_step]
+        if decay_steps and decay_steps[0] != trigger_step or trigger_step is not None and not decay_steps:
+            raise ValueError(f"{key('decay_steps')}={decay_steps!r} does not start at {key('trigger_step')}="
+                             f"{trigger_step!r}: accepted the first decay at the trigger step")
+        if len(decay_steps) > max_decays or decay_steps != sorted(decay_steps):
+            raise ValueError(f"{key('decay_steps')}={decay_steps!r} is out of range: accepted at most max_decays="
+                             f"{max_decays} steps in increasing order")
+        n_groups = len(self.optimizer.param_groups)
+        base_lrs = _lr_list(key("base_lrs"), state["base_lrs"], n_groups)
+        last_epoch = integer(key("last_epoch"), state["last_epoch"], lambda x: x >= -1, "an integer >= -1")
+        step_count = integer(key("_step_count"), state.get("_step_count", 1), lambda x: x >= 0, "an integer >= 0")
+        last_lr = _lr_list(key("_last_lr"), state["_last_lr"], n_groups)
         detector_state = state.get("detector")
+        if detector_state is not None:
+            SurgeDetector().load_state_dict(detector_state)  # its checks, before this scheduler changes
+
+        self.decay_period, self.min_lr_ratio, self.start, self.auto_period = decay_period, min_lr_ratio, start, auto_period
+        self.trigger_step, self.max_decays, self.cooldown, self.decay_steps = trigger_step, max_decays, cooldown, decay_steps
+        self.base_lrs = base_lrs
+        self.last_epoch = last_epoch
+        self._step_count = step_count
+        self._last_lr = last_lr
         if detector_state is not None:
             if self.detector is None:
                 self.detector = SurgeDetector()

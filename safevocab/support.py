@@ -19,9 +19,13 @@ from dataclasses import dataclass
 
 import torch
 
-from safevocab.validation import integer
+from safevocab.validation import integer, not_meta
 
 __all__ = ["SafeSupport"]
+
+
+def _fits_int64(x: int) -> bool:
+    return -(2**63) <= x < 2**63
 
 
 @dataclass(frozen=True)
@@ -39,8 +43,13 @@ class SafeSupport:
     def __post_init__(self) -> None:
         for name in ("token_ids", "offsets"):
             value = getattr(self, name)
-            if not isinstance(value, torch.Tensor) or value.dim() != 1 or value.is_floating_point() or value.dtype == torch.bool:
-                raise TypeError(f"SafeSupport.{name} must be a 1-D integer torch.Tensor, got {value!r}")
+            if not isinstance(value, torch.Tensor):
+                raise TypeError(f"SafeSupport.{name} must be a 1-D integer torch.Tensor, got {type(value).__name__}")
+            if value.dim() != 1 or value.is_floating_point() or value.is_complex() or value.dtype == torch.bool:
+                # dtype and shape only: printing the tensor wrote every id of a large support into the message
+                raise TypeError(f"SafeSupport.{name} must be a 1-D integer torch.Tensor, got a tensor of dtype "
+                                f"{value.dtype} and shape {tuple(value.shape)}")
+            not_meta(f"SafeSupport.{name}", value)
         if self.offsets.numel() < 1 or int(self.offsets[0]) != 0 or int(self.offsets[-1]) != self.token_ids.numel():
             raise ValueError(
                 f"SafeSupport.offsets must start at 0 and end at len(token_ids)={self.token_ids.numel()}, "
@@ -71,7 +80,8 @@ class SafeSupport:
         for r, row in enumerate(rows):
             if isinstance(row, (str, bytes)) or not isinstance(row, Iterable):
                 raise TypeError(f"SafeSupport row {r} must be a sequence of token ids, got {type(row).__name__}")
-            flat.extend(integer(f"SafeSupport row {r} token id", t) for t in row)
+            # int64 bounds here (torch's "Overflow when unpacking long long" named no row); negatives are named below
+            flat.extend(integer(f"SafeSupport row {r} token id", t, _fits_int64, "0 <= id < vocab_size (an int64)") for t in row)
             offsets.append(len(flat))
         return SafeSupport(
             torch.tensor(flat, dtype=torch.long, device=device), torch.tensor(offsets, dtype=torch.long, device=device)

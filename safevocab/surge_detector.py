@@ -33,7 +33,7 @@ import statistics
 from collections import deque
 from typing import Any
 
-from safevocab.validation import integer, real, require_keys
+from safevocab.validation import boolean, integer, real, require_keys
 
 __all__ = ["SurgeDetector", "BASELINES"]
 
@@ -45,6 +45,16 @@ BASELINES = ("median", "ema")
 #: that release implied when absent, so that its checkpoints still resume.
 _REQUIRED_KEYS = ("window", "baseline_window", "ratio", "warmup", "factor", "history", "n_updates", "surge_step",
                   "detected_at")
+
+
+def _pairs(name: str, values: object) -> list[tuple[object, object]]:
+    """A saved list of pairs (``(step, length)``, ``(surge_step, detected_at)``); one line naming the first bad entry."""
+    if not isinstance(values, (list, tuple)):
+        raise TypeError(f"{name} must be a list of pairs, got {type(values).__name__}: {values!r}")
+    for i, pair in enumerate(values):
+        if not isinstance(pair, (list, tuple)) or len(pair) != 2:
+            raise ValueError(f"{name}[{i}]={pair!r} is out of range: accepted a pair of two values")
+    return [tuple(pair) for pair in values]
 
 
 class SurgeDetector:
@@ -207,12 +217,15 @@ class SurgeDetector:
         """Restore a state from :meth:`state_dict`, also one written before the EMA baseline and re-arming existed.
 
         Raises:
-            TypeError: ``state`` is not a dict.
-            ValueError: one line naming the keys ``state`` lacks, or a setting out of range.
+            TypeError: ``state`` is not a dict, or a value has the wrong type (a history step ``"x"``).
+            ValueError: one line naming the keys ``state`` lacks, or a setting or value out of range. Nothing is
+                changed then.
         """
         require_keys("state_dict", state, _REQUIRED_KEYS, "a dict from SurgeDetector.state_dict()")
         baseline = state.get("baseline", "median")  # the only baseline of the first release
-        self.__init__(  # type: ignore[misc]
+        # The settings go through the constructor's checks (on a fresh detector: this one changes only once the whole
+        # state passed), the running values through the same ones update() applies, each named by its key.
+        fresh = SurgeDetector(
             window=state["window"],
             baseline_window=state["baseline_window"],
             ratio=state["ratio"],
@@ -221,13 +234,29 @@ class SurgeDetector:
             baseline=baseline,
             ema_alpha=state.get("ema_alpha") if baseline == "ema" else None,
         )
-        self.history.extend((int(s), float(v)) for s, v in state["history"])
-        self.ema = None if state.get("ema") is None else float(state["ema"])
-        self.n_baseline = int(state.get("n_baseline", 0))
-        self.n_updates = int(state["n_updates"])
+        step = "an integer step >= 0"
+        history = _pairs("state_dict['history']", state["history"])
+        fresh.history.extend(
+            (integer(f"state_dict['history'][{i}] step", s, lambda x: x >= 0, step),
+             real(f"state_dict['history'][{i}] length", v, lambda x: x >= 0, "a finite length >= 0"))
+            for i, (s, v) in enumerate(history)
+        )
+        ema = state.get("ema")
+        fresh.ema = None if ema is None else real("state_dict['ema']", ema, lambda x: x >= 0, "None or a finite length >= 0")
+        count = "an integer >= 0"
+        fresh.n_baseline = integer("state_dict['n_baseline']", state.get("n_baseline", 0), lambda x: x >= 0, count)
+        fresh.n_updates = integer("state_dict['n_updates']", state["n_updates"], lambda x: x >= 0, count)
         if "detections" in state:
-            self.detections = [(int(s), int(d)) for s, d in state["detections"]]
+            detections = _pairs("state_dict['detections']", state["detections"])
         elif state["surge_step"] is not None:  # the first release reported one surge and kept it in these two keys
-            self.detections = [(int(state["surge_step"]), int(state["detected_at"]))]
-        self.armed = bool(state.get("armed", not self.detections))
-        self.not_before = int(state.get("not_before", 0))
+            detections = [(state["surge_step"], state["detected_at"])]
+        else:
+            detections = []
+        fresh.detections = [
+            (integer(f"state_dict['detections'][{i}] surge step", s, lambda x: x >= 0, step),
+             integer(f"state_dict['detections'][{i}] detection step", d, lambda x: x >= 0, step))
+            for i, (s, d) in enumerate(detections)
+        ]
+        fresh.armed = boolean("state_dict['armed']", state.get("armed", not fresh.detections))
+        fresh.not_before = integer("state_dict['not_before']", state.get("not_before", 0), lambda x: x >= 0, step)
+        self.__dict__.update(fresh.__dict__)

@@ -24,7 +24,8 @@ from collections.abc import Callable, Iterable, Mapping
 
 import torch
 
-__all__ = ["real", "integer", "boolean", "check_range", "is_real_scalar", "require_keys", "real_text"]
+__all__ = ["real", "integer", "boolean", "check_range", "is_real_scalar", "require_keys", "real_text", "not_meta", "float_tensor",
+           "raise_on_nan_or_inf_rows"]
 
 
 def _unwrap(value: object) -> object:
@@ -163,3 +164,43 @@ def real_text(value: object) -> str:
         if torch.tensor(float(text), dtype=dtype).item() == as_float:
             return text
     return repr(as_float)  # pragma: no cover - 9 digits always round-trip a float32
+
+
+def not_meta(name: str, tensor: torch.Tensor) -> None:
+    """Refuse a tensor on PyTorch's ``meta`` device (shapes without values): every check that reads a value would
+    otherwise fail with torch's ``Tensor.item() cannot be called on meta tensors``.
+
+    Raises:
+        ValueError: ``"<name> is on the meta device (a shape without values): accepted a tensor with values"``.
+    """
+    if tensor.device.type == "meta":
+        raise ValueError(f"{name} is on the meta device (a shape without values): accepted a tensor with values "
+                         "(cpu, cuda, ...)")
+
+
+def float_tensor(name: str, value: object, accepted: str = "a float dtype") -> None:
+    """Refuse anything but a float tensor with values (an integer one would be compared or subtracted as rounded
+    values without a word).
+
+    Raises:
+        TypeError: ``"<name> must be a torch.Tensor, got <type>"`` or ``"<name>.dtype=<dtype> is not accepted: accepted
+            <accepted>"``.
+        ValueError: a meta-device tensor (:func:`not_meta`).
+    """
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+    if not value.is_floating_point():
+        raise TypeError(f"{name}.dtype={value.dtype} is not accepted: accepted {accepted}")
+    not_meta(name, value)
+
+
+def raise_on_nan_or_inf_rows(name: str, z: torch.Tensor, z_max: torch.Tensor) -> None:
+    """One-line ``ValueError`` naming the first row of logits ``z`` ``[..., V]`` holding a NaN or ``+inf``, read off
+    the row maxima ``z_max`` ``[..., 1]`` (``amax`` propagates NaN): the common case costs one small check."""
+    bad = torch.isnan(z_max) | (z_max == math.inf)
+    if not bool(bad.any()):
+        return
+    index = tuple(int(i) for i in bad.nonzero()[0][:-1])
+    where = index[0] if len(index) == 1 else index
+    what = "a NaN" if bool(torch.isnan(z[index]).any()) else "+inf"
+    raise ValueError(f"{name} has {what} at row {where}: accepted finite logits or -inf")

@@ -116,7 +116,8 @@ def reference(
     """
     z = transform(raw, temperature, softcap, logit_scale)
     rows = [safe_set(row, parts, tol_z, tol_p) for row in z]
-    keep = torch.stack([k for k, _ in rows]) if rows else torch.zeros(z.shape, dtype=torch.bool)
+    rule_keep = torch.stack([k for k, _ in rows]) if rows else torch.zeros(z.shape, dtype=torch.bool)
+    keep = rule_keep
     if support is not None:
         replayed = torch.zeros_like(keep)
         for i, ids in enumerate(support):
@@ -124,16 +125,26 @@ def reference(
         keep = keep & replayed
     ambiguous = any(a for _, a in rows)
     if z_exact is not None:
-        exact_keep = torch.stack([safe_set(row, parts, 0.0, 0.0)[0] for row in z_exact]) if rows else keep
-        ambiguous |= not torch.equal(exact_keep, keep)
+        # the rules' sets before the replayed ids (comparing with ``keep`` called every strict subset ambiguous, so
+        # the fuzz skipped all but the supports that held the whole rule set: issue 37)
+        exact_keep = torch.stack([safe_set(row, parts, 0.0, 0.0)[0] for row in z_exact]) if rows else rule_keep
+        ambiguous |= not torch.equal(exact_keep, rule_keep)
     out = {name: [] for name in ("logprobs", "log_kept_mass", "entropy")}
     for i in range(z.shape[0]):
         zi, si, y = z[i], keep[i], int(targets[i])
-        shifted = zi - zi.detach().max()  # a constant shift: same values, no cancellation in float64 either
-        log_p = shifted - torch.logsumexp(shifted, 0)  # full log-softmax
-        log_kept = torch.logsumexp(log_p[si], 0)  # log of the kept mass
-        log_p_safe = log_p[si] - log_kept
-        out["logprobs"].append(log_p[y] - log_kept if bool(si[y]) else log_p[y])
+        row_max = zi.detach().max()
+        shifted = zi - row_max  # a constant shift: same values, no cancellation in float64 either
+        lse_full = torch.logsumexp(shifted, 0)
+        log_p = shifted - lse_full  # full log-softmax
+        # pi_S and the kept mass from S's own shift m_S: S (a replayed one) may sit far below the row maximum m, where
+        # log_p[S] would keep only ulp(m - m_S) of S's differences, in float64 too (issue 37)
+        set_max = zi.detach()[si].max() if bool(si.any()) else row_max
+        shifted_safe = zi[si] - set_max
+        lse_safe = torch.logsumexp(shifted_safe, 0)
+        log_kept = (set_max - row_max) + lse_safe - lse_full  # log of the kept mass
+        log_p_safe = shifted_safe - lse_safe
+        log_p_y_safe = log_p_safe[int(si[:y].sum())] if bool(si[y]) else None
+        out["logprobs"].append(log_p_y_safe if bool(si[y]) else log_p[y])
         out["log_kept_mass"].append(log_kept)
         out["entropy"].append(-(log_p_safe.exp() * log_p_safe).sum())
     stack = {k: torch.stack(v) if v else torch.zeros(0, dtype=torch.float64) for k, v in out.items()}

@@ -193,6 +193,11 @@ def test_non_finite_inputs_raise_naming_the_argument():
         (lambda: safe_log_softmax(logits * 100, targets, "none", temperature=1e-40), "temperature=1e-40"),
         (lambda: _fused(hidden=_with(hidden, (4, 1), math.nan)), "hidden has a non-finite value"),
         (lambda: _fused(weight=_with(weight, (7, 0), math.nan)), "weight has a non-finite value (NaN or inf) in row 7"),
+        # issue 37: a -inf weight with positive hidden values made a -inf logit (a banned token) and passed silently
+        (lambda: _fused(hidden=hidden.abs() + 0.1, weight=_with(weight, (7, 0), -math.inf)),
+         "weight has a non-finite value (NaN or inf) in row 7"),
+        (lambda: _fused(hidden=hidden.abs() + 0.1, weight=_with(weight, (7, 0), -math.inf), bias=torch.zeros(10)),
+         "weight has a non-finite value (NaN or inf) in row 7"),
         (lambda: _fused(bias=_with(torch.zeros(10), 3, math.nan)), "bias has value nan at token 3"),
         (lambda: _fused(bias=_with(torch.zeros(10), 3, math.inf)), "bias has value inf at token 3"),
         (lambda: _fused(bias=torch.full((10,), -math.inf)), "bias is -inf for every token"),

@@ -500,8 +500,10 @@ def test_triton_fp16_gradients_are_finite_wherever_the_true_ones_fit(temperature
 from hypothesis import HealthCheck  # noqa: E402
 from test_reference_fuzz import check_fused, fuzz_settings, head_inputs, rule_parts, transforms  # noqa: E402
 
-#: Examples of the Triton property in the default run (the interpreter is ~50x slower than torch on CPU).
-TRITON_EXAMPLES = int(os.environ.get("SAFEVOCAB_FUZZ_EXAMPLES_TRITON", "2000"))
+#: Examples of the Triton property: a few hundred in the fast suite (the interpreter is ~50x slower than torch on
+#: CPU), thousands in CI's slow phase (``_ci``), 20,000 on demand (``_20k``, marker ``fuzz20k``).
+TRITON_EXAMPLES = int(os.environ.get("SAFEVOCAB_FUZZ_EXAMPLES_TRITON", "200"))
+TRITON_EXAMPLES_CI = int(os.environ.get("SAFEVOCAB_FUZZ_EXAMPLES_TRITON_CI", "2000"))
 
 
 def _triton_property(inputs, data, max_chunk_bytes, dense):
@@ -520,6 +522,13 @@ triton_cases = dict(
 @given(**triton_cases)
 def test_triton_matches_reference(inputs, data, max_chunk_bytes, dense):
     """The Triton backend against the float64 reference (``tests/safevocab_reference.py``)."""
+    _triton_property(inputs, data, max_chunk_bytes, dense)
+
+
+@slow
+@settings(fuzz_settings(TRITON_EXAMPLES_CI), suppress_health_check=list(HealthCheck))
+@given(**triton_cases)
+def test_triton_matches_reference_ci(inputs, data, max_chunk_bytes, dense):
     _triton_property(inputs, data, max_chunk_bytes, dense)
 
 

@@ -318,3 +318,19 @@ def test_core_module_does_not_import_trl():
     code = "import sys, safevocab.mismatch; print(any(m in sys.modules for m in ('trl', 'transformers')))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_integer_log_probs_and_logits_raise_naming_the_argument():
+    """Issue 37, D9 residue: mismatch_metrics with int log-probs and safe_set_disagreement with int logits were
+    accepted (read as rounded values)."""
+    ints, floats, mask = torch.tensor([[-1, -2]]), torch.tensor([[-1.0, -2.0]]), torch.ones(1, 2)
+    cases = [
+        (lambda: mismatch_metrics(ints, floats, mask), "train_logps.dtype=torch.int64 is not accepted"),
+        (lambda: mismatch_metrics(floats, ints, mask), "rollout_logps.dtype=torch.int64 is not accepted"),
+        (lambda: safe_set_disagreement(ints, floats, "top_k=1"), "logits_a.dtype=torch.int64 is not accepted"),
+        (lambda: safe_set_disagreement(floats, ints, "top_k=1"), "logits_b.dtype=torch.int64 is not accepted"),
+    ]
+    for call, message in cases:
+        with pytest.raises(TypeError) as err:
+            call()
+        assert str(err.value).startswith(message) and "\n" not in str(err.value)

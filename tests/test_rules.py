@@ -231,7 +231,9 @@ def test_top_k_matches_hf(k, seed):
     assert torch.equal(TopK(k).keep_mask(z), hf_keep([TopKLogitsWarper(top_k=k)], z))
 
 
-@given(st.floats(0.01, 1.0), st.integers(0, 2**16), st.floats(0.5, 6.0))
+# q up to 0.99 (and exactly 1): nearer 1, transformers' float32 cumsum decides differently from the exact set in a
+# growing share of rows (issue 37, N9: 0.03 % of rows at 0.999, 2.6 % at 0.99999, 18 % at 0.999999; TopP's docstring)
+@given(st.one_of(st.floats(0.01, 0.99), st.just(1.0)), st.integers(0, 2**16), st.floats(0.5, 6.0))
 def test_top_p_matches_hf(q, seed, scale):
     z = random_logits(seed, scale=scale)
     assert torch.equal(TopP(q).keep_mask(z), hf_keep([TopPLogitsWarper(top_p=q)], z))
@@ -243,3 +245,24 @@ def test_composition_matches_hf_processor_chain(k, q, rho, seed):
     ours = parse_rule(f"min_p={rho},top_p={q},top_k={k}").keep_mask(z)
     theirs = hf_keep([TopKLogitsWarper(top_k=k), TopPLogitsWarper(top_p=q), MinPLogitsWarper(min_p=rho)], z)
     assert torch.equal(ours, theirs)
+
+
+@pytest.mark.parametrize("rule", [TopP(0.9), MinP(0.1), TopK(2), MinProb(0.1), parse_rule("top_k=2,top_p=0.9")])
+@pytest.mark.parametrize("bad, what", [(math.nan, "a NaN"), (math.inf, "+inf")])
+def test_a_nan_or_inf_row_raises_naming_the_row(rule, bad, what):
+    """Issue 37, D9 residue: TopP(0.9).keep_mask on a NaN row returned all False (a row that keeps nothing, not even
+    its argmax); safe_log_softmax refuses such logits, and so do threshold and keep_mask now."""
+    z = torch.tensor([[1.0, 0.2, 0.5], [1.0, bad, 0.5]])
+    for call in (rule.keep_mask, rule.threshold):
+        with pytest.raises(ValueError) as err:
+            call(z)
+        assert str(err.value) == f"z has {what} at row 1: accepted finite logits or -inf"
+    assert rule.keep_mask(z[:1]).any()  # the finite row alone is fine
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.bool])
+def test_integer_logits_raise_naming_the_dtype(dtype):
+    """MinP(0.1).threshold on an int tensor returned a value."""
+    for call in (MinP(0.1).threshold, TopP(0.5).keep_mask, TopK(1).threshold_and_max):
+        with pytest.raises(TypeError, match=rf"^z.dtype={dtype} is not accepted: accepted a float dtype"):
+            call(torch.tensor([[1, 2, 3]], dtype=dtype))

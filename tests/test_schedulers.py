@@ -503,6 +503,37 @@ def test_scheduler_load_state_dict_names_missing_keys():
                               "LengthDecayLR.state_dict()")
 
 
+@pytest.mark.parametrize(
+    "change, error, message",
+    [
+        ({"min_lr_ratio": 2.0}, ValueError, "state_dict['min_lr_ratio']=2.0 is out of range: accepted 0 <= min_lr_ratio <= 1"),
+        ({"min_lr_ratio": math.nan}, ValueError, "state_dict['min_lr_ratio']=nan is out of range"),
+        ({"start": "bogus"}, ValueError, "state_dict['start']='bogus' is out of range: accepted one of ('on_surge', 'step0')"),
+        ({"max_decays": 0}, ValueError, "state_dict['max_decays']=0 is out of range: accepted an integer >= 1"),
+        ({"cooldown": -1}, ValueError, "state_dict['cooldown']=-1 is out of range: accepted an integer number of steps >= 0"),
+        ({"decay_period": 0}, ValueError, "state_dict['decay_period']=0 is out of range: accepted an integer >= 1"),
+        ({"base_lrs": [math.nan]}, ValueError, "state_dict['base_lrs'][0]=nan is out of range: accepted a finite learning rate >= 0"),
+        ({"_last_lr": [-1e-3]}, ValueError, "state_dict['_last_lr'][0]=-0.001 is out of range"),
+        ({"_last_lr": [1e-3, 1e-3]}, ValueError, "state_dict['_last_lr']=[0.001, 0.001] is out of range: accepted a list of 1 "),
+        ({"last_epoch": "4"}, TypeError, "state_dict['last_epoch'] must be an integer, got str"),
+        ({"trigger_step": -2, "decay_steps": [-2]}, ValueError, "state_dict['trigger_step']=-2 is out of range"),
+        ({"trigger_step": 3, "decay_steps": [3, 1]}, ValueError, "state_dict['decay_steps']=[3, 1] is out of range"),
+        ({"auto_period": "yes"}, TypeError, "state_dict['auto_period'] must be a bool"),
+        ({"detector": {**SurgeDetector().state_dict(), "history": [("x", 3.0)]}}, TypeError,
+         "state_dict['history'][0] step must be an integer, got str: 'x'"),
+    ],
+)
+def test_scheduler_load_state_dict_checks_what_the_constructor_checks(change, error, message):
+    """Issue 37, N3b: min_lr_ratio=2.0 turned the decay into doubling; start='bogus', max_decays=0, cooldown=-1 and
+    NaN LRs were accepted. Each is one line naming the key, and the scheduler is left unchanged."""
+    sched = LengthDecayLR(make_optimizer(), 5, max_decays=2, detector=SurgeDetector())
+    before = sched.state_dict()
+    with pytest.raises(error) as err:
+        sched.load_state_dict({**sched.state_dict(), **change})
+    assert str(err.value).startswith(message) and "\n" not in str(err.value), str(err.value)
+    assert sched.state_dict() == before
+
+
 def test_states_with_and_without_a_base_scheduler_do_not_mix():
     opt = make_optimizer()
     with_base = LengthDecayLR(opt, 5, base_scheduler=StepLR(opt, 3)).state_dict()

@@ -109,6 +109,44 @@ def test_replayed_set_far_below_the_maximum_stays_finite_in_fp32():
     assert torch.isfinite(g).all() and g[1].item() == pytest.approx(1 - p, abs=tol)
 
 
+# The float64 answer of issue 37's N13 reproducer: S = {0, 1} with logits [0, 0.3], 3e7 z-units below the maximum.
+_N13_LOGPROB = 0.0 - math.log(1 + math.exp(0.3))
+_N13_P0 = 1 / (1 + math.exp(0.3))
+_N13_ENTROPY = -(_N13_P0 * math.log(_N13_P0) + (1 - _N13_P0) * math.log(1 - _N13_P0))
+
+
+@pytest.mark.parametrize("entry", ["materialised", "fused-sparse", "fused-dense", "fused-softcap", "fused-chunks"])
+def test_replayed_set_1e6_below_the_maximum_keeps_its_precision(entry, monkeypatch):
+    """Issue 37, N13: the materialised op formed ``z - m`` in fp32 before S's own shift, so a set ~3e7 below the row
+    maximum became a tie plus a rounding step (log-prob 0.0, entropy 0, gradient [0, -1, 0]); float64: -0.8544, 0.6820,
+    [0.574, -0.574, 0]. The fused op shifts by S's maximum on every path (sparse, dense, softcap, several chunks)."""
+    import safevocab.fused_op as fused_op
+
+    raw = torch.tensor([[0.0, 0.3, 3e7]] * 3)
+    support = SafeSupport.from_lists([[0, 1]] * 3)
+    targets = torch.zeros(3, dtype=torch.long)
+    if entry == "materialised":
+        logits = raw.clone().requires_grad_()
+        out = safe_log_softmax(logits, targets, None, support=support, compute_entropy=True)
+        (grad,) = torch.autograd.grad(out.logprobs.sum(), logits)
+    else:
+        monkeypatch.setattr(fused_op, "SPARSE_MAX_DENSITY", 0.0 if entry == "fused-dense" else 1.0)
+        hidden, weight = torch.ones(3, 1), raw[0].reshape(3, 1).clone().requires_grad_()
+        kwargs = {"softcap": 1e9} if entry == "fused-softcap" else {}
+        if entry == "fused-chunks":
+            kwargs["max_chunk_bytes"] = 12  # one row per chunk
+        out = fused_safe_logprobs(hidden, weight, targets, None, support=support, compute_entropy=True, **kwargs)
+        (grad,) = torch.autograd.grad(out.logprobs.sum(), weight)
+        grad = grad.reshape(1, 3).expand(3, 3) / 3  # the weight gradient sums the three rows
+    tol = 1e-5
+    assert out.logprobs.tolist() == pytest.approx([_N13_LOGPROB] * 3, abs=tol), entry
+    assert out.entropy.tolist() == pytest.approx([_N13_ENTROPY] * 3, abs=tol), entry
+    for row in grad.tolist():
+        assert row == pytest.approx([1 - _N13_P0, -(1 - _N13_P0), 0.0], abs=tol), entry
+    z_max = 1e9 * math.tanh(3e7 / 1e9) if entry == "fused-softcap" else 3e7
+    assert out.log_kept_mass.tolist() == pytest.approx([-z_max] * 3, rel=1e-6), entry
+
+
 def test_support_that_misses_the_rule_raises():
     logits = torch.tensor([[3.0, 0.0, -1.0]])
     with pytest.raises(ValueError, match="support row 0 keeps no token of nonzero probability under rule 'top_k=1'"):
@@ -124,3 +162,28 @@ def test_bounds_take_a_support():
     torch.testing.assert_close(pruning_kl(1 - m), -torch.log1p(-m))
     with pytest.raises(ValueError, match="the support has 6 rows but probs"):
         pruned_mass(probs[:1], support)
+
+
+@pytest.mark.parametrize(
+    "call, error, message",
+    [
+        (lambda: SafeSupport.from_lists([[1], [3, 2**64 - 1]]), ValueError,
+         f"SafeSupport row 1 token id={2**64 - 1} is out of range: accepted 0 <= id < vocab_size (an int64)"),
+        (lambda: SafeSupport.from_lists([[2**63]]), ValueError, f"SafeSupport row 0 token id={2**63} is out of range"),
+        (lambda: SafeSupport(torch.ones(5000, dtype=torch.bool), torch.tensor([0, 5000])), TypeError,
+         "SafeSupport.token_ids must be a 1-D integer torch.Tensor, got a tensor of dtype torch.bool and shape (5000,)"),
+        (lambda: SafeSupport.from_lists([[1]], device="meta"), ValueError,
+         "SafeSupport.token_ids is on the meta device (a shape without values): accepted a tensor with values"),
+        (lambda: safe_log_softmax(torch.zeros(2, 5, device="meta"), torch.zeros(2, dtype=torch.long), "top_k=2"), ValueError,
+         "logits is on the meta device"),
+        (lambda: fused_safe_logprobs(torch.zeros(2, 3, device="meta"), torch.zeros(5, 3, device="meta"),
+                                     torch.zeros(2, dtype=torch.long), "top_k=2"), ValueError, "hidden is on the meta device"),
+        (lambda: parse_rule("top_p=0.5").keep_mask(torch.zeros(2, 5, device="meta")), ValueError, "z is on the meta device"),
+    ],
+)
+def test_ids_past_int64_bool_ids_and_meta_tensors_raise_one_line(call, error, message):
+    """Issue 37, N8/N10: ids >= 2^63 gave torch's "Overflow when unpacking long long" (no row named); a bool-ids
+    TypeError printed the whole tensor; meta-device tensors gave "Tensor.item() cannot be called on meta tensors"."""
+    with pytest.raises(error) as err:
+        call()
+    assert str(err.value).startswith(message) and "\n" not in str(err.value), str(err.value)[:300]

@@ -108,3 +108,27 @@ def test_detector_load_state_dict_names_missing_keys():
         SurgeDetector().load_state_dict([])
 
 
+@pytest.mark.parametrize(
+    "change, error, message",
+    [
+        ({"history": [(1, 3.0), ("x", 3.0)]}, TypeError, "state_dict['history'][1] step must be an integer, got str: 'x'"),
+        ({"history": [(1, -3.0)]}, ValueError, "state_dict['history'][0] length=-3.0 is out of range"),
+        ({"history": [(1, float("nan"))]}, ValueError, "state_dict['history'][0] length=nan is out of range"),
+        ({"history": [1, 2]}, ValueError, "state_dict['history'][0]=1 is out of range: accepted a pair of two values"),
+        ({"n_updates": -1}, ValueError, "state_dict['n_updates']=-1 is out of range: accepted an integer >= 0"),
+        ({"detections": [(3, "4")]}, TypeError, "state_dict['detections'][0] detection step must be an integer"),
+        ({"armed": "no"}, TypeError, "state_dict['armed'] must be a bool"),
+        ({"ratio": 0.5}, ValueError, "ratio=0.5 is out of range: accepted a finite ratio > 1"),
+    ],
+)
+def test_detector_load_state_dict_checks_every_value(change, error, message):
+    """Issue 37, N3b: a history step "x" was a raw ValueError from int('x'). One line naming the entry; the
+    detector is left unchanged."""
+    detector = SurgeDetector(window=2, baseline_window=2, warmup=0)
+    for step in range(3):
+        detector.update(step, 10.0)
+    before = detector.state_dict()
+    with pytest.raises(error) as err:
+        detector.load_state_dict({**before, **change})
+    assert str(err.value).startswith(message) and "\n" not in str(err.value), str(err.value)
+    assert detector.state_dict() == before

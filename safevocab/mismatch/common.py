@@ -7,6 +7,8 @@ from collections.abc import Sequence
 
 import torch
 
+from safevocab.validation import float_tensor
+
 #: Default edges of the probability buckets of `bucket_mismatch` / `bucket_mismatch_metrics`.
 DEFAULT_BUCKETS: tuple[float, ...] = (1e-3, 1e-2, 1e-1, 0.5)
 
@@ -77,6 +79,8 @@ def check_mask(mask: torch.Tensor, *tensors: torch.Tensor) -> torch.Tensor:
 
 def paired_log_ratio(train_logps: torch.Tensor, rollout_logps: torch.Tensor, mask: torch.Tensor):
     """Validated float64 ``(train, rollout, log_r, mask)`` with NaN tokens removed from the mask and zeroed."""
+    float_tensor("train_logps", train_logps)
+    float_tensor("rollout_logps", rollout_logps)
     return zero_filled_pair(train_logps, rollout_logps, check_mask(mask, train_logps, rollout_logps))
 
 

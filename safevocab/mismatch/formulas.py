@@ -20,7 +20,7 @@ from safevocab.mismatch.common import (
     paired_log_ratio,
 )
 from safevocab.rules import SafeVocabRule, parse_rule
-from safevocab.validation import real
+from safevocab.validation import float_tensor, real
 
 
 def log_ppl_gap(train_logps: torch.Tensor, rollout_logps: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -273,6 +273,8 @@ def safe_set_disagreement(
         ValueError: on mismatched shapes or a temperature that is not finite and > 0.
         TypeError: on a temperature that is not a real number.
     """
+    float_tensor("logits_a", logits_a)
+    float_tensor("logits_b", logits_b)
     if logits_a.shape != logits_b.shape:
         raise ValueError(f"logits_a {tuple(logits_a.shape)} and logits_b {tuple(logits_b.shape)} must match")
     temperature = real("temperature", temperature, lambda x: x > 0, "a finite temperature > 0")
@@ -314,6 +316,8 @@ def logit_perturbation_eps(logits_a: torch.Tensor, logits_b: torch.Tensor, cente
     Raises:
         ValueError: on mismatched shapes.
     """
+    float_tensor("logits_a", logits_a)
+    float_tensor("logits_b", logits_b)
     if logits_a.shape != logits_b.shape:
         raise ValueError(f"logits_a {tuple(logits_a.shape)} and logits_b {tuple(logits_b.shape)} must match")
     a, b = logits_a.double(), logits_b.double()
