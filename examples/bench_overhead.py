@@ -88,7 +88,9 @@ def main(argv: list[str] | None = None) -> dict:
 
     parser = argparse.ArgumentParser(prog="python examples/bench_overhead.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=None, help="model path (default: the bundled tiny model)")
-    parser.add_argument("--rule", default=DEFAULT_RULE, help=f"min_p rule used by both samplers (default {DEFAULT_RULE})")
+    parser.add_argument(
+        "--rule", default=DEFAULT_RULE, help=f"min_p rule used by both samplers (default {DEFAULT_RULE})"
+    )
     parser.add_argument("--steps", type=int, default=200, help="paired optimizer steps (default 200)")
     parser.add_argument("--skip", type=int, default=5, help="warm-up pairs not counted (default 5)")
     parser.add_argument("--seed", type=int, default=0)
@@ -139,8 +141,11 @@ def main(argv: list[str] | None = None) -> dict:
         "SafeVocabGRPOTrainer": (
             SafeVocabGRPOTrainer,
             SafeVocabGRPOConfig,
-            {"safe_vocab_rule": args.rule, "safe_vocab_scoring": args.safe_vocab_scoring,
-             "log_mismatch_metrics": args.log_mismatch_metrics},
+            {
+                "safe_vocab_rule": args.rule,
+                "safe_vocab_scoring": args.safe_vocab_scoring,
+                "log_mismatch_metrics": args.log_mismatch_metrics,
+            },
         ),
     }
     times: dict[str, list[float]] = {name: [] for name in arms}
@@ -185,7 +190,9 @@ def main(argv: list[str] | None = None) -> dict:
     print("| trainer | median step time (s) | mean step time (s) |")
     print("|---|---:|---:|")
     for name in names:
-        print(f"| {name} | {statistics.median(times[name][args.skip:]):.4f} | {statistics.mean(times[name][args.skip:]):.4f} |")
+        print(
+            f"| {name} | {statistics.median(times[name][args.skip :]):.4f} | {statistics.mean(times[name][args.skip :]):.4f} |"
+        )
     low, high = result["overhead_iqr"]
     print(
         f"overhead of SafeVocabGRPOTrainer: {100 * result['overhead']:+.1f}% (median of {len(ratios)} per-step "

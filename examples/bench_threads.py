@@ -66,7 +66,7 @@ def step(model: LlamaForCausalLM, optimizer: torch.optim.Optimizer, prompts: tor
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sizes", default=",".join(SIZES), help="comma-separated names of %s" % list(SIZES))
+    parser.add_argument("--sizes", default=",".join(SIZES), help=f"comma-separated names of {list(SIZES)}")
     parser.add_argument("--threads", default="1,2", help="thread counts to compare (default: %(default)s)")
     parser.add_argument("--repeats", type=int, default=5, help="timed steps per thread count (default: %(default)s)")
     parser.add_argument("--busy", type=int, default=0, help="spinning processes beside the run (default: 0)")
@@ -75,7 +75,9 @@ def main(argv: list[str] | None = None) -> int:
     busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.busy)]
     try:
         load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
-        print(f"torch {torch.__version__}, default threads {torch.get_num_threads()}, {args.busy} busy, load {load:.2f}")
+        print(
+            f"torch {torch.__version__}, default threads {torch.get_num_threads()}, {args.busy} busy, load {load:.2f}"
+        )
         for name in args.sizes.split(","):
             model = build(*SIZES[name])
             params = sum(p.numel() for p in model.parameters())
@@ -92,8 +94,11 @@ def main(argv: list[str] | None = None) -> int:
             medians = {n: statistics.median(t) for n, t in times.items()}
             cells = "  ".join(f"{n} thread(s) {medians[n]:.3f} s" for n in counts)
             ratio = medians[counts[0]] / medians[counts[-1]]
-            print(f"{name:5s} {params / 1e6:6.2f}M params  {cells}  speed-up of {counts[-1]} over {counts[0]}: "
-                  f"{ratio:.2f}x", flush=True)
+            print(
+                f"{name:5s} {params / 1e6:6.2f}M params  {cells}  speed-up of {counts[-1]} over {counts[0]}: "
+                f"{ratio:.2f}x",
+                flush=True,
+            )
     finally:
         for proc in busy:
             proc.kill()

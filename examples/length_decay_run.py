@@ -113,8 +113,12 @@ def main(argv: list[str] | None = None) -> dict:
     ax_lr.set_xlabel("optimizer step")
     for ax in (ax_len, ax_lr):
         if detector.surge_step is not None:
-            ax.axvline(detector.surge_step, color="gray", ls="--", lw=1, label=f"surge starts (step {detector.surge_step})")
-            ax.axvline(detector.detected_at, color="black", ls=":", lw=1, label=f"detected (step {detector.detected_at})")
+            ax.axvline(
+                detector.surge_step, color="gray", ls="--", lw=1, label=f"surge starts (step {detector.surge_step})"
+            )
+            ax.axvline(
+                detector.detected_at, color="black", ls=":", lw=1, label=f"detected (step {detector.detected_at})"
+            )
     if detector.surge_step is not None:
         ax_len.legend(loc="lower right", fontsize=8)
         title = f"surge at step {detector.surge_step} -> decay period {result['decay_period']}"

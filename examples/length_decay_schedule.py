@@ -83,16 +83,38 @@ def plot(lengths: list[float], result: dict, path: Path) -> None:
     for (surge, detected), name in zip(result["detections"], ("first surge", "second surge")):
         for ax in (ax_len, ax_factor, ax_lr):
             ax.axvline(detected, color="black", ls=":", lw=1)
-        ax_len.annotate(f"{name} starts at {surge},\ndetected at {detected}", (detected, max(lengths) * 0.12),
-                        xytext=(4, 0), textcoords="offset points", fontsize=8, va="bottom")
+        ax_len.annotate(
+            f"{name} starts at {surge},\ndetected at {detected}",
+            (detected, max(lengths) * 0.12),
+            xytext=(4, 0),
+            textcoords="offset points",
+            fontsize=8,
+            va="bottom",
+        )
     start, period = result["decay_steps"][0], result["decay_period"]
     for halving in range(start + period, len(lengths), period):
-        ax_factor.annotate(f"{start} + {halving - start}", (halving, result["factor"][halving]), xytext=(4, 6),
-                           textcoords="offset points", fontsize=8)
-    ax_factor.annotate("clock starts: 1 until\nthe first halving", (start, 1.0), xytext=(4, -22),
-                       textcoords="offset points", fontsize=8)
-    ax_factor.annotate("second decay:\nhalved at once", (result["decay_steps"][1], 0.7), xytext=(-84, -40),
-                       textcoords="offset points", fontsize=8, arrowprops=dict(arrowstyle="->", lw=0.8))
+        ax_factor.annotate(
+            f"{start} + {halving - start}",
+            (halving, result["factor"][halving]),
+            xytext=(4, 6),
+            textcoords="offset points",
+            fontsize=8,
+        )
+    ax_factor.annotate(
+        "clock starts: 1 until\nthe first halving",
+        (start, 1.0),
+        xytext=(4, -22),
+        textcoords="offset points",
+        fontsize=8,
+    )
+    ax_factor.annotate(
+        "second decay:\nhalved at once",
+        (result["decay_steps"][1], 0.7),
+        xytext=(-84, -40),
+        textcoords="offset points",
+        fontsize=8,
+        arrowprops=dict(arrowstyle="->", lw=0.8),
+    )
     ax_lr.legend(loc="upper right", fontsize=8)
     fig.suptitle(f"Length decay over warm-up + cosine: auto period {period}, 2 decays, cooldown 50", fontsize=10)
     fig.tight_layout()

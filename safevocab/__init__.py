@@ -5,7 +5,6 @@ Core package: depends on torch only. See :mod:`safevocab.rules`, :mod:`safevocab
 """
 
 from safevocab.logprobs import SafeLogProbs, fused_safe_logprobs, safe_log_softmax, transform_logits
-from safevocab.support import SafeSupport
 from safevocab.rules import (
     Intersection,
     MinP,
@@ -16,6 +15,7 @@ from safevocab.rules import (
     TopP,
     parse_rule,
 )
+from safevocab.support import SafeSupport
 
 __version__ = "0.1.0"
 

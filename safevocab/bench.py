@@ -40,15 +40,12 @@ import os
 import statistics
 import subprocess
 import sys
-import time
 from collections.abc import Callable
 
 import torch
-from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 from safevocab.bench_inputs import PROFILES, draw_logit_factors, kept_set_sizes, replay_support, sample_targets
+from safevocab.bench_measure import peak_bytes, timed
 
 VARIANTS = ("floor", "fused", "fused_torch", "fused_replay", "naive", "trl", "liger")
 #: Variants run when ``--variants`` is not given, per device type.
@@ -62,7 +59,12 @@ _OPTIONAL = ("naive", "trl", "liger")
 PRESETS = {
     # naive left out: its materialised fp32 [N, V] logits and temporaries alone exceed 40 GB at this size
     "gpu": {
-        "device": "cuda", "n": 16384, "h": 4096, "v": 151936, "dtype": "bfloat16", "max_chunk_bytes": 2**30,
+        "device": "cuda",
+        "n": 16384,
+        "h": 4096,
+        "v": 151936,
+        "dtype": "bfloat16",
+        "max_chunk_bytes": 2**30,
         "variants": "floor,fused,fused_torch,trl,liger",
     },
 }
@@ -201,63 +203,6 @@ def _liger_available() -> bool:
     return True
 
 
-class LiveTensorBytes(TorchDispatchMode):
-    """Peak bytes of tensor storage allocated inside the ``with`` block and alive at the same time.
-
-    The CPU counterpart of ``torch.cuda.max_memory_allocated``: every op's outputs are recorded by
-    storage, and storages whose tensors were freed are dropped before the next op runs. Tensors that
-    existed before the block (the inputs) are not counted; gradients and autograd's saved tensors
-    are. Deterministic, unlike the process RSS, which depends on the allocator's caching.
-    """
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.live: dict[int, tuple[StorageWeakRef, int]] = {}
-        self.current = 0
-        self.peak = 0
-
-    def _sweep(self) -> None:
-        for key in [k for k, (ref, _) in self.live.items() if ref.expired()]:
-            self.current -= self.live.pop(key)[1]
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self._sweep()
-        out = func(*args, **(kwargs or {}))
-        for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor) and t.layout == torch.strided and t.device.type != "meta":
-                storage = t.untyped_storage()
-                key = storage.data_ptr()
-                if key and key not in self.live:
-                    self.live[key] = (StorageWeakRef(storage), storage.nbytes())
-                    self.current += storage.nbytes()
-        self.peak = max(self.peak, self.current)
-        return out
-
-
-def _peak_bytes(step: Callable[[], None], device: torch.device) -> int:
-    """Peak extra memory of one call of ``step`` (inputs excluded)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-        step()
-        torch.cuda.synchronize()
-        return torch.cuda.max_memory_allocated() - base
-    with LiveTensorBytes() as tracker:
-        step()
-    return tracker.peak
-
-
-def _timed(step: Callable[[], None], device: torch.device) -> float:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    step()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    return time.perf_counter() - t0
-
-
 def _measure(variants: list[str], args: argparse.Namespace) -> dict[str, dict]:
     """Runs in the worker subprocess: each variant's peak memory, then timed repeats taken round-robin
     (variant by variant within each repeat), so that a machine whose load changes slows all alike."""
@@ -274,7 +219,7 @@ def _measure_steps(factories: dict[str, Callable[[], Callable[[], None]]], args:
         torch.manual_seed(args.seed)
         try:
             steps[variant] = factory()
-            results[variant] = {"variant": variant, "peak_bytes": _peak_bytes(steps[variant], device)}
+            results[variant] = {"variant": variant, "peak_bytes": peak_bytes(steps[variant], device)}
         except Exception as err:  # a comparison that cannot run here (e.g. out of memory): say so in the table
             if variant.split("[")[0] not in _OPTIONAL:
                 raise
@@ -286,7 +231,7 @@ def _measure_steps(factories: dict[str, Callable[[], Callable[[], None]]], args:
     times: dict[str, list[float]] = {variant: [] for variant in steps}
     for _ in range(args.repeats):
         for variant, step in steps.items():
-            times[variant].append(_timed(step, device))
+            times[variant].append(timed(step, device))
     for variant, values in times.items():
         results[variant].update(seconds=min(values), median_seconds=statistics.median(values))
     return results
@@ -309,34 +254,76 @@ def make_parser(prog: str = "python -m safevocab.bench") -> argparse.ArgumentPar
     p.add_argument("--v", type=int, default=32000, help="vocabulary size, default 32000")
     p.add_argument("--dtype", choices=sorted(_DTYPES), default="float32")
     p.add_argument("--rule", default="min_p=0.001", help="safe-vocabulary rule, default min_p=0.001")
-    p.add_argument("--repeats", type=int, default=3, help="timed repeats after the memory run (best is kept), default 3")
+    p.add_argument(
+        "--repeats", type=int, default=3, help="timed repeats after the memory run (best is kept), default 3"
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--max-chunk-bytes", dest="max_chunk_bytes", type=int, default=None,
-                   help="fused chunk budget in bytes (default: the library default)")
-    p.add_argument("--variants", default=None,
-                   help=f"comma list of {','.join(VARIANTS)}; default {','.join(DEFAULT_VARIANTS['cpu'])} "
-                   f"on CPU, {','.join(DEFAULT_VARIANTS['cuda'])} on CUDA")
-    p.add_argument("--backend", choices=("auto", "torch", "triton"), default="auto",
-                   help="backend of the `fused` variant (default auto: Triton on CUDA, torch on CPU)")
-    p.add_argument("--preset", choices=sorted(PRESETS), default=None,
-                   help="gpu: --device cuda --n 16384 --h 4096 --v 151936 --dtype bfloat16 --max-chunk-bytes 2**30 "
-                   "--variants floor,fused,fused_torch,trl,liger (explicit flags override)")
-    p.add_argument("--liger-seq-len", dest="liger_seq_len", type=int, default=1024,
-                   help="sequence length T of the `liger` variant's [N / T, T] batch, default 1024")
+    p.add_argument(
+        "--max-chunk-bytes",
+        dest="max_chunk_bytes",
+        type=int,
+        default=None,
+        help="fused chunk budget in bytes (default: the library default)",
+    )
+    p.add_argument(
+        "--variants",
+        default=None,
+        help=f"comma list of {','.join(VARIANTS)}; default {','.join(DEFAULT_VARIANTS['cpu'])} "
+        f"on CPU, {','.join(DEFAULT_VARIANTS['cuda'])} on CUDA",
+    )
+    p.add_argument(
+        "--backend",
+        choices=("auto", "torch", "triton"),
+        default="auto",
+        help="backend of the `fused` variant (default auto: Triton on CUDA, torch on CPU)",
+    )
+    p.add_argument(
+        "--preset",
+        choices=sorted(PRESETS),
+        default=None,
+        help="gpu: --device cuda --n 16384 --h 4096 --v 151936 --dtype bfloat16 --max-chunk-bytes 2**30 "
+        "--variants floor,fused,fused_torch,trl,liger (explicit flags override)",
+    )
+    p.add_argument(
+        "--liger-seq-len",
+        dest="liger_seq_len",
+        type=int,
+        default=1024,
+        help="sequence length T of the `liger` variant's [N / T, T] batch, default 1024",
+    )
     p.add_argument("--json", dest="json_path", default=None, help="also write the results to this JSON file")
-    p.add_argument("--rules", default=None,
-                   help="several rules in one run, separated by ';' (a rule's parts by ','), e.g. "
-                   "\"none;min_p=0.001;top_k=50,min_p=0.01\": the floor, trl and fused under each rule, per thread count")
-    p.add_argument("--threads", default=None,
-                   help="comma list of intra-op thread counts, one worker each (e.g. 1,2); with --rules/--busy-cores")
-    p.add_argument("--busy-cores", dest="busy_cores", type=int, default=0,
-                   help="spinning processes (one busy core each) that run during the measurement, default 0")
-    p.add_argument("--replay", default=None,
-                   help="with --rules: also time support replay of this rule's sets (the fused_replay variant)")
-    p.add_argument("--logits-profile", dest="logits_profile", choices=PROFILES, default="synthetic",
-                   help="synthetic: N(0, 9) logits (flat, kept sets of 1-4 %% of V); lm: a Zipf prior plus a context "
-                   "term, kept sets of tens to hundreds of tokens (safevocab.bench_inputs); default synthetic")
+    p.add_argument(
+        "--rules",
+        default=None,
+        help="several rules in one run, separated by ';' (a rule's parts by ','), e.g. "
+        '"none;min_p=0.001;top_k=50,min_p=0.01": the floor, trl and fused under each rule, per thread count',
+    )
+    p.add_argument(
+        "--threads",
+        default=None,
+        help="comma list of intra-op thread counts, one worker each (e.g. 1,2); with --rules/--busy-cores",
+    )
+    p.add_argument(
+        "--busy-cores",
+        dest="busy_cores",
+        type=int,
+        default=0,
+        help="spinning processes (one busy core each) that run during the measurement, default 0",
+    )
+    p.add_argument(
+        "--replay",
+        default=None,
+        help="with --rules: also time support replay of this rule's sets (the fused_replay variant)",
+    )
+    p.add_argument(
+        "--logits-profile",
+        dest="logits_profile",
+        choices=PROFILES,
+        default="synthetic",
+        help="synthetic: N(0, 9) logits (flat, kept sets of 1-4 %% of V); lm: a Zipf prior plus a context "
+        "term, kept sets of tens to hundreds of tokens (safevocab.bench_inputs); default synthetic",
+    )
     p.add_argument("--_worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--_threads", type=int, default=None, help=argparse.SUPPRESS)
     return p

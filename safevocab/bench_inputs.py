@@ -107,7 +107,11 @@ def kept_set_sizes(hidden: torch.Tensor, weight: torch.Tensor, rule: str, rows: 
 
 def kept_set_table(
     rules: tuple[str, ...] = ("min_p=0.001", "min_p=0.01", "top_p=0.9", "top_k=50,min_p=0.01"),
-    *, n: int = 256, h: int = 64, v: int = 151936, seed: int = 0,
+    *,
+    n: int = 256,
+    h: int = 64,
+    v: int = 151936,
+    seed: int = 0,
 ) -> str:
     """``|S|`` per rule and profile on the CPU (the figures quoted in the module docstring)."""
     lines = ["| profile | rule | median | p99 | mean |", "|---|---|---:|---:|---:|"]

@@ -51,7 +51,9 @@ def measure_matrix(
     for rule in split_rules(args.rules):
         factories[f"fused[{rule}]"] = lambda rule=rule: make_step("fused", _rule_args(args, rule), device)
     if args.replay:
-        factories[f"fused_replay[{args.replay}]"] = lambda: make_step("fused_replay", _rule_args(args, args.replay), device)
+        factories[f"fused_replay[{args.replay}]"] = lambda: make_step(
+            "fused_replay", _rule_args(args, args.replay), device
+        )
     return measure_steps(factories, args)
 
 
@@ -70,7 +72,11 @@ def run_matrix(args: argparse.Namespace, argv: list[str]) -> dict[str, dict]:
     for threads in [int(t) for t in str(args.threads).split(",")]:
         env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
         cmd = [sys.executable, "-m", "safevocab.bench", *argv, "--_worker", "matrix", "--_threads", str(threads)]
-        print(f"measuring {args.rules!r} at {threads} thread(s), {args.busy_cores} busy core(s) ...", file=sys.stderr, flush=True)
+        print(
+            f"measuring {args.rules!r} at {threads} thread(s), {args.busy_cores} busy core(s) ...",
+            file=sys.stderr,
+            flush=True,
+        )
         spinning = _spinners(args.busy_cores)
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
@@ -108,7 +114,11 @@ def format_matrix(args: argparse.Namespace, results: dict[str, dict], load: tupl
                 lines.append(f"| {name} | failed: {r['error']} | | | |")
                 continue
             vs_trl = f"{r['seconds'] / trl['seconds']:.2f}" if trl and "error" not in trl else "n/a"
-            label = name[len("fused[") : -1] if name.startswith("fused[") else "replay of " + name[len("fused_replay[") : -1]
+            label = (
+                name[len("fused[") : -1]
+                if name.startswith("fused[")
+                else "replay of " + name[len("fused_replay[") : -1]
+            )
             lines.append(
                 f"| `{label}` | {r['seconds']:.3f} | {r['seconds'] / floor['seconds']:.2f} | {vs_trl} | "
                 f"{r['peak_bytes'] / 2**20:.0f} |"

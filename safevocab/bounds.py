@@ -174,9 +174,7 @@ def pruned_mass(probs: torch.Tensor, keep: torch.Tensor | SafeSupport) -> torch.
         got = keep.dtype if isinstance(keep, torch.Tensor) else type(keep).__name__
         raise TypeError(f"keep must be a bool tensor [..., V], got {got}")
     if probs.shape != keep.shape or probs.dim() == 0:
-        raise ValueError(
-            f"probs {tuple(probs.shape)} and keep {tuple(keep.shape)}: accepted the same shape [..., V]"
-        )
+        raise ValueError(f"probs {tuple(probs.shape)} and keep {tuple(keep.shape)}: accepted the same shape [..., V]")
     first_bad("probs", probs, ~((probs >= 0) & torch.isfinite(probs)), "finite probs >= 0")
     dtype = torch.promote_types(probs.dtype, torch.float32)
     return probs.to(dtype).masked_fill(keep, 0.0).sum(dim=-1)
@@ -243,9 +241,7 @@ def pruning_kl(kept_mass: TensorLike) -> torch.Tensor | float:
     return result_like(-torch.log(k), kept_mass)
 
 
-def pruned_logprob_mismatch_bound(
-    p: TensorLike, kept_mass: TensorLike, eps: TensorLike
-) -> torch.Tensor | float:
+def pruned_logprob_mismatch_bound(p: TensorLike, kept_mass: TensorLike, eps: TensorLike) -> torch.Tensor | float:
     """Mismatch bound on a kept token when both sides prune to the same safe set ``S``.
 
     With ``|delta_i| <= eps`` and the same ``S`` for training and inference, the renormalised
@@ -275,7 +271,10 @@ def pruned_logprob_mismatch_bound(
     check_type("eps", eps)
     dtype, device = compute_dtype(p, kept_mass, eps), device_of(p, kept_mass, eps)
     pt, kt, et = broadcast(
-        ("p", "kept_mass", "eps"), as_tensor(p, dtype, device), as_tensor(kept_mass, dtype, device), as_tensor(eps, dtype, device)
+        ("p", "kept_mass", "eps"),
+        as_tensor(p, dtype, device),
+        as_tensor(kept_mass, dtype, device),
+        as_tensor(eps, dtype, device),
     )
     pt = check_probability("p", pt, dtype)
     kt = check_kept_mass("kept_mass", kt, dtype)
@@ -351,7 +350,10 @@ def objective_bias_bound(tv: TensorLike, r_min: TensorLike, r_max: TensorLike) -
     check_type("r_max", r_max)
     dtype, device = compute_dtype(tv, r_min, r_max), device_of(tv, r_min, r_max)
     tt, lo, hi = broadcast(
-        ("tv", "r_min", "r_max"), as_tensor(tv, dtype, device), as_tensor(r_min, dtype, device), as_tensor(r_max, dtype, device)
+        ("tv", "r_min", "r_max"),
+        as_tensor(tv, dtype, device),
+        as_tensor(r_min, dtype, device),
+        as_tensor(r_max, dtype, device),
     )
     tt = check_probability("tv", tt, dtype)
     first_bad("r_min", lo, ~torch.isfinite(lo), "a finite r_min")
@@ -397,8 +399,12 @@ def _sequence_inputs(
             real = (mask != 0).to(kept_mass.device)
     # Padding is ignored: treated as kept mass 1 (its value may be anything, e.g. a 0 fill).
     k = torch.where(real, kept_mass.to(torch.float64), torch.ones((), dtype=torch.float64, device=kept_mass.device))
-    first_bad("kept_mass", torch.where(real, kept_mass, 1.0), ~((k > 0) & (k <= 1 + rounding_tol(kept_mass.dtype))),
-               "0 < kept_mass <= 1 at real (mask=True) positions")
+    first_bad(
+        "kept_mass",
+        torch.where(real, kept_mass, 1.0),
+        ~((k > 0) & (k <= 1 + rounding_tol(kept_mass.dtype))),
+        "0 < kept_mass <= 1 at real (mask=True) positions",
+    )
     log_kept = torch.log(k.clamp(max=1.0))
 
     if weights is None:
@@ -492,4 +498,3 @@ def sequence_tv_upper_bound(
     log_kept, w = _sequence_inputs(kept_mass, mask, weights)
     # m_t = 1 - kept = -expm1(log kept); padding has log kept = 0, hence m = 0.
     return (w * -torch.expm1(log_kept).sum(dim=-1)).sum()
-

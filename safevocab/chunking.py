@@ -87,9 +87,7 @@ def chunk_slices(n_rows: int, chunk_rows: int) -> list[slice]:
     return [slice(start, min(start + chunk_rows, n_rows)) for start in range(0, n_rows, chunk_rows)]
 
 
-def forward_chunks_of(
-    idx: torch.Tensor, n_rows: int, chunk_rows: int
-) -> list[tuple[slice, slice | torch.Tensor]]:
+def forward_chunks_of(idx: torch.Tensor, n_rows: int, chunk_rows: int) -> list[tuple[slice, slice | torch.Tensor]]:
     """The forward chunks (:func:`chunk_slices`) holding the rows ``idx`` (ascending), each with the rows to fold:
     ``[(rows, at)]``, ``at`` the slice ``rows`` itself (the whole chunk, no gather) when ``idx`` holds at least half
     of its rows, else that chunk's part of ``idx``. The whole chunk is for callers to whose other rows the
@@ -112,7 +110,9 @@ class ChunkLogits:
     ``hidden``, so a recomputed chunk is bit-identical to the forward's.
     """
 
-    def __init__(self, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, transform: Transform, rows: int):
+    def __init__(
+        self, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, transform: Transform, rows: int
+    ):
         self.weight_t, self.bias, self.transform = weight.t(), bias, transform
         stat = torch.float64 if hidden.dtype == torch.float64 else torch.float32
         vocab = weight.shape[0]
@@ -175,7 +175,9 @@ class RowStats:
     target_shift_safe: torch.Tensor | None = None  # z_y - m_S (replay only)
 
     @staticmethod
-    def empty(n_rows: int, device: torch.device, dtype: torch.dtype, compute_entropy: bool, replay: bool = False) -> RowStats:
+    def empty(
+        n_rows: int, device: torch.device, dtype: torch.dtype, compute_entropy: bool, replay: bool = False
+    ) -> RowStats:
         def new() -> torch.Tensor:
             return torch.empty(n_rows, device=device, dtype=dtype)
 
@@ -322,7 +324,9 @@ def addmm_fp32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
 _OUT_DTYPE_MM = True
 
 
-def log_normalised(z: torch.Tensor, row_max: torch.Tensor, log_sum: torch.Tensor, one_pass: bool = True) -> torch.Tensor:
+def log_normalised(
+    z: torch.Tensor, row_max: torch.Tensor, log_sum: torch.Tensor, one_pass: bool = True
+) -> torch.Tensor:
     """``(z - m) - log_sum`` as a new ``[n, V]`` tensor (``row_max``, ``log_sum``: ``[n, 1]``), max-shifted.
 
     The forward forms ``log_sum`` from ``fl(z - m)``; two passes reproduce that rounding exactly. With

@@ -89,8 +89,9 @@ def importance_sampling_ratio(
     if clip_min is not None:
         clip_min = real("clip_min", clip_min, lambda x: x >= 0, "None (unbounded) or a finite ratio >= 0")
     if clip_max is not None:
-        clip_max = real("clip_max", clip_max, lambda x: x > 0, "None (unbounded) or a ratio > 0 (inf: unbounded)",
-                        finite=False)
+        clip_max = real(
+            "clip_max", clip_max, lambda x: x > 0, "None (unbounded) or a ratio > 0 (inf: unbounded)", finite=False
+        )
         if math.isnan(clip_max):
             raise ValueError(f"clip_max={clip_max!r} is out of range: accepted None (unbounded) or a ratio > 0")
     if clip_min is not None and clip_max is not None and clip_min >= clip_max:

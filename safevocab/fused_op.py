@@ -66,7 +66,13 @@ from safevocab.rules import SafeVocabRule
 from safevocab.support import SafeSupport
 from safevocab.threads import single_threaded
 
-__all__ = ["FusedSafeLogProbs", "SPARSE_MAX_DENSITY", "sparse_backward", "raise_on_empty_support", "raise_on_non_finite_rows"]
+__all__ = [
+    "FusedSafeLogProbs",
+    "SPARSE_MAX_DENSITY",
+    "sparse_backward",
+    "raise_on_empty_support",
+    "raise_on_non_finite_rows",
+]
 
 #: Largest fraction of a chunk's logits kept in ``S`` for which the sparse backward is used.
 SPARSE_MAX_DENSITY = 1.0 / 16
@@ -104,12 +110,18 @@ class FusedSafeLogProbs(torch.autograd.Function):
         if support is None:
             sparse_chunks = backend.forward(hidden, weight, bias, targets, rule, transform, chunk_rows, stats, density)
         else:
-            sparse_chunks = backend.forward(hidden, weight, bias, targets, rule, transform, chunk_rows, stats, density, support)
+            sparse_chunks = backend.forward(
+                hidden, weight, bias, targets, rule, transform, chunk_rows, stats, density, support
+            )
         raise_on_non_finite_rows(stats, hidden, weight, bias, transform, weight_range)
         if support is not None:
             raise_on_empty_support(stats.safe_size, rule)
         if support is None:
-            set_max, target_shift_safe, log_kept = stats.row_max, stats.target_shift, stats.log_sum_safe - stats.log_sum_full
+            set_max, target_shift_safe, log_kept = (
+                stats.row_max,
+                stats.target_shift,
+                stats.log_sum_safe - stats.log_sum_full,
+            )
         else:  # S has its own shift: log(kept mass) = (m_S - m) + log sum_S exp(z - m_S) - log sum_V exp(z - m)
             set_max, target_shift_safe = stats.set_max, stats.target_shift_safe
             log_kept = (set_max - stats.row_max) + stats.log_sum_safe - stats.log_sum_full
@@ -118,8 +130,18 @@ class FusedSafeLogProbs(torch.autograd.Function):
         )
 
         ctx.save_for_backward(
-            hidden, weight, bias, targets, stats.threshold, stats.row_max, stats.log_sum_safe, stats.log_sum_full,
-            stats.in_safe, stats.safe_size, stats.entropy, set_max,
+            hidden,
+            weight,
+            bias,
+            targets,
+            stats.threshold,
+            stats.row_max,
+            stats.log_sum_safe,
+            stats.log_sum_full,
+            stats.in_safe,
+            stats.safe_size,
+            stats.entropy,
+            set_max,
         )
         ctx.sparse_chunks = sparse_chunks
         ctx.weight_shape = tuple(weight.shape)
@@ -141,8 +163,20 @@ class FusedSafeLogProbs(torch.autograd.Function):
 
     @staticmethod
     def _backward(ctx, grad_logprobs, grad_log_kept, grad_entropy):
-        (hidden, weight, bias, targets, threshold, row_max, log_sum_safe, log_sum_full, in_safe, safe_size,
-         entropy, set_max) = ctx.saved_tensors
+        (
+            hidden,
+            weight,
+            bias,
+            targets,
+            threshold,
+            row_max,
+            log_sum_safe,
+            log_sum_full,
+            in_safe,
+            safe_size,
+            entropy,
+            set_max,
+        ) = ctx.saved_tensors
         if tuple(weight.shape) != ctx.weight_shape:  # e.g. a ZeRO-3 weight partitioned again after the forward
             raise RuntimeError(
                 f"weight has shape {tuple(weight.shape)} in backward but {ctx.weight_shape} in forward: a sharded weight "
@@ -197,7 +231,9 @@ class FusedSafeLogProbs(torch.autograd.Function):
         leaves = in_sparse & ((coef.c_full != 0) | (coef.g_target_out != 0))
         full_idx = leaves.nonzero().squeeze(-1)
         if full_idx.numel():
-            ctx.backend.full_softmax_backward(full_idx, hidden, weight, bias, coef, ctx.transform, ctx.chunk_rows, grads, ctx.rule)
+            ctx.backend.full_softmax_backward(
+                full_idx, hidden, weight, bias, coef, ctx.transform, ctx.chunk_rows, grads, ctx.rule
+            )
 
         return (
             grad_hidden,
@@ -226,7 +262,11 @@ def raise_on_empty_support(safe_size: torch.Tensor, rule: SafeVocabRule) -> None
 
 
 def raise_on_non_finite_rows(
-    stats: RowStats, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, transform: Transform,
+    stats: RowStats,
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    transform: Transform,
     weight_range: torch.Tensor | None = None,
 ) -> None:
     """Raise a one-line ``ValueError`` naming the argument when a row's statistics are not finite.
@@ -274,7 +314,9 @@ def _raise_on_non_finite_weight(weight: torch.Tensor) -> None:
     finite_weight = torch.isfinite(weight).all(dim=-1)
     if not bool(finite_weight.all()):
         token = int((~finite_weight).nonzero()[0])
-        raise ValueError(f"weight has a non-finite value (NaN or inf) in row {token} (token id): accepted finite weights")
+        raise ValueError(
+            f"weight has a non-finite value (NaN or inf) in row {token} (token id): accepted finite weights"
+        )
 
 
 def sparse_backward(

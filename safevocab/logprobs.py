@@ -93,9 +93,7 @@ def _check_targets(targets: torch.Tensor, expected_shape: torch.Size, vocab_size
         raise TypeError(f"targets.dtype={targets.dtype} is not accepted: accepted an integer dtype (token ids)")
     not_meta("targets", targets)
     if targets.shape != expected_shape:
-        raise ValueError(
-            f"targets.shape={tuple(targets.shape)} does not match {shape_name}={tuple(expected_shape)}"
-        )
+        raise ValueError(f"targets.shape={tuple(targets.shape)} does not match {shape_name}={tuple(expected_shape)}")
     if targets.numel() > 0:
         lo, hi = int(targets.min()), int(targets.max())
         if lo < 0 or hi >= vocab_size:
@@ -121,8 +119,14 @@ def _check_bias_values(bias: torch.Tensor) -> None:
         )
 
 
-def _raise_on_non_finite_logits(logits: torch.Tensor, z: torch.Tensor, row_max: torch.Tensor, log_sum: torch.Tensor,
-                                temperature: float, logit_scale: float) -> None:
+def _raise_on_non_finite_logits(
+    logits: torch.Tensor,
+    z: torch.Tensor,
+    row_max: torch.Tensor,
+    log_sum: torch.Tensor,
+    temperature: float,
+    logit_scale: float,
+) -> None:
     """One-line ``ValueError`` naming the argument when a row of transformed logits has no finite
     ``log softmax``: read off the row statistics (``[...]``), so the common case costs no extra pass."""
     bad = ~(torch.isfinite(row_max) & torch.isfinite(log_sum))
@@ -153,7 +157,6 @@ def _check_support(support: object, n_targets: int, vocab_size: int, device: tor
     if not isinstance(support, SafeSupport):
         raise TypeError(f"support must be a safevocab.SafeSupport or None, got {type(support).__name__}")
     support.check(vocab_size, n_targets)
-
 
 
 # --------------------------------------------------------------------------------------------------
@@ -378,7 +381,16 @@ def fused_safe_logprobs(
     transform = Transform(temperature, softcap, logit_scale)
     chunk_rows = backend_impl.rows_per_chunk(hidden2d.shape[0], vocab, rule, hidden.element_size(), max_chunk_bytes)
     logprobs, log_kept, entropy, in_safe, safe_size = FusedSafeLogProbs.apply(
-        hidden2d, weight, bias, flat_targets, rule, transform, compute_entropy, chunk_rows, backend_impl, weight_gather,
+        hidden2d,
+        weight,
+        bias,
+        flat_targets,
+        rule,
+        transform,
+        compute_entropy,
+        chunk_rows,
+        backend_impl,
+        weight_gather,
         None if support is None else support.to(hidden.device),
     )
     return SafeLogProbs(

@@ -31,6 +31,7 @@ import torch
 
 __all__ = ["nucleus_threshold"]
 
+
 def _bit_layout(dtype: torch.dtype) -> tuple[torch.dtype, int, int, list[tuple[int, int]]]:
     """(integer view dtype, exponent shift, exponent bins, [(shift, bins) of the mantissa levels])."""
     if dtype == torch.float64:
@@ -50,7 +51,9 @@ def row_sum64(x: torch.Tensor) -> torch.Tensor:
     return total
 
 
-def _crossing_bin(hist: torch.Tensor, above: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _crossing_bin(
+    hist: torch.Tensor, above: torch.Tensor, target: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per row, the highest bin whose mass from the top (plus ``above``) reaches ``target``; the mass above it; and
     whether such a bin exists (else the lowest non-empty bin: the row keeps all that is left)."""
     n_rows, bins = hist.shape

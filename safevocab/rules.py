@@ -31,8 +31,8 @@ computed at most once).
 
 from __future__ import annotations
 
-import math
 import dataclasses
+import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import ClassVar
@@ -202,9 +202,9 @@ class SafeVocabRule(ABC):
                 return "(" + ", ".join(shown(v) for v in value) + ("," if len(value) == 1 else "") + ")"
             return value._repr(with_engine=False) if isinstance(value, SafeVocabRule) else repr(value)
 
-        fields = [f"{f.name}={shown(getattr(self, f.name))}" for f in dataclasses.fields(self) if f.repr and f.name != "engine"]
-        if with_engine and self.engine != "hf":
-            fields.append(f"engine={self.engine!r}")
+        names = [f.name for f in dataclasses.fields(self) if f.repr and f.name != "engine"]
+        fields = [f"{name}={shown(getattr(self, name))}" for name in names]
+        fields += [f"engine={self.engine!r}"] if with_engine and self.engine != "hf" else []
         return f"{type(self).__name__}({', '.join(fields)})"
 
     def __post_init__(self) -> None:

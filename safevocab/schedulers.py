@@ -81,8 +81,10 @@ def _integer_list(name: str, values: object, accepted: str) -> list[int]:
 def _lr_list(name: str, values: object, n_groups: int) -> list[float | torch.Tensor]:
     """A saved list of per-group LRs: one finite real ``>= 0`` (or a 0-dim tensor) per parameter group, kept as given."""
     if not isinstance(values, (list, tuple)) or len(values) != n_groups:
-        raise ValueError(f"{name}={values!r} is out of range: accepted a list of {n_groups} learning rate(s), one per "
-                         "parameter group of the optimizer")
+        raise ValueError(
+            f"{name}={values!r} is out of range: accepted a list of {n_groups} learning rate(s), one per "
+            "parameter group of the optimizer"
+        )
     for i, value in enumerate(values):
         real(f"{name}[{i}]", value, lambda x: x >= 0, "a finite learning rate >= 0")
     return list(values)
@@ -95,8 +97,10 @@ def _set_lrs(optimizer: torch.optim.Optimizer, lrs: list[float | torch.Tensor]) 
             group["lr"].fill_(float(lr))
         else:
             group["lr"] = lr
-    return [group["lr"].clone() if isinstance(group["lr"], torch.Tensor) else group["lr"]
-            for group in optimizer.param_groups]
+    return [
+        group["lr"].clone() if isinstance(group["lr"], torch.Tensor) else group["lr"]
+        for group in optimizer.param_groups
+    ]
 
 
 class LengthDecayLR(LRScheduler):
@@ -150,8 +154,10 @@ class LengthDecayLR(LRScheduler):
         if base_scheduler is not None:
             _check_base(base_scheduler, optimizer)
             if last_epoch != -1:
-                raise ValueError(f"last_epoch={last_epoch!r} with a base_scheduler: accepted -1 (the wrapper follows "
-                                 "the base scheduler's own step count)")
+                raise ValueError(
+                    f"last_epoch={last_epoch!r} with a base_scheduler: accepted -1 (the wrapper follows "
+                    "the base scheduler's own step count)"
+                )
         self.detector = detector
         self.auto_period = bool(auto_period)
         self.base_scheduler = base_scheduler
@@ -207,8 +213,10 @@ class LengthDecayLR(LRScheduler):
             RuntimeError: the base scheduler was stepped outside this wrapper.
         """
         if epoch is not None:
-            raise ValueError(f"epoch={epoch!r} is not accepted: accepted None (LengthDecayLR counts optimizer steps; "
-                             "call step() once after each optimizer.step())")
+            raise ValueError(
+                f"epoch={epoch!r} is not accepted: accepted None (LengthDecayLR counts optimizer steps; "
+                "call step() once after each optimizer.step())"
+            )
         first = self._step_count == 0  # LRScheduler.__init__ resets the count, then makes this first step
         self._step_count += 1
         base = self.base_scheduler
@@ -315,20 +323,25 @@ class LengthDecayLR(LRScheduler):
         require_keys("state_dict", state, _REQUIRED_KEYS, "a dict from LengthDecayLR.state_dict()")
         base_state = state.get("base_scheduler")
         if base_state is not None and self.base_scheduler is None:
-            raise ValueError("state_dict holds a base_scheduler's state but this LengthDecayLR wraps none: build it "
-                             "with the base_scheduler of the run that wrote the state")
+            raise ValueError(
+                "state_dict holds a base_scheduler's state but this LengthDecayLR wraps none: build it "
+                "with the base_scheduler of the run that wrote the state"
+            )
         if base_state is None and self.base_scheduler is not None:
             raise ValueError(
                 f"state_dict has no base_scheduler state (its run had the constant schedule) but this LengthDecayLR "
                 f"wraps {type(self.base_scheduler).__name__}: build it without base_scheduler to resume that run"
             )
+
         # Every value is checked as the constructor checks it, before anything is replaced: a state that breaks the
         # schedule's invariants (min_lr_ratio=2 doubles the LR at each "halving") is refused in one line naming the key.
         def key(name: str) -> str:
             return f"state_dict[{name!r}]"
 
         decay_period = _check_period(state["decay_period"], key("decay_period"))
-        min_lr_ratio = real(key("min_lr_ratio"), state["min_lr_ratio"], lambda x: 0.0 <= x <= 1.0, "0 <= min_lr_ratio <= 1")
+        min_lr_ratio = real(
+            key("min_lr_ratio"), state["min_lr_ratio"], lambda x: 0.0 <= x <= 1.0, "0 <= min_lr_ratio <= 1"
+        )
         start = state["start"]
         if not isinstance(start, str) or start not in _STARTS:
             raise ValueError(f"{key('start')}={start!r} is out of range: accepted one of {_STARTS}")
@@ -338,20 +351,27 @@ class LengthDecayLR(LRScheduler):
         if trigger_step is not None:
             trigger_step = integer(key("trigger_step"), trigger_step, lambda x: x >= 0, "None or " + step)
         if start == "step0" and trigger_step != 0:
-            raise ValueError(f"{key('trigger_step')}={trigger_step!r} with start='step0': accepted 0 (the clock starts "
-                             "at step 0)")
+            raise ValueError(
+                f"{key('trigger_step')}={trigger_step!r} with start='step0': accepted 0 (the clock starts at step 0)"
+            )
         max_decays = integer(key("max_decays"), state.get("max_decays", 1), lambda x: x >= 1, "an integer >= 1")
-        cooldown = integer(key("cooldown"), state.get("cooldown", 0), lambda x: x >= 0, "an integer number of steps >= 0")
+        cooldown = integer(
+            key("cooldown"), state.get("cooldown", 0), lambda x: x >= 0, "an integer number of steps >= 0"
+        )
         if "decay_steps" in state:
             decay_steps = _integer_list(key("decay_steps"), state["decay_steps"], step)
         else:  # the first release decayed once, at trigger_step
             decay_steps = [] if trigger_step is None else [trigger_step]
         if decay_steps and decay_steps[0] != trigger_step or trigger_step is not None and not decay_steps:
-            raise ValueError(f"{key('decay_steps')}={decay_steps!r} does not start at {key('trigger_step')}="
-                             f"{trigger_step!r}: accepted the first decay at the trigger step")
+            raise ValueError(
+                f"{key('decay_steps')}={decay_steps!r} does not start at {key('trigger_step')}="
+                f"{trigger_step!r}: accepted the first decay at the trigger step"
+            )
         if len(decay_steps) > max_decays or decay_steps != sorted(decay_steps):
-            raise ValueError(f"{key('decay_steps')}={decay_steps!r} is out of range: accepted at most max_decays="
-                             f"{max_decays} steps in increasing order")
+            raise ValueError(
+                f"{key('decay_steps')}={decay_steps!r} is out of range: accepted at most max_decays="
+                f"{max_decays} steps in increasing order"
+            )
         n_groups = len(self.optimizer.param_groups)
         base_lrs = _lr_list(key("base_lrs"), state["base_lrs"], n_groups)
         last_epoch = integer(key("last_epoch"), state["last_epoch"], lambda x: x >= -1, "an integer >= -1")
@@ -361,8 +381,18 @@ class LengthDecayLR(LRScheduler):
         if detector_state is not None:
             SurgeDetector().load_state_dict(detector_state)  # its checks, before this scheduler changes
 
-        self.decay_period, self.min_lr_ratio, self.start, self.auto_period = decay_period, min_lr_ratio, start, auto_period
-        self.trigger_step, self.max_decays, self.cooldown, self.decay_steps = trigger_step, max_decays, cooldown, decay_steps
+        self.decay_period, self.min_lr_ratio, self.start, self.auto_period = (
+            decay_period,
+            min_lr_ratio,
+            start,
+            auto_period,
+        )
+        self.trigger_step, self.max_decays, self.cooldown, self.decay_steps = (
+            trigger_step,
+            max_decays,
+            cooldown,
+            decay_steps,
+        )
         self.base_lrs = base_lrs
         self.last_epoch = last_epoch
         self._step_count = step_count

@@ -30,7 +30,11 @@ class ShiftedLogits:
     def exp(self) -> torch.Tensor:
         """``exp(z - m)``, the same arithmetic as ``torch.logsumexp`` (``fl(z - m)``, then ``exp``)."""
         if self._exp is None:
-            self._exp = torch.sub(self.z, self.z_max, out=self._out).exp_() if self._out is not None else (self.z - self.z_max).exp_()
+            self._exp = (
+                torch.sub(self.z, self.z_max, out=self._out).exp_()
+                if self._out is not None
+                else (self.z - self.z_max).exp_()
+            )
         return self._exp
 
     @property

@@ -47,8 +47,10 @@ class SafeSupport:
                 raise TypeError(f"SafeSupport.{name} must be a 1-D integer torch.Tensor, got {type(value).__name__}")
             if value.dim() != 1 or value.is_floating_point() or value.is_complex() or value.dtype == torch.bool:
                 # dtype and shape only: printing the tensor wrote every id of a large support into the message
-                raise TypeError(f"SafeSupport.{name} must be a 1-D integer torch.Tensor, got a tensor of dtype "
-                                f"{value.dtype} and shape {tuple(value.shape)}")
+                raise TypeError(
+                    f"SafeSupport.{name} must be a 1-D integer torch.Tensor, got a tensor of dtype "
+                    f"{value.dtype} and shape {tuple(value.shape)}"
+                )
             not_meta(f"SafeSupport.{name}", value)
         if self.offsets.numel() < 1 or int(self.offsets[0]) != 0 or int(self.offsets[-1]) != self.token_ids.numel():
             raise ValueError(
@@ -57,10 +59,14 @@ class SafeSupport:
             )
         sizes = self.offsets.diff()
         if bool((sizes < 0).any()):
-            raise ValueError(f"SafeSupport.offsets must be non-decreasing: row {int((sizes < 0).nonzero()[0])} has a negative size")
+            raise ValueError(
+                f"SafeSupport.offsets must be non-decreasing: row {int((sizes < 0).nonzero()[0])} has a negative size"
+            )
         empty = sizes == 0
         if bool(empty.any()):
-            raise ValueError(f"SafeSupport row {int(empty.nonzero()[0])} is empty: accepted at least one kept token id per row")
+            raise ValueError(
+                f"SafeSupport row {int(empty.nonzero()[0])} is empty: accepted at least one kept token id per row"
+            )
         if bool((self.token_ids < 0).any()):
             row = int(self.row_of_entries()[(self.token_ids < 0).nonzero()[0]])
             raise ValueError(f"SafeSupport row {row} has a negative token id: accepted 0 <= id < vocab_size")
@@ -81,7 +87,9 @@ class SafeSupport:
             if isinstance(row, (str, bytes)) or not isinstance(row, Iterable):
                 raise TypeError(f"SafeSupport row {r} must be a sequence of token ids, got {type(row).__name__}")
             # int64 bounds here (torch's "Overflow when unpacking long long" named no row); negatives are named below
-            flat.extend(integer(f"SafeSupport row {r} token id", t, _fits_int64, "0 <= id < vocab_size (an int64)") for t in row)
+            flat.extend(
+                integer(f"SafeSupport row {r} token id", t, _fits_int64, "0 <= id < vocab_size (an int64)") for t in row
+            )
             offsets.append(len(flat))
         return SafeSupport(
             torch.tensor(flat, dtype=torch.long, device=device), torch.tensor(offsets, dtype=torch.long, device=device)
@@ -99,7 +107,9 @@ class SafeSupport:
         for i, mask in enumerate(masks):
             token_ids = getattr(mask, "token_ids", None)
             if token_ids is None:
-                raise TypeError(f"sampling_masks[{i}] has no token_ids: expected a vllm.outputs.SamplingMask, got {type(mask).__name__}")
+                raise TypeError(
+                    f"sampling_masks[{i}] has no token_ids: expected a vllm.outputs.SamplingMask, got {type(mask).__name__}"
+                )
             rows.extend(token_ids)
         return SafeSupport.from_lists(rows, device=device)
 

@@ -43,8 +43,17 @@ BASELINES = ("median", "ema")
 #: Keys every state written by :meth:`SurgeDetector.state_dict` has had since the first release; the later ones
 #: (``baseline``, ``ema_alpha``, ``ema``, ``n_baseline``, ``armed``, ``not_before``, ``detections``) take the values
 #: that release implied when absent, so that its checkpoints still resume.
-_REQUIRED_KEYS = ("window", "baseline_window", "ratio", "warmup", "factor", "history", "n_updates", "surge_step",
-                  "detected_at")
+_REQUIRED_KEYS = (
+    "window",
+    "baseline_window",
+    "ratio",
+    "warmup",
+    "factor",
+    "history",
+    "n_updates",
+    "surge_step",
+    "detected_at",
+)
 
 
 def _pairs(name: str, values: object) -> list[tuple[object, object]]:
@@ -237,12 +246,16 @@ class SurgeDetector:
         step = "an integer step >= 0"
         history = _pairs("state_dict['history']", state["history"])
         fresh.history.extend(
-            (integer(f"state_dict['history'][{i}] step", s, lambda x: x >= 0, step),
-             real(f"state_dict['history'][{i}] length", v, lambda x: x >= 0, "a finite length >= 0"))
+            (
+                integer(f"state_dict['history'][{i}] step", s, lambda x: x >= 0, step),
+                real(f"state_dict['history'][{i}] length", v, lambda x: x >= 0, "a finite length >= 0"),
+            )
             for i, (s, v) in enumerate(history)
         )
         ema = state.get("ema")
-        fresh.ema = None if ema is None else real("state_dict['ema']", ema, lambda x: x >= 0, "None or a finite length >= 0")
+        fresh.ema = (
+            None if ema is None else real("state_dict['ema']", ema, lambda x: x >= 0, "None or a finite length >= 0")
+        )
         count = "an integer >= 0"
         fresh.n_baseline = integer("state_dict['n_baseline']", state.get("n_baseline", 0), lambda x: x >= 0, count)
         fresh.n_updates = integer("state_dict['n_updates']", state["n_updates"], lambda x: x >= 0, count)
@@ -253,8 +266,10 @@ class SurgeDetector:
         else:
             detections = []
         fresh.detections = [
-            (integer(f"state_dict['detections'][{i}] surge step", s, lambda x: x >= 0, step),
-             integer(f"state_dict['detections'][{i}] detection step", d, lambda x: x >= 0, step))
+            (
+                integer(f"state_dict['detections'][{i}] surge step", s, lambda x: x >= 0, step),
+                integer(f"state_dict['detections'][{i}] detection step", d, lambda x: x >= 0, step),
+            )
             for i, (s, d) in enumerate(detections)
         ]
         fresh.armed = boolean("state_dict['armed']", state.get("armed", not fresh.detections))

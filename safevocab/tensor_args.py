@@ -9,7 +9,6 @@ the first bad value and its index; values a few ulps above 1 (a rounded softmax 
 from __future__ import annotations
 
 import numbers
-from typing import Union
 
 import torch
 
@@ -32,7 +31,7 @@ __all__ = [
     "result_like",
 ]
 
-TensorLike = Union[torch.Tensor, int, float]
+TensorLike = torch.Tensor | int | float
 
 # Probabilities and kept masses computed in floating point can land a few ulps above 1 (a softmax sum,
 # ``exp`` of a rounded log). Values within this many machine epsilons of the limit are accepted and
@@ -48,8 +47,11 @@ def is_number(x: object) -> bool:
 def check_type(name: str, x: object, *, integer: bool = False) -> None:
     """Tensors must be floating (or integer when ``integer``); scalars must be real numbers (no bool)."""
     if isinstance(x, torch.Tensor):
-        ok = (not x.dtype.is_floating_point and not x.dtype.is_complex and x.dtype != torch.bool) if integer \
+        ok = (
+            (not x.dtype.is_floating_point and not x.dtype.is_complex and x.dtype != torch.bool)
+            if integer
             else x.dtype.is_floating_point
+        )
         if not ok:
             kind = "an integer" if integer else "a floating-point"
             raise TypeError(f"{name} must be {kind} tensor, got dtype {x.dtype}")

@@ -24,8 +24,18 @@ from collections.abc import Callable, Iterable, Mapping
 
 import torch
 
-__all__ = ["real", "integer", "boolean", "check_range", "is_real_scalar", "require_keys", "real_text", "not_meta", "float_tensor",
-           "raise_on_nan_or_inf_rows"]
+__all__ = [
+    "real",
+    "integer",
+    "boolean",
+    "check_range",
+    "is_real_scalar",
+    "require_keys",
+    "real_text",
+    "not_meta",
+    "float_tensor",
+    "raise_on_nan_or_inf_rows",
+]
 
 
 def _unwrap(value: object) -> object:
@@ -140,7 +150,9 @@ def require_keys(name: str, mapping: object, keys: Iterable[str], accepted: str)
 def _narrow_float_dtype(value: object) -> torch.dtype | None:
     """The torch dtype of a 0-dim float32/float16/bfloat16 tensor or numpy value; ``None`` for anything else."""
     if isinstance(value, torch.Tensor):
-        return value.dtype if value.dim() == 0 and value.dtype in (torch.float32, torch.float16, torch.bfloat16) else None
+        return (
+            value.dtype if value.dim() == 0 and value.dtype in (torch.float32, torch.float16, torch.bfloat16) else None
+        )
     dtype = getattr(value, "dtype", None)
     if getattr(value, "ndim", None) == 0 and getattr(dtype, "kind", None) == "f":
         return {4: torch.float32, 2: torch.float16}.get(getattr(dtype, "itemsize", 0))
@@ -174,8 +186,9 @@ def not_meta(name: str, tensor: torch.Tensor) -> None:
         ValueError: ``"<name> is on the meta device (a shape without values): accepted a tensor with values"``.
     """
     if tensor.device.type == "meta":
-        raise ValueError(f"{name} is on the meta device (a shape without values): accepted a tensor with values "
-                         "(cpu, cuda, ...)")
+        raise ValueError(
+            f"{name} is on the meta device (a shape without values): accepted a tensor with values (cpu, cuda, ...)"
+        )
 
 
 def float_tensor(name: str, value: object, accepted: str = "a float dtype") -> None:

@@ -19,7 +19,7 @@ import subprocess
 import sys
 import tempfile
 
-OOS = r'''
+OOS = r"""
 import json, sys, time, torch
 from safevocab import fused_safe_logprobs
 n, h, v, rule, frac = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], float(sys.argv[5])
@@ -39,7 +39,7 @@ for _ in range(4):
     best = min(best, time.perf_counter() - t0) if _ else best  # the first is a warm-up
     hidden.grad = weight.grad = None
 print(json.dumps({"seconds": best, "out_of_set": int((~out.in_safe).sum())}))
-'''
+"""
 
 
 def run(tree: str, argv: list[str]) -> dict:
@@ -53,8 +53,25 @@ def run(tree: str, argv: list[str]) -> dict:
 def bench(tree: str, rule: str, args) -> float:
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         env = dict(os.environ, PYTHONPATH=tree)
-        cmd = [sys.executable, "-m", "safevocab.bench", "--variants", "fused", "--rule", rule, "--n", str(args.n),
-               "--h", str(args.h), "--v", str(args.v), "--repeats", str(args.repeats), "--json", f.name]
+        cmd = [
+            sys.executable,
+            "-m",
+            "safevocab.bench",
+            "--variants",
+            "fused",
+            "--rule",
+            rule,
+            "--n",
+            str(args.n),
+            "--h",
+            str(args.h),
+            "--v",
+            str(args.v),
+            "--repeats",
+            str(args.repeats),
+            "--json",
+            f.name,
+        ]
         proc = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True)
         if proc.returncode:
             raise RuntimeError(proc.stderr[-3000:])

@@ -72,11 +72,18 @@ def _greedy_examples(trainer, dataset) -> list[dict]:
     tokenizer = trainer.processing_class
     enc = tokenizer(list(dataset["prompt"]), return_tensors="pt", padding=True, padding_side="left")
     with torch.no_grad():
-        out = model.generate(**enc, do_sample=False, max_new_tokens=MAX_COMPLETION_LENGTH,
-                             pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+        out = model.generate(
+            **enc,
+            do_sample=False,
+            max_new_tokens=MAX_COMPLETION_LENGTH,
+            pad_token_id=tokenizer.pad_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+        )
     texts = tokenizer.batch_decode(out[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
-    return [{"prompt": row["prompt"], "completion": text, "reward": round(unigram_f1(text, row["continuation"]), 4)}
-            for row, text in zip(dataset, texts)]
+    return [
+        {"prompt": row["prompt"], "completion": text, "reward": round(unigram_f1(text, row["continuation"]), 4)}
+        for row, text in zip(dataset, texts)
+    ]
 
 
 def main(argv=None) -> dict:
@@ -99,13 +106,23 @@ def main(argv=None) -> dict:
     torch.set_num_threads(args.threads)
 
     task = freetext_task()
-    config_kwargs = dict(max_steps=args.steps, max_completion_length=task.max_completion_length,
-                         learning_rate=args.lr, seed=args.seed, logging_steps=1, disable_tqdm=True)
+    config_kwargs = dict(
+        max_steps=args.steps,
+        max_completion_length=task.max_completion_length,
+        learning_rate=args.lr,
+        seed=args.seed,
+        logging_steps=1,
+        disable_tqdm=True,
+    )
     with tempfile.TemporaryDirectory(prefix="freetext-grpo-") as tmp:
         config = tiny_grpo_config(output_dir=tmp, **config_kwargs)
         prompts_needed = args.steps * config.per_device_train_batch_size // config.num_generations
-        trainer = SafeVocabGRPOTrainer(model=task.model_path, reward_funcs=list(task.reward_funcs), args=config,
-                                       train_dataset=task.train_dataset(prompts_needed, args.seed))
+        trainer = SafeVocabGRPOTrainer(
+            model=task.model_path,
+            reward_funcs=list(task.reward_funcs),
+            args=config,
+            train_dataset=task.train_dataset(prompts_needed, args.seed),
+        )
         trainer.remove_callback(PrinterCallback)
         callback = HeldOutRewardCallback(trainer, task, task.held_out_dataset(args.eval_prompts), args.eval_every)
         trainer.add_callback(callback)
@@ -121,8 +138,12 @@ def main(argv=None) -> dict:
     seconds = callback.step_seconds
     result = {
         "command": " ".join(["python scripts/check_freetext_grpo.py", *(sys.argv[1:] if argv is None else argv)]),
-        "settings": {**config_kwargs, "threads": args.threads, "prompts_per_step": prompts_needed // args.steps,
-                     "num_generations": config.num_generations},
+        "settings": {
+            **config_kwargs,
+            "threads": args.threads,
+            "prompts_per_step": prompts_needed // args.steps,
+            "num_generations": config.num_generations,
+        },
         "held_out": callback.evals,
         "train_reward_first_fifth": round(statistics.mean(h["reward"] for h in first), 4),
         "train_reward_last_fifth": round(statistics.mean(h["reward"] for h in last), 4),

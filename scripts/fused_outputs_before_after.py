@@ -18,7 +18,7 @@ import subprocess
 import sys
 import tempfile
 
-RUN = r'''
+RUN = r"""
 import os, sys
 os.environ["TRITON_INTERPRET"] = "1"  # before triton is first imported
 import torch
@@ -91,7 +91,7 @@ attempt(lambda: fused_safe_logprobs(h, w, y, "none", backend="triton"))
 attempt(lambda: resolve_backend("auto", torch.device("cuda")))
 results["messages"] = messages
 torch.save(results, sys.argv[1])
-'''
+"""
 
 
 def outputs(tree: str, path: str) -> dict:
@@ -109,8 +109,13 @@ def same(x, y) -> bool:
 
     if x is None or y is None:
         return x is None and y is None
-    return x.dtype == y.dtype and x.shape == y.shape and bool(torch.equal(x, y) or (torch.equal(x.isnan(), y.isnan())
-                                                                            and torch.equal(x.nan_to_num(), y.nan_to_num())))
+    return (
+        x.dtype == y.dtype
+        and x.shape == y.shape
+        and bool(
+            torch.equal(x, y) or (torch.equal(x.isnan(), y.isnan()) and torch.equal(x.nan_to_num(), y.nan_to_num()))
+        )
+    )
 
 
 def main() -> None:
@@ -128,8 +133,10 @@ def main() -> None:
             if not same(x, y):
                 differ += 1
                 print("differs:", key)
-    print(f"{compared} tensors compared, {differ} differ; backend-selection messages "
-          f"{'DIFFER' if messages_differ else 'identical'} ({len(new_messages)} outcomes)")
+    print(
+        f"{compared} tensors compared, {differ} differ; backend-selection messages "
+        f"{'DIFFER' if messages_differ else 'identical'} ({len(new_messages)} outcomes)"
+    )
     sys.exit(1 if differ or messages_differ else 0)
 
 

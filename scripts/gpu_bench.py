@@ -56,7 +56,9 @@ def _run(cmd: list[str], env: dict[str, str] | None = None, timeout: float = 600
         return subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired as err:
         text = lambda b: b.decode(errors="replace") if isinstance(b, bytes) else (b or "")  # noqa: E731
-        return subprocess.CompletedProcess(cmd, 124, text(err.stdout), text(err.stderr) + f"\n[timed out after {timeout} s]")
+        return subprocess.CompletedProcess(
+            cmd, 124, text(err.stdout), text(err.stderr) + f"\n[timed out after {timeout} s]"
+        )
 
 
 def environment() -> dict:
@@ -73,8 +75,14 @@ def environment() -> dict:
     return info
 
 
-def correctness(device: str, small: bool, timeout: float, log: Path, examples: int | None = None,
-                files: tuple[str, ...] = TEST_FILES) -> dict:
+def correctness(
+    device: str,
+    small: bool,
+    timeout: float,
+    log: Path,
+    examples: int | None = None,
+    files: tuple[str, ...] = TEST_FILES,
+) -> dict:
     """The reference tests on ``device``; returns pytest's closing line and return code (full output in ``log``).
     ``examples``: fuzz examples per property (default 200 with ``--small``, else 500)."""
     examples = str(examples or (200 if small else 500))
@@ -85,23 +93,52 @@ def correctness(device: str, small: bool, timeout: float, log: Path, examples: i
         "SAFEVOCAB_BOUNDARY_CASES": "300" if small else "2000",
     }
     started = time.perf_counter()
-    proc = _run([sys.executable, "-m", "pytest", "-q", "-rfE", "--tb=short", "-m", "not slow", "-p", "no:cacheprovider",
-                 *files], env, timeout)
+    proc = _run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-rfE",
+            "--tb=short",
+            "-m",
+            "not slow",
+            "-p",
+            "no:cacheprovider",
+            *files,
+        ],
+        env,
+        timeout,
+    )
     log.write_text(proc.stdout + "\n--- stderr ---\n" + proc.stderr)
     lines = [line for line in proc.stdout.splitlines() if " passed" in line or " failed" in line]
     failed = [line for line in proc.stdout.splitlines() if line.startswith(("FAILED", "ERROR"))]
-    return {"returncode": proc.returncode, "summary": lines[-1] if lines else proc.stdout[-500:],
-            "failed": failed[:50], "seconds": round(time.perf_counter() - started, 1)}
+    return {
+        "returncode": proc.returncode,
+        "summary": lines[-1] if lines else proc.stdout[-500:],
+        "failed": failed[:50],
+        "seconds": round(time.perf_counter() - started, 1),
+    }
 
 
-def op_bench(small: bool, timeout: float, n: int | None = None, rules: tuple[str, ...] = RULES,
-             naive: bool = True, profile: str = "synthetic", variants: str = "floor,fused,fused_torch,trl,liger",
-             replay: str | None = None) -> list[dict]:
+def op_bench(
+    small: bool,
+    timeout: float,
+    n: int | None = None,
+    rules: tuple[str, ...] = RULES,
+    naive: bool = True,
+    profile: str = "synthetic",
+    variants: str = "floor,fused,fused_torch,trl,liger",
+    replay: str | None = None,
+) -> list[dict]:
     """``python -m safevocab.bench`` per rule on ``profile`` logits (:mod:`safevocab.bench_inputs`), plus support
     replay at |S| = 64; the naive materialised path (tens of GB at the GPU shape) for the unmasked and the default
     rule only."""
-    size = ["--device", "cpu", "--n", "256", "--h", "64", "--v", "3000", "--dtype", "float32", "--repeats", "1"] if small \
+    size = (
+        ["--device", "cpu", "--n", "256", "--h", "64", "--v", "3000", "--dtype", "float32", "--repeats", "1"]
+        if small
         else ["--preset", "gpu", "--repeats", "3"]
+    )
     if n is not None:
         size += ["--n", str(n)]  # after the preset: an explicit flag overrides it
     size += ["--logits-profile", profile]
@@ -112,8 +149,21 @@ def op_bench(small: bool, timeout: float, n: int | None = None, rules: tuple[str
     rows = []
     for rule, chosen in runs:
         with tempfile.NamedTemporaryFile(suffix=".json") as f:
-            proc = _run([sys.executable, "-m", "safevocab.bench", *size, "--rule", rule, "--variants", chosen,
-                         "--json", f.name], timeout=timeout)
+            proc = _run(
+                [
+                    sys.executable,
+                    "-m",
+                    "safevocab.bench",
+                    *size,
+                    "--rule",
+                    rule,
+                    "--variants",
+                    chosen,
+                    "--json",
+                    f.name,
+                ],
+                timeout=timeout,
+            )
             if proc.returncode != 0:
                 rows.append({"rule": rule, "logits_profile": profile, "error": proc.stderr[-400:]})
                 continue
@@ -148,8 +198,14 @@ def _tokenizer(vocab_size: int):
     vocab = {tok: i for i, tok in enumerate(specials + [f"t{i}" for i in range(vocab_size - len(specials))])}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", bos_token="<bos>",
-                                   unk_token="<unk>", padding_side="left")
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        pad_token="<pad>",
+        eos_token="<eos>",
+        bos_token="<bos>",
+        unk_token="<unk>",
+        padding_side="left",
+    )
 
 
 def _model_dir(small: bool):
@@ -161,11 +217,21 @@ def _model_dir(small: bool):
 
     vocab = 2000 if small else 151936
     tokenizer = _tokenizer(vocab)
-    shape = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4) if small else \
-        dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14)  # Qwen2.5-0.5B
-    config = Qwen2Config(vocab_size=vocab, num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=True,
-                         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
-                         bos_token_id=tokenizer.bos_token_id, **shape)
+    shape = (
+        dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
+        if small
+        else dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14)
+    )  # Qwen2.5-0.5B
+    config = Qwen2Config(
+        vocab_size=vocab,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        **shape,
+    )
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(config)
     path = tempfile.mkdtemp(prefix="safevocab-qwen2-")
@@ -173,8 +239,16 @@ def _model_dir(small: bool):
     return path, tokenizer
 
 
-def make_grpo_trainer(model_path: str, tokenizer, trainer_kind: str, precision: str, small: bool, steps: int,
-                      overrides: dict | None = None, callbacks: list | None = None):
+def make_grpo_trainer(
+    model_path: str,
+    tokenizer,
+    trainer_kind: str,
+    precision: str,
+    small: bool,
+    steps: int,
+    overrides: dict | None = None,
+    callbacks: list | None = None,
+):
     """A stock ``GRPOTrainer`` or a ``SafeVocabGRPOTrainer`` (``overrides``: more ``SafeVocabGRPOConfig`` fields) for
     ``steps`` GRPO steps on the benchmark's prompts, with ``callbacks``."""
     import torch
@@ -191,22 +265,45 @@ def make_grpo_trainer(model_path: str, tokenizer, trainer_kind: str, precision: 
         return [float(len(c) % 7) for c in completions]
 
     common = dict(
-        output_dir=tempfile.mkdtemp(prefix="safevocab-grpo-"), per_device_train_batch_size=8, num_generations=8,
-        max_completion_length=16 if small else 64, max_steps=steps, learning_rate=1e-6, logging_steps=1,
-        report_to=[], save_strategy="no", seed=0, use_cpu=not cuda, disable_tqdm=True,
-        bf16=cuda and precision == "bf16", fp16=cuda and precision == "fp16",
+        output_dir=tempfile.mkdtemp(prefix="safevocab-grpo-"),
+        per_device_train_batch_size=8,
+        num_generations=8,
+        max_completion_length=16 if small else 64,
+        max_steps=steps,
+        learning_rate=1e-6,
+        logging_steps=1,
+        report_to=[],
+        save_strategy="no",
+        seed=0,
+        use_cpu=not cuda,
+        disable_tqdm=True,
+        bf16=cuda and precision == "bf16",
+        fp16=cuda and precision == "fp16",
     )
     if trainer_kind == "stock":
         args, trainer_cls = GRPOConfig(**common), GRPOTrainer
     else:
         args = SafeVocabGRPOConfig(**common, **{"safe_vocab_rule": "min_p=0.001", **(overrides or {})})
         trainer_cls = SafeVocabGRPOTrainer
-    return trainer_cls(model=model_path, reward_funcs=reward, args=args, train_dataset=dataset,
-                       processing_class=tokenizer, callbacks=callbacks or [])
+    return trainer_cls(
+        model=model_path,
+        reward_funcs=reward,
+        args=args,
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        callbacks=callbacks or [],
+    )
 
 
-def grpo_step(model_path: str, tokenizer, trainer_kind: str, precision: str, small: bool, steps: int = 3,
-              overrides: dict | None = None) -> dict:
+def grpo_step(
+    model_path: str,
+    tokenizer,
+    trainer_kind: str,
+    precision: str,
+    small: bool,
+    steps: int = 3,
+    overrides: dict | None = None,
+) -> dict:
     """Median step time (after the first) and peak memory of ``steps`` GRPO steps (``overrides``: more
     ``SafeVocabGRPOConfig`` fields, for ``trainer_kind="safevocab"``)."""
     import torch
@@ -234,8 +331,12 @@ def grpo_step(model_path: str, tokenizer, trainer_kind: str, precision: str, sma
         torch.cuda.reset_peak_memory_stats()
     trainer = make_grpo_trainer(model_path, tokenizer, trainer_kind, precision, small, steps, overrides, [timer])
     trainer.train()
-    out = {"trainer": trainer_label(trainer_kind, overrides), "precision": precision if cuda else "fp32 (cpu)",
-           "step_seconds": round(statistics.median(timer.times[1:] or timer.times), 4), "steps": len(timer.times)}
+    out = {
+        "trainer": trainer_label(trainer_kind, overrides),
+        "precision": precision if cuda else "fp32 (cpu)",
+        "step_seconds": round(statistics.median(timer.times[1:] or timer.times), 4),
+        "steps": len(timer.times),
+    }
     if cuda:
         out["peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 3)
     del trainer
@@ -246,15 +347,16 @@ def grpo_pairs(small: bool, pairs: int) -> dict:
     """Stock and SafeVocab GRPO steps interleaved in one process (``scripts/grpo_pairs.py``): per-pair ratios, their
     median and 95 % interval (bf16 on CUDA)."""
     import torch
-
     from grpo_pairs import run_pairs
 
     path, tokenizer = _model_dir(small)
     cuda = torch.cuda.is_available() and not small
     precision = "bf16" if cuda else "fp32"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
-    make = lambda kind, steps, callbacks: make_grpo_trainer(path, tokenizer, kind, precision, small, steps,  # noqa: E731
-                                                            callbacks=callbacks)
+
+    def make(kind, steps, callbacks):
+        return make_grpo_trainer(path, tokenizer, kind, precision, small, steps, callbacks=callbacks)
+
     try:
         return {"precision": precision if cuda else "fp32 (cpu)", **run_pairs(make, pairs, sync)}
     except Exception as err:  # record and go on
@@ -266,20 +368,33 @@ def trainer_label(trainer_kind: str, overrides: dict | None) -> str:
     return trainer_kind + "".join(f" {k}={v}" for k, v in (overrides or {}).items())
 
 
-def grpo_row(model_path: str, tokenizer, trainer_kind: str, precision: str, small: bool, steps: int,
-             overrides: dict | None = None) -> dict:
+def grpo_row(
+    model_path: str,
+    tokenizer,
+    trainer_kind: str,
+    precision: str,
+    small: bool,
+    steps: int,
+    overrides: dict | None = None,
+) -> dict:
     """``grpo_step``'s row, or the error it raised as a row: one failure must not hide the other measurements."""
     try:
         return grpo_step(model_path, tokenizer, trainer_kind, precision, small, steps, overrides)
     except Exception as err:  # record and go on
-        return {"trainer": trainer_label(trainer_kind, overrides), "precision": precision,
-                "error": f"{type(err).__name__}: {err}"[:400]}
+        return {
+            "trainer": trainer_label(trainer_kind, overrides),
+            "precision": precision,
+            "error": f"{type(err).__name__}: {err}"[:400],
+        }
 
 
 def grpo(small: bool, steps: int = 3) -> list[dict]:
     path, tokenizer = _model_dir(small)
-    return [grpo_row(path, tokenizer, kind, precision, small, steps)
-            for precision in (("fp32",) if small else ("bf16", "fp16")) for kind in ("stock", "safevocab")]
+    return [
+        grpo_row(path, tokenizer, kind, precision, small, steps)
+        for precision in (("fp32",) if small else ("bf16", "fp16"))
+        for kind in ("stock", "safevocab")
+    ]
 
 
 #: Where SafeVocab's step time goes: the trainer with the generate path's sampler rule and its log-prob recording
@@ -297,18 +412,31 @@ def grpo_ablation(small: bool, steps: int = 3, rounds: int = 2) -> list[dict]:
     path, tokenizer = _model_dir(small)
     precision = "fp32" if small else "bf16"
     trainers = [("stock", None), *[("safevocab", overrides) for overrides in ABLATION]]
-    return [grpo_row(path, tokenizer, kind, precision, small, steps, overrides)
-            for _ in range(rounds) for kind, overrides in trainers]
+    return [
+        grpo_row(path, tokenizer, kind, precision, small, steps, overrides)
+        for _ in range(rounds)
+        for kind, overrides in trainers
+    ]
 
 
 # ---------------------------------------------------------------------------------------------- report
 
 
 def markdown(results: dict) -> str:
-    lines = ["# safevocab GPU results", "", "```", json.dumps(results["environment"], indent=1), "```", "",
-             f"Correctness: `{results['correctness'].get('summary', 'skipped')}`", "",
-             *[f"- {line}" for line in results["correctness"].get("failed", [])], "",
-             "| rule | variant | time (s) | peak (MiB) | / floor | / trl |", "|---|---|---:|---:|---:|---:|"]
+    lines = [
+        "# safevocab GPU results",
+        "",
+        "```",
+        json.dumps(results["environment"], indent=1),
+        "```",
+        "",
+        f"Correctness: `{results['correctness'].get('summary', 'skipped')}`",
+        "",
+        *[f"- {line}" for line in results["correctness"].get("failed", [])],
+        "",
+        "| rule | variant | time (s) | peak (MiB) | / floor | / trl |",
+        "|---|---|---:|---:|---:|---:|",
+    ]
     for row in results.get("op", []):
         if "error" in row:
             lines.append(f"| {row['rule']} | error | {row['error'][:80]} | | | |")
@@ -316,37 +444,52 @@ def markdown(results: dict) -> str:
         res = row["results"]
         floor, trl = res.get("floor", {}).get("seconds"), res.get("trl", {}).get("seconds")
         kept = row.get("kept_set")
-        label = f"{row['rule']} ({row.get('logits_profile', 'synthetic')}" + (f", |S| ~ {kept['median']:.0f})" if kept else ")")
+        label = f"{row['rule']} ({row.get('logits_profile', 'synthetic')}" + (
+            f", |S| ~ {kept['median']:.0f})" if kept else ")"
+        )
         for variant, r in res.items():
             if "seconds" not in r:
                 lines.append(f"| {label} | {variant} | {r.get('error', '')[:60]} | | | |")
                 continue
-            ratio = lambda d: f"{r['seconds'] / d:.2f}" if d else ""  # noqa: E731
-            lines.append(f"| {label} | {variant} | {r['seconds']:.4f} | {r['peak_bytes'] / 2**20:.0f} | "
-                         f"{ratio(floor)} | {ratio(trl)} |")
+            ratio = lambda d, r=r: f"{r['seconds'] / d:.2f}" if d else ""  # noqa: E731
+            lines.append(
+                f"| {label} | {variant} | {r['seconds']:.4f} | {r['peak_bytes'] / 2**20:.0f} | "
+                f"{ratio(floor)} | {ratio(trl)} |"
+            )
     if results.get("grpo"):
         lines += ["", "| trainer | precision | step (s) | peak (GiB) |", "|---|---|---:|---:|"]
     for row in results.get("grpo", []):
-        lines.append(f"| {row['trainer']} | {row['precision']} | {row.get('step_seconds', row.get('error', ''))} | "
-                     f"{row.get('peak_gib', '')} |")
+        lines.append(
+            f"| {row['trainer']} | {row['precision']} | {row.get('step_seconds', row.get('error', ''))} | "
+            f"{row.get('peak_gib', '')} |"
+        )
     profile_rows = results.get("profile", [])
     if isinstance(profile_rows, list) and profile_rows:
-        lines += ["", "| rule (logits) | fused (s) | trl (s) | fused / trl | fused's top kernel |", "|---|---:|---:|---:|---|"]
+        lines += [
+            "",
+            "| rule (logits) | fused (s) | trl (s) | fused / trl | fused's top kernel |",
+            "|---|---:|---:|---:|---|",
+        ]
         for row in profile_rows:
             if "error" in row:
                 lines.append(f"| {row['rule']} ({row['logits_profile']}) | {row['error'][:60]} | | | |")
                 continue
             top = row["fused"]["top"][0]
-            lines.append(f"| {row['rule']} ({row['logits_profile']}) | {row['fused']['mean_seconds']:.4f} | "
-                         f"{row['trl']['mean_seconds']:.4f} | {row['fused_over_trl']:.2f} | {top['name'][:50]} |")
+            lines.append(
+                f"| {row['rule']} ({row['logits_profile']}) | {row['fused']['mean_seconds']:.4f} | "
+                f"{row['trl']['mean_seconds']:.4f} | {row['fused_over_trl']:.2f} | {top['name'][:50]} |"
+            )
     pairs = results.get("pairs")
     if pairs:
         lines += ["", "GRPO steps, stock vs SafeVocab interleaved in one process:"]
-        lines.append(f"- error: {pairs['error']}" if "error" in pairs else
-                     f"- {pairs['pairs']} pairs ({pairs['precision']}): SafeVocab / stock median {pairs['median_ratio']}, "
-                     f"95 % interval {pairs['ratio_95']} (stock {pairs['stock_median_seconds']} s, SafeVocab "
-                     f"{pairs['safevocab_median_seconds']} s); goal <= 1.03 at the upper end: "
-                     f"{'met' if pairs['overhead_goal_met'] else 'not met'}")
+        lines.append(
+            f"- error: {pairs['error']}"
+            if "error" in pairs
+            else f"- {pairs['pairs']} pairs ({pairs['precision']}): SafeVocab / stock median {pairs['median_ratio']}, "
+            f"95 % interval {pairs['ratio_95']} (stock {pairs['stock_median_seconds']} s, SafeVocab "
+            f"{pairs['safevocab_median_seconds']} s); goal <= 1.03 at the upper end: "
+            f"{'met' if pairs['overhead_goal_met'] else 'not met'}"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -357,36 +500,73 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--small", action="store_true", help="CPU-sized shapes (tests the script without a GPU)")
     parser.add_argument("--out", default="gpu_results.json", help="results file (JSON; Markdown beside it)")
-    parser.add_argument("--sections", default="correctness,op,grpo",
-                        help=f"comma list of sections to run, of {','.join(SECTIONS)} (default: %(default)s; "
-                        "scripts/gpu_bench.sh runs correctness,op,profile,pairs)")
+    parser.add_argument(
+        "--sections",
+        default="correctness,op,grpo",
+        help=f"comma list of sections to run, of {','.join(SECTIONS)} (default: %(default)s; "
+        "scripts/gpu_bench.sh runs correctness,op,profile,pairs)",
+    )
     parser.add_argument("--skip", default="", help="comma list of sections to leave out of --sections")
     parser.add_argument("--correctness-timeout", type=float, default=600, help="seconds for the reference tests")
-    parser.add_argument("--fuzz-examples", type=int, default=None,
-                        help="fuzz examples per property in the correctness section (default 500; 200 with --small)")
+    parser.add_argument(
+        "--fuzz-examples",
+        type=int,
+        default=None,
+        help="fuzz examples per property in the correctness section (default 500; 200 with --small)",
+    )
     parser.add_argument("--op-timeout", type=float, default=300, help="seconds for each rule's op benchmark")
-    parser.add_argument("--op-variants", default="floor,fused,fused_torch,trl,liger",
-                        help="variants of the op benchmark (default: %(default)s)")
-    parser.add_argument("--profiles", default="synthetic",
-                        help="','-separated logits profiles of the op and profile sections: synthetic, lm "
-                        "(safevocab/bench_inputs.py; default synthetic)")
+    parser.add_argument(
+        "--op-variants",
+        default="floor,fused,fused_torch,trl,liger",
+        help="variants of the op benchmark (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--profiles",
+        default="synthetic",
+        help="','-separated logits profiles of the op and profile sections: synthetic, lm "
+        "(safevocab/bench_inputs.py; default synthetic)",
+    )
     parser.add_argument("--profile-timeout", type=float, default=300, help="seconds for the kernel profile section")
-    parser.add_argument("--grpo-steps", dest="grpo_steps", type=int, default=3,
-                        help="GRPO steps per trainer (the median leaves out the first); 3 left +-20 %% noise on an H200")
-    parser.add_argument("--grpo-pairs", dest="grpo_pairs", type=int, default=30,
-                        help="pairs section: interleaved stock/SafeVocab step pairs (default 30)")
-    parser.add_argument("--n", type=int, default=None, help="tokens for the op benchmark (default: the gpu preset's 16384)")
+    parser.add_argument(
+        "--grpo-steps",
+        dest="grpo_steps",
+        type=int,
+        default=3,
+        help="GRPO steps per trainer (the median leaves out the first); 3 left +-20 %% noise on an H200",
+    )
+    parser.add_argument(
+        "--grpo-pairs",
+        dest="grpo_pairs",
+        type=int,
+        default=30,
+        help="pairs section: interleaved stock/SafeVocab step pairs (default 30)",
+    )
+    parser.add_argument(
+        "--n", type=int, default=None, help="tokens for the op benchmark (default: the gpu preset's 16384)"
+    )
     parser.add_argument("--rules", default=None, help="';'-separated rules for the op benchmark (default: all)")
-    parser.add_argument("--lm-rules", default=None,
-                        help="';'-separated rules for the op benchmark on the lm profile (default: --rules)")
-    parser.add_argument("--replay", default=None,
-                        help="also time support replay of this rule's sets (default: top_k=64 when --rules is not given)")
-    parser.add_argument("--tests", default=",".join(TEST_FILES),
-                        help="comma list of test files of the correctness section (default: %(default)s)")
+    parser.add_argument(
+        "--lm-rules", default=None, help="';'-separated rules for the op benchmark on the lm profile (default: --rules)"
+    )
+    parser.add_argument(
+        "--replay",
+        default=None,
+        help="also time support replay of this rule's sets (default: top_k=64 when --rules is not given)",
+    )
+    parser.add_argument(
+        "--tests",
+        default=",".join(TEST_FILES),
+        help="comma list of test files of the correctness section (default: %(default)s)",
+    )
     parser.add_argument("--no-naive", action="store_true", help="leave out the materialised path (tens of GB, slow)")
-    parser.add_argument("--grpo-ablation", type=int, default=0, metavar="ROUNDS",
-                        help="grpo section: ROUNDS of stock, then SafeVocab without its sampler rule/log-prob "
-                        "recording, part by part (0: the precision comparison instead)")
+    parser.add_argument(
+        "--grpo-ablation",
+        type=int,
+        default=0,
+        metavar="ROUNDS",
+        help="grpo section: ROUNDS of stock, then SafeVocab without its sampler rule/log-prob "
+        "recording, part by part (0: the precision comparison instead)",
+    )
     args = parser.parse_args(argv)
     if args.grpo_ablation < 0:
         parser.error(f"--grpo-ablation must be a number of rounds >= 0, got {args.grpo_ablation}")
@@ -402,17 +582,36 @@ def main(argv: list[str] | None = None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)  # before minutes of measurement, not after
     rules = tuple(args.rules.split(";")) if args.rules else RULES
     runs = {
-        "correctness": lambda: correctness(device, args.small, args.correctness_timeout,
-                                           out.with_suffix(".pytest.log"), args.fuzz_examples,
-                                           tuple(filter(None, args.tests.split(",")))),
-        "op": lambda: [row for profile in profiles
-                       for row in op_bench(args.small, args.op_timeout, args.n,
-                                           tuple(args.lm_rules.split(";")) if profile == "lm" and args.lm_rules else rules,
-                                           not args.no_naive, profile, args.op_variants, args.replay)],
-        "profile": lambda: kernel_profile(args.small, args.profile_timeout, args.n, profiles,
-                                          out.with_suffix(".profile.json")),
-        "grpo": lambda: grpo_ablation(args.small, args.grpo_steps, args.grpo_ablation) if args.grpo_ablation
-        else grpo(args.small, args.grpo_steps),
+        "correctness": lambda: correctness(
+            device,
+            args.small,
+            args.correctness_timeout,
+            out.with_suffix(".pytest.log"),
+            args.fuzz_examples,
+            tuple(filter(None, args.tests.split(","))),
+        ),
+        "op": lambda: [
+            row
+            for profile in profiles
+            for row in op_bench(
+                args.small,
+                args.op_timeout,
+                args.n,
+                tuple(args.lm_rules.split(";")) if profile == "lm" and args.lm_rules else rules,
+                not args.no_naive,
+                profile,
+                args.op_variants,
+                args.replay,
+            )
+        ],
+        "profile": lambda: kernel_profile(
+            args.small, args.profile_timeout, args.n, profiles, out.with_suffix(".profile.json")
+        ),
+        "grpo": lambda: (
+            grpo_ablation(args.small, args.grpo_steps, args.grpo_ablation)
+            if args.grpo_ablation
+            else grpo(args.small, args.grpo_steps)
+        ),
         "pairs": lambda: grpo_pairs(args.small, args.grpo_pairs),
     }
     results: dict = {"environment": environment(), "small": args.small, "correctness": {}, "sections": chosen}

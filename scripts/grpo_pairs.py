@@ -122,8 +122,12 @@ def run_pairs(make_trainer, pairs: int, synchronize=lambda: None) -> dict:
         thread.start()
     for thread in threads:
         thread.join()
-    out: dict = {"pairs": pairs, "order": turns.order, "stock_seconds": turns.times["stock"],
-                 "safevocab_seconds": turns.times["safevocab"]}
+    out: dict = {
+        "pairs": pairs,
+        "order": turns.order,
+        "stock_seconds": turns.times["stock"],
+        "safevocab_seconds": turns.times["safevocab"],
+    }
     if errors:
         out["error"] = "; ".join(f"{k}: {v}" for k, v in errors.items())
         return out

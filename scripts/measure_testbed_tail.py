@@ -39,8 +39,9 @@ import torch  # noqa: E402
 BUCKETS = [(0.0, 1e-4), (1e-4, 1e-3), (1e-3, 1e-2), (1e-2, 1e-1), (1e-1, 0.5), (0.5, 1.0001)]
 
 
-def sample_logprobs(model, tokenizer, prompts, *, eps: float, seed: int, batch_size: int, max_new_tokens: int,
-                    kind: str = "uniform"):
+def sample_logprobs(
+    model, tokenizer, prompts, *, eps: float, seed: int, batch_size: int, max_new_tokens: int, kind: str = "uniform"
+):
     """``(log pi(y), log mu(y))`` of every sampled token before and including EOS, as two 1-D tensors."""
     from transformers import LogitsProcessorList
 
@@ -52,10 +53,21 @@ def sample_logprobs(model, tokenizer, prompts, *, eps: float, seed: int, batch_s
         enc = tokenizer(prompts[start : start + batch_size], return_tensors="pt", padding=True, padding_side="left")
         processors = LogitsProcessorList([LogitNoiseProcessor(eps, kind, seed=seed + start)] if eps else [])
         with torch.no_grad():
-            out = model.generate(**enc, do_sample=True, temperature=1.0, top_k=None, top_p=None, min_p=None,
-                                 max_new_tokens=max_new_tokens, logits_processor=processors,
-                                 output_logits=True, output_scores=True, return_dict_in_generate=True,
-                                 pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+            out = model.generate(
+                **enc,
+                do_sample=True,
+                temperature=1.0,
+                top_k=None,
+                top_p=None,
+                min_p=None,
+                max_new_tokens=max_new_tokens,
+                logits_processor=processors,
+                output_logits=True,
+                output_scores=True,
+                return_dict_in_generate=True,
+                pad_token_id=tokenizer.pad_token_id,
+                eos_token_id=tokenizer.eos_token_id,
+            )
         tokens = out.sequences[:, enc["input_ids"].shape[1] :]
         raw = torch.stack(out.logits, dim=1).float().log_softmax(-1)
         noisy = torch.stack(out.scores, dim=1).float().log_softmax(-1)
@@ -68,15 +80,33 @@ def sample_logprobs(model, tokenizer, prompts, *, eps: float, seed: int, batch_s
     return torch.cat(log_pi), torch.cat(log_mu)
 
 
-def measure(model, tokenizer, prompts, *, eps: float = 1.0, kind: str = "uniform", seed: int = 0,
-            batch_size: int = 64, max_new_tokens: int = 32) -> dict:
+def measure(
+    model,
+    tokenizer,
+    prompts,
+    *,
+    eps: float = 1.0,
+    kind: str = "uniform",
+    seed: int = 0,
+    batch_size: int = 64,
+    max_new_tokens: int = 32,
+) -> dict:
     """The tail fraction (noise-free sampling) and the signed mismatch per bucket (noisy sampling)."""
     state = torch.random.get_rng_state()
     try:
-        log_pi_clean, _ = sample_logprobs(model, tokenizer, prompts, eps=0.0, seed=seed, batch_size=batch_size,
-                                          max_new_tokens=max_new_tokens)
-        log_pi, log_mu = sample_logprobs(model, tokenizer, prompts, eps=eps, seed=seed, batch_size=batch_size,
-                                         max_new_tokens=max_new_tokens, kind=kind)
+        log_pi_clean, _ = sample_logprobs(
+            model, tokenizer, prompts, eps=0.0, seed=seed, batch_size=batch_size, max_new_tokens=max_new_tokens
+        )
+        log_pi, log_mu = sample_logprobs(
+            model,
+            tokenizer,
+            prompts,
+            eps=eps,
+            seed=seed,
+            batch_size=batch_size,
+            max_new_tokens=max_new_tokens,
+            kind=kind,
+        )
     finally:
         torch.random.set_rng_state(state)
     p_clean, p = log_pi_clean.exp(), log_pi.exp()
@@ -84,11 +114,21 @@ def measure(model, tokenizer, prompts, *, eps: float = 1.0, kind: str = "uniform
     for low, high in BUCKETS:
         sel = (p >= low) & (p < high)
         diff = (log_mu - log_pi)[sel]
-        buckets.append({"low": low, "high": min(high, 1.0), "tokens": int(sel.sum()),
-                        "mean_log_mu_minus_log_pi": float(diff.mean()) if diff.numel() else None,
-                        "share_of_tokens": float(sel.float().mean())})
+        buckets.append(
+            {
+                "low": low,
+                "high": min(high, 1.0),
+                "tokens": int(sel.sum()),
+                "mean_log_mu_minus_log_pi": float(diff.mean()) if diff.numel() else None,
+                "share_of_tokens": float(sel.float().mean()),
+            }
+        )
     return {
-        "prompts": len(prompts), "eps": eps, "kind": kind, "seed": seed, "max_new_tokens": max_new_tokens,
+        "prompts": len(prompts),
+        "eps": eps,
+        "kind": kind,
+        "seed": seed,
+        "max_new_tokens": max_new_tokens,
         "tokens_sampled_from_pi": int(p_clean.numel()),
         "fraction_below_0.01": float((p_clean < 0.01).float().mean()),
         "fraction_below_0.1": float((p_clean < 0.1).float().mean()),
@@ -106,20 +146,32 @@ def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--prompts", type=int, default=256, help="held-out prompts (at most 433)")
     parser.add_argument("--eps", type=float, default=1.0, help="bound of the logit noise")
-    parser.add_argument("--kind", default="uniform", choices=("uniform", "clipped_gaussian"),
-                        help="U[-eps, eps], or N(0, (eps/2)^2) clipped at +-eps")
+    parser.add_argument(
+        "--kind",
+        default="uniform",
+        choices=("uniform", "clipped_gaussian"),
+        help="U[-eps, eps], or N(0, (eps/2)^2) clipped at +-eps",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--json", type=Path, default=None, help="also write the figures here")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     prompts = list(held_out_dataset(args.prompts)["prompt"])
-    result = measure(load_testbed_model(), load_testbed_tokenizer(), prompts, eps=args.eps, kind=args.kind,
-                     seed=args.seed,
-                     max_new_tokens=MAX_COMPLETION_LENGTH)
+    result = measure(
+        load_testbed_model(),
+        load_testbed_tokenizer(),
+        prompts,
+        eps=args.eps,
+        kind=args.kind,
+        seed=args.seed,
+        max_new_tokens=MAX_COMPLETION_LENGTH,
+    )
     print(f"{result['prompts']} held-out prompts, temperature 1, <= {result['max_new_tokens']} tokens")
-    print(f"sampled from pi: {result['tokens_sampled_from_pi']} tokens, {result['fraction_below_0.01']:.1%} with "
-          f"pi < 0.01, {result['fraction_below_0.1']:.1%} with pi < 0.1; mean log pi {result['mean_log_pi']:.2f}")
+    print(
+        f"sampled from pi: {result['tokens_sampled_from_pi']} tokens, {result['fraction_below_0.01']:.1%} with "
+        f"pi < 0.01, {result['fraction_below_0.1']:.1%} with pi < 0.1; mean log pi {result['mean_log_pi']:.2f}"
+    )
     print(f"sampled from mu ({args.kind} logit noise, eps = {args.eps}): {result['tokens_sampled_from_mu']} tokens")
     print(f"{'pi(y) bucket':>16} {'tokens':>7} {'share':>6}  mean log mu - log pi")
     for b in result["buckets"]:

@@ -76,7 +76,9 @@ def safevocab(output_dir: str, steps: int, sampler: dict, support: str) -> list[
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=10, help="training steps per run (default 10)")
-    parser.add_argument("--output_dir", default="runs/vllm-ratio", help="runs and results.json (default runs/vllm-ratio)")
+    parser.add_argument(
+        "--output_dir", default="runs/vllm-ratio", help="runs and results.json (default runs/vllm-ratio)"
+    )
     args = parser.parse_args(argv)
     out = Path(args.output_dir)
     table: dict[str, dict[str, dict]] = {}
@@ -93,7 +95,10 @@ def main(argv: list[str] | None = None) -> dict:
     print("| sampler | stock trl | rule | replay |")
     print("|---|---|---|---|")
     for name, ways in table.items():
-        cells = [f"{ways[w]['mean']:.6f} ({ways[w]['min']:.6f}–{ways[w]['max']:.6f})" for w in ("stock trl", "rule", "replay")]
+        cells = [
+            f"{ways[w]['mean']:.6f} ({ways[w]['min']:.6f}–{ways[w]['max']:.6f})"
+            for w in ("stock trl", "rule", "replay")
+        ]
         print(f"| `{name}` | " + " | ".join(cells) + " |")
     return table
 

@@ -69,8 +69,15 @@ def profile_rule(rule: str, logits_profile: str, shape: tuple[int, int, int], de
             step()
             _sync(device)
             times[name].append(time.perf_counter() - started)
-    out = {"rule": rule, "logits_profile": logits_profile, "n": n, "h": h, "v": v, "dtype": str(dtype),
-           "kept_set": kept_set_sizes(hidden, weight, rule)}
+    out = {
+        "rule": rule,
+        "logits_profile": logits_profile,
+        "n": n,
+        "h": h,
+        "v": v,
+        "dtype": str(dtype),
+        "kept_set": kept_set_sizes(hidden, weight, rule),
+    }
     sort_by = "cuda_time_total" if device == "cuda" else "cpu_time_total"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
     for name, step in variants.items():
@@ -119,9 +126,12 @@ def main(argv: list[str] | None = None) -> int:
             if "error" in row:
                 print(f"== {rule} ({logits_profile}): {row['error']}", flush=True)
                 continue
-            print(f"== {rule} ({logits_profile}): fused {row['fused']['mean_seconds']:.4f} s, trl "
-                  f"{row['trl']['mean_seconds']:.4f} s, ratio {row['fused_over_trl']:.2f}; |S| median "
-                  f"{row['kept_set']['median']:.0f}", flush=True)
+            print(
+                f"== {rule} ({logits_profile}): fused {row['fused']['mean_seconds']:.4f} s, trl "
+                f"{row['trl']['mean_seconds']:.4f} s, ratio {row['fused_over_trl']:.2f}; |S| median "
+                f"{row['kept_set']['median']:.0f}",
+                flush=True,
+            )
             for name in ("fused", "trl"):
                 print(f"-- {name}\n{row[name]['table']}", flush=True)
     return 0

@@ -7,6 +7,7 @@ at toy sizes (a check of the script). Used for docs/performance.md, "Second GPU 
 
     PYTHONPATH=$PWD python scripts/profile_torch_backend.py
 """
+
 import time
 
 import torch

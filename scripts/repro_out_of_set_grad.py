@@ -81,7 +81,9 @@ def n1_reproducer():
     hidden, weight, bias, targets = audit_inputs(seed)
     bound = float(hidden[:3].abs().amax(-1).sum()) / t
     _, mw, _ = materialised_grads(hidden, weight, bias, targets, "top_k=1", t)
-    print(f"seed {seed}; softmax bound on |dW| = sum_r max_i |h_ri| / T = {bound:.3g}; materialised max|dW| = {float(mw.abs().max()):.3g}")
+    print(
+        f"seed {seed}; softmax bound on |dW| = sum_r max_i |h_ri| / T = {bound:.3g}; materialised max|dW| = {float(mw.abs().max()):.3g}"
+    )
     for backend in BACKENDS:
         gh, gw, gb, _ = fused_grads(hidden, weight, bias, targets, "top_k=1", t, backend)
         print(
@@ -132,8 +134,10 @@ def d6():
         try:
             out = fused_safe_logprobs(h, w, targets, "none", temperature=t, backend=backend)
             got_h, got_w = torch.autograd.grad(out.logprobs.sum(), (h, w))
-            print(f"  {backend:6s}: grad_hidden {[round(x, 2) for x in got_h[0].tolist()]} (float64: "
-                  f"{[round(x, 2) for x in want_h[0].tolist()]}), max rel err dh {rel(got_h, want_h):.2g}, dW {rel(got_w, want_w):.2g}")
+            print(
+                f"  {backend:6s}: grad_hidden {[round(x, 2) for x in got_h[0].tolist()]} (float64: "
+                f"{[round(x, 2) for x in want_h[0].tolist()]}), max rel err dh {rel(got_h, want_h):.2g}, dW {rel(got_w, want_w):.2g}"
+            )
         except (ValueError, RuntimeError) as e:
             print(f"  {backend:6s}: raised {type(e).__name__}: {e}")
 

@@ -104,13 +104,15 @@ def estimands(tail: dict, lift: dict, key: str) -> dict[str, dict]:
         "E2_residual_harm": found["tail"]["dvp_residual_harm"][key],
         "E3_interaction": found["tail"]["dvp_interaction"][key],
         "E4_cost": found["tail"]["dvp_cost"][key],
-        "E5_specificity": difference_by_seed(found["tail"]["dvp_interaction"][key],
-                                             found["lift2"]["dvp_interaction"][key]),
+        "E5_specificity": difference_by_seed(
+            found["tail"]["dvp_interaction"][key], found["lift2"]["dvp_interaction"][key]
+        ),
     }
     for condition in ("tail", "lift2"):
         for name in ("harm", "dvp_residual_harm", "dvp_interaction", "dvp_gain", "tis_gain", "tis_residual_harm"):
-            if name in found[condition] and not (condition == "tail" and name in ("harm", "dvp_residual_harm",
-                                                                                    "dvp_interaction")):
+            if name in found[condition] and not (
+                condition == "tail" and name in ("harm", "dvp_residual_harm", "dvp_interaction")
+            ):
                 out[f"{condition}:{name}"] = found[condition][name][key]
     return out
 
@@ -121,22 +123,26 @@ def per_eval_seed(tail: dict, lift: dict, key: str) -> list[dict[str, dict]]:
     seeds = found["tail"]["harm"].get(f"{key}_by_eval_seed") or []
     out = []
     for j in range(len(seeds)):
-        def at(condition: str, name: str) -> dict:
+
+        def at(condition: str, name: str, j: int = j) -> dict:
             return found[condition][name][f"{key}_by_eval_seed"][j]
 
-        out.append({
-            "E1_harm": at("tail", "harm"),
-            "E2_residual_harm": at("tail", "dvp_residual_harm"),
-            "E3_interaction": at("tail", "dvp_interaction"),
-            "E4_cost": at("tail", "dvp_cost"),
-            "E5_specificity": difference_by_seed(at("tail", "dvp_interaction"), at("lift2", "dvp_interaction")),
-        })
+        out.append(
+            {
+                "E1_harm": at("tail", "harm"),
+                "E2_residual_harm": at("tail", "dvp_residual_harm"),
+                "E3_interaction": at("tail", "dvp_interaction"),
+                "E4_cost": at("tail", "dvp_cost"),
+                "E5_specificity": difference_by_seed(at("tail", "dvp_interaction"), at("lift2", "dvp_interaction")),
+            }
+        )
     return out
 
 
 def decide(e: dict[str, dict], margin: float = MARGIN, interval: str = "ci95") -> dict[str, str]:
     """The plan's decisions from E1–E5 (``interval``: ``"ci95"``, or ``"bonferroni"`` for the 99 % intervals; the
     equivalence test always uses the 90 % interval, two one-sided tests at 5 %)."""
+
     def ci(name: str) -> list[float] | None:
         stats = e[name]
         return bonferroni(stats) if interval == "bonferroni" else stats["ci95"]
@@ -148,8 +154,13 @@ def decide(e: dict[str, dict], margin: float = MARGIN, interval: str = "ci95") -
         dvp = "DVP removes the tail's harm"
     else:
         dvp = "DVP reduces the tail's harm but does not remove it"
-    cost = ("cost detected negative" if below(ci("E4_cost")) else
-            "cost detected positive" if above(ci("E4_cost")) else "no cost detected")
+    cost = (
+        "cost detected negative"
+        if below(ci("E4_cost"))
+        else "cost detected positive"
+        if above(ci("E4_cost"))
+        else "no cost detected"
+    )
     specificity = "specific to the tail" if above(ci("E5_specificity")) else "specificity not shown"
     return {"premise": premise, "dvp": dvp, "cost": cost, "specificity": specificity}
 
@@ -171,14 +182,22 @@ def cost_against_bound(tail: dict, key: str) -> list[dict]:
         mass = statistics.mean(series["safevocab/pruned_mass_mean"][i] for i in late)
         ev = run["eval"]
         same_policy = [f - q for step, f, q in zip(ev["step"], ev[metric], ev[f"{metric}_rule"]) if step > half]
-        rows.append({"seed": run["seed"], "pruned_mass": mass, "seq_tv": tv,
-                     "bound": objective_bias_bound(tv, 0.0, 1.0), "cost": cost_by_seed.get(run["seed"]),
-                     "same_policy_full_minus_rule": statistics.mean(same_policy)})
+        rows.append(
+            {
+                "seed": run["seed"],
+                "pruned_mass": mass,
+                "seq_tv": tv,
+                "bound": objective_bias_bound(tv, 0.0, 1.0),
+                "cost": cost_by_seed.get(run["seed"]),
+                "same_policy_full_minus_rule": statistics.mean(same_policy),
+            }
+        )
     return rows
 
 
 def determinism(tail: dict, check: dict) -> list[str]:
     """The controls of ``check`` against the tail study's, seed by seed: everything but the wall-clock step time."""
+
     def controls(results: dict) -> dict:
         return {(r["arm"], r["seed"]): r for r in results["runs"] if r["arm"] in CONTROLS and r["status"] == "ok"}
 
@@ -187,8 +206,11 @@ def determinism(tail: dict, check: dict) -> list[str]:
     for key, run in sorted(mine.items()):
         other = theirs.get(key)
         keys = (set(run["series"]) | set((other or {}).get("series", {}))) - {"step_time"}
-        same = other is not None and run["eval"] == other["eval"] and all(
-            run["series"].get(k) == other["series"].get(k) for k in keys)
+        same = (
+            other is not None
+            and run["eval"] == other["eval"]
+            and all(run["series"].get(k) == other["series"].get(k) for k in keys)
+        )
         lines.append(f"{key[0]} seed {key[1]}: {'identical' if same else 'DIFFERENT'}")
     return lines
 
@@ -237,8 +259,10 @@ def plot(report: dict, path: Path) -> None:
         ax.set_title(title, fontsize=10)
         ax.set_xlabel("paired difference of late held-out reward")
     axes[0].set_yticks(range(len(PRIMARY)), [n.replace("_", " ", 1).replace("_", " ") for n in reversed(PRIMARY)])
-    fig.suptitle("Study 2: estimands (mean, 95 % and Bonferroni 99 % intervals; red: each evaluation seed; "
-                 "green: E2's margin)", fontsize=9)
+    fig.suptitle(
+        "Study 2: estimands (mean, 95 % and Bonferroni 99 % intervals; red: each evaluation seed; green: E2's margin)",
+        fontsize=9,
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=130)
     plt.close(fig)
@@ -258,46 +282,78 @@ def markdown(report: dict) -> str:
     out: list[str] = []
     for scoring, title in TITLES.items():
         part = report[scoring]
-        out += [f"**Late held-out reward {title}**: paired differences over training seeds (mean, intervals).", "",
-                "| estimand | mean | 95 % | 90 % | 99 % (Bonferroni) | n |", "|---|---:|---|---|---|---:|"]
+        out += [
+            f"**Late held-out reward {title}**: paired differences over training seeds (mean, intervals).",
+            "",
+            "| estimand | mean | 95 % | 90 % | 99 % (Bonferroni) | n |",
+            "|---|---:|---|---|---|---:|",
+        ]
         for name in PRIMARY:
             stats = part["estimands"][name]
             mean = "n/a" if stats["mean"] is None else f"{stats['mean']:+.4f}"
-            out.append(f"| {name} | {mean} | {_interval(stats['ci95'])} | {_interval(stats['ci90'])} | "
-                       f"{_interval(bonferroni(stats))} | {stats['n']} |")
-        out += ["", "| decision | 95 % | Bonferroni | "
-                + " | ".join(f"eval seed #{j}" for j in range(len(part["decisions_by_eval_seed"]))) + " | robust |",
-                "|---|---|---|" + "---|" * len(part["decisions_by_eval_seed"]) + "---|"]
+            out.append(
+                f"| {name} | {mean} | {_interval(stats['ci95'])} | {_interval(stats['ci90'])} | "
+                f"{_interval(bonferroni(stats))} | {stats['n']} |"
+            )
+        out += [
+            "",
+            "| decision | 95 % | Bonferroni | "
+            + " | ".join(f"eval seed #{j}" for j in range(len(part["decisions_by_eval_seed"])))
+            + " | robust |",
+            "|---|---|---|" + "---|" * len(part["decisions_by_eval_seed"]) + "---|",
+        ]
         for key, value in part["decisions"].items():
             by_seed = [d[key] for d in part["decisions_by_eval_seed"]]
             robust = "yes" if by_seed and all(v == value for v in by_seed) else "no"
-            out.append(f"| {key} | {value} | {part['decisions_bonferroni'][key]} | " + " | ".join(by_seed)
-                       + f" | {robust} |")
-        out += ["", "Each evaluation seed alone (mean and 95 % interval):", "",
-                "| estimand | " + " | ".join(f"eval seed #{j}" for j in range(len(part["by_eval_seed"]))) + " |",
-                "|---|" + "---|" * len(part["by_eval_seed"])]
+            out.append(
+                f"| {key} | {value} | {part['decisions_bonferroni'][key]} | " + " | ".join(by_seed) + f" | {robust} |"
+            )
+        out += [
+            "",
+            "Each evaluation seed alone (mean and 95 % interval):",
+            "",
+            "| estimand | " + " | ".join(f"eval seed #{j}" for j in range(len(part["by_eval_seed"]))) + " |",
+            "|---|" + "---|" * len(part["by_eval_seed"]),
+        ]
         for name in PRIMARY:
             out.append(f"| {name} | " + " | ".join(_cell(seed[name]) for seed in part["by_eval_seed"]) + " |")
-        out.append("| E2_residual_harm, 90 % (equivalence) | "
-                   + " | ".join(_interval(seed["E2_residual_harm"]["ci90"]) for seed in part["by_eval_seed"]) + " |")
+        out.append(
+            "| E2_residual_harm, 90 % (equivalence) | "
+            + " | ".join(_interval(seed["E2_residual_harm"]["ci90"]) for seed in part["by_eval_seed"])
+            + " |"
+        )
         secondary = [name for name in part["estimands"] if name not in PRIMARY]
-        out += ["", "Secondary contrasts (descriptive; mean and 95 % interval):", "", "| contrast | mean [95 %] | n |",
-                "|---|---|---:|"]
+        out += [
+            "",
+            "Secondary contrasts (descriptive; mean and 95 % interval):",
+            "",
+            "| contrast | mean [95 %] | n |",
+            "|---|---|---:|",
+        ]
         out += [f"| {name} | {_cell(part['estimands'][name])} | {part['estimands'][name]['n']} |" for name in secondary]
         out.append("")
-    out += ["**DVP's cost against the bound** (`dvp_no_mismatch`, steps after 150; cost: that seed's E4 on each "
-            "scoring; same policy: its full − rule late held-out reward):", "",
-            "| seed | pruned mass | sequence TV | bound TV·(r_max − r_min) | E4 cost (rule) | E4 cost (full) "
-            "| same policy full − rule |",
-            "|---:|---:|---:|---:|---:|---:|---:|"]
+    out += [
+        "**DVP's cost against the bound** (`dvp_no_mismatch`, steps after 150; cost: that seed's E4 on each "
+        "scoring; same policy: its full − rule late held-out reward):",
+        "",
+        "| seed | pruned mass | sequence TV | bound TV·(r_max − r_min) | E4 cost (rule) | E4 cost (full) "
+        "| same policy full − rule |",
+        "|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     full_cost = {row["seed"]: row["cost"] for row in report["cost_against_bound"]["full"]}
     for row in report["cost_against_bound"]["rule"]:
         costs = ["n/a" if c is None else f"{c:+.4f}" for c in (row["cost"], full_cost.get(row["seed"]))]
-        out.append(f"| {row['seed']} | {row['pruned_mass']:.4f} | {row['seq_tv']:.4f} | {row['bound']:.4f} | "
-                   f"{costs[0]} | {costs[1]} | {row['same_policy_full_minus_rule']:+.4f} |")
+        out.append(
+            f"| {row['seed']} | {row['pruned_mass']:.4f} | {row['seq_tv']:.4f} | {row['bound']:.4f} | "
+            f"{costs[0]} | {costs[1]} | {row['same_policy_full_minus_rule']:+.4f} |"
+        )
     if "determinism" in report:
-        out += ["", "**Determinism check** (seed 1's controls trained again with the `lift2` flags): "
-                + "; ".join(report["determinism"]) + "."]
+        out += [
+            "",
+            "**Determinism check** (seed 1's controls trained again with the `lift2` flags): "
+            + "; ".join(report["determinism"])
+            + ".",
+        ]
     return "\n".join(out) + "\n"
 
 
@@ -309,10 +365,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, help="write every figure here")
     parser.add_argument("--plot", type=Path, help="draw the estimands' forest plot here (PNG; needs matplotlib)")
     parser.add_argument("--markdown", type=Path, help="write the outcome's tables here (Markdown)")
-    parser.add_argument("--allow_mixed_commits", action="store_true",
-                        help="analyse runs recorded from different commits (refused by default)")
-    parser.add_argument("--allow_dirty", action="store_true",
-                        help="analyse runs trained from a tree with uncommitted changes (refused by default)")
+    parser.add_argument(
+        "--allow_mixed_commits",
+        action="store_true",
+        help="analyse runs recorded from different commits (refused by default)",
+    )
+    parser.add_argument(
+        "--allow_dirty",
+        action="store_true",
+        help="analyse runs trained from a tree with uncommitted changes (refused by default)",
+    )
     args = parser.parse_args(argv)
     tail = json.loads(args.tail.read_text())
     lift_alone = json.loads(args.lift2.read_text())
@@ -329,8 +391,11 @@ def main(argv: list[str] | None = None) -> int:
         found = estimands(tail, lift, key)
         seeds = per_eval_seed(tail, lift, key)
         report[scoring] = {
-            "estimands": found, "decisions": decide(found), "decisions_bonferroni": decide(found, interval="bonferroni"),
-            "decisions_by_eval_seed": [decide(e) for e in seeds], "by_eval_seed": seeds,
+            "estimands": found,
+            "decisions": decide(found),
+            "decisions_bonferroni": decide(found, interval="bonferroni"),
+            "decisions_by_eval_seed": [decide(e) for e in seeds],
+            "by_eval_seed": seeds,
         }
         title = "PRIMARY: the rule's support" if scoring == "rule" else "key secondary: the full distribution"
         print(f"\n## late held-out reward, {title}")

@@ -52,13 +52,23 @@ DOSE_K3 = {0.03: 7.39e-5, 0.1: 8.33e-4, 0.3: 8.05e-3, 1.07: 0.122}
 SCORINGS = {"rule": "late_metric_rule", "full": "late_metric"}
 TITLES = {"rule": "on the rule's support (primary)", "full": "on the full distribution"}
 #: The per-condition estimands (contrast names), in table order.
-ESTIMANDS = ("harm", "dvp_minus_tis", "dvp_residual_clean", "dvp_residual_harm", "dvp_interaction", "dvp_cost",
-             "tis_gain", "dvp_gain", "tis_residual_harm", "dvp_tis_minus_dvp", "dvp_tis_residual_clean")
+ESTIMANDS = (
+    "harm",
+    "dvp_minus_tis",
+    "dvp_residual_clean",
+    "dvp_residual_harm",
+    "dvp_interaction",
+    "dvp_cost",
+    "tis_gain",
+    "dvp_gain",
+    "tis_residual_harm",
+    "dvp_tis_minus_dvp",
+    "dvp_tis_residual_clean",
+)
 #: The slopes of the dose-response (contrast names).
 SLOPES = ("harm", "dvp_interaction", "dvp_residual_clean")
 #: The primary family: (condition or "dose", estimand).
-PRIMARY = (("trunc", "harm"), ("bf16", "harm"), ("trunc", "dvp_minus_tis"), ("bf16", "dvp_minus_tis"),
-           ("dose", "harm"))
+PRIMARY = (("trunc", "harm"), ("bf16", "harm"), ("trunc", "dvp_minus_tis"), ("bf16", "dvp_minus_tis"), ("dose", "harm"))
 
 
 def tail_label(eps: float) -> str:
@@ -75,9 +85,11 @@ def conditions(trunc: dict | None, bf16: dict | None, tails: list[dict]) -> dict
     for study in tails:
         eps = float(study["settings"]["noise"])
         if study["settings"].get("noise_kind") != "tail" or eps not in DOSE_K3:
-            raise ValueError(f"--tail: a study with --noise {eps:g} --noise_kind {study['settings'].get('noise_kind')}"
-                             f" is not one of the registered sizes: accepted --noise_kind tail with --noise in "
-                             f"{sorted(DOSE_K3)}")
+            raise ValueError(
+                f"--tail: a study with --noise {eps:g} --noise_kind {study['settings'].get('noise_kind')}"
+                f" is not one of the registered sizes: accepted --noise_kind tail with --noise in "
+                f"{sorted(DOSE_K3)}"
+            )
         if bf16 is None or not all(arm in bf16["arms"] for arm in CONTROLS):
             raise ValueError("--tail needs --bf16 with the controls no_mismatch and dvp_no_mismatch")
         out[tail_label(eps)] = with_controls(study, bf16)
@@ -89,8 +101,11 @@ def estimands(studies: dict[str, dict], key: str) -> dict[str, dict[str, dict]]:
     out: dict[str, dict[str, dict]] = {}
     for condition, results in studies.items():
         found = contrasts(results)
-        out[condition] = {name: {**found[name][key], "by_eval_seed": found[name].get(f"{key}_by_eval_seed") or []}
-                          for name in ESTIMANDS if name in found}
+        out[condition] = {
+            name: {**found[name][key], "by_eval_seed": found[name].get(f"{key}_by_eval_seed") or []}
+            for name in ESTIMANDS
+            if name in found
+        }
     return out
 
 
@@ -123,15 +138,17 @@ def dose_slopes(found: dict[str, dict[str, dict]]) -> dict[str, dict]:
             continue
         stats = _slope_stats({eps: e[name] for eps, e in tails.items()})
         n_eval = min(len(e[name]["by_eval_seed"]) for e in tails.values())
-        stats["by_eval_seed"] = [_slope_stats({eps: e[name]["by_eval_seed"][j] for eps, e in tails.items()})
-                                 for j in range(n_eval)]
+        stats["by_eval_seed"] = [
+            _slope_stats({eps: e[name]["by_eval_seed"][j] for eps, e in tails.items()}) for j in range(n_eval)
+        ]
         stats["doses"] = sorted(tails)
         out[name] = stats
     return out
 
 
-def _three_way(stats: dict, ci: list[float] | None, negative: str, positive: str, equivalent: str,
-               undecided: str) -> str:
+def _three_way(
+    stats: dict, ci: list[float] | None, negative: str, positive: str, equivalent: str, undecided: str
+) -> str:
     """``negative``/``positive`` when the interval ``ci`` (default the 95 %) lies below/above 0 (", within the margin"
     added when the 90 % interval also lies inside it), else ``equivalent`` when the 90 % interval lies inside
     (−margin, margin), else ``undecided``."""
@@ -143,8 +160,9 @@ def _three_way(stats: dict, ci: list[float] | None, negative: str, positive: str
 
 
 def decide_harm(stats: dict, ci: list[float] | None = None) -> str:
-    return _three_way(stats, ci, "harm detected", "gain detected", "no harm (equivalent to 0)",
-                      "no harm detected (not shown absent)")
+    return _three_way(
+        stats, ci, "harm detected", "gain detected", "no harm (equivalent to 0)", "no harm detected (not shown absent)"
+    )
 
 
 def decide_versus(stats: dict, ci: list[float] | None = None) -> str:
@@ -152,8 +170,14 @@ def decide_versus(stats: dict, ci: list[float] | None = None) -> str:
 
 
 def decide_clean(stats: dict, ci: list[float] | None = None) -> str:
-    return _three_way(stats, ci, "below the clean control", "above the clean control",
-                      "reaches the clean control (equivalent)", "undecided")
+    return _three_way(
+        stats,
+        ci,
+        "below the clean control",
+        "above the clean control",
+        "reaches the clean control (equivalent)",
+        "undecided",
+    )
 
 
 def decide_removal(residual: dict, interaction: dict) -> str:
@@ -161,8 +185,7 @@ def decide_removal(residual: dict, interaction: dict) -> str:
     equivalent to 0 within the margin."""
     if not above(interaction["ci95"]):
         return "DVP does not reduce the harm"
-    return ("DVP removes the harm" if within(residual["ci90"], MARGIN)
-            else "DVP reduces the harm but does not remove it")
+    return "DVP removes the harm" if within(residual["ci90"], MARGIN) else "DVP reduces the harm but does not remove it"
 
 
 def decide_slope(stats: dict, ci: list[float] | None = None, sign: int = -1) -> str:
@@ -173,8 +196,13 @@ def decide_slope(stats: dict, ci: list[float] | None = None, sign: int = -1) -> 
 
 
 #: estimand -> its decision function (estimands without one are descriptive).
-DECISIONS = {"harm": decide_harm, "dvp_minus_tis": decide_versus, "dvp_residual_clean": decide_clean,
-             "dvp_tis_residual_clean": decide_clean, "tis_residual_harm": decide_clean}
+DECISIONS = {
+    "harm": decide_harm,
+    "dvp_minus_tis": decide_versus,
+    "dvp_residual_clean": decide_clean,
+    "dvp_tis_residual_clean": decide_clean,
+    "tis_residual_harm": decide_clean,
+}
 
 
 def decisions(found: dict[str, dict[str, dict]], slopes: dict[str, dict]) -> dict[str, dict[str, dict]]:
@@ -192,14 +220,18 @@ def decisions(found: dict[str, dict[str, dict]], slopes: dict[str, dict]) -> dic
         return e
 
     for condition, found_c in found.items():
-        out[condition] = {name: entry(condition, name, found_c[name], decide)
-                          for name, decide in DECISIONS.items() if name in found_c}
+        out[condition] = {
+            name: entry(condition, name, found_c[name], decide) for name, decide in DECISIONS.items() if name in found_c
+        }
         if "dvp_residual_harm" in found_c and "dvp_interaction" in found_c:
             r, i = found_c["dvp_residual_harm"], found_c["dvp_interaction"]
             by_seed = [decide_removal(a, b) for a, b in zip(r["by_eval_seed"], i["by_eval_seed"])]
             value = decide_removal(r, i)
-            out[condition]["dvp_removal"] = {"decision": value, "by_eval_seed": by_seed,
-                                             "robust": bool(by_seed) and all(v == value for v in by_seed)}
+            out[condition]["dvp_removal"] = {
+                "decision": value,
+                "by_eval_seed": by_seed,
+                "robust": bool(by_seed) and all(v == value for v in by_seed),
+            }
     if slopes:
         out["dose"] = {}
         for name, sign in (("harm", -1), ("dvp_interaction", 1), ("dvp_residual_clean", -1)):
@@ -218,35 +250,50 @@ def markdown(report: dict) -> str:
     out: list[str] = []
     for scoring, title in TITLES.items():
         part = report[scoring]
-        out += [f"**Late held-out reward {title}**: paired differences over training seeds.", "",
-                "| condition | estimand | mean | 95 % | 90 % | n | decision | robust |",
-                "|---|---|---:|---|---|---:|---|---|"]
+        out += [
+            f"**Late held-out reward {title}**: paired differences over training seeds.",
+            "",
+            "| condition | estimand | mean | 95 % | 90 % | n | decision | robust |",
+            "|---|---|---:|---|---|---:|---|---|",
+        ]
         for condition, found_c in part["estimands"].items():
             for name, stats in found_c.items():
                 d = part["decisions"].get(condition, {}).get(name)
                 mean = "n/a" if stats["mean"] is None else f"{stats['mean']:+.4f}"
-                out.append(f"| {condition} | {name} | {mean} | {_interval(stats['ci95'])} | "
-                           f"{_interval(stats['ci90'])} | {stats['n']} | {d['decision'] if d else '–'} | "
-                           f"{('yes' if d['robust'] else 'no') if d else '–'} |")
+                out.append(
+                    f"| {condition} | {name} | {mean} | {_interval(stats['ci95'])} | "
+                    f"{_interval(stats['ci90'])} | {stats['n']} | {d['decision'] if d else '–'} | "
+                    f"{('yes' if d['robust'] else 'no') if d else '–'} |"
+                )
             removal = part["decisions"].get(condition, {}).get("dvp_removal")
             if removal:
-                out.append(f"| {condition} | DVP removal (Study 2's rule) | | | | | {removal['decision']} | "
-                           f"{'yes' if removal['robust'] else 'no'} |")
+                out.append(
+                    f"| {condition} | DVP removal (Study 2's rule) | | | | | {removal['decision']} | "
+                    f"{'yes' if removal['robust'] else 'no'} |"
+                )
         for name, stats in part["slopes"].items():
             d = part["decisions"]["dose"][name]
-            out.append(f"| dose | slope of {name} per decade of k3 | {stats['mean']:+.4f} | "
-                       f"{_interval(stats['ci95'])} | {_interval(stats['ci90'])} | {stats['n']} | {d['decision']} | "
-                       f"{'yes' if d['robust'] else 'no'} |")
-        out += ["", "Primary family (Bonferroni over five, 99 % intervals):", "",
-                "| condition | estimand | 99 % | decision (95 %) | decision (Bonferroni) |", "|---|---|---|---|---|"]
+            out.append(
+                f"| dose | slope of {name} per decade of k3 | {stats['mean']:+.4f} | "
+                f"{_interval(stats['ci95'])} | {_interval(stats['ci90'])} | {stats['n']} | {d['decision']} | "
+                f"{'yes' if d['robust'] else 'no'} |"
+            )
+        out += [
+            "",
+            "Primary family (Bonferroni over five, 99 % intervals):",
+            "",
+            "| condition | estimand | 99 % | decision (95 %) | decision (Bonferroni) |",
+            "|---|---|---|---|---|",
+        ]
         for condition, name in PRIMARY:
             stats = part["slopes"].get(name) if condition == "dose" else part["estimands"].get(condition, {}).get(name)
             d = part["decisions"].get(condition, {}).get(name)
             if stats is None or d is None:
                 out.append(f"| {condition} | {name} | – | not run | not run |")
                 continue
-            out.append(f"| {condition} | {name} | {_interval(bonferroni(stats))} | {d['decision']} | "
-                       f"{d['bonferroni']} |")
+            out.append(
+                f"| {condition} | {name} | {_interval(bonferroni(stats))} | {d['decision']} | {d['bonferroni']} |"
+            )
         out.append("")
     return "\n".join(out) + "\n"
 
@@ -259,8 +306,12 @@ def plot(report: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [(c, n) for c in report["rule"]["estimands"] for n in ("harm", "dvp_minus_tis", "dvp_residual_clean")
-            if n in report["rule"]["estimands"][c]]
+    rows = [
+        (c, n)
+        for c in report["rule"]["estimands"]
+        for n in ("harm", "dvp_minus_tis", "dvp_residual_clean")
+        if n in report["rule"]["estimands"][c]
+    ]
     fig, axes = plt.subplots(1, len(SCORINGS), figsize=(5.6 * len(SCORINGS), 0.32 * len(rows) + 1.6), sharey=True)
     for ax, (scoring, title) in zip(axes, TITLES.items()):
         found = report[scoring]["estimands"]
@@ -301,10 +352,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, help="write every figure here")
     parser.add_argument("--markdown", type=Path, help="write the outcome's tables here (Markdown)")
     parser.add_argument("--plot", type=Path, help="draw the forest plot here (PNG; needs matplotlib)")
-    parser.add_argument("--allow_mixed_commits", action="store_true",
-                        help="analyse runs recorded from different commits (refused by default)")
-    parser.add_argument("--allow_dirty", action="store_true",
-                        help="analyse runs trained from a tree with uncommitted changes (refused by default)")
+    parser.add_argument(
+        "--allow_mixed_commits",
+        action="store_true",
+        help="analyse runs recorded from different commits (refused by default)",
+    )
+    parser.add_argument(
+        "--allow_dirty",
+        action="store_true",
+        help="analyse runs trained from a tree with uncommitted changes (refused by default)",
+    )
     args = parser.parse_args(argv)
     if args.trunc is None and args.bf16 is None and not args.tail:
         parser.error("give at least one of --trunc, --bf16, --tail")

@@ -123,8 +123,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--output", type=Path, default=TESTBED_DIR, help="folder to write (default: the bundle)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--steps", type=int, default=900, help="optimisation steps (the schedule's length)")
-    parser.add_argument("--minutes", type=float, default=None,
-                        help="also stop after this many minutes of training (the result then depends on speed)")
+    parser.add_argument(
+        "--minutes",
+        type=float,
+        default=None,
+        help="also stop after this many minutes of training (the result then depends on speed)",
+    )
     parser.add_argument("--threads", type=int, default=2, help="torch threads (part of what makes the bytes)")
     parser.add_argument("--vocab-size", type=int, default=4096)
     parser.add_argument("--hidden-size", type=int, default=128)
@@ -156,8 +160,9 @@ def main(argv=None) -> dict:
     corpus = [t for t in texts if not is_held_out(t)]
     held_out = [t for t in texts if is_held_out(t)]
     corpus_seconds = time.perf_counter() - start
-    print(f"corpus: {len(corpus):,} texts, {sum(map(len, corpus)):,} characters ({len(held_out):,} held out)",
-          flush=True)
+    print(
+        f"corpus: {len(corpus):,} texts, {sum(map(len, corpus)):,} characters ({len(held_out):,} held out)", flush=True
+    )
 
     tokenizer = train_bpe_tokenizer(corpus, vocab_size=args.vocab_size)
     backend = tokenizer.backend_tokenizer
@@ -167,16 +172,25 @@ def main(argv=None) -> dict:
     batches = length_batches(train_seqs, args.batch_tokens)
     tokenizer_seconds = time.perf_counter() - start - corpus_seconds
     n_tokens = sum(map(len, train_seqs))
-    print(f"tokenizer: {len(tokenizer)} ids; {n_tokens:,} training tokens in {len(train_seqs):,} pieces, "
-          f"{len(batches)} batches an epoch", flush=True)
+    print(
+        f"tokenizer: {len(tokenizer)} ids; {n_tokens:,} training tokens in {len(train_seqs):,} pieces, "
+        f"{len(batches)} batches an epoch",
+        flush=True,
+    )
 
     torch.manual_seed(args.seed)
-    model = build_llama(tokenizer, hidden_size=args.hidden_size, intermediate_size=args.intermediate_size,
-                        layers=args.layers, heads=args.heads)
+    model = build_llama(
+        tokenizer,
+        hidden_size=args.hidden_size,
+        intermediate_size=args.intermediate_size,
+        layers=args.layers,
+        heads=args.heads,
+    )
     n_params = sum(p.numel() for p in model.parameters())
     print(f"LlamaForCausalLM: {n_params:,} parameters", flush=True)
-    optimizer, scheduler = adamw_warmup_cosine(model, lr=args.lr, weight_decay=args.weight_decay,
-                                               warmup_steps=args.warmup_steps, max_steps=args.steps)
+    optimizer, scheduler = adamw_warmup_cosine(
+        model, lr=args.lr, weight_decay=args.weight_decay, warmup_steps=args.warmup_steps, max_steps=args.steps
+    )
 
     history, loss_ema, steps_done, stopped_by, epoch = [], None, 0, "steps", 0
     order: list[int] = []
@@ -195,16 +209,22 @@ def main(argv=None) -> dict:
         loss_ema = loss.item() if loss_ema is None else 0.98 * loss_ema + 0.02 * loss.item()
         bar.set_postfix(loss=f"{loss_ema:.3f}")
         if steps_done % 50 == 0 or steps_done == args.steps:
-            history.append({"step": steps_done, "train_loss_ema": round(loss_ema, 4),
-                            "seconds": round(time.perf_counter() - train_start, 1)})
+            history.append(
+                {
+                    "step": steps_done,
+                    "train_loss_ema": round(loss_ema, 4),
+                    "seconds": round(time.perf_counter() - train_start, 1),
+                }
+            )
         if args.minutes is not None and time.perf_counter() - train_start > 60 * args.minutes:
             stopped_by = "minutes"
             break
     bar.close()
     train_seconds = time.perf_counter() - train_start
     model.eval()
-    eval_loss = held_out_loss(model, held_out_seqs, tokenizer.pad_token_id, args.batch_tokens) if held_out_seqs \
-        else None
+    eval_loss = (
+        held_out_loss(model, held_out_seqs, tokenizer.pad_token_id, args.batch_tokens) if held_out_seqs else None
+    )
 
     info = {
         "command": " ".join(["python scripts/train_testbed_model.py", *(sys.argv[1:] if argv is None else argv)]),
@@ -225,8 +245,12 @@ def main(argv=None) -> dict:
         "epochs": round(steps_done / len(batches), 2),
         "final_train_loss_ema": round(loss_ema, 4),
         "held_out_loss": None if eval_loss is None else round(eval_loss, 4),
-        "wall_seconds": {"corpus": round(corpus_seconds, 1), "tokenizer_and_encoding": round(tokenizer_seconds, 1),
-                         "training": round(train_seconds, 1), "total": round(time.perf_counter() - start, 1)},
+        "wall_seconds": {
+            "corpus": round(corpus_seconds, 1),
+            "tokenizer_and_encoding": round(tokenizer_seconds, 1),
+            "training": round(train_seconds, 1),
+            "total": round(time.perf_counter() - start, 1),
+        },
         "load_average_1min": {"start": round(load_before[0], 2), "end": round(os.getloadavg()[0], 2)},
         "versions": {"torch": torch.__version__, **_library_versions()},
         "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "output"},
@@ -236,9 +260,12 @@ def main(argv=None) -> dict:
     save_task_texts(args.output, texts)
     (args.output / BUILD_INFO_FILE).write_text(json.dumps(info, indent=2) + "\n")
     size = sum(f.stat().st_size for f in args.output.iterdir() if f.is_file())
-    print(f"done: {steps_done} steps in {train_seconds:.0f}s (load {load_before[0]:.1f} at the start), "
-          f"train loss {loss_ema:.3f}, held-out loss {info['held_out_loss']}; saved to {args.output} "
-          f"({size / 2**20:.2f} MiB)", flush=True)
+    print(
+        f"done: {steps_done} steps in {train_seconds:.0f}s (load {load_before[0]:.1f} at the start), "
+        f"train loss {loss_ema:.3f}, held-out loss {info['held_out_loss']}; saved to {args.output} "
+        f"({size / 2**20:.2f} MiB)",
+        flush=True,
+    )
     return info
 
 

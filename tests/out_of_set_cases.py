@@ -126,8 +126,19 @@ def draw_case(seed: int, temperature: float) -> Case:
     b = torch.randn(n, generator=g, dtype=torch.float64) * (randint(0, 2) == 0 or not parts)
     rows_per_chunk = randint(1, 4)
     return Case(
-        seed, hidden, weight, bias, targets, parts, temperature, logit_scale, exact, dense=seed % 4 == 3,
-        max_chunk_bytes=rows_per_chunk * v * 8, a=a, b=b,
+        seed,
+        hidden,
+        weight,
+        bias,
+        targets,
+        parts,
+        temperature,
+        logit_scale,
+        exact,
+        dense=seed % 4 == 3,
+        max_chunk_bytes=rows_per_chunk * v * 8,
+        a=a,
+        b=b,
     )
 
 
@@ -149,8 +160,15 @@ def fused_grads(case: Case, backend: str, device: str = "cpu"):
         fused_op.SPARSE_MAX_DENSITY = 0.0 if case.dense else 1.0
     try:
         out = fused_safe_logprobs(
-            params[0], params[1], case.targets.to(device), case.rule, bias=params[2], temperature=case.temperature,
-            logit_scale=case.logit_scale, max_chunk_bytes=case.max_chunk_bytes, backend=backend,
+            params[0],
+            params[1],
+            case.targets.to(device),
+            case.rule,
+            bias=params[2],
+            temperature=case.temperature,
+            logit_scale=case.logit_scale,
+            max_chunk_bytes=case.max_chunk_bytes,
+            backend=backend,
         )
         grads = iter(torch.autograd.grad(_loss(out, case), [p for p in params if p is not None and p.requires_grad]))
     finally:
@@ -297,7 +315,9 @@ def summary(backend: str, temperature: float, results: list[CaseResult]) -> str:
     )
 
 
-def run_cases(backend: str, temperature: float, count: int, first_seed: int = 0, device: str = "cpu") -> list[CaseResult]:
+def run_cases(
+    backend: str, temperature: float, count: int, first_seed: int = 0, device: str = "cpu"
+) -> list[CaseResult]:
     """``count`` cases at ``temperature``; asserts the checks on each and that most were compared."""
     results = [check_case(draw_case(first_seed + i, temperature), backend, device) for i in range(count)]
     compared_mat = sum(r.vs_materialised is not None for r in results)
@@ -333,8 +353,19 @@ def audit_case(seed: int, temperature: float = 1e-6) -> Case:
     hidden, weight, bias, targets = audit_inputs(seed)
     a = torch.tensor([1.0, 1.0, 1.0, 0.0], dtype=torch.float64)
     return Case(
-        seed, hidden, weight, bias, targets, [("top_k", 1)], temperature, 1.0, exact=False, dense=None,
-        max_chunk_bytes=DEFAULT_MAX_CHUNK_BYTES, a=a, b=torch.zeros(4, dtype=torch.float64),
+        seed,
+        hidden,
+        weight,
+        bias,
+        targets,
+        [("top_k", 1)],
+        temperature,
+        1.0,
+        exact=False,
+        dense=None,
+        max_chunk_bytes=DEFAULT_MAX_CHUNK_BYTES,
+        a=a,
+        b=torch.zeros(4, dtype=torch.float64),
     )
 
 
@@ -366,8 +397,20 @@ def fp16_near_tie_case(seed: int, temperature: float) -> Case:
     a = torch.randn(n, generator=g, dtype=torch.float64)
     b = torch.randn(n, generator=g, dtype=torch.float64) * (seed % 2)
     return Case(
-        seed, hidden.half(), weight.half(), bias.half(), targets, parts, temperature, 1.0, exact=True, dense=None,
-        max_chunk_bytes=2**20, a=a, b=b, bias_grad=False,  # a fixed bias: db sums 1/T-sized entries over rows
+        seed,
+        hidden.half(),
+        weight.half(),
+        bias.half(),
+        targets,
+        parts,
+        temperature,
+        1.0,
+        exact=True,
+        dense=None,
+        max_chunk_bytes=2**20,
+        a=a,
+        b=b,
+        bias_grad=False,  # a fixed bias: db sums 1/T-sized entries over rows
     )
 
 

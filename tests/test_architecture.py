@@ -91,8 +91,10 @@ def test_core_never_imports_trl_or_its_stack():
         if module.split(".")[0] == "safevocab"
     }
     assert not {m: bad for m, bad in offenders.items() if bad}
-    code = "import sys, safevocab, safevocab.mismatch, safevocab.bounds, safevocab.support; " \
+    code = (
+        "import sys, safevocab, safevocab.mismatch, safevocab.bounds, safevocab.support; "
         f"print(sorted(m for m in {NOT_IN_CORE!r} if m in sys.modules))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
     assert out.stdout.strip() == "[]"
 
@@ -111,7 +113,7 @@ def test_the_import_graph_has_no_cycle():
         stack.append(node)
         for dep in sorted(graph[node]):
             if state.get(dep) == 1:
-                cycle = stack[stack.index(dep):] + [dep]
+                cycle = stack[stack.index(dep) :] + [dep]
                 pytest.fail("import cycle: " + " -> ".join(cycle))
             if dep not in state:
                 visit(dep)

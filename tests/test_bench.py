@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from safevocab.bench import LiveTensorBytes
+from safevocab.bench_measure import LiveTensorBytes
 
 
 def test_live_tensor_bytes_counts_only_concurrently_live_storage():
@@ -53,7 +53,11 @@ def test_bench_runs_several_rules_and_thread_counts_in_one_run(tmp_path):
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert "busy cores: 1 spinning process(es)" in proc.stdout and "load average at start" in proc.stdout
-    assert proc.stdout.count("| `top_k=5,min_p=0.01` |") == 2 and "threads=1:" in proc.stdout and "threads=2:" in proc.stdout
+    assert (
+        proc.stdout.count("| `top_k=5,min_p=0.01` |") == 2
+        and "threads=1:" in proc.stdout
+        and "threads=2:" in proc.stdout
+    )
     data = json.loads(out.read_text())
     assert set(data["results"]) == {"1", "2"} and data["machine"]["busy_cores"] == 1
     for res in data["results"].values():
@@ -64,8 +68,9 @@ def test_bench_runs_several_rules_and_thread_counts_in_one_run(tmp_path):
 def _bench_args(**overrides):
     from safevocab.bench import make_parser
 
-    return make_parser().parse_args(["--device", "cpu", "--n", "64", "--h", "16", "--v", "300",
-                                     *[f"--{k}={v}" for k, v in overrides.items()]])
+    return make_parser().parse_args(
+        ["--device", "cpu", "--n", "64", "--h", "16", "--v", "300", *[f"--{k}={v}" for k, v in overrides.items()]]
+    )
 
 
 def test_inputs_are_built_once_per_process_and_each_variant_gets_its_own_leaves():
@@ -132,7 +137,9 @@ def test_gpu_bench_grpo_ablation_switches_safevocab_parts_off(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = json.loads(out.read_text())["grpo"]
     assert [row["trainer"] for row in rows] == [
-        "stock", "safevocab", "safevocab rollout_logprobs=False log_mismatch_metrics=False",
+        "stock",
+        "safevocab",
+        "safevocab rollout_logprobs=False log_mismatch_metrics=False",
         "safevocab rollout_logprobs=False log_mismatch_metrics=False safe_vocab_in_sampler=False",
     ]
     assert all(row["steps"] == 2 and row["step_seconds"] > 0 for row in rows)
@@ -142,8 +149,9 @@ def test_gpu_bench_refuses_negative_ablation_rounds_in_one_line():
     from pathlib import Path
 
     script = Path(__file__).resolve().parents[1] / "scripts" / "gpu_bench.py"
-    proc = subprocess.run([sys.executable, str(script), "--small", "--grpo-ablation", "-1"],
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, str(script), "--small", "--grpo-ablation", "-1"], capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1].endswith("--grpo-ablation must be a number of rounds >= 0, got -1")
 

@@ -11,6 +11,7 @@ import math
 import numpy as np
 import pytest
 import torch
+from out_of_set_cases import audit_case, check_case, d6_inputs
 
 import safevocab.fused_op as fused_op
 from safevocab import (
@@ -22,8 +23,6 @@ from safevocab import (
     safe_log_softmax,
     transform_logits,
 )
-from out_of_set_cases import audit_case, check_case, d6_inputs
-
 from safevocab.chunking import ChunkLogits
 from safevocab.schedulers import LengthDecayLR, SurgeDetector
 
@@ -173,7 +172,9 @@ def _fused(hidden=None, weight=None, bias=None, **kwargs):
     g = torch.Generator().manual_seed(0)
     hidden = torch.randn(6, 4, generator=g) if hidden is None else hidden
     weight = torch.randn(10, 4, generator=g) if weight is None else weight
-    return fused_safe_logprobs(hidden, weight, torch.zeros(hidden.shape[0], dtype=torch.long), "min_p=0.1", bias=bias, **kwargs)
+    return fused_safe_logprobs(
+        hidden, weight, torch.zeros(hidden.shape[0], dtype=torch.long), "min_p=0.1", bias=bias, **kwargs
+    )
 
 
 def _with(x: torch.Tensor, index, value) -> torch.Tensor:
@@ -184,26 +185,42 @@ def _with(x: torch.Tensor, index, value) -> torch.Tensor:
 
 def test_non_finite_inputs_raise_naming_the_argument():
     g = torch.Generator().manual_seed(0)
-    logits, hidden, weight = torch.randn(3, 8, generator=g), torch.randn(6, 4, generator=g), torch.randn(10, 4, generator=g)
+    logits, hidden, weight = (
+        torch.randn(3, 8, generator=g),
+        torch.randn(6, 4, generator=g),
+        torch.randn(10, 4, generator=g),
+    )
     targets = torch.zeros(3, dtype=torch.long)
     cases = [
         (lambda: safe_log_softmax(_with(logits, (1, 2), math.nan), targets, "none"), "logits has a NaN at row 1"),
         (lambda: safe_log_softmax(_with(logits, (2, 0), math.inf), targets, "min_p=0.1"), "logits has +inf at row 2"),
-        (lambda: safe_log_softmax(_with(logits, 0, -math.inf), targets, "none"), "logits is -inf for every token at row 0"),
+        (
+            lambda: safe_log_softmax(_with(logits, 0, -math.inf), targets, "none"),
+            "logits is -inf for every token at row 0",
+        ),
         (lambda: safe_log_softmax(logits * 100, targets, "none", temperature=1e-40), "temperature=1e-40"),
         (lambda: _fused(hidden=_with(hidden, (4, 1), math.nan)), "hidden has a non-finite value"),
         (lambda: _fused(weight=_with(weight, (7, 0), math.nan)), "weight has a non-finite value (NaN or inf) in row 7"),
         # issue 37: a -inf weight with positive hidden values made a -inf logit (a banned token) and passed silently
-        (lambda: _fused(hidden=hidden.abs() + 0.1, weight=_with(weight, (7, 0), -math.inf)),
-         "weight has a non-finite value (NaN or inf) in row 7"),
-        (lambda: _fused(hidden=hidden.abs() + 0.1, weight=_with(weight, (7, 0), -math.inf), bias=torch.zeros(10)),
-         "weight has a non-finite value (NaN or inf) in row 7"),
+        (
+            lambda: _fused(hidden=hidden.abs() + 0.1, weight=_with(weight, (7, 0), -math.inf)),
+            "weight has a non-finite value (NaN or inf) in row 7",
+        ),
+        (
+            lambda: _fused(hidden=hidden.abs() + 0.1, weight=_with(weight, (7, 0), -math.inf), bias=torch.zeros(10)),
+            "weight has a non-finite value (NaN or inf) in row 7",
+        ),
         (lambda: _fused(bias=_with(torch.zeros(10), 3, math.nan)), "bias has value nan at token 3"),
         (lambda: _fused(bias=_with(torch.zeros(10), 3, math.inf)), "bias has value inf at token 3"),
         (lambda: _fused(bias=torch.full((10,), -math.inf)), "bias is -inf for every token"),
         (lambda: _fused(temperature=1e-40), "temperature=1e-40"),
-        (lambda: _fused(hidden=torch.full((2, 4), 200.0, dtype=torch.float16), weight=torch.full((10, 4), 100.0, dtype=torch.float16)),
-         "overflows torch.float16"),
+        (
+            lambda: _fused(
+                hidden=torch.full((2, 4), 200.0, dtype=torch.float16),
+                weight=torch.full((10, 4), 100.0, dtype=torch.float16),
+            ),
+            "overflows torch.float16",
+        ),
     ]
     for call, fragment in cases:
         with pytest.raises(ValueError) as err:
@@ -245,7 +262,9 @@ def test_real_scalars_of_any_kind_are_accepted():
     assert TopP(np.float64(0.9)).q == 0.9
     hidden, weight = torch.randn(4, 3), torch.randn(7, 3)
     targets = torch.zeros(4, dtype=torch.long)
-    a = fused_safe_logprobs(hidden, weight, targets, "none", temperature=torch.tensor(0.7), max_chunk_bytes=np.int64(4096))
+    a = fused_safe_logprobs(
+        hidden, weight, targets, "none", temperature=torch.tensor(0.7), max_chunk_bytes=np.int64(4096)
+    )
     b = fused_safe_logprobs(hidden, weight, targets, "none", temperature=float(torch.tensor(0.7)), max_chunk_bytes=4096)
     torch.testing.assert_close(a.logprobs, b.logprobs)
     safe_log_softmax(hidden @ weight.t(), targets, "none", temperature=np.float32(0.5), softcap=np.int32(3))
@@ -260,10 +279,18 @@ def test_real_scalars_of_any_kind_are_accepted():
         (lambda: MinP("0.1"), "min_p must be a real number, got str"),
         (lambda: TopK(2.5), "top_k must be an integer, got float"),
         (lambda: TopK(True), "top_k must be an integer, got bool"),
-        (lambda: fused_safe_logprobs(torch.randn(2, 3), torch.randn(4, 3), torch.zeros(2, dtype=torch.long), "none", temperature="1"),
-         "temperature must be a real number, got str"),
-        (lambda: fused_safe_logprobs(torch.randn(2, 3), torch.randn(4, 3), torch.zeros(2, dtype=torch.long), "none", max_chunk_bytes=4096.0),
-         "max_chunk_bytes must be an integer, got float"),
+        (
+            lambda: fused_safe_logprobs(
+                torch.randn(2, 3), torch.randn(4, 3), torch.zeros(2, dtype=torch.long), "none", temperature="1"
+            ),
+            "temperature must be a real number, got str",
+        ),
+        (
+            lambda: fused_safe_logprobs(
+                torch.randn(2, 3), torch.randn(4, 3), torch.zeros(2, dtype=torch.long), "none", max_chunk_bytes=4096.0
+            ),
+            "max_chunk_bytes must be an integer, got float",
+        ),
         (lambda: SurgeDetector(window="5"), "window must be an integer, got str"),
         (lambda: transform_logits([1.0, 2.0]), "logits must be a torch.Tensor, got list"),
     ],
@@ -315,13 +342,26 @@ def test_fp64_rows_far_below_fp32_range_keep_their_argmax():
 @pytest.mark.parametrize(
     "call, error, fragment",
     [
-        (lambda: safe_log_softmax(torch.zeros(0, 0), torch.zeros(0, dtype=torch.long), "none"), ValueError, "logits.shape=(0, 0)"),
-        (lambda: fused_safe_logprobs(torch.zeros(3, 0), torch.zeros(5, 0), torch.zeros(3, dtype=torch.long), "none"),
-         ValueError, "weight.shape=(5, 0)"),
-        (lambda: fused_safe_logprobs(torch.zeros(3, 0), torch.zeros(5, 2), torch.zeros(3, dtype=torch.long), "none"),
-         ValueError, "hidden.shape=(3, 0)"),
-        (lambda: fused_safe_logprobs(torch.zeros(3, 2), torch.zeros(0, 2), torch.zeros(3, dtype=torch.long), "none"),
-         ValueError, "weight.shape=(0, 2)"),
+        (
+            lambda: safe_log_softmax(torch.zeros(0, 0), torch.zeros(0, dtype=torch.long), "none"),
+            ValueError,
+            "logits.shape=(0, 0)",
+        ),
+        (
+            lambda: fused_safe_logprobs(torch.zeros(3, 0), torch.zeros(5, 0), torch.zeros(3, dtype=torch.long), "none"),
+            ValueError,
+            "weight.shape=(5, 0)",
+        ),
+        (
+            lambda: fused_safe_logprobs(torch.zeros(3, 0), torch.zeros(5, 2), torch.zeros(3, dtype=torch.long), "none"),
+            ValueError,
+            "hidden.shape=(3, 0)",
+        ),
+        (
+            lambda: fused_safe_logprobs(torch.zeros(3, 2), torch.zeros(0, 2), torch.zeros(3, dtype=torch.long), "none"),
+            ValueError,
+            "weight.shape=(0, 2)",
+        ),
         (lambda: transform_logits([1.0, 2.0]), TypeError, "logits must be a torch.Tensor"),
     ],
 )

@@ -22,13 +22,24 @@ MASK = torch.ones(1, 3, dtype=torch.bool)
     "kwargs, error, message",
     [
         ({"clip_max": math.nan}, ValueError, "clip_max=nan is out of range"),
-        ({"clip_min": -1.0, "clip_max": -0.5}, ValueError,
-         "clip_min=-1.0 is out of range: accepted None (unbounded) or a finite ratio >= 0"),
+        (
+            {"clip_min": -1.0, "clip_max": -0.5},
+            ValueError,
+            "clip_min=-1.0 is out of range: accepted None (unbounded) or a finite ratio >= 0",
+        ),
         ({"clip_min": None, "clip_max": -0.5}, ValueError, "clip_max=-0.5 is out of range"),
-        ({"clip_min": 2.0, "clip_max": 1.0}, ValueError, "clip_min=2.0 with clip_max=1.0: accepted clip_min < clip_max"),
+        (
+            {"clip_min": 2.0, "clip_max": 1.0},
+            ValueError,
+            "clip_min=2.0 with clip_max=1.0: accepted clip_min < clip_max",
+        ),
         ({"clip_max": "3"}, TypeError, "clip_max must be a real number, got str: '3'"),
         ({"clip_min": math.nan}, ValueError, "clip_min=nan is out of range"),
-        ({"mask": torch.tensor([[1.0, 2.0, 1.0]])}, ValueError, "mask has value 2.0 at (0, 1): accepted a bool mask or 0/1 values"),
+        (
+            {"mask": torch.tensor([[1.0, 2.0, 1.0]])},
+            ValueError,
+            "mask has value 2.0 at (0, 1): accepted a bool mask or 0/1 values",
+        ),
         ({"mask": torch.tensor([[0.5, 1.0, 1.0]])}, ValueError, "mask has value 0.5 at (0, 0)"),
     ],
 )
@@ -49,14 +60,19 @@ def test_no_bounds_leave_the_ratio_unbounded_in_every_mode(mode):
     out = importance_sampling_ratio(TRAIN, ROLLOUT, MASK, mode=mode, clip_min=None, clip_max=None)
     torch.testing.assert_close(out.ratio, torch.exp(out.log_raw))
     assert not bool(out.clipped.any())
-    assert importance_sampling_ratio(TRAIN, ROLLOUT, MASK.float(), mode=mode, clip_max=math.inf).ratio.shape == out.ratio.shape
+    assert (
+        importance_sampling_ratio(TRAIN, ROLLOUT, MASK.float(), mode=mode, clip_max=math.inf).ratio.shape
+        == out.ratio.shape
+    )
 
 
 def test_infinite_log_probs_are_taken_token_by_token():
     """A -inf train log-prob at one token and a -inf rollout log-prob at another gave ratio 1, unclipped (trl's
     nan_to_num made them -3.4e38 and +3.4e38, which cancel in the sum)."""
     train = torch.tensor([[-math.inf, -1.0, -1.0], [-math.inf, -1.0, -1.0], [-1.0, -1.0, -1.0], [-math.inf, 0.0, 0.0]])
-    rollout = torch.tensor([[-1.0, -math.inf, -1.0], [-1.0, -1.0, -1.0], [-1.0, -math.inf, -1.0], [-math.inf, 0.0, 0.0]])
+    rollout = torch.tensor(
+        [[-1.0, -math.inf, -1.0], [-1.0, -1.0, -1.0], [-1.0, -math.inf, -1.0], [-math.inf, 0.0, 0.0]]
+    )
     mask = torch.ones(4, 3, dtype=torch.bool)
     for mode in ("sequence_mask", "sequence_truncate"):
         out = importance_sampling_ratio(train, rollout, mask, mode=mode, clip_min=0.5, clip_max=2.0)

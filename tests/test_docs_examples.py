@@ -161,4 +161,7 @@ def test_a_mark_and_a_fence_are_parsed(tmp_path):
     )
     blocks = python_blocks(page)
     assert [(b.line, b.code, b.skip, b.raises) for b in blocks] == [
-        (2, "x = 1\n", None, None), (8, "y = 2\n", "needs a GPU", None), (18, "z = 3\n", None, "ValueError: no")]
+        (2, "x = 1\n", None, None),
+        (8, "y = 2\n", "needs a GPU", None),
+        (18, "z = 3\n", None, "ValueError: no"),
+    ]

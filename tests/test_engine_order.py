@@ -51,7 +51,9 @@ def fuzz_rows(g: torch.Generator, n: int, vocab: int) -> torch.Tensor:
     side = torch.where(torch.rand(n, vocab, generator=g) < 0.5, math.inf, -math.inf)
     near = (kind == 2) & (torch.rand(n, vocab, generator=g) < 0.2)
     z = torch.where(near, torch.nextafter(anchor, side), z)
-    banned = (torch.rand(n, vocab, generator=g) < torch.rand(n, 1, generator=g) * 0.6) & (torch.rand(n, 1, generator=g) < 0.4)
+    banned = (torch.rand(n, vocab, generator=g) < torch.rand(n, 1, generator=g) * 0.6) & (
+        torch.rand(n, 1, generator=g) < 0.4
+    )
     banned[torch.arange(n), z.argmax(-1)] = False
     return z.masked_fill(banned, -math.inf)
 
@@ -143,7 +145,9 @@ def make_vllm_sets():
         ]  # fmt: skip
         scheduler = types.SimpleNamespace(scheduler_config=types.SimpleNamespace(max_num_seqs=n))
         min_p = MinPLogitsProcessor(scheduler, torch.device("cpu"), False)
-        min_p.update_state(BatchUpdate(batch_size=n, removed=[], added=[(i, r, [], []) for i, r in enumerate(requests)], moved=[]))
+        min_p.update_state(
+            BatchUpdate(batch_size=n, removed=[], added=[(i, r, [], []) for i, r in enumerate(requests)], moved=[])
+        )
         top_k = [r.top_k if 0 < r.top_k < vocab else vocab for r in requests]  # as vLLM's InputBatch stores it
         metadata = SamplingMetadata(
             temperature=torch.tensor([r.temperature for r in requests], dtype=torch.float32),
@@ -198,14 +202,22 @@ HF_KEYS = ("top_k", "top_p", "min_p", "min_prob")  # min_prob is HF's epsilon_cu
 
 @pytest.mark.parametrize("keys", combinations(VLLM_KEYS), ids="+".join)
 def test_vllm_rule_keeps_vllm_samplers_set(vllm_sets, keys):
-    total, differ, split, first = compare("vllm", vllm_sets, keys, draws=24, rows=24, seed=len(keys) * 7 + sum(map(len, keys)))
-    assert differ == 0, f"engine='vllm' {'+'.join(keys)}: {differ} of {total} rows differ from vLLM's sampler ({split} split ties); {first}"
+    total, differ, split, first = compare(
+        "vllm", vllm_sets, keys, draws=24, rows=24, seed=len(keys) * 7 + sum(map(len, keys))
+    )
+    assert differ == 0, (
+        f"engine='vllm' {'+'.join(keys)}: {differ} of {total} rows differ from vLLM's sampler ({split} split ties); {first}"
+    )
 
 
 @pytest.mark.parametrize("keys", combinations(HF_KEYS), ids="+".join)
 def test_hf_rule_keeps_generates_set(keys):
-    total, differ, split, first = compare("hf", hf_sets, keys, draws=16, rows=16, seed=len(keys) * 7 + sum(map(len, keys)))
-    assert differ == 0, f"engine='hf' {'+'.join(keys)}: {differ} of {total} rows differ from generate's processors ({split} split ties); {first}"
+    total, differ, split, first = compare(
+        "hf", hf_sets, keys, draws=16, rows=16, seed=len(keys) * 7 + sum(map(len, keys))
+    )
+    assert differ == 0, (
+        f"engine='hf' {'+'.join(keys)}: {differ} of {total} rows differ from generate's processors ({split} split ties); {first}"
+    )
 
 
 @pytest.mark.slow
@@ -216,7 +228,9 @@ def test_many_rows_against_the_real_samplers(request, engine):
     for keys in combinations(VLLM_KEYS if engine == "vllm" else HF_KEYS):
         total, differ, split, first = compare(engine, sets, keys, draws=160, rows=32, seed=1000 + len(keys))
         print(f"engine={engine!r} {'+'.join(keys) or 'none'}: {differ} of {total} rows differ, {split} split ties")
-        assert differ == 0, f"engine={engine!r} {'+'.join(keys)}: {differ} of {total} rows differ ({split} split ties); {first}"
+        assert differ == 0, (
+            f"engine={engine!r} {'+'.join(keys)}: {differ} of {total} rows differ ({split} split ties); {first}"
+        )
     print(f"engine={engine!r} top_p in [0.999, 1): {near_one_differences(sets, engine, draws=300)} of 9600 rows differ")
 
 
@@ -249,8 +263,10 @@ def test_top_p_near_one_share_of_rows_that_differ(request, engine):
         gauss = torch.randn(1280, 257, generator=g) * 3
         _, tie_whole = sets(gauss, 1.0, {"top_p": q})
         gauss_differ = int((parse_rule(f"top_p={q!r}", engine=engine).keep_mask(gauss) != tie_whole).any(-1).sum())
-        print(f"engine={engine!r} top_p={q}: {differ} of {total} fuzz rows differ ({differ / total:.1%}), "
-              f"{gauss_differ} of 1280 Gaussian rows ({gauss_differ / 1280:.1%})")
+        print(
+            f"engine={engine!r} top_p={q}: {differ} of {total} fuzz rows differ ({differ / total:.1%}), "
+            f"{gauss_differ} of 1280 Gaussian rows ({gauss_differ / 1280:.1%})"
+        )
         assert differ <= total // 4 and gauss_differ <= 1280 // 4
 
 
@@ -341,7 +357,9 @@ def test_entry_points_keep_vllms_set(vllm_sets, spec):
     hidden, weight = one_hot_rows(table, 2)
     for out in (
         safe_log_softmax(hidden @ weight.t(), targets, rule, temperature=temperature),
-        fused_safe_logprobs(hidden, weight, targets, rule, temperature=temperature, backend="torch", max_chunk_bytes=8192),
+        fused_safe_logprobs(
+            hidden, weight, targets, rule, temperature=temperature, backend="torch", max_chunk_bytes=8192
+        ),
     ):
         assert torch.equal(out.safe_size, kept.sum(-1).repeat(2))
         assert out.in_safe[:48].all()

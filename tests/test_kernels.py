@@ -313,8 +313,17 @@ def test_triton_gradcheck_fp64(rule):
 
     def fn(hidden, weight, bias):
         out = fused_safe_logprobs(
-            hidden, weight, targets, rule, bias=bias, temperature=0.7, softcap=3.0, logit_scale=1.3,
-            compute_entropy=True, max_chunk_bytes=300, backend="triton",
+            hidden,
+            weight,
+            targets,
+            rule,
+            bias=bias,
+            temperature=0.7,
+            softcap=3.0,
+            logit_scale=1.3,
+            compute_entropy=True,
+            max_chunk_bytes=300,
+            backend="triton",
         )
         return out.logprobs, out.log_kept_mass, out.entropy
 
@@ -348,9 +357,21 @@ def test_forward_fold_kernel_against_definitions(rule, mode, store_z, softcap, m
     safe_size = torch.empty(9, dtype=torch.int64, device=DEVICE)
     chunk = raw.clone()
     forward_fold.forward_fold(
-        chunk, targets, outs["threshold"], outs["row_max"], outs["target_shift"], outs["log_sum_safe"],
-        outs["log_sum_full"], outs["entropy"], in_safe, safe_size, mode=mode,
-        log_param=kernels.kernel_threshold(parsed)[1], scale=scale, softcap=softcap, temperature=temperature,
+        chunk,
+        targets,
+        outs["threshold"],
+        outs["row_max"],
+        outs["target_shift"],
+        outs["log_sum_safe"],
+        outs["log_sum_full"],
+        outs["entropy"],
+        in_safe,
+        safe_size,
+        mode=mode,
+        log_param=kernels.kernel_threshold(parsed)[1],
+        scale=scale,
+        softcap=softcap,
+        temperature=temperature,
         store_z=store_z,
     )
     torch.testing.assert_close(chunk, z if store_z else raw, atol=1e-5, rtol=1e-5, equal_nan=True)
@@ -362,7 +383,9 @@ def test_forward_fold_kernel_against_definitions(rule, mode, store_z, softcap, m
     m = z.amax(-1)
     torch.testing.assert_close(outs["row_max"], m)
     torch.testing.assert_close(outs["log_sum_full"], torch.logsumexp(z - m[:, None], -1))
-    torch.testing.assert_close(outs["log_sum_safe"], torch.logsumexp((z - m[:, None]).masked_fill(~keep, -math.inf), -1))
+    torch.testing.assert_close(
+        outs["log_sum_safe"], torch.logsumexp((z - m[:, None]).masked_fill(~keep, -math.inf), -1)
+    )
     z_y = z.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     torch.testing.assert_close(outs["target_shift"], z_y - m)
     assert torch.equal(in_safe, keep.gather(-1, targets.unsqueeze(-1)).squeeze(-1))
@@ -513,7 +536,9 @@ def _triton_property(inputs, data, max_chunk_bytes, dense):
 
 
 triton_cases = dict(
-    inputs=head_inputs(), data=st.data(), max_chunk_bytes=st.one_of(st.integers(1, 4096), st.just(64 * 2**20)),
+    inputs=head_inputs(),
+    data=st.data(),
+    max_chunk_bytes=st.one_of(st.integers(1, 4096), st.just(64 * 2**20)),
     dense=st.booleans(),
 )
 
@@ -534,7 +559,9 @@ def test_triton_matches_reference_ci(inputs, data, max_chunk_bytes, dense):
 
 @slow
 @pytest.mark.fuzz20k
-@settings(fuzz_settings(int(os.environ.get("SAFEVOCAB_FUZZ_EXAMPLES_SLOW", "20000"))), suppress_health_check=list(HealthCheck))
+@settings(
+    fuzz_settings(int(os.environ.get("SAFEVOCAB_FUZZ_EXAMPLES_SLOW", "20000"))), suppress_health_check=list(HealthCheck)
+)
 @given(**triton_cases)
 def test_triton_matches_reference_20k(inputs, data, max_chunk_bytes, dense):
     _triton_property(inputs, data, max_chunk_bytes, dense)
@@ -561,7 +588,9 @@ def test_triton_composes_in_the_rules_engine_order(spec, engine, sizes):
 
 
 @pytest.mark.parametrize("engine", ["vllm", "sglang"])
-@pytest.mark.parametrize("rule", ["top_p=0.8,min_p=0.05", "top_k=20,top_p=0.7", "top_k=30,top_p=0.9,min_p=0.01,min_prob=0.005"])
+@pytest.mark.parametrize(
+    "rule", ["top_p=0.8,min_p=0.05", "top_k=20,top_p=0.7", "top_k=30,top_p=0.9,min_p=0.01,min_prob=0.005"]
+)
 def test_triton_matches_torch_for_each_engine(rule, engine):
     hidden, weight, bias, targets = make_inputs(n=40, v=300, seed=5)
     tri, ref = both_backends(parse_rule(rule, engine=engine), (hidden, weight, bias), targets, **FULL_TRANSFORM)

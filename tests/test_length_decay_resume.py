@@ -34,8 +34,13 @@ def test_cosine_with_warmup_times_the_factor_equals_transformers_schedule():
     cosine = transformers.get_cosine_schedule_with_warmup
     ref_opt, opt = two_groups(), two_groups()
     ref = cosine(ref_opt, num_warmup_steps=20, num_training_steps=200)
-    sched = LengthDecayLR(opt, decay_period=50, min_lr_ratio=0.1, start="step0",
-                          base_scheduler=cosine(opt, num_warmup_steps=20, num_training_steps=200))
+    sched = LengthDecayLR(
+        opt,
+        decay_period=50,
+        min_lr_ratio=0.1,
+        start="step0",
+        base_scheduler=cosine(opt, num_warmup_steps=20, num_training_steps=200),
+    )
     seen, expected = [], []
     for t in range(200):  # the LR of optimizer step t + 1, set after t scheduler steps
         seen.append(lrs(opt))
@@ -75,8 +80,16 @@ def build(max_decays=3, cooldown=50):
     opt = two_groups()
     base = transformers.get_cosine_schedule_with_warmup(opt, num_warmup_steps=20, num_training_steps=STEPS)
     detector = SurgeDetector(window=5, baseline_window=10, warmup=10, baseline="ema", ema_alpha=0.2)
-    sched = LengthDecayLR(opt, decay_period=1, min_lr_ratio=0.1, detector=detector, auto_period=True,
-                          base_scheduler=base, max_decays=max_decays, cooldown=cooldown)
+    sched = LengthDecayLR(
+        opt,
+        decay_period=1,
+        min_lr_ratio=0.1,
+        detector=detector,
+        auto_period=True,
+        base_scheduler=base,
+        max_decays=max_decays,
+        cooldown=cooldown,
+    )
     return opt, sched
 
 
@@ -89,8 +102,17 @@ def drive(opt, sched, first, last):
         sched.step()
         decayed = sched.observe_length(step, LENGTHS[step - 1])
         detector = sched.detector
-        trace.append((lrs(opt), sched.get_last_lr(), sched.get_last_base_lr(), sched.factor, decayed,
-                      detector.baseline_length, detector.armed))
+        trace.append(
+            (
+                lrs(opt),
+                sched.get_last_lr(),
+                sched.get_last_base_lr(),
+                sched.factor,
+                decayed,
+                detector.baseline_length,
+                detector.armed,
+            )
+        )
     return trace
 
 

@@ -133,7 +133,10 @@ def fused_and_reference(rule, dtype=torch.float32, max_chunk_bytes=4096, transfo
 
 def grads(out, params, seed=1):
     g = torch.Generator().manual_seed(seed)
-    loss = sum((getattr(out, f).double() * torch.randn(out.logprobs.shape, generator=g, dtype=torch.float64)).sum() for f in FIELDS)
+    loss = sum(
+        (getattr(out, f).double() * torch.randn(out.logprobs.shape, generator=g, dtype=torch.float64)).sum()
+        for f in FIELDS
+    )
     return torch.autograd.grad(loss, [p for p in params if p is not None])
 
 
@@ -200,8 +203,16 @@ def test_gradcheck_fused(rule, backward_path):
 
     def fn(hidden, weight, bias):
         out = fused_safe_logprobs(
-            hidden, weight, targets, rule, bias=bias, temperature=0.7, softcap=3.0, logit_scale=1.3,
-            compute_entropy=True, max_chunk_bytes=300,
+            hidden,
+            weight,
+            targets,
+            rule,
+            bias=bias,
+            temperature=0.7,
+            softcap=3.0,
+            logit_scale=1.3,
+            compute_entropy=True,
+            max_chunk_bytes=300,
         )
         return out.logprobs, out.log_kept_mass, out.entropy
 
@@ -279,7 +290,12 @@ def test_fused_logprob_gradient_with_out_of_set_targets(backward_path):
     ],
 )
 def test_fused_bad_inputs(kwargs, exc, fragment):
-    args = {"hidden": torch.zeros(3, 4), "weight": torch.zeros(10, 4), "targets": torch.tensor([0, 1, 2]), "rule": "none"}
+    args = {
+        "hidden": torch.zeros(3, 4),
+        "weight": torch.zeros(10, 4),
+        "targets": torch.tensor([0, 1, 2]),
+        "rule": "none",
+    }
     args.update(kwargs)
     with pytest.raises(exc) as err:
         fused_safe_logprobs(**args)

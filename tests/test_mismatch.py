@@ -75,9 +75,7 @@ def test_k3_and_chi2_token(pair):
     train, rollout, mask = pair
     toks = counted(train, rollout, mask)
     lr = [float(train[b, t] - rollout[b, t]) for b, t in toks]
-    assert k3_kl(train, rollout, mask).item() == pytest.approx(
-        sum(math.exp(x) - x - 1 for x in lr) / len(lr), rel=1e-5
-    )
+    assert k3_kl(train, rollout, mask).item() == pytest.approx(sum(math.exp(x) - x - 1 for x in lr) / len(lr), rel=1e-5)
     assert chi2_token(train, rollout, mask).item() == pytest.approx(
         sum(math.expm1(x) ** 2 for x in lr) / len(lr), rel=1e-5, abs=1e-12
     )

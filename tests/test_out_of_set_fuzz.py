@@ -48,7 +48,9 @@ def fp16_cases(backend: str, temperature: float, count: int) -> None:
     outcomes = [check_fp16_case(fp16_near_tie_case(seed, temperature), backend) for seed in range(count)]
     overflowing = sum(o is True for o in outcomes)
     compared = sum(o is not None for o in outcomes)
-    print(f"{backend} fp16 T={temperature:g}: {compared} of {count} compared, {overflowing} with a logits gradient > 65504")
+    print(
+        f"{backend} fp16 T={temperature:g}: {compared} of {count} compared, {overflowing} with a logits gradient > 65504"
+    )
     assert overflowing >= 0.3 * count, f"only {overflowing} of {count} cases exercise a logits gradient beyond fp16"
 
 

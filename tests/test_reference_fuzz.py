@@ -127,7 +127,11 @@ def head_inputs(draw, dtypes=(torch.float32, torch.float64, torch.bfloat16, torc
         weight[dst] = weight[src]
     bias = None
     if draw(st.booleans()):
-        bias = torch.randint(-16, 17, (v,), generator=g).double() / 8 if exact else torch.randn(v, generator=g, dtype=torch.float64)
+        bias = (
+            torch.randint(-16, 17, (v,), generator=g).double() / 8
+            if exact
+            else torch.randn(v, generator=g, dtype=torch.float64)
+        )
         n_banned = draw(st.integers(0, v - 1))
         bias[torch.randperm(v, generator=g)[:n_banned]] = -math.inf
     allowed = torch.arange(v) if bias is None else torch.isfinite(bias).nonzero().squeeze(-1)
@@ -159,7 +163,9 @@ def _apply_transform(z: torch.Tensor, temperature: float, softcap, logit_scale: 
     return z / temperature
 
 
-def reference_transform(raw64: torch.Tensor, stat: torch.dtype, temperature: float, softcap, logit_scale: float) -> torch.Tensor:
+def reference_transform(
+    raw64: torch.Tensor, stat: torch.dtype, temperature: float, softcap, logit_scale: float
+) -> torch.Tensor:
     """The transform evaluated in the statistics dtype (the sampler's arithmetic), differentiated exactly."""
     exact = _apply_transform(raw64, temperature, softcap, logit_scale)
     return straight_through(exact, _apply_transform(raw64.detach().to(stat), temperature, softcap, logit_scale))
@@ -205,7 +211,9 @@ def assert_grads(got: list[torch.Tensor], want: list[torch.Tensor], rtol: float,
         g, w = g.double().cpu(), w.double()
         assert torch.isfinite(g).all(), f"{name}: non-finite gradient {g}"
         err, scale = float((g - w).norm()), float(w.norm())
-        assert err <= rtol * scale + atol, f"{name}: |err| {err:.3g} vs |ref| {scale:.3g} (rtol {rtol:.1e}, atol {atol:.1e})"
+        assert err <= rtol * scale + atol, (
+            f"{name}: |err| {err:.3g} vs |ref| {scale:.3g} (rtol {rtol:.1e}, atol {atol:.1e})"
+        )
 
 
 def gradient_atol(eps: float, transform: dict, *operands: torch.Tensor) -> float:
@@ -219,7 +227,13 @@ def gradient_atol(eps: float, transform: dict, *operands: torch.Tensor) -> float
 
 
 def check_fused(
-    inputs: dict, parts, transform: dict, max_chunk_bytes: int, dense: bool, backend: str, device: str = "cpu",
+    inputs: dict,
+    parts,
+    transform: dict,
+    max_chunk_bytes: int,
+    dense: bool,
+    backend: str,
+    device: str = "cpu",
     support: list[list[int]] | None = None,
 ) -> None:
     """One example: the library on ``device`` with ``backend`` against the reference (on the CPU); with a
@@ -230,7 +244,9 @@ def check_fused(
     weight = inputs["weight"].to(dtype).requires_grad_()
     bias = None if inputs["bias"] is None else inputs["bias"].to(dtype).requires_grad_()
     targets = inputs["targets"]
-    on_device = [None if x is None else x.detach().to(device).requires_grad_(x.requires_grad) for x in (hidden, weight, bias)]
+    on_device = [
+        None if x is None else x.detach().to(device).requires_grad_(x.requires_grad) for x in (hidden, weight, bias)
+    ]
 
     # Reference on the same (dtype-rounded) inputs, in float64, rounding the GEMM to the dtype as the library does.
     h64, w64 = hidden.detach().double().requires_grad_(), weight.detach().double().requires_grad_()
@@ -244,13 +260,20 @@ def check_fused(
     rawmag = float((h64.detach().abs() @ w64.detach().abs().t()).max())
     if b64 is not None:
         rawmag += float(b64.detach().nan_to_num(neginf=0.0).abs().max())
-    delta_z = 0.0 if raw_exact_gemm else 8 * EPS[torch.float32] * rawmag * transform["logit_scale"] / transform["temperature"]
+    delta_z = (
+        0.0 if raw_exact_gemm else 8 * EPS[torch.float32] * rawmag * transform["logit_scale"] / transform["temperature"]
+    )
     eps = EPS[stat]
     if backend == "triton":  # the kernels take the transform's scalars as fp32 (Triton's Python-float type)
         eps = max(eps, EPS[torch.float32])
     tol_z = 8 * eps * (1 + zmag) + 4 * delta_z
     ref = reference(
-        z, targets, parts, tol_z=tol_z, tol_p=1e-4 if eps >= EPS[torch.float32] else 1e-9, support=support,
+        z,
+        targets,
+        parts,
+        tol_z=tol_z,
+        tol_p=1e-4 if eps >= EPS[torch.float32] else 1e-9,
+        support=support,
         z_exact=exact_transform(raw, transform),
     )
     assume(not ref.ambiguous)
@@ -258,8 +281,15 @@ def check_fused(
         event("support: a row keeps nothing (raises)")
         with pytest.raises(ValueError, match="keeps no token of nonzero probability"):
             fused_safe_logprobs(
-                on_device[0], on_device[1], targets.to(device), rule_string(parts), bias=on_device[2],
-                max_chunk_bytes=max_chunk_bytes, backend=backend, **transform, support=SafeSupport.from_lists(support),
+                on_device[0],
+                on_device[1],
+                targets.to(device),
+                rule_string(parts),
+                bias=on_device[2],
+                max_chunk_bytes=max_chunk_bytes,
+                backend=backend,
+                **transform,
+                support=SafeSupport.from_lists(support),
             )
         return
     weights = loss_weights(targets.numel(), inputs["loss_seed"], masked=False)
@@ -274,8 +304,15 @@ def check_fused(
     fused_op.SPARSE_MAX_DENSITY = 0.0 if dense else 1.0
     try:
         out = fused_safe_logprobs(
-            on_device[0], on_device[1], targets.to(device), rule_string(parts), bias=on_device[2],
-            compute_entropy=True, max_chunk_bytes=max_chunk_bytes, backend=backend, **transform,
+            on_device[0],
+            on_device[1],
+            targets.to(device),
+            rule_string(parts),
+            bias=on_device[2],
+            compute_entropy=True,
+            max_chunk_bytes=max_chunk_bytes,
+            backend=backend,
+            **transform,
             support=None if support is None else SafeSupport.from_lists(support),
         )
         params = [p for p in on_device if p is not None]
@@ -386,7 +423,12 @@ def check_materialised(inputs: dict, parts, transform: dict, support: list[list[
     zmag = float(finite.abs().max()) if finite.numel() else 0.0
     eps = EPS[stat]
     ref = reference(
-        z, targets, parts, tol_z=8 * eps * (1 + zmag), tol_p=1e-4 if stat == torch.float32 else 1e-9, support=support,
+        z,
+        targets,
+        parts,
+        tol_z=8 * eps * (1 + zmag),
+        tol_p=1e-4 if stat == torch.float32 else 1e-9,
+        support=support,
         z_exact=exact_transform(raw64, transform),
     )
     assume(not ref.ambiguous)
@@ -399,8 +441,12 @@ def check_materialised(inputs: dict, parts, transform: dict, support: list[list[
     (want,) = torch.autograd.grad(loss_of(ref, weights, ref.in_safe), [raw64])
     assume(float(want.abs().max()) < torch.finfo(dtype).max / 16)  # beyond a half dtype's range: says nothing
     out = safe_log_softmax(
-        logits, targets, rule_string(parts), compute_entropy=True,
-        support=None if support is None else SafeSupport.from_lists(support), **transform,
+        logits,
+        targets,
+        rule_string(parts),
+        compute_entropy=True,
+        support=None if support is None else SafeSupport.from_lists(support),
+        **transform,
     )
     (got,) = torch.autograd.grad(loss_of(out, weights, out.in_safe), [logits])
     assert_values(out, ref, 64 * eps + 8 * eps * math.log(max(2, logits.shape[-1])))
@@ -422,7 +468,14 @@ test_materialised_matches_reference, test_materialised_matches_reference_ci, tes
 # ---------------------------------------------------------------------------------------------- boundary search
 
 #: Rules whose threshold is itself a logit: a boundary token one ulp off in a recomputation leaves S.
-BOUNDARY_RULES = ("top_k={k}", "top_p={q}", "min_p=1.0", "min_prob={tau}", "top_k={k},min_p=1.0", "top_k={k2},top_p={q}")
+BOUNDARY_RULES = (
+    "top_k={k}",
+    "top_p={q}",
+    "min_p=1.0",
+    "min_prob={tau}",
+    "top_k={k},min_p=1.0",
+    "top_k={k2},top_p={q}",
+)
 #: Cases of the boundary search: a few hundred in the fast suite, 2,000 in CI's slow phase (same search, same seed).
 BOUNDARY_CASES = int(os.environ.get("SAFEVOCAB_BOUNDARY_CASES", "300"))
 BOUNDARY_CASES_CI = int(os.environ.get("SAFEVOCAB_BOUNDARY_CASES_CI", "2000"))
@@ -462,7 +515,9 @@ def test_fused_matches_materialised_on_boundary_rules_past_the_first_chunk(monke
         z = logits.clone().requires_grad_()
         ref = safe_log_softmax(z, targets, rule)
         assert torch.equal(ref.in_safe, out.in_safe) and torch.equal(ref.safe_size, out.safe_size), (case, rule)
-        (g_z,) = torch.autograd.grad(-(ref.logprobs * ref.in_safe).sum() + (ref.log_kept_mass.sum() if with_kept else 0), (z,))
+        (g_z,) = torch.autograd.grad(
+            -(ref.logprobs * ref.in_safe).sum() + (ref.log_kept_mass.sum() if with_kept else 0), (z,)
+        )
         materialised = (g_z @ weight.detach(), g_z.t() @ hidden.detach())
         for name, a, b in zip(("hidden", "weight"), fused, materialised):
             err = float((a - b).double().norm() / (b.double().norm() + 1e-6))

@@ -56,7 +56,9 @@ def test_engines_are_distinguished_and_compose_in_their_order():
     assert (str(hf), str(vllm)) == ("top_p=0.9,min_p=0.05", "min_p=0.05,top_p=0.9")  # each engine's order
     assert repr(vllm) == "Intersection(rules=(MinP(rho=0.05), TopP(q=0.9)), engine='vllm')"
     assert repr(hf) == "Intersection(rules=(TopP(q=0.9), MinP(rho=0.05)))"
-    assert MinP(0.05, engine="vllm") != MinP(0.05) and repr(MinP(0.05, engine="vllm")) == "MinP(rho=0.05, engine='vllm')"
+    assert (
+        MinP(0.05, engine="vllm") != MinP(0.05) and repr(MinP(0.05, engine="vllm")) == "MinP(rho=0.05, engine='vllm')"
+    )
     assert TopP(0.9, engine="vllm") & MinP(0.05, engine="vllm") == vllm  # & keeps the engine
     assert hf.with_engine("vllm") == vllm and parse_rule(hf, engine="vllm") == vllm and vllm.with_engine("hf") == hf
     assert Intersection.of(TopP(0.9), MinP(0.05), engine="vllm") == vllm
@@ -67,8 +69,11 @@ def test_mixed_engines_and_unknown_engines_are_refused_in_one_line():
     from safevocab.rules import ENGINES as accepted
 
     assert accepted == ENGINES
-    with pytest.raises(ValueError, match=r"^rule top_p=0.9 has engine='vllm' and rule min_p=0.05 engine='hf': accepted "
-                       r"rules of one engine") as err:
+    with pytest.raises(
+        ValueError,
+        match=r"^rule top_p=0.9 has engine='vllm' and rule min_p=0.05 engine='hf': accepted "
+        r"rules of one engine",
+    ) as err:
         TopP(0.9, engine="vllm") & MinP(0.05)
     assert "\n" not in str(err.value)
     with pytest.raises(ValueError, match=r"^engine='trtllm' is out of range: accepted one of 'hf', 'vllm', 'sglang'$"):
@@ -95,7 +100,9 @@ def test_float32_values_print_as_given():
 def test_an_empty_vocabulary_is_refused_in_one_line(rule, shape):
     """issue 28: ``MinP.threshold`` on an empty last dimension raised a raw ``IndexError`` (amax of nothing). An
     empty vocabulary has no argmax to keep and nothing to sample, so it is refused as ``safe_log_softmax`` does."""
-    with pytest.raises(ValueError, match=rf"^z.shape={re.escape(str(shape))}: expected \[..., V\] with a vocabulary size V >= 1$"):
+    with pytest.raises(
+        ValueError, match=rf"^z.shape={re.escape(str(shape))}: expected \[..., V\] with a vocabulary size V >= 1$"
+    ):
         rule.threshold(torch.zeros(shape))
     with pytest.raises(ValueError, match="V >= 1"):
         rule.keep_mask(torch.zeros(shape))

@@ -49,7 +49,9 @@ def algorithm_1(eta0, period, min_ratio, steps):
     return out
 
 
-@pytest.mark.parametrize("period, min_ratio, steps", [(1, 0.1, 10), (3, 0.1, 40), (7, 0.25, 60), (204, 0.1, 1000), (5, 0.0, 80)])
+@pytest.mark.parametrize(
+    "period, min_ratio, steps", [(1, 0.1, 10), (3, 0.1, 40), (7, 0.25, 60), (204, 0.1, 1000), (5, 0.0, 80)]
+)
 def test_step0_is_algorithm_1(period, min_ratio, steps):
     opt = make_optimizer((1e-3, 3e-4))
     sched = LengthDecayLR(opt, period, min_lr_ratio=min_ratio, start="step0")
@@ -205,7 +207,12 @@ def test_detector_ignores_nan_and_validates():
     assert det.n_updates == 0
     with pytest.raises(ValueError, match="mean_length"):
         det.update(2, -1.0)
-    for kwargs, fragment in [({"ratio": 1.0}, "ratio=1.0"), ({"window": 0}, "window=0"), ({"factor": -1}, "factor=-1"), ({"warmup": -2}, "warmup=-2")]:
+    for kwargs, fragment in [
+        ({"ratio": 1.0}, "ratio=1.0"),
+        ({"window": 0}, "window=0"),
+        ({"factor": -1}, "factor=-1"),
+        ({"warmup": -2}, "warmup=-2"),
+    ]:
         with pytest.raises(ValueError) as err:
             SurgeDetector(**kwargs)
         assert fragment in str(err.value)
@@ -326,9 +333,15 @@ def test_effective_lr_is_the_base_schedule_times_the_factor(base, period, r_min,
     reference factor, exactly, at every step; trigger() accepts and refuses exactly as the reference does."""
     ref_opt, opt = make_optimizer((1e-3, 3e-4)), make_optimizer((1e-3, 3e-4))
     ref_base = BASES[base](ref_opt) if BASES[base] else None
-    sched = LengthDecayLR(opt, period, min_lr_ratio=r_min, start="step0" if step0 else "on_surge",
-                          base_scheduler=BASES[base](opt) if BASES[base] else None, max_decays=max_decays,
-                          cooldown=cooldown)
+    sched = LengthDecayLR(
+        opt,
+        period,
+        min_lr_ratio=r_min,
+        start="step0" if step0 else "on_surge",
+        base_scheduler=BASES[base](opt) if BASES[base] else None,
+        max_decays=max_decays,
+        cooldown=cooldown,
+    )
     ref = ReferenceFactor(step0, period, r_min, max_decays, cooldown)
 
     def check(t):
@@ -361,9 +374,15 @@ def test_effective_lr_is_the_base_schedule_times_the_factor(base, period, r_min,
 def test_resume_through_bytes_continues_any_base_schedule_exactly(base, step0, cooldown, triggers, resume_at):
     def fresh():
         opt = make_optimizer((1e-3, 3e-4))
-        return opt, LengthDecayLR(opt, 6, min_lr_ratio=0.05, start="step0" if step0 else "on_surge",
-                                  base_scheduler=BASES[base](opt) if BASES[base] else None, max_decays=4,
-                                  cooldown=cooldown)
+        return opt, LengthDecayLR(
+            opt,
+            6,
+            min_lr_ratio=0.05,
+            start="step0" if step0 else "on_surge",
+            base_scheduler=BASES[base](opt) if BASES[base] else None,
+            max_decays=4,
+            cooldown=cooldown,
+        )
 
     def drive(opt, sched, first, last):
         out = []
@@ -431,8 +450,9 @@ def drive_surges(baseline, cooldown, max_decays=3):
     lengths = [100.0] * 40 + [400.0] * 40 + [1600.0] * 50 + [6400.0] * 40 + [25600.0] * 60
     opt = make_optimizer()
     det = SurgeDetector(window=5, baseline_window=10, warmup=10, baseline=baseline)
-    sched = LengthDecayLR(opt, decay_period=1000, min_lr_ratio=0.0, detector=det, max_decays=max_decays,
-                          cooldown=cooldown)
+    sched = LengthDecayLR(
+        opt, decay_period=1000, min_lr_ratio=0.0, detector=det, max_decays=max_decays, cooldown=cooldown
+    )
     decays = []
     for step, length in enumerate(lengths, 1):
         opt.step()
@@ -499,28 +519,52 @@ def test_scheduler_load_state_dict_names_missing_keys():
     del state["trigger_step"], state["last_epoch"]
     with pytest.raises(ValueError) as err:
         LengthDecayLR(make_optimizer(), 5).load_state_dict(state)
-    assert str(err.value) == ("state_dict lacks 'trigger_step', 'last_epoch': accepted a dict from "
-                              "LengthDecayLR.state_dict()")
+    assert str(err.value) == (
+        "state_dict lacks 'trigger_step', 'last_epoch': accepted a dict from LengthDecayLR.state_dict()"
+    )
 
 
 @pytest.mark.parametrize(
     "change, error, message",
     [
-        ({"min_lr_ratio": 2.0}, ValueError, "state_dict['min_lr_ratio']=2.0 is out of range: accepted 0 <= min_lr_ratio <= 1"),
+        (
+            {"min_lr_ratio": 2.0},
+            ValueError,
+            "state_dict['min_lr_ratio']=2.0 is out of range: accepted 0 <= min_lr_ratio <= 1",
+        ),
         ({"min_lr_ratio": math.nan}, ValueError, "state_dict['min_lr_ratio']=nan is out of range"),
-        ({"start": "bogus"}, ValueError, "state_dict['start']='bogus' is out of range: accepted one of ('on_surge', 'step0')"),
+        (
+            {"start": "bogus"},
+            ValueError,
+            "state_dict['start']='bogus' is out of range: accepted one of ('on_surge', 'step0')",
+        ),
         ({"max_decays": 0}, ValueError, "state_dict['max_decays']=0 is out of range: accepted an integer >= 1"),
-        ({"cooldown": -1}, ValueError, "state_dict['cooldown']=-1 is out of range: accepted an integer number of steps >= 0"),
+        (
+            {"cooldown": -1},
+            ValueError,
+            "state_dict['cooldown']=-1 is out of range: accepted an integer number of steps >= 0",
+        ),
         ({"decay_period": 0}, ValueError, "state_dict['decay_period']=0 is out of range: accepted an integer >= 1"),
-        ({"base_lrs": [math.nan]}, ValueError, "state_dict['base_lrs'][0]=nan is out of range: accepted a finite learning rate >= 0"),
+        (
+            {"base_lrs": [math.nan]},
+            ValueError,
+            "state_dict['base_lrs'][0]=nan is out of range: accepted a finite learning rate >= 0",
+        ),
         ({"_last_lr": [-1e-3]}, ValueError, "state_dict['_last_lr'][0]=-0.001 is out of range"),
-        ({"_last_lr": [1e-3, 1e-3]}, ValueError, "state_dict['_last_lr']=[0.001, 0.001] is out of range: accepted a list of 1 "),
+        (
+            {"_last_lr": [1e-3, 1e-3]},
+            ValueError,
+            "state_dict['_last_lr']=[0.001, 0.001] is out of range: accepted a list of 1 ",
+        ),
         ({"last_epoch": "4"}, TypeError, "state_dict['last_epoch'] must be an integer, got str"),
         ({"trigger_step": -2, "decay_steps": [-2]}, ValueError, "state_dict['trigger_step']=-2 is out of range"),
         ({"trigger_step": 3, "decay_steps": [3, 1]}, ValueError, "state_dict['decay_steps']=[3, 1] is out of range"),
         ({"auto_period": "yes"}, TypeError, "state_dict['auto_period'] must be a bool"),
-        ({"detector": {**SurgeDetector().state_dict(), "history": [("x", 3.0)]}}, TypeError,
-         "state_dict['history'][0] step must be an integer, got str: 'x'"),
+        (
+            {"detector": {**SurgeDetector().state_dict(), "history": [("x", 3.0)]}},
+            TypeError,
+            "state_dict['history'][0] step must be an integer, got str: 'x'",
+        ),
     ],
 )
 def test_scheduler_load_state_dict_checks_what_the_constructor_checks(change, error, message):

@@ -41,7 +41,9 @@ def test_from_lists_is_csr_and_to_dense_marks_the_ids():
 def test_bad_supports_raise_one_line_naming_the_row(rows, vocab, fragment):
     hidden, weight = torch.randn(len(rows), 3), torch.randn(vocab, 3)
     with pytest.raises(ValueError) as err:
-        fused_safe_logprobs(hidden, weight, torch.zeros(len(rows), dtype=torch.long), None, support=SafeSupport.from_lists(rows))
+        fused_safe_logprobs(
+            hidden, weight, torch.zeros(len(rows), dtype=torch.long), None, support=SafeSupport.from_lists(rows)
+        )
     assert fragment in str(err.value) and "\n" not in str(err.value)
 
 
@@ -51,14 +53,18 @@ def test_ids_near_the_int64_limit_are_no_false_duplicates():
     support = SafeSupport.from_lists([[2**62, 4], [1], [1], [1], [0]])
     assert support.token_ids.tolist() == [2**62, 4, 1, 1, 1, 0]
     SafeSupport.from_lists([[5, 2**63 - 1], [1], [5]])
-    with pytest.raises(ValueError, match=f"^SafeSupport row 1 lists token id {2**63 - 1} twice: accepted distinct ids$"):
+    with pytest.raises(
+        ValueError, match=f"^SafeSupport row 1 lists token id {2**63 - 1} twice: accepted distinct ids$"
+    ):
         SafeSupport.from_lists([[7], [2**63 - 1, 5, 2**63 - 1]])
 
 
 def test_support_length_must_match_the_targets():
     support = SafeSupport.from_lists([[0], [1]])
     for call in (
-        lambda: fused_safe_logprobs(torch.randn(3, 2), torch.randn(4, 2), torch.zeros(3, dtype=torch.long), None, support=support),
+        lambda: fused_safe_logprobs(
+            torch.randn(3, 2), torch.randn(4, 2), torch.zeros(3, dtype=torch.long), None, support=support
+        ),
         lambda: safe_log_softmax(torch.randn(3, 4), torch.zeros(3, dtype=torch.long), None, support=support),
     ):
         with pytest.raises(ValueError, match="support has 2 rows but the targets have 3 positions"):
@@ -82,8 +88,10 @@ def test_fused_equals_materialised_on_the_replayed_sets(rule, dense_chunks, monk
     rows = [sorted({int(logits[i].argmax())} | set(torch.randperm(v, generator=g)[:4].tolist())) for i in range(n)]
     support = SafeSupport.from_lists(rows)
     targets = torch.tensor([r[-1] for r in rows])
-    out = fused_safe_logprobs(hidden, weight, targets, rule, support=support, compute_entropy=True, max_chunk_bytes=40 * 20 * 4)
-    z = (hidden @ weight.t())
+    out = fused_safe_logprobs(
+        hidden, weight, targets, rule, support=support, compute_entropy=True, max_chunk_bytes=40 * 20 * 4
+    )
+    z = hidden @ weight.t()
     ref = safe_log_softmax(z, targets, rule, support=support, compute_entropy=True)
     keep = support.to_dense(v) & (parse_rule(rule).keep_mask(logits) if rule else True)
     assert torch.equal(out.safe_size, keep.sum(-1)) and torch.equal(ref.safe_size, keep.sum(-1))
@@ -100,7 +108,9 @@ def test_replayed_set_far_below_the_maximum_stays_finite_in_fp32():
     """A replayed set need not hold the trainer's argmax: exp(z - m) underflows to 0 on it in fp32."""
     hidden = torch.ones(1, 1, requires_grad=True)
     weight = torch.tensor([[0.0], [-200.0], [-201.0]], requires_grad=True)
-    out = fused_safe_logprobs(hidden, weight, torch.tensor([1]), None, support=SafeSupport.from_lists([[1, 2]]), compute_entropy=True)
+    out = fused_safe_logprobs(
+        hidden, weight, torch.tensor([1]), None, support=SafeSupport.from_lists([[1, 2]]), compute_entropy=True
+    )
     p = 1 / (1 + math.exp(-1))
     tol = 2 * 2**-23 * 201  # two ulps of the logits (~200) in fp32
     assert out.logprobs.item() == pytest.approx(math.log(p), abs=tol)
@@ -167,18 +177,42 @@ def test_bounds_take_a_support():
 @pytest.mark.parametrize(
     "call, error, message",
     [
-        (lambda: SafeSupport.from_lists([[1], [3, 2**64 - 1]]), ValueError,
-         f"SafeSupport row 1 token id={2**64 - 1} is out of range: accepted 0 <= id < vocab_size (an int64)"),
+        (
+            lambda: SafeSupport.from_lists([[1], [3, 2**64 - 1]]),
+            ValueError,
+            f"SafeSupport row 1 token id={2**64 - 1} is out of range: accepted 0 <= id < vocab_size (an int64)",
+        ),
         (lambda: SafeSupport.from_lists([[2**63]]), ValueError, f"SafeSupport row 0 token id={2**63} is out of range"),
-        (lambda: SafeSupport(torch.ones(5000, dtype=torch.bool), torch.tensor([0, 5000])), TypeError,
-         "SafeSupport.token_ids must be a 1-D integer torch.Tensor, got a tensor of dtype torch.bool and shape (5000,)"),
-        (lambda: SafeSupport.from_lists([[1]], device="meta"), ValueError,
-         "SafeSupport.token_ids is on the meta device (a shape without values): accepted a tensor with values"),
-        (lambda: safe_log_softmax(torch.zeros(2, 5, device="meta"), torch.zeros(2, dtype=torch.long), "top_k=2"), ValueError,
-         "logits is on the meta device"),
-        (lambda: fused_safe_logprobs(torch.zeros(2, 3, device="meta"), torch.zeros(5, 3, device="meta"),
-                                     torch.zeros(2, dtype=torch.long), "top_k=2"), ValueError, "hidden is on the meta device"),
-        (lambda: parse_rule("top_p=0.5").keep_mask(torch.zeros(2, 5, device="meta")), ValueError, "z is on the meta device"),
+        (
+            lambda: SafeSupport(torch.ones(5000, dtype=torch.bool), torch.tensor([0, 5000])),
+            TypeError,
+            "SafeSupport.token_ids must be a 1-D integer torch.Tensor, got a tensor of dtype torch.bool and shape (5000,)",
+        ),
+        (
+            lambda: SafeSupport.from_lists([[1]], device="meta"),
+            ValueError,
+            "SafeSupport.token_ids is on the meta device (a shape without values): accepted a tensor with values",
+        ),
+        (
+            lambda: safe_log_softmax(torch.zeros(2, 5, device="meta"), torch.zeros(2, dtype=torch.long), "top_k=2"),
+            ValueError,
+            "logits is on the meta device",
+        ),
+        (
+            lambda: fused_safe_logprobs(
+                torch.zeros(2, 3, device="meta"),
+                torch.zeros(5, 3, device="meta"),
+                torch.zeros(2, dtype=torch.long),
+                "top_k=2",
+            ),
+            ValueError,
+            "hidden is on the meta device",
+        ),
+        (
+            lambda: parse_rule("top_p=0.5").keep_mask(torch.zeros(2, 5, device="meta")),
+            ValueError,
+            "z is on the meta device",
+        ),
     ],
 )
 def test_ids_past_int64_bool_ids_and_meta_tensors_raise_one_line(call, error, message):

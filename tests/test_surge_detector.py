@@ -26,8 +26,9 @@ def test_first_release_detector_states_resume():
     for k, state in data["detector"]["states"].items():
         detector = SurgeDetector()
         detector.load_state_dict(state)
-        fired = [step for step in range(k + 1, len(data["lengths"]) + 1)
-                 if detector.update(step, data["lengths"][step - 1])]
+        fired = [
+            step for step in range(k + 1, len(data["lengths"]) + 1) if detector.update(step, data["lengths"][step - 1])
+        ]
         assert [s for s in data["detector"]["fired"] if s <= k] + fired == data["detector"]["fired"], k
         assert detector.surge_step == data["detector"]["surge_step"]
 
@@ -102,8 +103,9 @@ def test_detector_load_state_dict_names_missing_keys():
     del state["history"], state["n_updates"]
     with pytest.raises(ValueError) as err:
         SurgeDetector().load_state_dict(state)
-    assert str(err.value) == ("state_dict lacks 'history', 'n_updates': accepted a dict from "
-                              "SurgeDetector.state_dict()")
+    assert str(err.value) == (
+        "state_dict lacks 'history', 'n_updates': accepted a dict from SurgeDetector.state_dict()"
+    )
     with pytest.raises(TypeError, match="state_dict must be a dict, got list"):
         SurgeDetector().load_state_dict([])
 
@@ -111,7 +113,11 @@ def test_detector_load_state_dict_names_missing_keys():
 @pytest.mark.parametrize(
     "change, error, message",
     [
-        ({"history": [(1, 3.0), ("x", 3.0)]}, TypeError, "state_dict['history'][1] step must be an integer, got str: 'x'"),
+        (
+            {"history": [(1, 3.0), ("x", 3.0)]},
+            TypeError,
+            "state_dict['history'][1] step must be an integer, got str: 'x'",
+        ),
         ({"history": [(1, -3.0)]}, ValueError, "state_dict['history'][0] length=-3.0 is out of range"),
         ({"history": [(1, float("nan"))]}, ValueError, "state_dict['history'][0] length=nan is out of range"),
         ({"history": [1, 2]}, ValueError, "state_dict['history'][0]=1 is out of range: accepted a pair of two values"),

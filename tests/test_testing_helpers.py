@@ -38,8 +38,9 @@ def test_logits_default_strategy_is_valid(z):
 
 @settings(deadline=None, max_examples=40)
 @given(
-    z=logits(batch_shape=(3, 2), vocab_size=7, dtype=torch.float64, scale=st.sampled_from([0.5, 2.0]),
-             allow_neg_inf=False),
+    z=logits(
+        batch_shape=(3, 2), vocab_size=7, dtype=torch.float64, scale=st.sampled_from([0.5, 2.0]), allow_neg_inf=False
+    ),
 )
 def test_logits_fixed_arguments(z):
     assert z.shape == (3, 2, 7) and z.dtype == torch.float64
@@ -295,7 +296,7 @@ def test_intersection_rule_strings_work_in_assertions():
     assert_pruning_bias_within(z, NoPruning(), max_tv=1e-6)
 
 
-USER_TEST = '''
+USER_TEST = """
 import torch
 from safevocab.testing import assert_mismatch_within_bound, assert_pruning_bias_within, assert_sequence_bias_within
 
@@ -311,7 +312,7 @@ def test_sequence():
 
 def test_misuse():
     assert_pruning_bias_within(torch.zeros(2, 8), "top_k=1", max_tv=2.0)
-'''
+"""
 
 
 def test_a_failing_user_test_shows_the_message_not_the_helpers_source(tmp_path):

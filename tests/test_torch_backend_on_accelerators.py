@@ -51,8 +51,9 @@ def test_block_size_changes_no_value_or_gradient(rule, monkeypatch):
     def run(block_bytes: int):
         monkeypatch.setattr(torch_backend, "ROW_BLOCK_BYTES", block_bytes)
         hid, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
-        out = fused_safe_logprobs(hid, w, targets, rule, support=support, compute_entropy=True, backend="torch",
-                                  max_chunk_bytes=13 * v * 8)
+        out = fused_safe_logprobs(
+            hid, w, targets, rule, support=support, compute_entropy=True, backend="torch", max_chunk_bytes=13 * v * 8
+        )
         (out.logprobs.sum() + 0.3 * out.entropy.sum()).backward()
         return out.logprobs.detach(), out.entropy.detach(), hid.grad, w.grad
 
@@ -88,7 +89,10 @@ def test_accumulated_weight_gradient_takes_bf16_operands_into_fp32_on_an_acceler
     seen = []
     monkeypatch.setattr(chunking, "addmm_fp32", lambda acc, a, b: seen.append((acc.dtype, a.dtype, b.dtype)))
     grad = torch.empty(4, 7, device="meta")
-    h, weight = torch.empty(4, 3, dtype=torch.bfloat16, device="meta"), torch.empty(7, 3, dtype=torch.bfloat16, device="meta")
+    h, weight = (
+        torch.empty(4, 3, dtype=torch.bfloat16, device="meta"),
+        torch.empty(7, 3, dtype=torch.bfloat16, device="meta"),
+    )
     grads = (torch.zeros(4, 3, dtype=torch.bfloat16, device="meta"), torch.zeros(7, 3, device="meta"), None)
     accumulate_chunk_grads(grad, h, weight, slice(0, 4), grads)
     assert seen == [(torch.float32, torch.bfloat16, torch.bfloat16)]

@@ -19,5 +19,6 @@ def require_vllm(module_level: bool = False) -> None:
             "SAFEVOCAB_REQUIRE_VLLM=1 but vLLM is not installed: install the vllm extra (scripts/setup_env.sh does)",
             pytrace=False,
         )
-    pytest.skip("vLLM is not installed (the vllm extra; scripts/setup_env.sh installs it)",
-                allow_module_level=module_level)
+    pytest.skip(
+        "vLLM is not installed (the vllm extra; scripts/setup_env.sh installs it)", allow_module_level=module_level
+    )

@@ -156,9 +156,7 @@ def check_trl(version: str, trainer_cls: type = GRPOTrainer, modules: dict[str, 
             raise _unsupported(version, f"GRPOTrainer.{name} is missing")
         found = tuple(p for p in inspect.signature(method).parameters if p != "self")
         if found[: len(params)] != params:
-            raise _unsupported(
-                version, f"GRPOTrainer.{name}{tuple(found)} does not start with the parameters {params}"
-            )
+            raise _unsupported(version, f"GRPOTrainer.{name}{tuple(found)} does not start with the parameters {params}")
     scoring = tuple(inspect.signature(trainer_cls._get_per_token_logps_and_entropies).parameters)
     missing = [k for k in SCORING_KEYWORDS if k not in scoring]
     if missing:
@@ -311,7 +309,12 @@ class GRPOTrainerBridge(GRPOTrainer):
         self, model, input_ids, attention_mask, logits_to_keep, batch_size=None, compute_entropy=False, **kwargs
     ):
         return self.score_completion_tokens(
-            model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size, compute_entropy=compute_entropy,
+            model,
+            input_ids,
+            attention_mask,
+            logits_to_keep,
+            batch_size=batch_size,
+            compute_entropy=compute_entropy,
             **kwargs,
         )
 
@@ -338,7 +341,12 @@ class GRPOTrainerBridge(GRPOTrainer):
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """``(logps [B, T], entropies [B, T] | None, aux_loss | None)`` of the last ``logits_to_keep`` tokens."""
         return self.stock_score_completion_tokens(
-            model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size, compute_entropy=compute_entropy,
+            model,
+            input_ids,
+            attention_mask,
+            logits_to_keep,
+            batch_size=batch_size,
+            compute_entropy=compute_entropy,
             **kwargs,
         )
 
@@ -363,8 +371,14 @@ class GRPOTrainerBridge(GRPOTrainer):
         self, model, input_ids, attention_mask, logits_to_keep, batch_size=None, compute_entropy=False, **kwargs
     ):
         return GRPOTrainer._get_per_token_logps_and_entropies(
-            self, model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size,
-            compute_entropy=compute_entropy, **kwargs,
+            self,
+            model,
+            input_ids,
+            attention_mask,
+            logits_to_keep,
+            batch_size=batch_size,
+            compute_entropy=compute_entropy,
+            **kwargs,
         )
 
     def stock_generate_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):

@@ -97,7 +97,11 @@ def where_modules_are_looked_for(missing: str) -> str:
     parent = missing.rpartition(".")[0]
     if parent and parent in sys.modules:
         folders = getattr(sys.modules[parent], "__path__", None)
-        return f"in package {parent!r} ({', '.join(folders)})" if folders is not None else f"{parent!r} is a module, not a package"
+        return (
+            f"in package {parent!r} ({', '.join(folders)})"
+            if folders is not None
+            else f"{parent!r} is a module, not a package"
+        )
     return f"in the current folder ({os.getcwd()}) and on sys.path {[p or '.' for p in sys.path]}"
 
 

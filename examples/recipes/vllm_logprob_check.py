@@ -59,7 +59,9 @@ def main() -> None:
     trainer.vllm_generation.sync_weights()
     problems = make_dataset(cli.prompts, seed=1, split="test")["prompt"]
     ids = trainer.processing_class(text=[p for p in problems for _ in range(4)])["input_ids"]
-    prompt_ids, completion_ids, logprobs, _ = trainer.vllm_generation.generate(prompts=ids, images=None, num_generations=1)
+    prompt_ids, completion_ids, logprobs, _ = trainer.vllm_generation.generate(
+        prompts=ids, images=None, num_generations=1
+    )
 
     engine, safe, stock, log_kept = [], [], [], []
     with torch.no_grad():

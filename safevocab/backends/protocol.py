@@ -90,4 +90,3 @@ class FusedBackend(Protocol):
         computed it (same row slice, same calls, a buffer of the same shape;
         :func:`safevocab.chunking.forward_chunks_of`)."""
         ...
-

@@ -66,7 +66,9 @@ def chunk_rows_for(n_rows: int, vocab: int, rule: SafeVocabRule, in_bytes: int, 
 def row_blocks(n_rows: int, vocab: int, elem_bytes: int = 4, device: torch.device | None = None) -> list[slice]:
     """Row slices of a chunk for its element-wise passes: about ``ROW_BLOCK_BYTES`` each on a CPU (``device`` None
     or ``cpu``), ``ROW_BLOCK_BYTES_ACCELERATOR`` elsewhere."""
-    block_bytes = ROW_BLOCK_BYTES if device is None or torch.device(device).type == "cpu" else ROW_BLOCK_BYTES_ACCELERATOR
+    block_bytes = (
+        ROW_BLOCK_BYTES if device is None or torch.device(device).type == "cpu" else ROW_BLOCK_BYTES_ACCELERATOR
+    )
     step = max(1, block_bytes // max(1, vocab * elem_bytes))
     return [slice(s, min(s + step, n_rows)) for s in range(0, n_rows, step)]
 
@@ -431,8 +433,12 @@ class TorchBackend:
 
     supports_replay = True
 
-    def forward(self, hidden, weight, bias, targets, rule, transform, chunk_rows, stats, sparse_max_density, support=None):
-        return torch_forward(hidden, weight, bias, targets, rule, transform, chunk_rows, stats, sparse_max_density, support)
+    def forward(
+        self, hidden, weight, bias, targets, rule, transform, chunk_rows, stats, sparse_max_density, support=None
+    ):
+        return torch_forward(
+            hidden, weight, bias, targets, rule, transform, chunk_rows, stats, sparse_max_density, support
+        )
 
     def dense_backward(self, chunks, hidden, weight, bias, coef, transform, chunk_rows, grads, rule, support=None):
         dense_backward(chunks, hidden, weight, bias, coef, transform, chunk_rows, grads, support)

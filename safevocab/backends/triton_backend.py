@@ -222,7 +222,9 @@ def triton_dense_backward(
                 transform_in_kernel=logits_of.in_kernel,
                 grad_shift=coef.grad_shift,
             )
-            accumulate_chunk_grads(out, h, weight, rows, grads, coef.grad_shift)  # out: the logits gradient, inputs' dtype
+            accumulate_chunk_grads(
+                out, h, weight, rows, grads, coef.grad_shift
+            )  # out: the logits gradient, inputs' dtype
             del z, out
 
 
@@ -254,13 +256,25 @@ def triton_full_softmax_backward(
             else:  # the forward's logits of the chosen rows (a row-contiguous copy)
                 z, h = z.index_select(0, at - rows.start), hidden.index_select(0, at)
                 out = z if out.dtype == z.dtype else torch.empty(z.shape, device=z.device, dtype=out.dtype)
-            pick = lambda t: t[at]  # noqa: E731
+            pick = lambda t, at=at: t[at]  # noqa: E731
             backward_fold(
-                z, out, pick(coef.targets).contiguous(), pick(coef.threshold), pick(coef.row_max), pick(coef.log_sum_safe),
-                pick(coef.log_sum_full), torch.zeros(z.shape[0], device=z.device, dtype=coef.c_full.dtype), pick(coef.c_full),
-                pick(coef.g_target_out), None, None,
-                temperature=transform.temperature, softcap=transform.softcap, logit_scale=transform.logit_scale,
-                transform_in_kernel=logits_of.in_kernel, grad_shift=coef.grad_shift,
+                z,
+                out,
+                pick(coef.targets).contiguous(),
+                pick(coef.threshold),
+                pick(coef.row_max),
+                pick(coef.log_sum_safe),
+                pick(coef.log_sum_full),
+                torch.zeros(z.shape[0], device=z.device, dtype=coef.c_full.dtype),
+                pick(coef.c_full),
+                pick(coef.g_target_out),
+                None,
+                None,
+                temperature=transform.temperature,
+                softcap=transform.softcap,
+                logit_scale=transform.logit_scale,
+                transform_in_kernel=logits_of.in_kernel,
+                grad_shift=coef.grad_shift,
             )
             accumulate_chunk_grads(out, h, weight, at, grads, coef.grad_shift)
             del z, out

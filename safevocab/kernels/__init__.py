@@ -98,4 +98,3 @@ def kernel_threshold(rule: SafeVocabRule) -> tuple[int, float] | None:
     if type(rule) is MinProb:
         return MODE_MIN_PROB, math.log(rule.tau)
     return None
-

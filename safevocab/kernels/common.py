@@ -41,8 +41,9 @@ def tanh(x):
 
 
 @triton.jit
-def transform(z, scale, softcap, temperature, HAS_SCALE: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-              HAS_TEMPERATURE: tl.constexpr):
+def transform(
+    z, scale, softcap, temperature, HAS_SCALE: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_TEMPERATURE: tl.constexpr
+):
     """``logit_scale``, then ``softcap * tanh(z / softcap)``, then ``/ temperature`` (the sampler's order).
 
     Same operations, in the same order, as ``safevocab.chunking.Transform.apply_``; the identity steps

@@ -47,10 +47,10 @@ from safevocab.mismatch.formulas import (
     safe_set_disagreement,
 )
 from safevocab.mismatch.metrics import (
+    PER_PROCESS_QUANTILES,
     bucket_mismatch_metrics,
     importance_ratio_metrics,
     mismatch_metrics,
-    PER_PROCESS_QUANTILES,
     safe_set_metrics,
 )
 from safevocab.mismatch.reduce import reduce_gathered, reduction

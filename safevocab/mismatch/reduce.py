@@ -28,9 +28,7 @@ def reduction(name: str) -> str:
 _ESS_KEY, _ESS_MEAN_KEY = "mismatch/is_ess", "mismatch/is_mean"
 
 
-def reduce_gathered(
-    names: Sequence[str], values: torch.Tensor, counts: torch.Tensor | None = None
-) -> dict[str, float]:
+def reduce_gathered(names: Sequence[str], values: torch.Tensor, counts: torch.Tensor | None = None) -> dict[str, float]:
     """Combine per-process metric values into the value of the whole (all-process) batch.
 
     ``values[p, k]`` is metric ``names[k]`` computed by process ``p`` on its share of the batch and

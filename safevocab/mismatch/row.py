@@ -74,9 +74,7 @@ def counts_vector(pattern: tuple[int, ...], *counts: torch.Tensor | int) -> torc
     tensors = [c for c in counts if isinstance(c, torch.Tensor)]
     device = tensors[0].device if tensors else torch.device("cpu")
     shape = tensors[0].shape if tensors else torch.Size()
-    base = torch.stack(
-        [torch.as_tensor(c, dtype=torch.float64, device=device).expand(shape) for c in counts], dim=-1
-    )
+    base = torch.stack([torch.as_tensor(c, dtype=torch.float64, device=device).expand(shape) for c in counts], dim=-1)
     return base.index_select(-1, _index(pattern, device))
 
 

@@ -42,9 +42,9 @@ def _check_kinds(kinds: Sequence[str], accepted: tuple[str, ...]) -> None:
 
 
 def logits(
-    batch_shape: tuple[int, ...] | st.SearchStrategy[tuple[int, ...]] = st.lists(
-        st.integers(1, 4), max_size=2
-    ).map(tuple),
+    batch_shape: tuple[int, ...] | st.SearchStrategy[tuple[int, ...]] = st.lists(st.integers(1, 4), max_size=2).map(
+        tuple
+    ),
     vocab_size: int | st.SearchStrategy[int] = st.integers(2, 64),
     dtype: torch.dtype = torch.float32,
     scale: float | st.SearchStrategy[float] = 1.0,

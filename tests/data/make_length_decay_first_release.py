@@ -22,8 +22,9 @@ HERE = Path(__file__).resolve().parent
 
 
 def first_release():
-    source = subprocess.run(["git", "show", f"{COMMIT}:safevocab/schedulers.py"], capture_output=True, text=True,
-                            check=True, cwd=HERE).stdout
+    source = subprocess.run(
+        ["git", "show", f"{COMMIT}:safevocab/schedulers.py"], capture_output=True, text=True, check=True, cwd=HERE
+    ).stdout
     path = Path(tempfile.mkdtemp()) / "first_release_schedulers.py"
     path.write_text(source)
     spec = importlib.util.spec_from_file_location("first_release_schedulers", path)

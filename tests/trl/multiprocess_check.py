@@ -141,7 +141,10 @@ def schedule_settings(schedule: str) -> dict:
     a (sensitive) detector."""
     if schedule == "step0":
         return dict(
-            length_decay=True, length_decay_start="step0", length_decay_period="1", length_decay_min_lr_ratio=0.25,
+            length_decay=True,
+            length_decay_start="step0",
+            length_decay_period="1",
+            length_decay_min_lr_ratio=0.25,
             lr_scheduler_type="constant",
         )
     if schedule == "on_surge":

@@ -47,7 +47,7 @@ def _train(tmp_path, stock: bool = False, **overrides):
 
 def _printed_dicts(out: str) -> list[dict]:
     """The dictionaries transformers' console callback printed (one per line)."""
-    return [ast.literal_eval(line[line.index("{"):]) for line in out.splitlines() if "{'" in line]
+    return [ast.literal_eval(line[line.index("{") :]) for line in out.splitlines() if "{'" in line]
 
 
 @pytest.mark.parametrize("disable_tqdm", [True, False], ids=["printer", "progress_bar"])
@@ -82,6 +82,11 @@ def test_the_flag_prints_the_projects_metrics(tmp_path, capsys):
 def test_console_keys_drops_the_projects_metrics_also_under_eval():
     logs = {"loss": 1.0, "safevocab/safe_size_mean": 3.0, "eval_mismatch/k3_kl": 0.1, "eval_loss": 2.0, "step": 1,
             "sampling/importance_sampling_ratio/min": 1.0, "lr_base": 1e-3, "length_decay/factor": 0.5}  # fmt: skip
-    assert console_keys(logs) == {"loss": 1.0, "eval_loss": 2.0, "step": 1, "sampling/importance_sampling_ratio/min": 1.0}
+    assert console_keys(logs) == {
+        "loss": 1.0,
+        "eval_loss": 2.0,
+        "step": 1,
+        "sampling/importance_sampling_ratio/min": 1.0,
+    }
     assert console_keys(logs, PROJECT_PREFIXES + ("sampling/",)) == {"loss": 1.0, "eval_loss": 2.0, "step": 1}
     assert "safevocab/safe_size_mean" in logs  # the shared dict is untouched

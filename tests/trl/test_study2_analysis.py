@@ -31,12 +31,23 @@ def _run(arm: str, seed: int, late: float, late_rule: float, tv: float = 0.5) ->
     full = [0.05, late - 0.01, late - 0.001, late, late + 0.001]
     rule = [0.06, late_rule - 0.01, late_rule, late_rule, late_rule]
     return {
-        "arm": arm, "seed": seed, "status": "ok",
-        "eval": {"step": STEPS, "reward": full, "reward_rule": rule, "eval_seeds": [0, 1],
-                 "reward_by_seed": [[v - 0.001, v + 0.001] for v in full],
-                 "reward_rule_by_seed": [[v - 0.001, v + 0.001] for v in rule]},
-        "series": {"step": [100, 200, 300], "safevocab/seq_tv_estimate": [0.9, tv, tv],
-                   "safevocab/pruned_mass_mean": [0.3, 0.2, 0.2], "reward": [0.1, 0.1, 0.1]},
+        "arm": arm,
+        "seed": seed,
+        "status": "ok",
+        "eval": {
+            "step": STEPS,
+            "reward": full,
+            "reward_rule": rule,
+            "eval_seeds": [0, 1],
+            "reward_by_seed": [[v - 0.001, v + 0.001] for v in full],
+            "reward_rule_by_seed": [[v - 0.001, v + 0.001] for v in rule],
+        },
+        "series": {
+            "step": [100, 200, 300],
+            "safevocab/seq_tv_estimate": [0.9, tv, tv],
+            "safevocab/pruned_mass_mean": [0.3, 0.2, 0.2],
+            "reward": [0.1, 0.1, 0.1],
+        },
     }
 
 
@@ -80,7 +91,8 @@ def test_estimands_equal_the_hand_computed_contrasts(analysis, studies):
     expected["E3_interaction"] = [r - h for r, h in zip(expected["E2_residual_harm"], expected["E1_harm"])]
     lift_interaction = [
         (LIFT_VALUES["dvp"][i] - TAIL_VALUES["dvp_no_mismatch"][i])
-        - (LIFT_VALUES["no_remedy"][i] - TAIL_VALUES["no_mismatch"][i]) for i in range(5)
+        - (LIFT_VALUES["no_remedy"][i] - TAIL_VALUES["no_mismatch"][i])
+        for i in range(5)
     ]
     expected["E5_specificity"] = [t - x for t, x in zip(expected["E3_interaction"], lift_interaction)]
     for name, diffs in expected.items():
@@ -88,8 +100,9 @@ def test_estimands_equal_the_hand_computed_contrasts(analysis, studies):
         assert e[name]["diffs"] == pytest.approx(diffs, abs=1e-12), name
         mean = sum(diffs) / 5
         sd = math.sqrt(sum((d - mean) ** 2 for d in diffs) / 4)
-        assert e[name]["ci95"] == pytest.approx([mean - 2.776 * sd / math.sqrt(5), mean + 2.776 * sd / math.sqrt(5)],
-                                                abs=1e-4), name
+        assert e[name]["ci95"] == pytest.approx(
+            [mean - 2.776 * sd / math.sqrt(5), mean + 2.776 * sd / math.sqrt(5)], abs=1e-4
+        ), name
 
 
 def test_decisions_follow_the_plan(analysis, studies):
@@ -110,8 +123,13 @@ def test_decision_branches_on_intervals(analysis):
         lo, hi = ci95
         return {"mean": (lo + hi) / 2, "std": 1.0, "n": 5, "ci95": ci95, "ci90": ci90 or ci95}
 
-    base = {"E1_harm": stats([0.001, 0.01]), "E2_residual_harm": stats([-0.1, 0.1]),
-            "E3_interaction": stats([-0.01, 0.02]), "E4_cost": stats([-0.01, 0.01]), "E5_specificity": stats([-1, 1])}
+    base = {
+        "E1_harm": stats([0.001, 0.01]),
+        "E2_residual_harm": stats([-0.1, 0.1]),
+        "E3_interaction": stats([-0.01, 0.02]),
+        "E4_cost": stats([-0.01, 0.01]),
+        "E5_specificity": stats([-1, 1]),
+    }
     assert analysis.decide(base) == {
         "premise": "no harm detected (against the premise at this scale)",
         "dvp": "DVP does not reduce the tail's harm",
@@ -170,11 +188,15 @@ def test_markdown_tables_carry_every_estimand_decision_and_bound_row(analysis, s
         assert text.count(f"| {name} |") == 4  # both scorings: the estimand table and the per-evaluation-seed table
     assert text.count("| dvp | DVP removes the tail's harm | DVP removes the tail's harm |") == 2
     assert "| robust |" in text and "| yes |" in text
-    e1 = analysis.estimands(tail, analysis.with_controls(json.loads(lift_path.read_text()), tail),
-                            "late_metric_rule")["E1_harm"]
+    e1 = analysis.estimands(tail, analysis.with_controls(json.loads(lift_path.read_text()), tail), "late_metric_rule")[
+        "E1_harm"
+    ]
     assert f"| E1_harm | {e1['mean']:+.4f} | [{e1['ci95'][0]:+.4f}, {e1['ci95'][1]:+.4f}] |" in text
-    bound_rows = [line for line in text.splitlines() if line.startswith("| ") and line.count("|") == 8
-                  and line.split("|")[1].strip().isdigit()]
+    bound_rows = [
+        line
+        for line in text.splitlines()
+        if line.startswith("| ") and line.count("|") == 8 and line.split("|")[1].strip().isdigit()
+    ]
     assert [int(r.split("|")[1]) for r in bound_rows] == list(SEEDS)
     assert all("| 0.5000 | 0.5000 |" in r for r in bound_rows)  # the late TV and its bound (reward in [0, 1])
     assert text.count("| E2_residual_harm, 90 % (equivalence) |") == 2  # the per-evaluation-seed equivalence test
@@ -194,8 +216,12 @@ def test_records_from_different_commits_are_refused_unless_told(analysis, studie
     lift_path.write_text(json.dumps(_with_code(lift, {("dvp", 3): "b" * 40})))
     assert analysis.main([str(tail_path), str(lift_path)]) == 2
     err = capsys.readouterr().err
-    assert "the records come from 2 code versions" in err and "lift2: dvp seed 3" in err and "--allow_mixed_commits" \
-        in err and len(err.strip().splitlines()) == 1
+    assert (
+        "the records come from 2 code versions" in err
+        and "lift2: dvp seed 3" in err
+        and "--allow_mixed_commits" in err
+        and len(err.strip().splitlines()) == 1
+    )
     out_json = tmp_path / "out.json"
     assert analysis.main([str(tail_path), str(lift_path), "--allow_mixed_commits", "--json", str(out_json)]) == 0
     assert json.loads(out_json.read_text())["code"]["commits"] == {"a" * 40: 34, "b" * 40: 1}
@@ -221,5 +247,8 @@ def test_study2s_own_records_without_code_still_analyse(analysis, studies, tmp_p
     _, _, (tail_path, lift_path) = studies
     out_json = tmp_path / "out.json"
     assert analysis.main([str(tail_path), str(lift_path), "--json", str(out_json)]) == 0
-    assert json.loads(out_json.read_text())["code"] == {"commits": {"not recorded": 35}, "dirty_runs": [],
-                                                        "mixed": False}
+    assert json.loads(out_json.read_text())["code"] == {
+        "commits": {"not recorded": 35},
+        "dirty_runs": [],
+        "mixed": False,
+    }

@@ -44,13 +44,29 @@ def _tail_values(eps: float, k3: float) -> dict[str, list[float]]:
 
 @pytest.fixture()
 def files(analysis, tmp_path):
-    trunc = _study({"no_mismatch": [0.120 + j for j in JITTER], "no_remedy": [0.100 + 1.5 * j for j in JITTER],
-                    "tis": [0.110 + j for j in JITTER], "dvp": [0.1195 + j + w for j, w in zip(JITTER, WOBBLE)],
-                    "dvp_tis": [0.118 + j for j in JITTER]}, noise=0.0, noise_kind="uniform")
-    bf16 = _study({"no_mismatch": [0.120 + j for j in JITTER], "dvp_no_mismatch": [0.117 + j for j in JITTER],
-                   "no_remedy": [0.120 + j + w for j, w in zip(JITTER, WOBBLE)], "tis": [0.120 + j for j in JITTER],
-                   "dvp": [0.117 + j for j in JITTER], "dvp_tis": [0.117 + j for j in JITTER]},
-                  noise=0.0, noise_kind="uniform")
+    trunc = _study(
+        {
+            "no_mismatch": [0.120 + j for j in JITTER],
+            "no_remedy": [0.100 + 1.5 * j for j in JITTER],
+            "tis": [0.110 + j for j in JITTER],
+            "dvp": [0.1195 + j + w for j, w in zip(JITTER, WOBBLE)],
+            "dvp_tis": [0.118 + j for j in JITTER],
+        },
+        noise=0.0,
+        noise_kind="uniform",
+    )
+    bf16 = _study(
+        {
+            "no_mismatch": [0.120 + j for j in JITTER],
+            "dvp_no_mismatch": [0.117 + j for j in JITTER],
+            "no_remedy": [0.120 + j + w for j, w in zip(JITTER, WOBBLE)],
+            "tis": [0.120 + j for j in JITTER],
+            "dvp": [0.117 + j for j in JITTER],
+            "dvp_tis": [0.117 + j for j in JITTER],
+        },
+        noise=0.0,
+        noise_kind="uniform",
+    )
     paths = {"trunc": tmp_path / "trunc.json", "bf16": tmp_path / "bf16.json"}
     paths["trunc"].write_text(json.dumps(trunc))
     paths["bf16"].write_text(json.dumps(bf16))
@@ -96,8 +112,11 @@ def test_estimands_slopes_and_decisions_are_the_known_answers(analysis, files, t
         for condition, name in analysis.PRIMARY:
             assert "bonferroni" in d[condition][name], (condition, name)
     printed = capsys.readouterr().out
-    assert "| trunc | dvp_minus_tis | +0.0095 |" in printed and "| dose | slope of harm per decade of k3 | -0.0040" \
-        in printed and printed.count("Primary family") == 2
+    assert (
+        "| trunc | dvp_minus_tis | +0.0095 |" in printed
+        and "| dose | slope of harm per decade of k3 | -0.0040" in printed
+        and printed.count("Primary family") == 2
+    )
     assert report["code"] == {"commits": {"not recorded": 105}, "dirty_runs": [], "mixed": False}
 
 

@@ -66,8 +66,10 @@ def test_vocabulary_has_4096_ids_and_grpo_special_tokens(tokenizer, model):
     check_tokenizer(tokenizer)  # the project's GRPO checks
     assert model.generation_config.eos_token_id == tokenizer.eos_token_id
     assert model.generation_config.pad_token_id == tokenizer.pad_token_id
-    assert tokenizer("Return the value")["input_ids"] == tokenizer("Return the value", add_special_tokens=False)[
-        "input_ids"], "no BOS/EOS is added when encoding"
+    assert (
+        tokenizer("Return the value")["input_ids"]
+        == tokenizer("Return the value", add_special_tokens=False)["input_ids"]
+    ), "no BOS/EOS is added when encoding"
     enc = tokenizer(["a", "Return the value of x"], padding=True)
     assert enc["input_ids"][0][0] == tokenizer.pad_token_id and enc["attention_mask"][0][0] == 0
 
@@ -128,8 +130,17 @@ def test_bundle_is_package_data_at_most_8_mb_with_its_build_info():
     shipped = {p for pattern in package_data["trl_integration.demo"] for p in folder.parent.parent.glob(pattern)}
     assert set(files) <= shipped
     info = json.loads((folder / testbed.BUILD_INFO_FILE).read_text())
-    for key in ("python", "corpus_sha256", "corpus_texts", "corpus_characters", "seed", "steps", "wall_seconds",
-                "final_train_loss_ema", "held_out_loss"):
+    for key in (
+        "python",
+        "corpus_sha256",
+        "corpus_texts",
+        "corpus_characters",
+        "seed",
+        "steps",
+        "wall_seconds",
+        "final_train_loss_ema",
+        "held_out_loss",
+    ):
         assert key in info, key
     assert info["vocab_size"] == 4096 and info["stopped_by"] == "steps"
 
@@ -261,8 +272,13 @@ def test_freetext_task_is_a_study_task():
     assert Path(task.model_path) == testbed.testbed_model_path() and task.max_completion_length == MAX_COMPLETION_LENGTH
     rows = task.train_dataset(4, 0)
     assert rows.column_names == ["prompt", "continuation"]
-    rewards = task.reward_funcs[0](prompts=rows["prompt"], completions=list(rows["continuation"]),
-                                   continuation=rows["continuation"], completion_ids=None, trainer_state=None)
+    rewards = task.reward_funcs[0](
+        prompts=rows["prompt"],
+        completions=list(rows["continuation"]),
+        continuation=rows["continuation"],
+        completion_ids=None,
+        trainer_state=None,
+    )
     assert rewards == [1.0] * 4
     assert task.held_out_metric is held_out_reward and len(task.held_out_dataset(200)) == 200
 
@@ -284,10 +300,30 @@ def test_arithmetic_task_is_a_study_task():
 
 
 def _build(out: Path, seed: int) -> dict:
-    args = ["--max-files", "25", "--vocab-size", "300", "--steps", "3", "--batch-tokens", "512", "--threads", "1",
-            "--seed", str(seed), "--output", str(out), "--no-progress"]
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "train_testbed_model.py"), *args],
-                          capture_output=True, text=True, timeout=600, cwd=ROOT)
+    args = [
+        "--max-files",
+        "25",
+        "--vocab-size",
+        "300",
+        "--steps",
+        "3",
+        "--batch-tokens",
+        "512",
+        "--threads",
+        "1",
+        "--seed",
+        str(seed),
+        "--output",
+        str(out),
+        "--no-progress",
+    ]
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "train_testbed_model.py"), *args],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     return {f.name: hashlib.sha256(f.read_bytes()).hexdigest() for f in out.iterdir() if f.is_file()}
 
@@ -295,8 +331,13 @@ def _build(out: Path, seed: int) -> dict:
 def test_build_script_starts_from_its_checkout(tmp_path):
     """-I: neither PYTHONPATH nor the script's folder is on sys.path, and the working directory is elsewhere; the
     script finds its checkout's package and its sibling modules (scripts/bpe_tokenizer.py, ...) by itself."""
-    proc = subprocess.run([sys.executable, "-I", str(ROOT / "scripts" / "train_testbed_model.py"), "--help"],
-                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    proc = subprocess.run(
+        [sys.executable, "-I", str(ROOT / "scripts" / "train_testbed_model.py"), "--help"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "--steps" in proc.stdout and "--output" in proc.stdout
 

@@ -82,8 +82,11 @@ def test_the_tokenizer_built_in_code_is_the_shipped_one(tokenizer):
     assert built.get_vocab() == tokenizer.get_vocab()
     text = "587-926=-339"
     assert built(text)["input_ids"] == tokenizer(text)["input_ids"]
-    assert (built.pad_token, built.bos_token, built.eos_token) == (tokenizer.pad_token, tokenizer.bos_token,
-                                                                   tokenizer.eos_token)
+    assert (built.pad_token, built.bos_token, built.eos_token) == (
+        tokenizer.pad_token,
+        tokenizer.bos_token,
+        tokenizer.eos_token,
+    )
 
 
 def test_training_script_runs_and_writes_where_the_package_reads(tmp_path):
@@ -95,8 +98,9 @@ def test_training_script_runs_and_writes_where_the_package_reads(tmp_path):
     script = Path(__file__).resolve().parents[2] / "scripts" / "train_tiny_model.py"
     # -I: neither PYTHONPATH nor the script's folder is on sys.path, and the working directory is elsewhere; the
     # script finds its checkout's package and its sibling modules by itself
-    proc = subprocess.run([sys.executable, "-I", str(script), "--help"], capture_output=True, text=True, timeout=300,
-                          cwd=tmp_path)
+    proc = subprocess.run(
+        [sys.executable, "-I", str(script), "--help"], capture_output=True, text=True, timeout=300, cwd=tmp_path
+    )
     assert proc.returncode == 0, proc.stderr
     assert "--stop-at" in proc.stdout and "--output-dir" in proc.stdout
     spec = importlib.util.spec_from_file_location("train_tiny_model", script)

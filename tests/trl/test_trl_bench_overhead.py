@@ -23,10 +23,13 @@ def bench_overhead():
 
 def test_bench_overhead_runs_as_the_documented_command():
     """``python examples/bench_overhead.py`` (README.md, docs/performance.md) starts from a checkout."""
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--help"], capture_output=True, text=True, timeout=300,
-                          cwd=SCRIPT.parents[1])
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--help"], capture_output=True, text=True, timeout=300, cwd=SCRIPT.parents[1]
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert proc.stdout.startswith("usage: python examples/bench_overhead.py") and "--log_mismatch_metrics" in proc.stdout
+    assert (
+        proc.stdout.startswith("usage: python examples/bench_overhead.py") and "--log_mismatch_metrics" in proc.stdout
+    )
 
 
 def test_bench_overhead_pairs_steps_on_identical_batches(bench_overhead, capsys):

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import TrainerCallback
 from kill_during_save import RUN, make_trainer
+from transformers import TrainerCallback
 
 HERE = Path(__file__).resolve().parent
 KILLED_STEP = 3
@@ -283,7 +283,9 @@ def test_jit_save_marker_makes_a_checkpoint_incomplete(tiny_model_dir, tmp_path,
     (tmp_path / "run" / "checkpoint-3" / "checkpoint-is-incomplete.txt").write_text("in progress")
     out = tmp_path / "run"
     trainer, messages = resume_latest(tiny_model_dir, out)
-    messages = [m for m in messages if "max_steps 2 -> 4" not in m]  # saved_run trained 2 steps: said, not asserted here
+    messages = [
+        m for m in messages if "max_steps 2 -> 4" not in m
+    ]  # saved_run trained 2 steps: said, not asserted here
     assert messages == [
         f"resume_from_checkpoint=True: skipped incomplete {out / 'checkpoint-3'} (checkpoint-is-incomplete.txt: "
         f"transformers' JIT save did not finish); resuming from {out / 'checkpoint-2'}"

@@ -279,8 +279,15 @@ def test_tiny_grpo_config_is_the_main_jobs_and_takes_overrides(tmp_path):
     config = tiny_grpo_config(output_dir=str(tmp_path), max_steps=7, safe_vocab_rule="min_p=0.05")
     assert isinstance(config, SafeVocabGRPOConfig)
     assert config.max_steps == 7 and str(config.rule) == "min_p=0.05"
-    for key in ("per_device_train_batch_size", "num_generations", "max_completion_length", "learning_rate", "beta",
-                "save_strategy", "seed"):
+    for key in (
+        "per_device_train_batch_size",
+        "num_generations",
+        "max_completion_length",
+        "learning_rate",
+        "beta",
+        "save_strategy",
+        "seed",
+    ):
         assert getattr(config, key) == TINY_GRPO_DEFAULTS[key], key
 
 
@@ -297,9 +304,12 @@ def test_a_reward_module_in_the_working_directory_leaves_sys_path_alone(tiny_mod
     work = tmp_path / "work"
     work.mkdir()
     for stray in ("peft", "vllm"):
-        (work / f"{stray}.py").write_text(f"raise RuntimeError('the stray {stray}.py of the working directory was imported')\n")
+        (work / f"{stray}.py").write_text(
+            f"raise RuntimeError('the stray {stray}.py of the working directory was imported')\n"
+        )
     (work / "reward_helpers.py").write_text("def length(text):\n    return float(len(text))\n")
-    (work / "my_rewards.py").write_text(textwrap.dedent("""
+    (work / "my_rewards.py").write_text(
+        textwrap.dedent("""
         import importlib.machinery, json, os, sys
         from reward_helpers import length
 
@@ -311,7 +321,8 @@ def test_a_reward_module_in_the_working_directory_leaves_sys_path_alone(tiny_mod
             with open("seen.json", "w") as f:
                 json.dump(seen, f)
             return [length(c) for c in completions]
-    """))
+    """)
+    )
     script = tmp_path / "bin" / "safevocab_grpo.py"
     script.parent.mkdir()
     script.write_text("import sys\nfrom trl_integration.commands.grpo import main\nsys.exit(main())\n")

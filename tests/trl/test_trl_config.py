@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import warnings
+from pathlib import Path
 
 import pytest
-from pathlib import Path
 import torch
 from trl import GRPOConfig
 
@@ -59,14 +59,24 @@ def test_matching_sampler_value_is_accepted(tmp_path):
 # threshold merged into the stricter one, and the sampler is set to it (flags and generation_kwargs alike).
 COMPOSE_CASES = [
     # (rule, user sampler settings, effective rule, sampler flags after)
-    ("min_p=0.001", dict(top_k=10, top_p=0.9, min_p=0.01), "top_k=10,top_p=0.9,min_p=0.01", dict(top_k=10, top_p=0.9, min_p=0.01)),
+    (
+        "min_p=0.001",
+        dict(top_k=10, top_p=0.9, min_p=0.01),
+        "top_k=10,top_p=0.9,min_p=0.01",
+        dict(top_k=10, top_p=0.9, min_p=0.01),
+    ),
     ("min_p=0.05", dict(top_k=5), "top_k=5,min_p=0.05", dict(top_k=5, min_p=0.05)),
     ("top_k=5", dict(top_k=6), "top_k=5", dict(top_k=5)),
     ("top_k=7", dict(top_k=3), "top_k=3", dict(top_k=3)),
     ("min_p=0.05", dict(min_p=0.1), "min_p=0.1", dict(min_p=0.1)),
     ("top_p=0.8", dict(top_p=0.95), "top_p=0.8", dict(top_p=0.8)),
     ("none", dict(top_p=0.9), "top_p=0.9", dict(top_p=0.9)),
-    ("none", dict(top_k=10, top_p=0.9, min_p=0.01), "top_k=10,top_p=0.9,min_p=0.01", dict(top_k=10, top_p=0.9, min_p=0.01)),
+    (
+        "none",
+        dict(top_k=10, top_p=0.9, min_p=0.01),
+        "top_k=10,top_p=0.9,min_p=0.01",
+        dict(top_k=10, top_p=0.9, min_p=0.01),
+    ),
 ]
 
 
@@ -127,8 +137,13 @@ def test_rule_none_defaults_are_stock_trl(tmp_path):
     ],
 )
 def test_configs_stock_trl_accepts_are_accepted(tmp_path, kwargs):
-    GRPOConfig(output_dir=str(tmp_path), bf16=False, use_cpu=True, report_to="none",
-               **{k: v for k, v in kwargs.items() if k != "safe_vocab_rule" and k != "rollout_logprobs"})
+    GRPOConfig(
+        output_dir=str(tmp_path),
+        bf16=False,
+        use_cpu=True,
+        report_to="none",
+        **{k: v for k, v in kwargs.items() if k != "safe_vocab_rule" and k != "rollout_logprobs"},
+    )
     make(tmp_path, **kwargs)
 
 
@@ -191,7 +206,9 @@ def test_field_errors_are_one_line_naming_the_field(tmp_path, kwargs, error, mes
 def test_numeric_fields_are_stored_as_python_numbers(tmp_path):
     import numpy as np
 
-    cfg = make(tmp_path, safe_vocab_max_chunk_bytes=np.int64(4096), rollout_logit_noise=np.float32(0.5), zero_mismatch=False)
+    cfg = make(
+        tmp_path, safe_vocab_max_chunk_bytes=np.int64(4096), rollout_logit_noise=np.float32(0.5), zero_mismatch=False
+    )
     assert type(cfg.safe_vocab_max_chunk_bytes) is int and type(cfg.rollout_logit_noise) is float
     assert cfg.rollout_logit_noise == 0.5
 

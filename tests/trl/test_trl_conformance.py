@@ -81,7 +81,9 @@ async def async_multiply_tool(a: int, b: int) -> int:
 
 
 def chat_dataset(n_rows: int = 8) -> Dataset:
-    return Dataset.from_dict({"prompt": [[{"role": "user", "content": f"What is {i} times 4?"}] for i in range(n_rows)]})
+    return Dataset.from_dict(
+        {"prompt": [[{"role": "user", "content": f"What is {i} times 4?"}] for i in range(n_rows)]}
+    )
 
 
 def chat_reward(completions, **kwargs):
@@ -103,8 +105,19 @@ def fake_generate_from(turns, pad_id: int):
     return fake_generate
 
 
-def train_variant(variant, model, tmp_path, *, processing_class, train_dataset=None, reward_funcs=vowel_reward,
-                  fake_generate=None, patch_class_generate=False, trainer_kwargs=None, **config):
+def train_variant(
+    variant,
+    model,
+    tmp_path,
+    *,
+    processing_class,
+    train_dataset=None,
+    reward_funcs=vowel_reward,
+    fake_generate=None,
+    patch_class_generate=False,
+    trainer_kwargs=None,
+    **config,
+):
     """Build the trainer of ``variant`` as a trl user would and train it (two steps unless ``max_steps`` is set).
 
     Returns ``(trainer, initial parameters, fallback warnings)``."""
@@ -150,7 +163,7 @@ def assert_trained(trainer, before, n_steps: int = 2) -> None:
 def max_relative_weight_diff(a, b) -> float:
     """``max over tensors of max|p - q| / max|p|`` between two models' trainable parameters."""
     worst = 0.0
-    for (name, p), (_, q) in zip(a.model.named_parameters(), b.model.named_parameters(), strict=True):
+    for (_name, p), (_, q) in zip(a.model.named_parameters(), b.model.named_parameters(), strict=True):
         scale = p.detach().abs().max().clamp(min=1e-12)
         worst = max(worst, float((p.detach() - q.detach()).abs().max() / scale))
     return worst
@@ -174,7 +187,7 @@ def assert_agree(stock, ours, rel: float = 1e-6) -> None:
 def run_all(model, tmp_path, *, agree: bool = True, **kwargs):
     """Train the three variants; check all trained and, when ``agree``, that rule "none" equals stock trl."""
     runs = {variant[0]: train_variant(variant, model, tmp_path, **kwargs) for variant in VARIANTS}
-    for name, (trainer, before, _) in runs.items():
+    for trainer, before, _ in runs.values():
         assert_trained(trainer, before, kwargs.get("max_steps", 2))
     if agree:
         assert_agree(runs["stock"][0], runs["none"][0])
@@ -271,8 +284,11 @@ def test_vlm_inputs(tmp_path_factory, tmp_path):
     path = str(tmp_path_factory.mktemp("tiny-llava"))
     build_vlm(path)
     runs = run_all(
-        model=path, tmp_path=tmp_path, processing_class=AutoProcessor.from_pretrained(path),
-        train_dataset=image_dataset(), reward_funcs=chat_reward,
+        model=path,
+        tmp_path=tmp_path,
+        processing_class=AutoProcessor.from_pretrained(path),
+        train_dataset=image_dataset(),
+        reward_funcs=chat_reward,
     )
     ours = steps(runs["safevocab"][0])
     assert all(h[FRAC] == 1.0 for h in ours)
@@ -393,7 +409,11 @@ def test_tools_multi_turn(chat_model_dir, tmp_path, tool):
     """trl's test_train_with_tools: two of three completions call the tool (one with a wrong argument); the
     completions that called it are regenerated after the tool's answer (a second turn)."""
     name = tool.__name__
-    first = [tool_call(name, '{"a": 3, "b": 4}'), tool_call(name, '{"a": 3, "c": 4}'), "I don't know any tool<|im_end|>"]
+    first = [
+        tool_call(name, '{"a": 3, "b": 4}'),
+        tool_call(name, '{"a": 3, "c": 4}'),
+        "I don't know any tool<|im_end|>",
+    ]
     runs = run_all(
         tmp_path=tmp_path,
         train_dataset=chat_dataset(),
@@ -413,8 +433,12 @@ def test_malformed_tool_calls(chat_model_dir, tmp_path):
         '<toolcall>\n{"arguments": {"a": 3, "b": 4}}\n</toolcall><|im_end|>',
         '<tool_call>\n{"arguments": {a: 3, b: 4}}\n</tool_call><|im_end|>',
     ]
-    run_all(tmp_path=tmp_path, train_dataset=chat_dataset(), trainer_kwargs={"tools": [multiply_tool]},
-            **agent(chat_model_dir, first))
+    run_all(
+        tmp_path=tmp_path,
+        train_dataset=chat_dataset(),
+        trainer_kwargs={"tools": [multiply_tool]},
+        **agent(chat_model_dir, first),
+    )
 
 
 class CounterEnvironment:
@@ -463,13 +487,20 @@ class WordEnvironment:
         return "Guess the 5-letter word."
 
 
-ENV_FIRST = [tool_call("increment", '{"step": 1}'), tool_call("decrement", '{"step": 2}'), "I won't increment<|im_end|>"]
+ENV_FIRST = [
+    tool_call("increment", '{"step": 1}'),
+    tool_call("decrement", '{"step": 2}'),
+    "I won't increment<|im_end|>",
+]
 
 
 @pytest.mark.filterwarnings("ignore:You are using 'environment_factory'")
 def test_environment_factory(chat_model_dir, tmp_path):
-    runs = run_all(tmp_path=tmp_path, trainer_kwargs={"environment_factory": CounterEnvironment},
-                   **agent(chat_model_dir, ENV_FIRST))
+    runs = run_all(
+        tmp_path=tmp_path,
+        trainer_kwargs={"environment_factory": CounterEnvironment},
+        **agent(chat_model_dir, ENV_FIRST),
+    )
     for trainer, _, _ in runs.values():
         assert steps(trainer)[-1]["tools/call_frequency"] == pytest.approx(2 / 3)
         assert trainer.environments[0]._counter == 1
@@ -493,8 +524,12 @@ def test_environment_owned_data(chat_model_dir, tmp_path):
 
 @pytest.mark.filterwarnings("ignore:You are using 'environment_factory'")
 def test_multiple_environments(chat_model_dir, tmp_path):
-    first = [tool_call("increment", '{"step": 1}'), "I won't<|im_end|>", tool_call("shout", '{"text": "hi"}'),
-             "Done!<|im_end|>"]
+    first = [
+        tool_call("increment", '{"step": 1}'),
+        "I won't<|im_end|>",
+        tool_call("shout", '{"text": "hi"}'),
+        "Done!<|im_end|>",
+    ]
     kwargs = agent(chat_model_dir, first, per_device_train_batch_size=4, num_generations=2, shuffle_dataset=False)
     runs = run_all(
         tmp_path=tmp_path,

@@ -35,7 +35,7 @@ def test_an_empty_prompt_is_named_by_its_row(tiny_model_dir, tmp_path, empty):
     prompts = ["abc", "hello", empty, "xyz"] if empty == "" else [[{"role": "user", "content": "hi"}], empty]
     message = build(tiny_model_dir, tmp_path, Dataset.from_dict({"prompt": prompts}))
     assert message.startswith(f"train_dataset row 2: prompt={empty!r} is empty: accepted a non-empty prompt"
-                              if empty == "" else f"train_dataset row 1: prompt=[] is empty: ")  # fmt: skip
+                              if empty == "" else "train_dataset row 1: prompt=[] is empty: ")  # fmt: skip
 
 
 def test_an_empty_dataset_is_refused(tiny_model_dir, tmp_path):

@@ -93,8 +93,16 @@ def test_per_token_values_match_a_direct_computation(model_dir):
 
     model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
     tok = AutoTokenizer.from_pretrained(model_dir)
-    res = run_diagnose(model, tok, TEXTS[:2], compare=(torch.float32, torch.bfloat16), rule="none",
-                       temperature=0.7, batch_size=1, progress=False)
+    res = run_diagnose(
+        model,
+        tok,
+        TEXTS[:2],
+        compare=(torch.float32, torch.bfloat16),
+        rule="none",
+        temperature=0.7,
+        batch_size=1,
+        progress=False,
+    )
     assert res.summary["rule"] is None
     expected_train, expected_rollout = [], []
     model_bf16 = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval()
@@ -104,13 +112,24 @@ def test_per_token_values_match_a_direct_computation(model_dir):
             for m, acc in ((model, expected_train), (model_bf16, expected_rollout)):
                 logits = m(ids).logits[0, :-1].double() / 0.7
                 acc.extend(logits.log_softmax(-1)[torch.arange(ids.shape[1] - 1), ids[0, 1:]].tolist())
-    torch.testing.assert_close(res.tokens["train_logp"], torch.tensor(expected_train, dtype=torch.float64),
-                               atol=1e-6, rtol=1e-6)
-    torch.testing.assert_close(res.tokens["rollout_logp"], torch.tensor(expected_rollout, dtype=torch.float64),
-                               atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(
+        res.tokens["train_logp"], torch.tensor(expected_train, dtype=torch.float64), atol=1e-6, rtol=1e-6
+    )
+    torch.testing.assert_close(
+        res.tokens["rollout_logp"], torch.tensor(expected_rollout, dtype=torch.float64), atol=1e-6, rtol=1e-6
+    )
     # padded batches keep every token in order (fp32 is insensitive to the padding up to rounding)
-    batched = run_diagnose(model, tok, TEXTS[:2], compare=(torch.float32, torch.float32), noise=0.01, rule="none",
-                           temperature=0.7, batch_size=2, progress=False)
+    batched = run_diagnose(
+        model,
+        tok,
+        TEXTS[:2],
+        compare=(torch.float32, torch.float32),
+        noise=0.01,
+        rule="none",
+        temperature=0.7,
+        batch_size=2,
+        progress=False,
+    )
     torch.testing.assert_close(batched.tokens["train_logp"], res.tokens["train_logp"], atol=1e-5, rtol=1e-5)
     s = res.summary
     # in float64, as the summary: float32 differences of values near -2 carry ~1e-7 each, 1e-5 of this mean

@@ -97,8 +97,14 @@ def test_generate_samples_from_and_records_the_perturbed_distribution(tiny):
         torch.manual_seed(0)
         with recording_generate(model, recorder, None, [proc]):
             out = model.generate(
-                **enc, do_sample=True, temperature=temperature, top_k=0, max_new_tokens=6, output_scores=True,
-                return_dict_in_generate=True, pad_token_id=tok.pad_token_id,
+                **enc,
+                do_sample=True,
+                temperature=temperature,
+                top_k=0,
+                max_new_tokens=6,
+                output_scores=True,
+                return_dict_in_generate=True,
+                pad_token_id=tok.pad_token_id,
             )
         steps = len(out.scores)
         new = out.sequences[:, -steps:]
@@ -122,8 +128,15 @@ def test_generate_samples_from_and_records_the_perturbed_distribution(tiny):
 def test_trainer_noise_step_within_bound(tiny_model_dir, tmp_path):
     eps = 0.2
     trainer = make_trainer(
-        tiny_model_dir, tmp_path, safe_vocab_rule="none", rollout_dtype="float32", rollout_logit_noise=eps,
-        rollout_logit_noise_kind="uniform", rollout_noise_seed=3, max_steps=1, temperature=0.9,
+        tiny_model_dir,
+        tmp_path,
+        safe_vocab_rule="none",
+        rollout_dtype="float32",
+        rollout_logit_noise=eps,
+        rollout_logit_noise_kind="uniform",
+        rollout_noise_seed=3,
+        max_steps=1,
+        temperature=0.9,
     )
     trainer.train()
     train, rollout = loss_tokens(trainer)
@@ -143,8 +156,13 @@ def test_trainer_noise_step_within_bound(tiny_model_dir, tmp_path):
 
 def test_zero_mismatch_is_bit_identical_over_a_grpo_step(tiny_model_dir, tmp_path):
     trainer = make_trainer(
-        tiny_model_dir, tmp_path, safe_vocab_rule="min_p=0.05", rollout_dtype="bfloat16", zero_mismatch=True,
-        vllm_importance_sampling_mode="token_truncate", max_steps=1,
+        tiny_model_dir,
+        tmp_path,
+        safe_vocab_rule="min_p=0.05",
+        rollout_dtype="bfloat16",
+        zero_mismatch=True,
+        vllm_importance_sampling_mode="token_truncate",
+        max_steps=1,
     )
     trainer.train()
     train, rollout = loss_tokens(trainer)
@@ -179,8 +197,12 @@ def test_zero_mismatch_is_bit_identical_over_a_grpo_step(tiny_model_dir, tmp_pat
         (dict(use_vllm=True, rollout_logit_noise=0.1), "use_vllm"),
         (dict(use_vllm=True, zero_mismatch=True), "use_vllm"),
         (
-            dict(use_transformers_continuous_batching=True, rollout_logprobs=False,
-                 vllm_importance_sampling_correction=False, rollout_logit_noise=0.1),
+            dict(
+                use_transformers_continuous_batching=True,
+                rollout_logprobs=False,
+                vllm_importance_sampling_correction=False,
+                rollout_logit_noise=0.1,
+            ),
             "continuous_batching",
         ),
     ],
@@ -201,7 +223,9 @@ def test_lab_flags_parse(tmp_path):
         ]
     )  # fmt: skip
     assert (cfg.rollout_logit_noise, cfg.rollout_logit_noise_kind, cfg.rollout_noise_seed) == (
-        0.05, "clipped_gaussian", 7,
+        0.05,
+        "clipped_gaussian",
+        7,
     )
     assert cfg.rollout_dtype == "float16" and cfg.zero_mismatch is False
     _, cfg, _, _ = make_parser().parse_args_and_config(
@@ -222,8 +246,13 @@ def test_fp16_on_cpu_warns_that_accelerate_ignores_it(tmp_path):
 
 def test_fp16_weights_with_fp32_head_train_a_grpo_step(tiny_model_dir, tmp_path):
     trainer = make_trainer(
-        tiny_model_dir, tmp_path, safe_vocab_rule="min_p=0.05", cast_lm_head_to_fp32=True,
-        model_init_kwargs={"dtype": "float16"}, max_steps=1, learning_rate=1e-2,
+        tiny_model_dir,
+        tmp_path,
+        safe_vocab_rule="min_p=0.05",
+        cast_lm_head_to_fp32=True,
+        model_init_kwargs={"dtype": "float16"},
+        max_steps=1,
+        learning_rate=1e-2,
     )
     params = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     # trl's cast_lm_head_to_fp32 keeps the head weight itself in fp32
@@ -262,7 +291,9 @@ FP16_RUN = dict(safe_vocab_rule="min_p=0.05", cast_lm_head_to_fp32=True, rollout
 def test_fp16_mixed_precision_trains_through_the_trainers_loss_scaling(tiny_model_dir, tmp_path):
     trainer = _fp16_trainer(tiny_model_dir, tmp_path / "fp16", init_scale=2.0**10, **FP16_RUN)
     passes = []  # (grad enabled, dtype) of the first decoder MLP's output in every forward
-    trainer.model.model.layers[0].mlp.register_forward_hook(lambda m, i, o: passes.append((torch.is_grad_enabled(), o.dtype)))
+    trainer.model.model.layers[0].mlp.register_forward_hook(
+        lambda m, i, o: passes.append((torch.is_grad_enabled(), o.dtype))
+    )
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     trainer.train()
     assert (True, torch.float16) in passes  # the loss pass ran under fp16 autocast ...

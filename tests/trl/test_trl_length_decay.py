@@ -75,12 +75,21 @@ def test_config_fields_and_errors(tmp_path):
         ({"length_surge_ratio": 1.0}, "ratio=1.0"),
         ({"length_surge_window": 0}, "window=0"),
         ({"length_decay_max_decays": 0}, "length_decay_max_decays=0 is out of range: accepted an integer >= 1"),
-        ({"length_decay_cooldown": -2}, "length_decay_cooldown=-2 is out of range: accepted an integer number of steps"),
+        (
+            {"length_decay_cooldown": -2},
+            "length_decay_cooldown=-2 is out of range: accepted an integer number of steps",
+        ),
         ({"length_decay": True, "length_decay_cooldown": 3}, "length_decay_cooldown=3 with length_decay_max_decays=1"),
-        ({"length_surge_baseline": "mean"}, "length_surge_baseline='mean' is not accepted: accepted one of ('median', "),
+        (
+            {"length_surge_baseline": "mean"},
+            "length_surge_baseline='mean' is not accepted: accepted one of ('median', ",
+        ),
         ({"length_surge_ema_alpha": 0.3}, "length_surge_ema_alpha=0.3 with length_surge_baseline='median': accepted "),
         ({"length_surge_baseline": "ema", "length_surge_ema_alpha": 0.0}, "length_surge_ema_alpha=0.0 is out of range"),
-        ({"length_decay": True, "lr_scheduler_type": "reduce_lr_on_plateau"}, "lr_scheduler_type='reduce_lr_on_plateau'"),
+        (
+            {"length_decay": True, "lr_scheduler_type": "reduce_lr_on_plateau"},
+            "lr_scheduler_type='reduce_lr_on_plateau'",
+        ),
         ({"length_decay": True, "lr_scheduler_type": "greedy"}, "lr_scheduler_type='greedy' with length_decay=True"),
     ]:
         with pytest.raises(ValueError) as err:
@@ -131,14 +140,29 @@ def test_the_lr_is_transformers_cosine_with_warmup_times_the_factor(tiny_model_d
 def test_trl_default_linear_schedule_is_multiplied_and_constant_holds_the_lr(tiny_model_dir, tmp_path):
     """No lr_scheduler_type: trl's default, linear decay to 0, is the base; "constant" builds no base (the schedule
     before issue 32), its LR the initial one."""
-    linear = make_trainer(tiny_model_dir, tmp_path / "linear", length_decay=True, length_decay_start="step0",
-                          length_decay_period="2", max_steps=6, **SMALL)
+    linear = make_trainer(
+        tiny_model_dir,
+        tmp_path / "linear",
+        length_decay=True,
+        length_decay_start="step0",
+        length_decay_period="2",
+        max_steps=6,
+        **SMALL,
+    )
     linear.train()
     base = twin_schedule(lambda o: transformers.get_linear_schedule_with_warmup(o, 0, 6), 6, lr=1e-2)
     assert linear.lr_scheduler.base_scheduler is not None
     assert logged(linear, "learning_rate") == pytest.approx([b * 0.5 ** (t // 2) for t, b in enumerate(base)])
-    constant = make_trainer(tiny_model_dir, tmp_path / "constant", length_decay=True, length_decay_start="step0",
-                            length_decay_period="2", max_steps=6, lr_scheduler_type="constant", **SMALL)
+    constant = make_trainer(
+        tiny_model_dir,
+        tmp_path / "constant",
+        length_decay=True,
+        length_decay_start="step0",
+        length_decay_period="2",
+        max_steps=6,
+        lr_scheduler_type="constant",
+        **SMALL,
+    )
     constant.train()
     assert constant.lr_scheduler.base_scheduler is None
     assert logged(constant, "learning_rate") == [1e-2, 1e-2, 5e-3, 5e-3, 2.5e-3, 2.5e-3]
@@ -312,8 +336,11 @@ def test_a_checkpoint_from_before_issue32_resumes_with_the_constant_schedule(tin
 def test_a_checkpoint_over_a_schedule_does_not_resume_as_constant(controlled_run, tiny_model_dir, tmp_path):
     first_dir, _ = controlled_run
     trainer = make_trainer(tiny_model_dir, tmp_path, **{**CONTROLS, "lr_scheduler_type": "constant"})
-    with pytest.raises(ValueError, match=r"holds a length-decay schedule over a base schedule, but "
-                                         r"lr_scheduler_type='constant' builds none: resume with the lr_scheduler_type"):
+    with pytest.raises(
+        ValueError,
+        match=r"holds a length-decay schedule over a base schedule, but "
+        r"lr_scheduler_type='constant' builds none: resume with the lr_scheduler_type",
+    ):
         trainer.train(resume_from_checkpoint=str(first_dir / "checkpoint-3"))
 
 

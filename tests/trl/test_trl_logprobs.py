@@ -34,8 +34,9 @@ def batch(vocab: int, seed: int = 0):
 
 def reference(model, ids, mask, keep, rule, temperature):
     logits = model(input_ids=ids, attention_mask=mask).logits  # the model's own forward: softcap/scale applied
-    return safe_log_softmax(logits[:, -keep - 1 : -1], ids[:, -keep:], rule, temperature=temperature,
-                            compute_entropy=True)
+    return safe_log_softmax(
+        logits[:, -keep - 1 : -1], ids[:, -keep:], rule, temperature=temperature, compute_entropy=True
+    )
 
 
 CASES = [

@@ -38,15 +38,20 @@ def random_batch(g: torch.Generator, rows: int, width: int, case: int):
     return batch, train, stats
 
 
-@pytest.mark.parametrize("settings", [
-    StepSettings(importance_sampling=True, mismatch_metrics=True, is_mode=mode, is_clip_min=clip, out_of_set=oos)
-    for mode, clip, oos in zip(IS_MODES, [None, 0.5, None, 0.5], ["mask_token", "mask_sequence"] * 2)
-] + [
-    StepSettings(mismatch_metrics=True, mismatch_buckets=(0.01, 0.3)),  # no ratio, other buckets
-    StepSettings(importance_sampling=True, sampling_metrics=False),
-    StepSettings(importance_sampling=True, mismatch_metrics=True, zero_mismatch=True),  # mismatch/removed/*
-    StepSettings(),  # safe-set statistics only
-], ids=lambda s: f"is={s.importance_sampling}-{s.is_mode}-mm={s.mismatch_metrics}-zero={s.zero_mismatch}")
+@pytest.mark.parametrize(
+    "settings",
+    [
+        StepSettings(importance_sampling=True, mismatch_metrics=True, is_mode=mode, is_clip_min=clip, out_of_set=oos)
+        for mode, clip, oos in zip(IS_MODES, [None, 0.5, None, 0.5], ["mask_token", "mask_sequence"] * 2)
+    ]
+    + [
+        StepSettings(mismatch_metrics=True, mismatch_buckets=(0.01, 0.3)),  # no ratio, other buckets
+        StepSettings(importance_sampling=True, sampling_metrics=False),
+        StepSettings(importance_sampling=True, mismatch_metrics=True, zero_mismatch=True),  # mismatch/removed/*
+        StepSettings(),  # safe-set statistics only
+    ],
+    ids=lambda s: f"is={s.importance_sampling}-{s.is_mode}-mm={s.mismatch_metrics}-zero={s.zero_mismatch}",
+)
 def test_stacked_rows_equal_the_rows_of_each_batch(settings):
     g = torch.Generator().manual_seed(0)
     results = []
@@ -138,7 +143,9 @@ def test_rows_of_a_batch_where_nothing_counts_stay_on_the_batch_device():
     assert frac.device.type == "meta"
     coverage = MetricRow((ROLLOUT_LOGPROBS_FRAC,), frac.float().reshape(1), n.double().reshape(1))
     sizes = torch.zeros(2, 3, dtype=torch.long, device="meta")
-    stats = SafeTokenStats(*(torch.zeros(2, 3, device="meta") for _ in range(3)), replay_size=sizes, rule_safe_size=sizes)
+    stats = SafeTokenStats(
+        *(torch.zeros(2, 3, device="meta") for _ in range(3)), replay_size=sizes, rule_safe_size=sizes
+    )
     replay = MetricRow.from_dicts(*replay_metrics(stats, completion.bool()))
     assert {replay.values.device.type, replay.counts.device.type} == {"meta"}
     assert MetricRow.cat([coverage, replay]).values.device.type == "meta"

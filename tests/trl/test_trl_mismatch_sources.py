@@ -59,8 +59,9 @@ def test_generate_samples_from_and_records_the_lifted_distribution(tiny):
     recorder = RolloutLogprobRecorder(NoPruning(), temperature)
     torch.manual_seed(0)
     with recording_generate(model, recorder, None, [LogitNoiseProcessor(eps, "lift", temperature=temperature)]):
-        out = model.generate(**enc, do_sample=True, temperature=temperature, top_k=0, max_new_tokens=6,
-                             pad_token_id=tok.pad_token_id)
+        out = model.generate(
+            **enc, do_sample=True, temperature=temperature, top_k=0, max_new_tokens=6, pad_token_id=tok.pad_token_id
+        )
     steps = recorder.logprobs.shape[1]
     new = out[:, -steps:]
     attn = torch.cat([enc["attention_mask"], torch.ones_like(new)], 1)
@@ -100,8 +101,12 @@ def test_rounded_weights_round_inside_and_restore_the_same_tensors(tiny):
 def make_trainer(model_dir, tmp_path, perturbation=None, **config):
     args = SafeVocabGRPOConfig(**grpo_kwargs(tmp_path, **config))
     return SafeVocabGRPOTrainer(
-        model=model_dir, reward_funcs=vowel_reward, args=args, train_dataset=prompt_dataset(),
-        processing_class=build_tokenizer(), rollout_perturbation=perturbation,
+        model=model_dir,
+        reward_funcs=vowel_reward,
+        args=args,
+        train_dataset=prompt_dataset(),
+        processing_class=build_tokenizer(),
+        rollout_perturbation=perturbation,
     )
 
 
@@ -150,10 +155,12 @@ def test_plugin_perturbation_acts_like_the_built_in_noise(tiny_model_dir, tmp_pa
     common = dict(safe_vocab_rule="none", rollout_logprobs=True, max_steps=1, rollout_noise_seed=3)
     rollout_plugins.SEEDS_SEEN.clear()
     runs = {  # each trainer is built right before it trains: building one draws from the global RNG
-        "built-in": lambda: make_trainer(tiny_model_dir, tmp_path / "0", rollout_logit_noise=0.5,
-                                         rollout_logit_noise_kind="lift", **common),
-        "config": lambda: make_trainer(tiny_model_dir, tmp_path / "1", rollout_perturbation="rollout_plugins:lift_half",
-                                       **common),
+        "built-in": lambda: make_trainer(
+            tiny_model_dir, tmp_path / "0", rollout_logit_noise=0.5, rollout_logit_noise_kind="lift", **common
+        ),
+        "config": lambda: make_trainer(
+            tiny_model_dir, tmp_path / "1", rollout_perturbation="rollout_plugins:lift_half", **common
+        ),
         "factory": lambda: make_trainer(tiny_model_dir, tmp_path / "2", rollout_plugins.lift_half, **common),
         "processor": lambda: make_trainer(tiny_model_dir, tmp_path / "3", LogitNoiseProcessor(0.5, "lift"), **common),
     }

@@ -118,7 +118,7 @@ def test_scoring_calls_the_fused_head_protocol(tiny_model_dir, tmp_path):
             model, ids, torch.ones_like(ids), 3, compute_entropy=True
         )
     del model.forward
-    (kwargs, out), = calls
+    ((kwargs, out),) = calls
     assert kwargs["fused_lm_head"] is True and kwargs["labels"].shape == ids.shape
     assert torch.equal(logps, out.log_probs[:, -3:]) and torch.equal(entropies, out.entropy[:, -3:])
     assert aux is None
@@ -146,8 +146,9 @@ def test_generate_turn_calls_the_unwrapped_models_generate(tiny_model_dir, tmp_p
 
 
 @pytest.mark.parametrize("num_iterations, old_pass", [(1, False), (2, True)])
-def test_generation_batch_carries_old_logps_iff_trl_scored_the_old_policy(tiny_model_dir, tmp_path, num_iterations,
-                                                                        old_pass):
+def test_generation_batch_carries_old_logps_iff_trl_scored_the_old_policy(
+    tiny_model_dir, tmp_path, num_iterations, old_pass
+):
     """``_generate_and_score_completions`` returns trl's padded batch; ``old_per_token_logps`` is there exactly when
     trl ran its old-policy pass, and holds that pass's values (the trainer matches it by value)."""
     trainer = stock_trainer(tiny_model_dir, tmp_path, num_iterations=num_iterations)
@@ -239,8 +240,13 @@ def test_bridge_routes_trls_private_calls_to_the_hooks(tiny_model_dir, tmp_path)
             return super().grpo_loss(model, inputs)
 
     args = SafeVocabGRPOConfig(**grpo_kwargs(tmp_path, max_steps=1))
-    trainer = Spy(model=tiny_model_dir, reward_funcs=vowel_reward, args=args, train_dataset=prompt_dataset(),
-                  processing_class=build_tokenizer())
+    trainer = Spy(
+        model=tiny_model_dir,
+        reward_funcs=vowel_reward,
+        args=args,
+        train_dataset=prompt_dataset(),
+        processing_class=build_tokenizer(),
+    )
     assert isinstance(trainer, GRPOTrainerBridge)
     trainer.train()
     assert {"score", "generate", "batch", "loss"} <= set(calls)
@@ -258,8 +264,13 @@ def test_transformers_rebuilds_a_scheduler_marked_as_created(tiny_model_dir, tmp
     assert "_created_lr_scheduler" in inspect.getsource(Trainer.create_scheduler)
     assert "if self._created_lr_scheduler:" in inspect.getsource(Trainer._prepare_for_training)
     args = SafeVocabGRPOConfig(**grpo_kwargs(tmp_path, length_decay=True, length_decay_period="3"))
-    trainer = SafeVocabGRPOTrainer(model=tiny_model_dir, reward_funcs=vowel_reward, args=args,
-                                   train_dataset=prompt_dataset(), processing_class=build_tokenizer())
+    trainer = SafeVocabGRPOTrainer(
+        model=tiny_model_dir,
+        reward_funcs=vowel_reward,
+        args=args,
+        train_dataset=prompt_dataset(),
+        processing_class=build_tokenizer(),
+    )
     trainer.create_optimizer_and_scheduler(num_training_steps=4)
     assert isinstance(trainer.lr_scheduler, LengthDecayLR) and trainer._created_lr_scheduler is True
     trainer._created_lr_scheduler = False

@@ -66,9 +66,7 @@ def make_rollout_func(perturb: bool, with_masks: bool = True, max_new: int = 6):
 
 
 def train(model_dir, tmp_path, rollout_func, **overrides):
-    args = SafeVocabGRPOConfig(
-        **grpo_kwargs(tmp_path, safe_vocab_rule=RULE, safe_vocab_support="replay", **overrides)
-    )
+    args = SafeVocabGRPOConfig(**grpo_kwargs(tmp_path, safe_vocab_rule=RULE, safe_vocab_support="replay", **overrides))
     trainer = SafeVocabGRPOTrainer(
         model=model_dir, reward_funcs=vowel_reward, args=args, train_dataset=prompt_dataset(),
         rollout_func=rollout_func,

@@ -240,8 +240,13 @@ def as_set(completions, **kwargs):
     return {0.1 * i for i in range(len(completions))}
 
 
-@pytest.mark.parametrize(("func", "kind"), [(as_dict, "a dict is not: trl would train on its keys"),
-                                            (as_set, "a set is not: trl would train on its elements in hash order")])
+@pytest.mark.parametrize(
+    ("func", "kind"),
+    [
+        (as_dict, "a dict is not: trl would train on its keys"),
+        (as_set, "a set is not: trl would train on its elements in hash order"),
+    ],
+)
 def test_a_dict_or_a_set_of_rewards_is_refused(tiny_model_dir, tmp_path, func, kind):
     """Old code: trained on the dict's keys 0..3 (reward 1.5 = mean(0..3)) or the set's elements in hash order."""
     trainer = make_trainer(tiny_model_dir, tmp_path, func)

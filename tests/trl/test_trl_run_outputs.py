@@ -35,7 +35,7 @@ def _history(steps: int, with_metrics: bool) -> list[dict]:
         row = {"step": step, "reward": 0.1 * step, "reward_std": 0.05, "loss": 0.0}
         if with_metrics:
             row |= {"safevocab/safe_size_mean": 4.0 + step, "safevocab/pruned_mass_mean": 1e-3}
-            row |= {key: 1e-4 * step for key in MISMATCH_KEYS}
+            row |= dict.fromkeys(MISMATCH_KEYS, 0.0001 * step)
         rows.append(row)
     return rows + [{"step": steps, "train_runtime": 1.0}]
 
@@ -102,4 +102,7 @@ def test_the_summary_has_a_length_decay_row(tmp_path, capsys):
     decay = summary["length_decay"]
     assert decay["decays"] == 1 and decay["decay_period"] == 1 and 0 < decay["final_factor"] < 1
     table = " ".join(capsys.readouterr().out.split())
-    assert f"length decay: decays, final LR factor │ 1 at step {decay['decay_steps'][0]}, {decay['final_factor']:.4g}" in table
+    assert (
+        f"length decay: decays, final LR factor │ 1 at step {decay['decay_steps'][0]}, {decay['final_factor']:.4g}"
+        in table
+    )

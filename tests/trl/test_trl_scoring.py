@@ -7,8 +7,8 @@ import math
 
 import pytest
 import torch
-from trl_helpers import build_tokenizer, grpo_kwargs, prompt_dataset, vowel_reward
 from trl import GRPOConfig, GRPOTrainer
+from trl_helpers import build_tokenizer, grpo_kwargs, prompt_dataset, vowel_reward
 
 from trl_integration import SafeVocabGRPOConfig, SafeVocabGRPOTrainer
 
@@ -36,17 +36,26 @@ CASES = {
     # sampled tokens outside the trainer's set, two micro-batches per generation, per-sequence loss (no IS here:
     # the unpruned sampler's ratios would mask whole sequences)
     "out_of_set_grpo_accumulation": dict(
-        safe_vocab_rule="top_k=3", safe_vocab_in_sampler=False, loss_type="grpo", gradient_accumulation_steps=2,
+        safe_vocab_rule="top_k=3",
+        safe_vocab_in_sampler=False,
+        loss_type="grpo",
+        gradient_accumulation_steps=2,
         vllm_importance_sampling_correction=False,
     ),
     # whole sequences dropped, batch-normalised loss
     "mask_sequence_bnpo": dict(
-        safe_vocab_rule="top_k=40", safe_vocab_in_sampler=False, safe_vocab_out_of_set="mask_sequence",
-        loss_type="bnpo", vllm_importance_sampling_correction=False, per_device_train_batch_size=8,
+        safe_vocab_rule="top_k=40",
+        safe_vocab_in_sampler=False,
+        safe_vocab_out_of_set="mask_sequence",
+        loss_type="bnpo",
+        vllm_importance_sampling_correction=False,
+        per_device_train_batch_size=8,
     ),
     # precision mismatch, sequence-level IS, KL to a reference model
     "bf16_rollout_sequence_is_kl": dict(
-        safe_vocab_rule="min_p=0.05", rollout_dtype="bfloat16", vllm_importance_sampling_mode="sequence_mask",
+        safe_vocab_rule="min_p=0.05",
+        rollout_dtype="bfloat16",
+        vllm_importance_sampling_mode="sequence_mask",
         beta=0.05,
     ),
     "zero_mismatch": dict(safe_vocab_rule="top_k=5", zero_mismatch=True),
@@ -54,8 +63,13 @@ CASES = {
     "two_iterations": dict(gradient_accumulation_steps=2, steps_per_generation=1, num_iterations=2, loss_type="grpo"),
     # ... with a count-normalised loss and masked tokens: every iteration divides by the recounted tokens
     "two_iterations_dapo_out_of_set": dict(
-        gradient_accumulation_steps=2, steps_per_generation=1, num_iterations=2, loss_type="dapo",
-        safe_vocab_rule="top_k=3", safe_vocab_in_sampler=False, vllm_importance_sampling_correction=False,
+        gradient_accumulation_steps=2,
+        steps_per_generation=1,
+        num_iterations=2,
+        loss_type="dapo",
+        safe_vocab_rule="top_k=3",
+        safe_vocab_in_sampler=False,
+        vllm_importance_sampling_correction=False,
     ),
 }
 
@@ -163,9 +177,7 @@ def test_loss_forward_with_a_count_normalised_loss_over_micro_batches_keeps_trls
         )  # fmt: skip
         trainer.train()
         assert len(seen) == 4  # 2 generations x 2 micro-batches
-        counts[scoring] = [
-            (seen[i][0], seen[i][1] + seen[i + 1][1], seen[i][2] + seen[i + 1][2]) for i in (0, 2)
-        ]
+        counts[scoring] = [(seen[i][0], seen[i][1] + seen[i + 1][1], seen[i][2] + seen[i + 1][2]) for i in (0, 2)]
     for items, completion_tokens, loss_tokens in counts["separate"]:
         assert items == loss_tokens < completion_tokens  # recounted after masking (and masking happened)
     for items, completion_tokens, loss_tokens in counts["loss_forward"]:

@@ -98,8 +98,14 @@ def test_study_writes_a_complete_report(small_study):
     for run in results["runs"]:
         series = run["series"]
         assert series["step"] == [1, 2, 3]
-        for key in ("reward", "grad_norm", "completions/mean_length", "mismatch/log_ppl_abs_diff",
-                    "safevocab/out_of_set_frac", "learning_rate"):
+        for key in (
+            "reward",
+            "grad_norm",
+            "completions/mean_length",
+            "mismatch/log_ppl_abs_diff",
+            "safevocab/out_of_set_frac",
+            "learning_rate",
+        ):
             assert len(series[key]) == 3 and all(isinstance(v, float) for v in series[key]), key
         assert run["eval"]["step"] == [0, 2, 3]
         assert all(0.0 <= a <= 1.0 for a in run["eval"]["accuracy"])
@@ -129,8 +135,15 @@ def test_study_is_deterministic_per_seed(small_study, tmp_path):
 
 def test_a_crashing_arm_is_reported_as_failed(tmp_path):
     settings = StudySettings(
-        arms=["no_remedy", "dvp"], seeds=[0], steps=1, eval_every=1, eval_num_prompts=4, num_prompts_per_step=2,
-        num_generations=2, train_num_prompts=16, output_dir=str(tmp_path),
+        arms=["no_remedy", "dvp"],
+        seeds=[0],
+        steps=1,
+        eval_every=1,
+        eval_num_prompts=4,
+        num_prompts_per_step=2,
+        num_generations=2,
+        train_num_prompts=16,
+        output_dir=str(tmp_path),
     )
     # A deliberately broken arm: the config rejects the rule, so the run fails before training.
     results = run_study(settings, arm_configs={"dvp": {"safe_vocab_rule": "min_p=1.5"}}, progress=False, plots=True)
@@ -164,8 +177,15 @@ def test_a_run_crashing_mid_training_keeps_what_it_logged(tmp_path, monkeypatch)
 
     monkeypatch.setattr(arithmetic, "arithmetic_reward", reward_that_breaks)
     settings = StudySettings(
-        arms=["no_remedy"], seeds=[0], steps=3, eval_every=1, eval_num_prompts=4, num_prompts_per_step=2,
-        num_generations=2, train_num_prompts=16, output_dir=str(tmp_path),
+        arms=["no_remedy"],
+        seeds=[0],
+        steps=3,
+        eval_every=1,
+        eval_num_prompts=4,
+        num_prompts_per_step=2,
+        num_generations=2,
+        train_num_prompts=16,
+        output_dir=str(tmp_path),
     )
     results = run_study(settings, progress=False, plots=False)
     (run,) = results["runs"]
@@ -181,8 +201,17 @@ def test_arms_differ_only_in_what_they_name():
     s = StudySettings()
     # issue 19 added dvp_mis and no_mismatch, issue 33 dvp_no_mismatch (tests/trl/test_trl_study_tasks.py and
     # test_trl_study_eval.py); the default study keeps the five
-    assert set(ARM_NAMES) == {"no_remedy", "tis", "mis", "dvp", "dvp_length_decay", "dvp_mis", "dvp_tis", "no_mismatch",
-                              "dvp_no_mismatch"}
+    assert set(ARM_NAMES) == {
+        "no_remedy",
+        "tis",
+        "mis",
+        "dvp",
+        "dvp_length_decay",
+        "dvp_mis",
+        "dvp_tis",
+        "no_mismatch",
+        "dvp_no_mismatch",
+    }
     assert s.arms == ["no_remedy", "tis", "mis", "dvp", "dvp_length_decay"]
     assert arm_overrides("no_remedy", s) == {"safe_vocab_rule": "none", "vllm_importance_sampling_correction": False}
     assert arm_overrides("tis", s)["vllm_importance_sampling_mode"] == "token_truncate"
@@ -260,12 +289,31 @@ def test_figure_titles_fit_the_figure(stem):
 
     from trl_integration.study.plots import draw_metric
 
-    settings = {"noise": 2.0, "noise_kind": "lift", "rollout_mantissa_bits": 2, "rollout_dtype": "auto", "smooth": 2,
-                "rollout_perturbation": "my_project.perturbations:heavier_tail"}
-    runs = [{"arm": arm, "seed": 0, "status": "ok", "eval": {"step": [0, 2], "reward": [0.1, 0.2]},
-             "series": {"step": [1, 2], "reward": [0.1, 0.3]}} for arm in ("no_remedy", "dvp")]
-    results = {"settings": settings, "arms": {"no_remedy": {}, "dvp": {}}, "runs": runs,
-               "summary": {"no_remedy": {}, "dvp": {}}, "task": {"metric_name": "reward"}}
+    settings = {
+        "noise": 2.0,
+        "noise_kind": "lift",
+        "rollout_mantissa_bits": 2,
+        "rollout_dtype": "auto",
+        "smooth": 2,
+        "rollout_perturbation": "my_project.perturbations:heavier_tail",
+    }
+    runs = [
+        {
+            "arm": arm,
+            "seed": 0,
+            "status": "ok",
+            "eval": {"step": [0, 2], "reward": [0.1, 0.2]},
+            "series": {"step": [1, 2], "reward": [0.1, 0.3]},
+        }
+        for arm in ("no_remedy", "dvp")
+    ]
+    results = {
+        "settings": settings,
+        "arms": {"no_remedy": {}, "dvp": {}},
+        "runs": runs,
+        "summary": {"no_remedy": {}, "dvp": {}},
+        "task": {"metric_name": "reward"},
+    }
     fig = draw_metric(results, stem)
     try:
         renderer = fig.canvas.get_renderer()

@@ -57,12 +57,18 @@ def test_the_arms_and_the_tail_are_the_configs_they_name(tmp_path):
     remedy, dvp, control, dvp_control = (config(a) for a in ("no_remedy", "dvp", "no_mismatch", "dvp_no_mismatch"))
     # the tail acts in every arm with the mismatch, on the dvp arms' rule, whatever the arm's own rule
     for cfg in (remedy, dvp):
-        assert (cfg.rollout_logit_noise, cfg.rollout_logit_noise_kind, cfg.rollout_tail_rule) == (1.07, "tail",
-                                                                                                   "min_p=0.02")
+        assert (cfg.rollout_logit_noise, cfg.rollout_logit_noise_kind, cfg.rollout_tail_rule) == (
+            1.07,
+            "tail",
+            "min_p=0.02",
+        )
     assert remedy.safe_vocab_rule == "none" and dvp.safe_vocab_effective_rule == "min_p=0.02"
     # dvp_no_mismatch: no_mismatch's switches, dvp's rule in the sampler and the trainer
-    assert arm_overrides("dvp_no_mismatch", s) == {**arm_overrides("no_mismatch", s), "safe_vocab_rule": "min_p=0.02",
-                                                   "safe_vocab_in_sampler": True}
+    assert arm_overrides("dvp_no_mismatch", s) == {
+        **arm_overrides("no_mismatch", s),
+        "safe_vocab_rule": "min_p=0.02",
+        "safe_vocab_in_sampler": True,
+    }
     assert (dvp_control.rollout_logit_noise, dvp_control.rollout_mantissa_bits) == (0.0, None)
     assert dvp_control.safe_vocab_effective_rule == dvp.safe_vocab_effective_rule and dvp_control.min_p == dvp.min_p
     assert control.safe_vocab_effective_rule == "none" and control.seed == dvp_control.seed == remedy.seed
@@ -131,13 +137,16 @@ def test_contrasts_pair_the_arms_by_seed(tail_study):
         expected = (value["dvp"] - value["dvp_no_mismatch"]) - (value["no_remedy"] - value["no_mismatch"])
         assert c["dvp_interaction"][f"late_metric{suffix}"]["diffs"] == [pytest.approx(expected, abs=1e-15)]
         assert c["dvp_cost"][f"late_metric{suffix}"]["mean"] == pytest.approx(
-            value["dvp_no_mismatch"] - value["no_mismatch"], abs=1e-15)
+            value["dvp_no_mismatch"] - value["no_mismatch"], abs=1e-15
+        )
         assert c["dvp_residual_clean"][f"late_metric{suffix}"]["mean"] == pytest.approx(
-            value["dvp"] - value["no_mismatch"], abs=1e-15)
+            value["dvp"] - value["no_mismatch"], abs=1e-15
+        )
         for j in (0, 1):
             seed_value = {arm: ev[f"reward{suffix}_by_seed"][-1][j] for arm, ev in late.items()}
             assert c["harm"][f"late_metric{suffix}_by_eval_seed"][j]["mean"] == pytest.approx(
-                seed_value["no_remedy"] - seed_value["no_mismatch"], abs=1e-15)
+                seed_value["no_remedy"] - seed_value["no_mismatch"], abs=1e-15
+            )
     report = (out / "report.md").read_text(encoding="utf-8")
     assert "| `dvp_interaction` | (dvp − dvp_no_mismatch) − (no_remedy − no_mismatch)" in report
     summary = results["summary"]
@@ -183,6 +192,7 @@ def test_paired_differences_per_evaluation_seed_by_hand():
     one after half the last step). Arm a's late metric minus no_mismatch's, for evaluation seed 7: +0.1, +0.3, +0.2
     (mean 0.2, sd 0.1); for evaluation seed 9: 0, 0, +0.3 (mean 0.1, sd 0.1732); for their mean (the metric):
     +0.05, +0.15, +0.25."""
+
     def run(arm, seed, late_by_eval_seed):
         rows = [[0.0, 0.0], [0.0, 0.0], list(late_by_eval_seed)]
         return {"arm": arm, "seed": seed, "status": "ok", "series": {}, "wall_time_s": 1.0,
@@ -197,8 +207,9 @@ def test_paired_differences_per_evaluation_seed_by_hand():
     by_seed = summarize(results)["a"]["late_metric_vs_no_mismatch_by_eval_seed"]
     assert [x["mean"] for x in by_seed] == [pytest.approx(0.2), pytest.approx(0.1)]
     sd1 = math.sqrt(((0 - 0.1) ** 2 * 2 + (0.3 - 0.1) ** 2) / 2)
-    assert by_seed[1]["ci95"] == pytest.approx([0.1 - t_quantile_975(2) * sd1 / math.sqrt(3),
-                                                0.1 + t_quantile_975(2) * sd1 / math.sqrt(3)])
+    assert by_seed[1]["ci95"] == pytest.approx(
+        [0.1 - t_quantile_975(2) * sd1 / math.sqrt(3), 0.1 + t_quantile_975(2) * sd1 / math.sqrt(3)]
+    )
     assert by_seed[0]["diffs"] == pytest.approx([0.1, 0.3, 0.2]) and by_seed[0]["seeds"] == [0, 1, 2]
     # the 90 % interval of an equivalence test (TOST): t_{0.95, 2} = 2.920 (a t table), sd 0.1, n 3
     assert by_seed[0]["ci90"] == pytest.approx([0.2 - 2.920 * 0.1 / math.sqrt(3), 0.2 + 2.920 * 0.1 / math.sqrt(3)])
@@ -231,6 +242,9 @@ def test_a_study_written_before_issue_33_aggregates_and_resumes(tmp_path, capsys
     assert resumed["runs"][:2] == old["runs"] and resumed["runs"][2]["arm"] == "dvp_no_mismatch"
     assert resumed["arms"]["dvp_no_mismatch"]["safe_vocab_rule"] == "min_p=0.01"
     assert list(table_rows((out / "report.md").read_text(encoding="utf-8"), "| arm | runs ok | final accuracy")) == [
-        "no_remedy", "dvp", "dvp_no_mismatch"]
+        "no_remedy",
+        "dvp",
+        "dvp_no_mismatch",
+    ]
     assert safevocab_main([*argv[:-3], "--eval_steps", "0", "2", "--resume", "--output_dir", str(out)]) == 2
     assert "--resume: --eval_steps is [0, 2] but the runs in" in capsys.readouterr().err

@@ -54,8 +54,11 @@ def test_task_errors_are_one_line_naming_the_flag(spec, message, tmp_path, capsy
 
 def test_freetext_resolves_lazily():
     if importlib.util.find_spec("trl_integration.demo.freetext") is None:
-        with pytest.raises(ValueError, match=r"^--task='freetext' is not available in this install: "
-                                             r"trl_integration.demo.freetext is missing$"):
+        with pytest.raises(
+            ValueError,
+            match=r"^--task='freetext' is not available in this install: "
+            r"trl_integration.demo.freetext is missing$",
+        ):
             load_task("freetext")
     else:  # the free-text testbed is installed: it must be a StudyTask of its own
         task = load_task("freetext")
@@ -63,8 +66,13 @@ def test_freetext_resolves_lazily():
 
 
 def test_new_arms_are_the_configs_they_name(tmp_path):
-    s = StudySettings(noise=0.5, noise_kind="lift", rollout_mantissa_bits=3,
-                      rollout_perturbation="rollout_plugins:lift_half", max_completion_length=8)
+    s = StudySettings(
+        noise=0.5,
+        noise_kind="lift",
+        rollout_mantissa_bits=3,
+        rollout_perturbation="rollout_plugins:lift_half",
+        max_completion_length=8,
+    )
 
     def config(arm):
         return SafeVocabGRPOConfig(**{**shared_config(s, 0, str(tmp_path)), **arm_overrides(arm, s)})
@@ -72,21 +80,40 @@ def test_new_arms_are_the_configs_they_name(tmp_path):
     dvp, mis, dvp_mis = config("dvp"), config("mis"), config("dvp_mis")
     assert dvp_mis.safe_vocab_effective_rule == dvp.safe_vocab_effective_rule == "min_p=0.01"
     assert dvp_mis.generate_path_importance_sampling and not dvp.generate_path_importance_sampling
-    for key in ("vllm_importance_sampling_mode", "vllm_importance_sampling_clip_min",
-                "vllm_importance_sampling_clip_max"):
+    for key in (
+        "vllm_importance_sampling_mode",
+        "vllm_importance_sampling_clip_min",
+        "vllm_importance_sampling_clip_max",
+    ):
         assert getattr(dvp_mis, key) == getattr(mis, key), key
     remedy, control = config("no_remedy"), config("no_mismatch")
     assert (remedy.rollout_logit_noise, remedy.rollout_mantissa_bits, remedy.rollout_perturbation) == (
-        0.5, 3, "rollout_plugins:lift_half")
-    assert (control.rollout_logit_noise, control.rollout_mantissa_bits, control.rollout_perturbation) == (0.0, None, None)
+        0.5,
+        3,
+        "rollout_plugins:lift_half",
+    )
+    assert (control.rollout_logit_noise, control.rollout_mantissa_bits, control.rollout_perturbation) == (
+        0.0,
+        None,
+        None,
+    )
     assert control.rollout_dtype == "auto" and control.safe_vocab_effective_rule == "none"
     assert not control.generate_path_importance_sampling and control.seed == remedy.seed
 
 
 def test_a_task_of_your_own_from_python(tmp_path):
     """run_study(settings, task=...) trains on the task's data with its completion length and reports its metric."""
-    settings = StudySettings(arms=["no_remedy"], seeds=[0], steps=2, eval_every=1, eval_num_prompts=8,
-                             num_prompts_per_step=2, num_generations=4, train_num_prompts=16, output_dir=str(tmp_path))
+    settings = StudySettings(
+        arms=["no_remedy"],
+        seeds=[0],
+        steps=2,
+        eval_every=1,
+        eval_num_prompts=8,
+        num_prompts_per_step=2,
+        num_generations=4,
+        train_num_prompts=16,
+        output_dir=str(tmp_path),
+    )
     results = run_study(settings, task=study_plugins.exact_match_task(), progress=False, plots=True)
     (run,) = results["runs"]
     assert run["status"] == "ok" and run["eval"]["step"] == [0, 1, 2] and len(run["eval"]["exact_match"]) == 3
@@ -108,8 +135,17 @@ def test_a_study_from_python_leaves_the_callers_logging_and_progress_bars_as_the
     from transformers import TrainingArguments
     from transformers.utils import logging as hf_logging
 
-    settings = StudySettings(arms=["no_remedy"], seeds=[0], steps=1, eval_every=1, eval_num_prompts=4,
-                             num_prompts_per_step=2, num_generations=2, train_num_prompts=8, output_dir=str(tmp_path))
+    settings = StudySettings(
+        arms=["no_remedy"],
+        seeds=[0],
+        steps=1,
+        eval_every=1,
+        eval_num_prompts=4,
+        num_prompts_per_step=2,
+        num_generations=2,
+        train_num_prompts=8,
+        output_dir=str(tmp_path),
+    )
     before = (hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled(), datasets.is_progress_bar_enabled())
     run_study(settings, task="arithmetic", progress=False, plots=False)
     after = (hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled(), datasets.is_progress_bar_enabled())
@@ -145,8 +181,12 @@ def test_smoke_every_new_option_and_resume(tmp_path, monkeypatch, capsys):
     assert first["task"]["spec"] == "arithmetic"  # what --task said (was "arithmetic (a StudyTask object)")
 
     # The same study with one more arm, resumed: only the new arm trains; the finished runs are kept as they were.
-    assert safevocab_main(["study", *SMOKE, "--arms", "no_remedy", "dvp_mis", "no_mismatch", "--resume",
-                           "--output_dir", out]) == 0
+    assert (
+        safevocab_main(
+            ["study", *SMOKE, "--arms", "no_remedy", "dvp_mis", "no_mismatch", "--resume", "--output_dir", out]
+        )
+        == 0
+    )
     assert "2 finished runs kept" in capsys.readouterr().out
     second = json.loads((tmp_path / "study" / "results.json").read_text(encoding="utf-8"))
     assert len(trained) == 3 and trained[-1] == "none" and rollout_plugins.SEEDS_SEEN == [0, 0]  # no_mismatch: none
@@ -180,6 +220,13 @@ def test_help_lists_the_new_flags(capsys):
     with pytest.raises(SystemExit):
         safevocab_main(["study", "--help"])
     text = capsys.readouterr().out
-    for flag in ("--task", "--rollout_perturbation", "--rollout_mantissa_bits", "--resume", "dvp_mis", "no_mismatch",
-                 "lift"):
+    for flag in (
+        "--task",
+        "--rollout_perturbation",
+        "--rollout_mantissa_bits",
+        "--resume",
+        "dvp_mis",
+        "no_mismatch",
+        "lift",
+    ):
         assert flag in text, flag

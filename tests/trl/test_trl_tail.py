@@ -35,8 +35,7 @@ def model_dir(tiny, tmp_path_factory):
 
 
 def full_forward_logits(model, sampled):
-    attn = torch.cat([torch.ones(sampled.sequences.shape[0], sampled.prompt_length, dtype=torch.bool),
-                      sampled.mask], 1)
+    attn = torch.cat([torch.ones(sampled.sequences.shape[0], sampled.prompt_length, dtype=torch.bool), sampled.mask], 1)
     attn[:, : sampled.prompt_length] = sampled.sequences[:, : sampled.prompt_length] != 0  # left padding (pad id 0)
     pos = (attn.long().cumsum(-1) - 1).clamp(min=0)
     with torch.no_grad():
@@ -49,8 +48,18 @@ def test_lift_tokens_are_recorded_under_the_lifted_distribution(tiny):
     clean one; the tokens the lift favours (the tail) have log mu > log pi."""
     model, tok = tiny
     temperature = 0.9
-    sampled = sample_tokens(model, model, tok, PROMPTS, max_new_tokens=8, num_samples=4, temperature=temperature,
-                            noise=1.0, noise_kind="lift", seed=3)
+    sampled = sample_tokens(
+        model,
+        model,
+        tok,
+        PROMPTS,
+        max_new_tokens=8,
+        num_samples=4,
+        temperature=temperature,
+        noise=1.0,
+        noise_kind="lift",
+        seed=3,
+    )
     z = full_forward_logits(model, sampled) / temperature
     zn = z.numpy()
     lifted = zn + 1.0 * np.minimum(1.0, (zn.max(-1, keepdims=True) - zn) / 10.0)
@@ -78,10 +87,20 @@ def test_mantissa_bits_sample_from_the_rounded_model(tiny):
                 for p in cache_model.parameters():
                     p.copy_(p.to(torch.bfloat16).float())
         result[bits] = sample_tokens(model, cache_model, tok, PROMPTS, max_new_tokens=6, num_samples=2, seed=1)
-    via_lab = tail_mismatch(model, tok, {"task": PROMPTS}, mantissa_bits=7, max_new_tokens=6, num_samples=2,
-                            seed=1, batch_size=len(PROMPTS), progress=False)
-    reference = tail_buckets(result[7].train_logp[result[7].mask], result[7].rollout_logp[result[7].mask],
-                             [0.001, 0.01, 0.1, 0.5])
+    via_lab = tail_mismatch(
+        model,
+        tok,
+        {"task": PROMPTS},
+        mantissa_bits=7,
+        max_new_tokens=6,
+        num_samples=2,
+        seed=1,
+        batch_size=len(PROMPTS),
+        progress=False,
+    )
+    reference = tail_buckets(
+        result[7].train_logp[result[7].mask], result[7].rollout_logp[result[7].mask], [0.001, 0.01, 0.1, 0.5]
+    )
     assert via_lab["sources"]["task"]["buckets"] == reference["buckets"]  # the lab's rounding is bf16's at k=7
     assert (result[7].rollout_logp - result[7].train_logp)[result[7].mask].abs().max() > 1e-4
     assert (result[None].rollout_logp - result[None].train_logp)[result[None].mask].abs().max() < 1e-5
@@ -89,8 +108,9 @@ def test_mantissa_bits_sample_from_the_rounded_model(tiny):
 
 def test_no_mismatch_gives_zero_within_float_rounding(tiny):
     model, tok = tiny
-    out = tail_mismatch(model, tok, {"task": PROMPTS, "free_text": PROMPTS[::-1]}, max_new_tokens=8, num_samples=4,
-                        progress=False)
+    out = tail_mismatch(
+        model, tok, {"task": PROMPTS, "free_text": PROMPTS[::-1]}, max_new_tokens=8, num_samples=4, progress=False
+    )
     for source in ("task", "free_text"):
         data = out["sources"][source]
         assert data["n_tokens"] > 50 and abs(data["signed_mean"]) < 1e-6
@@ -102,8 +122,16 @@ def test_no_mismatch_gives_zero_within_float_rounding(tiny):
 def test_zero_mean_noise_still_shows_a_positive_mean_on_sampled_tokens(tiny):
     """On tokens sampled from mu, mean(log mu - log pi) estimates KL(mu || pi) > 0, even for zero-mean noise."""
     model, tok = tiny
-    out = tail_mismatch(model, tok, {"task": PROMPTS * 4}, noise=1.0, noise_kind="uniform", max_new_tokens=8,
-                        num_samples=4, progress=False)
+    out = tail_mismatch(
+        model,
+        tok,
+        {"task": PROMPTS * 4},
+        noise=1.0,
+        noise_kind="uniform",
+        max_new_tokens=8,
+        num_samples=4,
+        progress=False,
+    )
     data = out["sources"]["task"]
     assert data["signed_mean"] > 5 * max(r["signed_se"] or 0 for r in data["buckets"] if r["n"] > 100)
 
@@ -124,8 +152,24 @@ def test_tail_buckets_match_numpy():
 
 
 def run(argv, out):
-    assert main(["diagnose", *argv, "--output_dir", str(out), "--quiet", "--tail_prompts", "8", "--tail_samples", "2",
-                 "--tail_new_tokens", "6"]) == 0
+    assert (
+        main(
+            [
+                "diagnose",
+                *argv,
+                "--output_dir",
+                str(out),
+                "--quiet",
+                "--tail_prompts",
+                "8",
+                "--tail_samples",
+                "2",
+                "--tail_new_tokens",
+                "6",
+            ]
+        )
+        == 0
+    )
     return json.loads((out / "summary.json").read_text())
 
 
@@ -157,8 +201,18 @@ def test_command_writes_the_tail_first(tmp_path):
 
 
 def test_command_mantissa_bits_task_and_errors(model_dir, tmp_path, capsys):
-    s = run(["--model", model_dir, "--rollout_mantissa_bits", "3", "--task", "study_plugins:exact_match_task",
-             "--no_plots"], tmp_path)
+    s = run(
+        [
+            "--model",
+            model_dir,
+            "--rollout_mantissa_bits",
+            "3",
+            "--task",
+            "study_plugins:exact_match_task",
+            "--no_plots",
+        ],
+        tmp_path,
+    )
     assert s["rollout_mantissa_bits"] == 3 and s["rollout_dtype"] == "float32" and s["eps_max"] > 0
     assert s["tail"]["labels"]["task"] == "arith-em prompts"
     assert s["tail"]["labels"]["free_text"] == "free text (stdlib docstrings)"
@@ -166,8 +220,10 @@ def test_command_mantissa_bits_task_and_errors(model_dir, tmp_path, capsys):
     s = run(["--model", model_dir, "--no_tail", "--no_plots"], tmp_path / "no-tail")
     assert "tail" not in s
     for argv, message in (
-        (["--rollout_mantissa_bits", "30"], "--rollout_mantissa_bits 30 is not accepted: accepted an integer in [1, 23]"
-         ),
+        (
+            ["--rollout_mantissa_bits", "30"],
+            "--rollout_mantissa_bits 30 is not accepted: accepted an integer in [1, 23]",
+        ),
         (["--rollout_mantissa_bits", "3", "--compare", "float32:float64"], "not a float64 rollout side"),
         (["--task", "nope"], "--task='nope' is not accepted"),
         (["--tail_samples", "0"], "--tail_samples"),

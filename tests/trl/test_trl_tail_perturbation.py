@@ -110,8 +110,9 @@ def test_generate_samples_from_and_records_the_tail_distribution(tiny):
     noise = LogitNoiseProcessor(eps, "tail", temperature=temperature, rule=f"min_p={rho}")
     torch.manual_seed(0)
     with recording_generate(model, recorder, None, [noise]):
-        out = model.generate(**enc, do_sample=True, temperature=temperature, top_k=0, max_new_tokens=6,
-                             pad_token_id=tok.pad_token_id)
+        out = model.generate(
+            **enc, do_sample=True, temperature=temperature, top_k=0, max_new_tokens=6, pad_token_id=tok.pad_token_id
+        )
     steps = recorder.logprobs.shape[1]
     new = out[:, -steps:]
     attn = torch.cat([enc["attention_mask"], torch.ones_like(new)], 1)
@@ -142,8 +143,14 @@ def sampled_rollout_logps(trainer):
 
 def make_trainer(model_dir, tmp_path, perturbation=None, **config):
     args = SafeVocabGRPOConfig(**grpo_kwargs(tmp_path, **config))
-    return SafeVocabGRPOTrainer(model=model_dir, reward_funcs=vowel_reward, args=args, train_dataset=prompt_dataset(),
-                                processing_class=build_tokenizer(), rollout_perturbation=perturbation)
+    return SafeVocabGRPOTrainer(
+        model=model_dir,
+        reward_funcs=vowel_reward,
+        args=args,
+        train_dataset=prompt_dataset(),
+        processing_class=build_tokenizer(),
+        rollout_perturbation=perturbation,
+    )
 
 
 def test_trainer_noise_kind_rule_default_and_plugin_agree(tiny_model_dir, tmp_path):
@@ -151,11 +158,22 @@ def test_trainer_noise_kind_rule_default_and_plugin_agree(tiny_model_dir, tmp_pa
     same perturbation as a plug-in factory sample and record the same tokens; the mismatch is real."""
     common = dict(rollout_logprobs=True, max_steps=1, rollout_noise_seed=3, safe_vocab_out_of_set="mask_token")
     runs = {
-        "tail rule": lambda: make_trainer(tiny_model_dir, tmp_path / "0", rollout_logit_noise=0.5,
-                                          rollout_logit_noise_kind="tail", rollout_tail_rule="min_p=0.1",
-                                          safe_vocab_rule="none", **common),
-        "plug-in": lambda: make_trainer(tiny_model_dir, tmp_path / "1", rollout_perturbation="rollout_plugins:tail_half",
-                                        safe_vocab_rule="none", **common),
+        "tail rule": lambda: make_trainer(
+            tiny_model_dir,
+            tmp_path / "0",
+            rollout_logit_noise=0.5,
+            rollout_logit_noise_kind="tail",
+            rollout_tail_rule="min_p=0.1",
+            safe_vocab_rule="none",
+            **common,
+        ),
+        "plug-in": lambda: make_trainer(
+            tiny_model_dir,
+            tmp_path / "1",
+            rollout_perturbation="rollout_plugins:tail_half",
+            safe_vocab_rule="none",
+            **common,
+        ),
     }
     results, trainers = {}, {}
     for name, build in runs.items():
@@ -169,9 +187,15 @@ def test_trainer_noise_kind_rule_default_and_plugin_agree(tiny_model_dir, tmp_pa
     assert torch.equal(results["plug-in"][0], train) and torch.equal(results["plug-in"][1], rollout)
     # rollout_tail_rule unset: the rule is safe_vocab_rule's (here scoring with it, sampling the full distribution)
     with pytest.warns(UserWarning, match="safe_vocab_in_sampler=False"):
-        default = make_trainer(tiny_model_dir, tmp_path / "2", rollout_logit_noise=0.5,
-                               rollout_logit_noise_kind="tail", safe_vocab_rule="min_p=0.1",
-                               safe_vocab_in_sampler=False, **common)
+        default = make_trainer(
+            tiny_model_dir,
+            tmp_path / "2",
+            rollout_logit_noise=0.5,
+            rollout_logit_noise_kind="tail",
+            safe_vocab_rule="min_p=0.1",
+            safe_vocab_in_sampler=False,
+            **common,
+        )
     assert default.args.rollout_tail_rule is None
     default.train()
     assert torch.equal(sampled_rollout_logps(default), sampled_rollout_logps(reference))  # the same rollouts
@@ -233,8 +257,18 @@ def k3(log_r: np.ndarray) -> np.ndarray:
 
 def test_diagnose_measures_the_tail_and_the_k3_share_below_the_cut(tiny, model_dir, tmp_path, capsys):
     model, tok = tiny
-    result = run_diagnose(model, tok, ["hello", "the cat", "abc"], compare=(torch.float32, torch.float32), noise=1.0,
-                          noise_kind="tail", rule="min_p=0.5", max_new_tokens=6, num_samples=4, progress=False)
+    result = run_diagnose(
+        model,
+        tok,
+        ["hello", "the cat", "abc"],
+        compare=(torch.float32, torch.float32),
+        noise=1.0,
+        noise_kind="tail",
+        rule="min_p=0.5",
+        max_new_tokens=6,
+        num_samples=4,
+        progress=False,
+    )
     t = {k: v.numpy() for k, v in result.tokens.items()}
     terms = k3(t["log_r"])
     rule = result.summary["rule"]
@@ -246,12 +280,47 @@ def test_diagnose_measures_the_tail_and_the_k3_share_below_the_cut(tiny, model_d
     assert result.summary["sequence_metrics"]["k3_kl"] > 1e-3
 
     out = tmp_path / "diag"
-    rc = main(["diagnose", "--model", model_dir, "--prompts", "hello", "abc", "--max_new_tokens", "4",
-               "--noise", "1", "--noise_kind", "tail", "--rule", "min_p=0.5", "--no_plots", "--output_dir", str(out)])
+    rc = main(
+        [
+            "diagnose",
+            "--model",
+            model_dir,
+            "--prompts",
+            "hello",
+            "abc",
+            "--max_new_tokens",
+            "4",
+            "--noise",
+            "1",
+            "--noise_kind",
+            "tail",
+            "--rule",
+            "min_p=0.5",
+            "--no_plots",
+            "--output_dir",
+            str(out),
+        ]
+    )
     assert rc == 0
     summary = json.loads((out / "summary.json").read_text())
     assert summary["noise_kind"] == "tail" and summary["tail"]["sources"]
     assert "k3 below the cut" in capsys.readouterr().out
-    assert main(["diagnose", "--model", model_dir, "--noise", "1", "--noise_kind", "tail", "--rule", "none",
-                 "--output_dir", str(tmp_path / "no")]) == 2
+    assert (
+        main(
+            [
+                "diagnose",
+                "--model",
+                model_dir,
+                "--noise",
+                "1",
+                "--noise_kind",
+                "tail",
+                "--rule",
+                "none",
+                "--output_dir",
+                str(tmp_path / "no"),
+            ]
+        )
+        == 2
+    )
     assert "--noise_kind tail lifts the tokens --rule cuts" in capsys.readouterr().err

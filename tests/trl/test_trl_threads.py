@@ -29,7 +29,11 @@ def _choose(**overrides):
     [
         (dict(environ={"OMP_NUM_THREADS": "2"}, parameters=10), 2, "OMP_NUM_THREADS=2 is set"),
         (dict(environ={"MKL_NUM_THREADS": "3"}, current=3, load=9.0), 3, "MKL_NUM_THREADS=3 is set"),
-        (dict(environ={"OMP_NUM_THREADS": ""}, parameters=10), 1, "0.00M parameters"),  # empty = unset, as torch reads it
+        (
+            dict(environ={"OMP_NUM_THREADS": ""}, parameters=10),
+            1,
+            "0.00M parameters",
+        ),  # empty = unset, as torch reads it
         (dict(current=4, parameters=10, load=9.0), 4, "torch.set_num_threads(4) was called"),
         (dict(current=1, default=4, chosen_before=1, load=0.0, cores=4), 1, "load average 0.0"),  # ours, not the user's
         (dict(parameters=497_000), 1, "0.50M parameters (< 1M)"),

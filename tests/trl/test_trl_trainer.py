@@ -7,8 +7,8 @@ from dataclasses import replace
 
 import pytest
 import torch
-from trl_helpers import PROMPTS, build_tokenizer, grpo_kwargs, prompt_dataset, vowel_reward
 from trl import GRPOConfig, GRPOTrainer
+from trl_helpers import PROMPTS, build_tokenizer, grpo_kwargs, prompt_dataset, vowel_reward
 
 from safevocab import TopK, safe_log_softmax
 from trl_integration import SafeVocabGRPOConfig, SafeVocabGRPOTrainer
@@ -140,9 +140,7 @@ def test_rule_none_matches_stock_grpo(tiny_model_dir, tmp_path):
     1e-6 relative as GRPOTrainer on the same seed, for 6 steps (issue 14). Nothing else is set: no IS switch-off, no
     sampler setting."""
     common = dict(beta=0.04, max_steps=6, temperature=0.8)
-    stock = make_trainer(
-        tiny_model_dir, tmp_path / "stock", trainer_cls=GRPOTrainer, config_cls=GRPOConfig, **common
-    )
+    stock = make_trainer(tiny_model_dir, tmp_path / "stock", trainer_cls=GRPOTrainer, config_cls=GRPOConfig, **common)
     stock.train()
     ours = make_trainer(tiny_model_dir, tmp_path / "ours", safe_vocab_rule="none", **common)
     ours.train()
@@ -152,7 +150,7 @@ def test_rule_none_matches_stock_grpo(tiny_model_dir, tmp_path):
         assert a == pytest.approx(b, rel=1e-6, abs=1e-9), key
     assert logged(stock, "kl")[-1] > 0.01  # the comparison is not vacuous: the policy moved
     worst = 0.0
-    for (name, p), q in zip(stock.model.named_parameters(), ours.model.parameters(), strict=True):
+    for (_name, p), q in zip(stock.model.named_parameters(), ours.model.parameters(), strict=True):
         worst = max(worst, float((p - q).abs().max() / p.abs().max()))
     assert worst <= 1e-6, worst
     # and no project extra ran: nothing recorded, no IS, no safevocab/mismatch metric
@@ -163,8 +161,12 @@ def test_fp32_rollout_ratio_is_one_and_stock_trl_is_offset(tiny_model_dir, tmp_p
     """Sampler top_k=5, fp32 rollout: our ratio pi_S/mu is 1; trl's temperature-only log-probs are off by
     log(kept mass), the trl issue 6789 offset."""
     ours = make_trainer(
-        tiny_model_dir, tmp_path / "ours", safe_vocab_rule="top_k=5", rollout_dtype="float32",
-        vllm_importance_sampling_mode="token_truncate", temperature=0.9,
+        tiny_model_dir,
+        tmp_path / "ours",
+        safe_vocab_rule="top_k=5",
+        rollout_dtype="float32",
+        vllm_importance_sampling_mode="token_truncate",
+        temperature=0.9,
     )
     out = generate_batch(ours)
     g = ours.last_generation
@@ -194,7 +196,11 @@ def test_fp32_rollout_ratio_is_one_and_stock_trl_is_offset(tiny_model_dir, tmp_p
 def test_stock_semantics_reproduced_with_sampler_mismatch(tiny_model_dir, tmp_path):
     """rule 'none' + sampler top_k (trl's vLLM setting): the ratio's log equals the sampler's log kept mass."""
     trainer = make_trainer(
-        tiny_model_dir, tmp_path, safe_vocab_rule="none", safe_vocab_in_sampler=False, top_k=5,
+        tiny_model_dir,
+        tmp_path,
+        safe_vocab_rule="none",
+        safe_vocab_in_sampler=False,
+        top_k=5,
         vllm_importance_sampling_mode="token_truncate",
     )
     out = generate_batch(trainer)
@@ -248,7 +254,10 @@ def test_explicit_rollout_dtype_overrides_mixed_precision(tiny_model_dir, tmp_pa
 def test_generate_path_ratio_equals_trl_multiplication(tiny_model_dir, tmp_path, loss_type):
     """Folding the ratio into the advantages gives exactly trl's `per_token_loss * importance_sampling_ratio`."""
     trainer = make_trainer(
-        tiny_model_dir, tmp_path, safe_vocab_rule="min_p=0.05", vllm_importance_sampling_mode="token_truncate",
+        tiny_model_dir,
+        tmp_path,
+        safe_vocab_rule="min_p=0.05",
+        vllm_importance_sampling_mode="token_truncate",
         beta=0.05,
     )
     out = generate_batch(trainer)
@@ -295,7 +304,11 @@ def test_args_must_be_safevocab_config(tiny_model_dir, tmp_path):
 def test_eval_logs_safe_vocabulary_metrics(tiny_model_dir, tmp_path):
     args = SafeVocabGRPOConfig(
         **grpo_kwargs(
-            tmp_path, safe_vocab_rule="top_k=5", max_steps=1, eval_strategy="steps", eval_steps=1,
+            tmp_path,
+            safe_vocab_rule="top_k=5",
+            max_steps=1,
+            eval_strategy="steps",
+            eval_steps=1,
             per_device_eval_batch_size=4,
         )
     )

@@ -226,9 +226,7 @@ def test_bf16_engine_shows_the_mismatch(engines, tmp_path):
     path = tmp_path / "tiny-arith-bf16"
     AutoModelForCausalLM.from_pretrained(str(tiny_model_path()), dtype=torch.bfloat16).save_pretrained(path)
     AutoTokenizer.from_pretrained(str(tiny_model_path())).save_pretrained(path)
-    trainer = _train(
-        tmp_path / "run", model_path=str(path), model_init_kwargs={"dtype": "float32"}, max_steps=1
-    )
+    trainer = _train(tmp_path / "run", model_path=str(path), model_init_kwargs={"dtype": "float32"}, max_steps=1)
     assert next(trainer.model.parameters()).dtype == torch.float32
     logged = trainer.state.log_history[0]
     assert 1e-3 < logged["mismatch/abs_logp_diff_mean"] < 0.2
@@ -249,8 +247,12 @@ def test_trl_stock_sync_still_fails_on_vllm_cpu(engines, tmp_path):
 def test_server_mode_on_cpu_fails_before_contacting_a_server(tmp_path):
     args = tiny_grpo_config(output_dir=str(tmp_path), use_vllm=True, vllm_mode="server", vllm_server_timeout=1.0)
     with pytest.raises(ValueError, match="on CPU use --vllm_mode colocate"):
-        SafeVocabGRPOTrainer(model=str(tiny_model_path()), reward_funcs=arithmetic_reward, args=args,
-                             train_dataset=make_dataset(8, seed=0, split="train"))
+        SafeVocabGRPOTrainer(
+            model=str(tiny_model_path()),
+            reward_funcs=arithmetic_reward,
+            args=args,
+            train_dataset=make_dataset(8, seed=0, split="train"),
+        )
 
 
 def test_the_fence_checks_vllm_generation():
@@ -310,7 +312,12 @@ def _engine_replay_rollout_func(perturb: bool):
             logprobs.append(token_logps)
             masks.append(SamplingMask(token_ids=kept_rows))
         rollout_func.masks.append(masks)
-        return {"prompt_ids": prompt_ids, "completion_ids": completion_ids, "logprobs": logprobs, "sampling_mask": masks}
+        return {
+            "prompt_ids": prompt_ids,
+            "completion_ids": completion_ids,
+            "logprobs": logprobs,
+            "sampling_mask": masks,
+        }
 
     rollout_func.masks = []
     return rollout_func
@@ -390,8 +397,9 @@ def test_replay_on_trls_path_replays_the_engines_sets_exactly(engines, tmp_path)
     assert again == completion_ids  # the same seeded draw
     kept_all, _, _ = kept_sets_from_logprobs(again, all_logprobs, all_ids)
     for support, rows in zip(read, kept_all):
-        assert [sorted(support.token_ids[a:b].tolist()) for a, b in zip(support.offsets[:-1], support.offsets[1:])] \
-            == [sorted(row) for row in rows]
+        assert [sorted(support.token_ids[a:b].tolist()) for a, b in zip(support.offsets[:-1], support.offsets[1:])] == [
+            sorted(row) for row in rows
+        ]
     for seq, tokens in zip(logprobs, completion_ids):  # the sampled token's entry comes first, as trl keeps it
         assert all(len(position) >= 1 for position in seq) and len(seq) == len(tokens)
 
@@ -425,7 +433,9 @@ def test_replay_without_a_bound_falls_back_with_one_reason(engines, tmp_path, mo
 def test_rule_mode_does_not_see_the_engines_perturbed_sets(engines, tmp_path):
     """The control of the replay test: the same perturbed sets under ``safe_vocab_support="rule"`` are not replayed,
     so the trainer's log-probabilities (on the rule's top-4) differ from the engine's on the smaller sets."""
-    trainer = _train(tmp_path, rollout_func=_engine_replay_rollout_func(perturb=True), safe_vocab_rule=REPLAY_RULE, max_steps=1)
+    trainer = _train(
+        tmp_path, rollout_func=_engine_replay_rollout_func(perturb=True), safe_vocab_rule=REPLAY_RULE, max_steps=1
+    )
     assert not _logged(trainer, "safevocab/replay_frac")
     record = trainer.last_generation
     gap = (_loss_tokens(record, "train_logps") - _loss_tokens(record, "rollout_logps")).abs().max().item()

@@ -8,7 +8,6 @@ downloaded.
 from __future__ import annotations
 
 import numpy as np
-
 from chat_helpers import CHAT_CHARS
 
 VLM_SPECIALS = ["<pad>", "<s>", "</s>", "<image>"]
@@ -41,22 +40,45 @@ def build_vlm(path: str) -> None:
     tok.decoder = decoders.Fuse()
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in VLM_SPECIALS])
     tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=tok, pad_token="<pad>", eos_token="</s>", bos_token="<s>", unk_token="<unk>",
+        tokenizer_object=tok,
+        pad_token="<pad>",
+        eos_token="</s>",
+        bos_token="<s>",
+        unk_token="<unk>",
         padding_side="left",
     )
     image_processor = CLIPImageProcessorPil(size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28})
     processor = LlavaProcessor(
-        image_processor=image_processor, tokenizer=tokenizer, chat_template=CHAT_TEMPLATE, patch_size=14,
-        vision_feature_select_strategy="default", num_additional_image_tokens=1,
+        image_processor=image_processor,
+        tokenizer=tokenizer,
+        chat_template=CHAT_TEMPLATE,
+        patch_size=14,
+        vision_feature_select_strategy="default",
+        num_additional_image_tokens=1,
     )
     torch.manual_seed(0)
     config = LlavaConfig(
-        vision_config=CLIPVisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
-                                       image_size=28, patch_size=14, projection_dim=16),
-        text_config=LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                                pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
-                                bos_token_id=tokenizer.bos_token_id),
+        vision_config=CLIPVisionConfig(
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            image_size=28,
+            patch_size=14,
+            projection_dim=16,
+        ),
+        text_config=LlamaConfig(
+            vocab_size=len(tokenizer),
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=256,
+            pad_token_id=tokenizer.pad_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            bos_token_id=tokenizer.bos_token_id,
+        ),
         image_token_id=tokenizer.convert_tokens_to_ids("<image>"),
         vision_feature_select_strategy="default",
         vision_feature_layer=-1,

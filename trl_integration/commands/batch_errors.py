@@ -65,7 +65,12 @@ def check_generations(values: dict, set_by_user: set[str], batch_size: tuple[int
     if generations < 2:
         raise ValueError(f"--num_generations {generations}: accepted an integer >= 2 (GRPO compares the completions "
                          "of each prompt with each other)")  # fmt: skip
-    names = ("per_device_train_batch_size", "gradient_accumulation_steps", "generation_batch_size", "steps_per_generation")
+    names = (
+        "per_device_train_batch_size",
+        "gradient_accumulation_steps",
+        "generation_batch_size",
+        "steps_per_generation",
+    )
     per_device, accumulation, batch, steps = (values.get(name, ...) for name in names)
     if ... in (per_device, accumulation, batch, steps) or batch is not None and steps is not None:
         return  # unknown, or both set: trl's own error names that

@@ -31,7 +31,9 @@ class RewardGuard(TrainerCallback):
     """Raise :class:`BrokenRunError` at the first training log whose reward means are all non-finite."""
 
     def on_log(self, args, state, control, logs=None, **kwargs):
-        means = {key: value for key, value in (logs or {}).items() if key.startswith("rewards/") and key.endswith("/mean")}
+        means = {
+            key: value for key, value in (logs or {}).items() if key.startswith("rewards/") and key.endswith("/mean")
+        }
         if means and not any(isinstance(v, (int, float)) and math.isfinite(v) for v in means.values()):
             names = ", ".join(key[len("rewards/") : -len("/mean")] for key in means)
             raise BrokenRunError(

@@ -57,60 +57,126 @@ def make_parser(prog: str = PROG) -> argparse.ArgumentParser:
         "teacher-forced check of every token against the bound log(p + (1 - p) e^(2 eps)); writes summary.json "
         "and PNG plots. See docs/mismatch.md.",
     )
-    d.add_argument("--model", default=None,
-                   help="local model folder (save_pretrained) or smollm2-135m (a real pretrained LM, "
-                        "docs/real_model.md); default: the task's (arithmetic: the bundled tiny model)")
-    d.add_argument("--task", default="arithmetic", metavar="SPEC",
-                   help="the task whose held-out prompts the tail diagnostic samples from: 'arithmetic', "
-                        "'freetext' or 'module:function' returning a StudyTask (default: %(default)s)")
+    d.add_argument(
+        "--model",
+        default=None,
+        help="local model folder (save_pretrained) or smollm2-135m (a real pretrained LM, "
+        "docs/real_model.md); default: the task's (arithmetic: the bundled tiny model)",
+    )
+    d.add_argument(
+        "--task",
+        default="arithmetic",
+        metavar="SPEC",
+        help="the task whose held-out prompts the tail diagnostic samples from: 'arithmetic', "
+        "'freetext' or 'module:function' returning a StudyTask (default: %(default)s)",
+    )
     d.add_argument("--input", default=None, help="text file, one text (or prompt) per line")
-    d.add_argument("--prompts", nargs="+", default=None, metavar="TEXT",
-                   help="texts (or prompts) on the command line; default without --input: arithmetic problems "
-                        "with their answers")
-    d.add_argument("--compare", default=None, metavar="TRAIN:ROLLOUT",
-                   help="precisions of the two sides, each one of float32, bfloat16, float16, float64 (or fp32, "
-                        "bf16, fp16, fp64); default float32:bfloat16, or float32:float32 with --noise or "
-                        "--rollout_mantissa_bits")
-    d.add_argument("--noise", type=float, default=0.0, metavar="EPS",
-                   help="hard bound of an injected logit perturbation |delta| <= EPS on the rollout side "
-                        "(default: %(default)s)")
-    d.add_argument("--noise_kind", choices=NOISE_KINDS, default="uniform",
-                   help="uniform, clipped_gaussian, lift (deterministic: EPS*min(1,(z_max-z_i)/10), a heavier "
-                        "tail) or tail (EPS on exactly the tokens --rule cuts at the rollout's logits, 0 elsewhere) "
-                        "(default: %(default)s)")
-    d.add_argument("--rollout_mantissa_bits", type=int, default=None, metavar="K",
-                   help="the rollout side's weights rounded to K mantissa bits, 1-23 (7: bfloat16's, 10: "
-                        "float16's); default: not rounded")
+    d.add_argument(
+        "--prompts",
+        nargs="+",
+        default=None,
+        metavar="TEXT",
+        help="texts (or prompts) on the command line; default without --input: arithmetic problems with their answers",
+    )
+    d.add_argument(
+        "--compare",
+        default=None,
+        metavar="TRAIN:ROLLOUT",
+        help="precisions of the two sides, each one of float32, bfloat16, float16, float64 (or fp32, "
+        "bf16, fp16, fp64); default float32:bfloat16, or float32:float32 with --noise or "
+        "--rollout_mantissa_bits",
+    )
+    d.add_argument(
+        "--noise",
+        type=float,
+        default=0.0,
+        metavar="EPS",
+        help="hard bound of an injected logit perturbation |delta| <= EPS on the rollout side (default: %(default)s)",
+    )
+    d.add_argument(
+        "--noise_kind",
+        choices=NOISE_KINDS,
+        default="uniform",
+        help="uniform, clipped_gaussian, lift (deterministic: EPS*min(1,(z_max-z_i)/10), a heavier "
+        "tail) or tail (EPS on exactly the tokens --rule cuts at the rollout's logits, 0 elsewhere) "
+        "(default: %(default)s)",
+    )
+    d.add_argument(
+        "--rollout_mantissa_bits",
+        type=int,
+        default=None,
+        metavar="K",
+        help="the rollout side's weights rounded to K mantissa bits, 1-23 (7: bfloat16's, 10: "
+        "float16's); default: not rounded",
+    )
     d.add_argument("--seed", type=int, default=0, help="seed of the noise and of the sampling (default: %(default)s)")
-    d.add_argument("--eps", type=float, default=None,
-                   help="reference eps of frac_within_bound; default: --noise when it is the only mismatch, "
-                        "else the measured eps_max")
-    d.add_argument("--rule", default=DEFAULT_RULE,
-                   help="safe-vocabulary rule to analyse, 'none' to skip (default: %(default)s)")
-    d.add_argument("--temperature", type=float, default=1.0,
-                   help="temperature dividing the logits on both sides (default: %(default)s)")
-    d.add_argument("--buckets", type=float, nargs="+", default=list(DEFAULT_BUCKETS), metavar="EDGE",
-                   help="inner edges of the probability buckets, increasing in (0, 1) (default: %(default)s)")
-    d.add_argument("--max_new_tokens", type=int, default=0,
-                   help="> 0: treat the inputs as prompts and score this many sampled tokens per continuation "
-                        "(default: %(default)s)")
-    d.add_argument("--num_samples", type=int, default=1,
-                   help="continuations per prompt with --max_new_tokens (default: %(default)s)")
-    d.add_argument("--tail_prompts", type=int, default=64,
-                   help="tail diagnostic: prompts per source, task and free text (default: %(default)s)")
-    d.add_argument("--tail_new_tokens", type=int, default=16,
-                   help="tail diagnostic: sampled tokens per continuation (default: %(default)s)")
-    d.add_argument("--tail_prompt_tokens", type=int, default=64,
-                   help="tail diagnostic: prompts are cut to their first N tokens (default: %(default)s)")
-    d.add_argument("--tail_samples", type=int, default=4,
-                   help="tail diagnostic: continuations per prompt (default: %(default)s)")
+    d.add_argument(
+        "--eps",
+        type=float,
+        default=None,
+        help="reference eps of frac_within_bound; default: --noise when it is the only mismatch, "
+        "else the measured eps_max",
+    )
+    d.add_argument(
+        "--rule", default=DEFAULT_RULE, help="safe-vocabulary rule to analyse, 'none' to skip (default: %(default)s)"
+    )
+    d.add_argument(
+        "--temperature",
+        type=float,
+        default=1.0,
+        help="temperature dividing the logits on both sides (default: %(default)s)",
+    )
+    d.add_argument(
+        "--buckets",
+        type=float,
+        nargs="+",
+        default=list(DEFAULT_BUCKETS),
+        metavar="EDGE",
+        help="inner edges of the probability buckets, increasing in (0, 1) (default: %(default)s)",
+    )
+    d.add_argument(
+        "--max_new_tokens",
+        type=int,
+        default=0,
+        help="> 0: treat the inputs as prompts and score this many sampled tokens per continuation "
+        "(default: %(default)s)",
+    )
+    d.add_argument(
+        "--num_samples",
+        type=int,
+        default=1,
+        help="continuations per prompt with --max_new_tokens (default: %(default)s)",
+    )
+    d.add_argument(
+        "--tail_prompts",
+        type=int,
+        default=64,
+        help="tail diagnostic: prompts per source, task and free text (default: %(default)s)",
+    )
+    d.add_argument(
+        "--tail_new_tokens",
+        type=int,
+        default=16,
+        help="tail diagnostic: sampled tokens per continuation (default: %(default)s)",
+    )
+    d.add_argument(
+        "--tail_prompt_tokens",
+        type=int,
+        default=64,
+        help="tail diagnostic: prompts are cut to their first N tokens (default: %(default)s)",
+    )
+    d.add_argument(
+        "--tail_samples", type=int, default=4, help="tail diagnostic: continuations per prompt (default: %(default)s)"
+    )
     d.add_argument("--no_tail", action="store_true", help="skip the tail diagnostic")
     d.add_argument("--batch_size", type=int, default=16, help="texts per forward pass (default: %(default)s)")
-    d.add_argument("--max_length", type=int, default=512,
-                   help="truncate texts to this many tokens (default: %(default)s)")
+    d.add_argument(
+        "--max_length", type=int, default=512, help="truncate texts to this many tokens (default: %(default)s)"
+    )
     d.add_argument("--device", default=None, help="torch device; default: cuda when available, else cpu")
-    d.add_argument("--output_dir", default="safevocab-diagnose",
-                   help="where summary.json and the plots go (default: %(default)s)")
+    d.add_argument(
+        "--output_dir", default="safevocab-diagnose", help="where summary.json and the plots go (default: %(default)s)"
+    )
     d.add_argument("--no_plots", action="store_true", help="write summary.json only")
     d.add_argument("--quiet", action="store_true", help="no progress bar and no printed summary")
     return d
@@ -147,8 +213,10 @@ def _tail_sources(args: argparse.Namespace, task) -> tuple[dict[str, list[str]],
     n = args.tail_prompts
     free = _input_lines(args)[:n]
     sources = {"task": list(task.held_out_dataset(n)["prompt"]), "free_text": free or stdlib_texts(n)}
-    labels = {"task": f"{task.name} prompts",
-              "free_text": f"free text ({Path(args.input).name})" if free else "free text (stdlib docstrings)"}
+    labels = {
+        "task": f"{task.name} prompts",
+        "free_text": f"free text ({Path(args.input).name})" if free else "free text (stdlib docstrings)",
+    }
     return sources, labels
 
 
@@ -169,7 +237,9 @@ def _resolve_model(model: str | None) -> str:
     try:
         return str(tiny_model_path())
     except FileNotFoundError as err:
-        raise ValueError(f"no --model given and the bundled tiny model is not available ({err}): pass --model PATH")
+        raise ValueError(
+            f"no --model given and the bundled tiny model is not available ({err}): pass --model PATH"
+        ) from err
 
 
 def run_parsed(args: argparse.Namespace, prog: str = PROG) -> int:
@@ -193,8 +263,10 @@ def run_parsed(args: argparse.Namespace, prog: str = PROG) -> int:
         check_mantissa_bits(args.rollout_mantissa_bits, compare[1])
         rule = parse_rule(args.rule)
         if args.noise > 0 and args.noise_kind == "tail" and isinstance(rule, NoPruning):
-            raise ValueError("--noise_kind tail lifts the tokens --rule cuts, and --rule 'none' cuts nothing: "
-                             "accepted a rule that prunes, e.g. --rule min_p=0.01")
+            raise ValueError(
+                "--noise_kind tail lifts the tokens --rule cuts, and --rule 'none' cuts nothing: "
+                "accepted a rule that prunes, e.g. --rule min_p=0.01"
+            )
         task = load_task(args.task)
         model_path = _resolve_model(args.model or (None if is_tiny_model(task.model_path) else task.model_path))
         texts = _read_inputs(args, task)

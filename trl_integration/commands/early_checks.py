@@ -32,9 +32,16 @@ from collections.abc import Callable, Iterable
 
 from trl_integration.grpo.field_help import docstring_help
 
-
-__all__ = ["FieldSpec", "training_fields", "dataclass_fields", "option_strings", "value_kind", "converted",
-           "check_command_line", "check_yaml"]
+__all__ = [
+    "FieldSpec",
+    "training_fields",
+    "dataclass_fields",
+    "option_strings",
+    "value_kind",
+    "converted",
+    "check_command_line",
+    "check_yaml",
+]
 
 #: The classes ``SafeVocabGRPOConfig`` derives from, base first: (module, class, the base it must name).
 CONFIG_CHAIN = (

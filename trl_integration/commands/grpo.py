@@ -135,7 +135,9 @@ def make_parser(prog: str | None = PROG) -> TrlParser:
     # transformers deprecates a TrainingArguments field that trl's config sets itself: not the user's to act on.
     warnings.filterwarnings("ignore", message="`gradient_checkpointing` is deprecated", category=FutureWarning)
     parser = TrlParser(
-        (SafeVocabScriptArguments, SafeVocabGRPOConfig, ModelConfig, DatasetMixtureConfig), prog=prog, allow_abbrev=False
+        (SafeVocabScriptArguments, SafeVocabGRPOConfig, ModelConfig, DatasetMixtureConfig),
+        prog=prog,
+        allow_abbrev=False,
     )
     if not torch.cuda.is_available():
         parser.set_defaults(bf16=False)
@@ -337,8 +339,11 @@ def run(argv: list[str] | None = None):
         with _usage_errors(debug, f"--model {alias}: "):
             parser.set_defaults(**grpo_alias_defaults(alias))
     config = _config_path(argv)
-    with _usage_errors(debug, f"--config {config}: " if config else ""), _mixture_key_errors(), \
-            generation_batch_errors(argv, config, TINY_GRPO_DEFAULTS if bundled else None):
+    with (
+        _usage_errors(debug, f"--config {config}: " if config else ""),
+        _mixture_key_errors(),
+        generation_batch_errors(argv, config, TINY_GRPO_DEFAULTS if bundled else None),
+    ):
         script_args, training_args, model_args, dataset_args, config_leftover, cli_leftover = (
             parser.parse_args_and_config(args=argv, return_remaining_strings=True, separate_remaining_strings=True)
         )

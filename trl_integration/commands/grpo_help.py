@@ -47,8 +47,13 @@ def short_help(prog: str, description: str, safe_vocab: list[FieldSpec], specs: 
                defaults: dict, epilog: str) -> str:  # fmt: skip
     """The short help text: ``safe_vocab`` (the safe-vocabulary fields, in source order), then :data:`COMMON_FLAGS`
     (found in ``specs``, every flag's field), each with its default (``defaults`` first: the bundled job's)."""
-    parser = argparse.ArgumentParser(prog=prog, description=description, add_help=False, epilog=epilog,
-                                     usage=f"{prog} [--help | --help-all] [--config FILE.yaml] [--FLAG VALUE ...]")
+    parser = argparse.ArgumentParser(
+        prog=prog,
+        description=description,
+        add_help=False,
+        epilog=epilog,
+        usage=f"{prog} [--help | --help-all] [--config FILE.yaml] [--FLAG VALUE ...]",
+    )
     parser.add_argument("-h", "--help", action="store_true", help="this help (the flags a first run uses)")
     parser.add_argument("--help-all", action="store_true", help=f"every flag ({len(specs)}: trl's GRPOConfig, "
                         "transformers' TrainingArguments, trl's ModelConfig and ScriptArguments), as trl lists them")  # fmt: skip

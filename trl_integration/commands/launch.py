@@ -26,7 +26,16 @@ import subprocess
 import sys
 from collections.abc import Callable
 
-__all__ = ["LAUNCHED_ENV", "MODULE", "join_the_launchers_group", "check_joined", "launcher_flags", "accelerate_launch_takes", "launch", "running_under_launch"]
+__all__ = [
+    "LAUNCHED_ENV",
+    "MODULE",
+    "join_the_launchers_group",
+    "check_joined",
+    "launcher_flags",
+    "accelerate_launch_takes",
+    "launch",
+    "running_under_launch",
+]
 
 #: Set in the environment of the processes this command launches.
 LAUNCHED_ENV = "SAFEVOCAB_GRPO_LAUNCHED"
@@ -151,7 +160,9 @@ def launch(flags: list[str], training_argv: list[str], prog: str) -> int:
         raise ValueError(message)
 
     args = _launch_parser(refuse).parse_args([*flags, "-m", MODULE, *training_argv])
-    print(f"{prog}: accelerate launch {' '.join(flags)} -m {MODULE} {' '.join(training_argv)}".rstrip(), file=sys.stderr)
+    print(
+        f"{prog}: accelerate launch {' '.join(flags)} -m {MODULE} {' '.join(training_argv)}".rstrip(), file=sys.stderr
+    )
     import torch
 
     env = {LAUNCHED_ENV: "1"}

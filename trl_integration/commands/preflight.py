@@ -28,8 +28,15 @@ from __future__ import annotations
 import os
 import re
 
-__all__ = ["check_before_loading", "check_mixture", "accepted_loss_types", "loss_types_in", "check_resume_checkpoint",
-           "DATA_FILE_SUFFIXES", "DATASETS_BUILDERS"]
+__all__ = [
+    "check_before_loading",
+    "check_mixture",
+    "accepted_loss_types",
+    "loss_types_in",
+    "check_resume_checkpoint",
+    "DATA_FILE_SUFFIXES",
+    "DATASETS_BUILDERS",
+]
 
 #: Local data files ``safevocab-grpo`` loads with the matching ``datasets`` builder.
 DATA_FILE_SUFFIXES = (".json", ".jsonl", ".csv", ".parquet")
@@ -58,7 +65,11 @@ def _check_location(flag: str, value: str, what: str, builtin: tuple[str, ...] =
 
 
 def check_before_loading(
-    script_args, training_args, model_args, builtin_datasets: tuple[str, ...] = (), loss_types: tuple[str, ...] | None = None
+    script_args,
+    training_args,
+    model_args,
+    builtin_datasets: tuple[str, ...] = (),
+    loss_types: tuple[str, ...] | None = None,
 ) -> None:
     """Raise ``ValueError`` (one line naming the flag) for arguments that would fail only after the model loads.
 
@@ -90,7 +101,9 @@ def check_before_loading(
     if training_args.max_steps == -1 and not training_args.num_train_epochs > 0:
         raise ValueError(f"--num_train_epochs {training_args.num_train_epochs}: accepted > 0")
     _check_numbers(script_args, training_args)
-    _check_loss_type(training_args.loss_type, accepted_loss_types(type(training_args)) if loss_types is None else loss_types)
+    _check_loss_type(
+        training_args.loss_type, accepted_loss_types(type(training_args)) if loss_types is None else loss_types
+    )
     if model and os.path.isdir(os.path.expanduser(model)) and not _has_config(os.path.expanduser(model)):
         raise ValueError(
             f"--model_name_or_path {model!r}: the directory has no config.json: accepted a directory written by "
@@ -175,8 +188,11 @@ def _check_numbers(script_args, training_args) -> None:
     for flag in ("eval_num_prompts", "arithmetic_num_prompts", "synthetic_num_prompts"):
         value = getattr(script_args, flag, None)
         if value is not None and value < 0:
-            raise ValueError(f"--{flag} {value}: accepted an integer >= 0 (0 skips it)"
-                             if flag == "eval_num_prompts" else f"--{flag} {value}: accepted an integer > 0")
+            raise ValueError(
+                f"--{flag} {value}: accepted an integer >= 0 (0 skips it)"
+                if flag == "eval_num_prompts"
+                else f"--{flag} {value}: accepted an integer > 0"
+            )
 
 
 def _data_file_names(data_files) -> list[str]:
@@ -208,14 +224,21 @@ def check_mixture(dataset_args) -> None:
             if "://" not in name and not any(c in name for c in "*?[") and not os.path.exists(os.path.expanduser(name)):
                 raise ValueError(f"{where}.data_files {name!r}: no such file")
         if entry.path in DATASETS_BUILDERS and entry.data_files is None and entry.data_dir is None:
-            raise ValueError(f"{where}: path {entry.path!r} is a datasets builder: accepted with data_files or data_dir")
+            raise ValueError(
+                f"{where}: path {entry.path!r} is a datasets builder: accepted with data_files or data_dir"
+            )
     fractions = [entry.fraction for entry in entries]
     if any(f is not None for f in fractions):
         if any(f is None for f in fractions):
             unset = [i for i, f in enumerate(fractions) if f is None]
             raise ValueError(f"datasets[{unset[0]}].fraction is not set: accepted a fraction on every entry or on none")
         for i, fraction in enumerate(fractions):
-            if not (isinstance(fraction, (int, float)) and fraction > 0 and fraction == fraction and fraction != float("inf")):
+            if not (
+                isinstance(fraction, (int, float))
+                and fraction > 0
+                and fraction == fraction
+                and fraction != float("inf")
+            ):
                 raise ValueError(f"datasets[{i}].fraction {fraction!r}: accepted a finite number > 0")
         if dataset_args.streaming:
             raise ValueError("datasets: fraction with streaming: true is not accepted (trl's get_dataset cannot "

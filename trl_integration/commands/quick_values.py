@@ -124,8 +124,11 @@ def check_settings(settings: Settings, loss_types: tuple[str, ...], builtin_data
         check_resume_checkpoint(checkpoint, values.get("resume_allow_missing_state") is True)
     dataset = values.get("dataset_name")
     rewards = values.get("reward_funcs")
-    if not rewards and "reward_model_name_or_path" in values and values["reward_model_name_or_path"] is None and (
-        mixture or isinstance(dataset, str) and dataset not in builtin_datasets
+    if (
+        not rewards
+        and "reward_model_name_or_path" in values
+        and values["reward_model_name_or_path"] is None
+        and (mixture or isinstance(dataset, str) and dataset not in builtin_datasets)
     ):
         raise ValueError(REWARD_REQUIRED)
     _check_reward_names(rewards)

@@ -85,72 +85,156 @@ def make_parser(prog: str = PROG) -> argparse.ArgumentParser:
         "controlled training-inference mismatch, and write report.md, PNG plots and results.json. See "
         "docs/results.md.",
     )
-    p.add_argument("--task", default=d.task, metavar="SPEC",
-                   help="the task: 'arithmetic', 'freetext' or 'module:function' returning a StudyTask "
-                        "(default: %(default)s)")
-    p.add_argument("--arms", nargs="+", default=d.arms, choices=ARM_NAMES, metavar="ARM",
-                   help=f"arms to run, among {', '.join(ARM_NAMES)} (default: {' '.join(DEFAULT_ARMS)})")
-    p.add_argument("--seeds", nargs="+", type=int, default=d.seeds, metavar="SEED",
-                   help="seeds; each arm runs once per seed (default: %(default)s)")
+    p.add_argument(
+        "--task",
+        default=d.task,
+        metavar="SPEC",
+        help="the task: 'arithmetic', 'freetext' or 'module:function' returning a StudyTask (default: %(default)s)",
+    )
+    p.add_argument(
+        "--arms",
+        nargs="+",
+        default=d.arms,
+        choices=ARM_NAMES,
+        metavar="ARM",
+        help=f"arms to run, among {', '.join(ARM_NAMES)} (default: {' '.join(DEFAULT_ARMS)})",
+    )
+    p.add_argument(
+        "--seeds",
+        nargs="+",
+        type=int,
+        default=d.seeds,
+        metavar="SEED",
+        help="seeds; each arm runs once per seed (default: %(default)s)",
+    )
     p.add_argument("--steps", type=int, default=d.steps, help="optimizer steps per run (default: %(default)s)")
-    p.add_argument("--eval_every", type=int, default=d.eval_every,
-                   help="held-out evaluation every K steps, plus step 0 and the last (default: %(default)s)")
-    p.add_argument("--eval_num_prompts", type=int, default=d.eval_num_prompts,
-                   help="held-out prompts the task's metric scores (arithmetic: test-split problems, greedy; freetext: "
-                        "stdlib texts, sampled, 432 at most) (default: %(default)s)")
-    p.add_argument("--eval_steps", nargs="+", type=int, default=d.eval_steps, metavar="STEP",
-                   help="evaluate at exactly these steps (increasing, 0 = before training) instead of every "
-                        "--eval_every steps (default: the --eval_every schedule)")
-    p.add_argument("--eval_seeds", nargs="+", type=int, default=d.eval_seeds, metavar="SEED",
-                   help="draw the sampled held-out metric once per evaluation seed; the metric is their mean, each "
-                        "seed's value is kept (default: one draw with the task's own seed)")
-    p.add_argument("--eval_on_rule", action="store_true",
-                   help="also score the held-out metric on --dvp_rule's support (sampled under its min_p), every arm "
-                        "alike, at the same steps and seeds (default: the full distribution only)")
-    p.add_argument("--noise", type=float, default=d.noise, metavar="EPS",
-                   help="bound of the injected rollout logit noise, 0 for none (default: %(default)s)")
-    p.add_argument("--noise_kind", choices=NOISE_KINDS, default=d.noise_kind,
-                   help="uniform, clipped_gaussian, lift (deterministic: eps*min(1,(z_max-z_i)/10), a heavier "
-                        "tail) or tail (eps added to exactly the tokens --dvp_rule cuts at the rollout's logits, 0 "
-                        "elsewhere; in every arm) (default: %(default)s)")
-    p.add_argument("--rollout_dtype", choices=tuple(ROLLOUT_DTYPES), default=d.rollout_dtype,
-                   help="precision of the generate rollouts (default: %(default)s)")
-    p.add_argument("--rollout_mantissa_bits", type=int, default=d.rollout_mantissa_bits, metavar="K",
-                   help="rollouts sample with the current weights rounded to K mantissa bits, 1-23 (7: bfloat16's, "
-                        "10: float16's), a mismatch that follows the weights (default: not rounded)")
-    p.add_argument("--rollout_perturbation", default=d.rollout_perturbation, metavar="MODULE:FUNCTION",
-                   help="a factory function(seed) -> transformers LogitsProcessor applied to the rollouts' scores "
-                        "(default: none)")
-    p.add_argument("--sampler_rule", default=d.sampler_rule, metavar="RULE",
-                   help="every arm's rollouts sample with this rule (top_k/top_p/min_p, e.g. top_p=0.9 or min_p=0.05) "
-                        "and record their log-probabilities under it; the rule-none arms' trainer scores the full "
-                        "softmax, as stock trl does; the dvp arms compose it with --dvp_rule; the no_mismatch arms "
-                        "sample without it (default: the full distribution)")
+    p.add_argument(
+        "--eval_every",
+        type=int,
+        default=d.eval_every,
+        help="held-out evaluation every K steps, plus step 0 and the last (default: %(default)s)",
+    )
+    p.add_argument(
+        "--eval_num_prompts",
+        type=int,
+        default=d.eval_num_prompts,
+        help="held-out prompts the task's metric scores (arithmetic: test-split problems, greedy; freetext: "
+        "stdlib texts, sampled, 432 at most) (default: %(default)s)",
+    )
+    p.add_argument(
+        "--eval_steps",
+        nargs="+",
+        type=int,
+        default=d.eval_steps,
+        metavar="STEP",
+        help="evaluate at exactly these steps (increasing, 0 = before training) instead of every "
+        "--eval_every steps (default: the --eval_every schedule)",
+    )
+    p.add_argument(
+        "--eval_seeds",
+        nargs="+",
+        type=int,
+        default=d.eval_seeds,
+        metavar="SEED",
+        help="draw the sampled held-out metric once per evaluation seed; the metric is their mean, each "
+        "seed's value is kept (default: one draw with the task's own seed)",
+    )
+    p.add_argument(
+        "--eval_on_rule",
+        action="store_true",
+        help="also score the held-out metric on --dvp_rule's support (sampled under its min_p), every arm "
+        "alike, at the same steps and seeds (default: the full distribution only)",
+    )
+    p.add_argument(
+        "--noise",
+        type=float,
+        default=d.noise,
+        metavar="EPS",
+        help="bound of the injected rollout logit noise, 0 for none (default: %(default)s)",
+    )
+    p.add_argument(
+        "--noise_kind",
+        choices=NOISE_KINDS,
+        default=d.noise_kind,
+        help="uniform, clipped_gaussian, lift (deterministic: eps*min(1,(z_max-z_i)/10), a heavier "
+        "tail) or tail (eps added to exactly the tokens --dvp_rule cuts at the rollout's logits, 0 "
+        "elsewhere; in every arm) (default: %(default)s)",
+    )
+    p.add_argument(
+        "--rollout_dtype",
+        choices=tuple(ROLLOUT_DTYPES),
+        default=d.rollout_dtype,
+        help="precision of the generate rollouts (default: %(default)s)",
+    )
+    p.add_argument(
+        "--rollout_mantissa_bits",
+        type=int,
+        default=d.rollout_mantissa_bits,
+        metavar="K",
+        help="rollouts sample with the current weights rounded to K mantissa bits, 1-23 (7: bfloat16's, "
+        "10: float16's), a mismatch that follows the weights (default: not rounded)",
+    )
+    p.add_argument(
+        "--rollout_perturbation",
+        default=d.rollout_perturbation,
+        metavar="MODULE:FUNCTION",
+        help="a factory function(seed) -> transformers LogitsProcessor applied to the rollouts' scores (default: none)",
+    )
+    p.add_argument(
+        "--sampler_rule",
+        default=d.sampler_rule,
+        metavar="RULE",
+        help="every arm's rollouts sample with this rule (top_k/top_p/min_p, e.g. top_p=0.9 or min_p=0.05) "
+        "and record their log-probabilities under it; the rule-none arms' trainer scores the full "
+        "softmax, as stock trl does; the dvp arms compose it with --dvp_rule; the no_mismatch arms "
+        "sample without it (default: the full distribution)",
+    )
     p.add_argument("--dvp_rule", default=d.dvp_rule, help="safe-vocabulary rule of the dvp arms (default: %(default)s)")
     p.add_argument("--mis_mode", choices=MIS_MODES, default=d.mis_mode, help="mis arm's mode (default: %(default)s)")
-    p.add_argument("--is_clip_min", type=float, default=d.is_clip_min,
-                   help="mis: ratios below are masked (default: %(default)s)")
-    p.add_argument("--is_clip_max", type=float, default=d.is_clip_max,
-                   help="tis: truncation; mis: ratios above are masked (default: %(default)s)")
+    p.add_argument(
+        "--is_clip_min", type=float, default=d.is_clip_min, help="mis: ratios below are masked (default: %(default)s)"
+    )
+    p.add_argument(
+        "--is_clip_max",
+        type=float,
+        default=d.is_clip_max,
+        help="tis: truncation; mis: ratios above are masked (default: %(default)s)",
+    )
     p.add_argument("--learning_rate", type=float, default=d.learning_rate, help="(default: %(default)s)")
-    p.add_argument("--lr_scheduler_type", default=d.lr_scheduler_type,
-                   help="Trainer LR schedule of every arm; dvp_length_decay multiplies it by the length-decay factor "
-                        "(default: %(default)s)")
+    p.add_argument(
+        "--lr_scheduler_type",
+        default=d.lr_scheduler_type,
+        help="Trainer LR schedule of every arm; dvp_length_decay multiplies it by the length-decay factor "
+        "(default: %(default)s)",
+    )
     p.add_argument("--num_prompts_per_step", type=int, default=d.num_prompts_per_step, help="(default: %(default)s)")
     p.add_argument("--num_generations", type=int, default=d.num_generations, help="(default: %(default)s)")
-    p.add_argument("--max_completion_length", type=int, default=d.max_completion_length,
-                   help="(default: the task's, else 8)")
+    p.add_argument(
+        "--max_completion_length", type=int, default=d.max_completion_length, help="(default: the task's, else 8)"
+    )
     p.add_argument("--train_num_prompts", type=int, default=d.train_num_prompts, help="(default: %(default)s)")
-    p.add_argument("--model", default=None, help="model folder (default: the task's; arithmetic: the bundled tiny "
-                                                 "model)")
-    p.add_argument("--smooth", type=int, default=d.smooth,
-                   help="moving-average window of the per-step plots (default: %(default)s)")
-    p.add_argument("--threads", type=int, default=d.threads,
-                   help="torch threads during the study; 1 is fastest for the tiny model (default: %(default)s)")
+    p.add_argument(
+        "--model", default=None, help="model folder (default: the task's; arithmetic: the bundled tiny model)"
+    )
+    p.add_argument(
+        "--smooth",
+        type=int,
+        default=d.smooth,
+        help="moving-average window of the per-step plots (default: %(default)s)",
+    )
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=d.threads,
+        help="torch threads during the study; 1 is fastest for the tiny model (default: %(default)s)",
+    )
     p.add_argument("--output_dir", default=d.output_dir, help="report folder (default: %(default)s)")
-    p.add_argument("--resume", action="store_true",
-                   help="keep the finished runs of --output_dir's results.json and train only the others (refused "
-                        "when a setting differs; --arms and --seeds may add arms and seeds)")
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="keep the finished runs of --output_dir's results.json and train only the others (refused "
+        "when a setting differs; --arms and --seeds may add arms and seeds)",
+    )
     p.add_argument("--no_plots", action="store_true", help="write report.md and results.json only")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     return p
@@ -176,8 +260,9 @@ def run_parsed(args: argparse.Namespace, command: str | None = None, prog: str =
         if settings.rollout_perturbation is not None:
             load_callable(settings.rollout_perturbation, "--rollout_perturbation")
         # the spec, not the loaded task, so that results.json records what --task said
-        results = run_study(settings, command=command, progress=not args.quiet, plots=not args.no_plots,
-                            resume=args.resume)  # a resumed study refuses other settings before any training
+        results = run_study(
+            settings, command=command, progress=not args.quiet, plots=not args.no_plots, resume=args.resume
+        )  # a resumed study refuses other settings before any training
     except (ValueError, FileNotFoundError) as err:
         return fail(prog, str(err))
     summ = results["summary"]
@@ -186,11 +271,16 @@ def run_parsed(args: argparse.Namespace, command: str | None = None, prog: str =
     print(f"{prog}: wrote {Path(settings.output_dir) / 'report.md'} ({results['wall_time_s']:.0f} s{resumed})")
     for arm in results["arms"]:
         e = summ[arm]
-        print(f"  {arm:<18} runs ok {format_status(e):<12} held-out {metric}: final {format_stat(e['final_metric'])}  "
-              f"late {format_stat(e['late_metric'])}  best {format_stat(e['best_metric'])};  training reward, last "
-              f"steps {format_stat(e['final_reward'])}"
-              + (f";  on the rule's support: late {format_stat(e['late_metric_rule'])}"
-                 if e["late_metric_rule"]["n"] else ""))
+        print(
+            f"  {arm:<18} runs ok {format_status(e):<12} held-out {metric}: final {format_stat(e['final_metric'])}  "
+            f"late {format_stat(e['late_metric'])}  best {format_stat(e['best_metric'])};  training reward, last "
+            f"steps {format_stat(e['final_reward'])}"
+            + (
+                f";  on the rule's support: late {format_stat(e['late_metric_rule'])}"
+                if e["late_metric_rule"]["n"]
+                else ""
+            )
+        )
     failed = sum(len(summ[a]["failed"]) for a in results["arms"])
     return 1 if failed else 0
 

@@ -111,9 +111,15 @@ def print_run_summary(trainer, accuracy_before: float | None = None, accuracy_af
     rows = [
         ("steps", fmt(summary["steps"])),
         ("train time (s)", fmt(summary["train_runtime_s"])),
-        ("safe-vocabulary rule", (summary["rule"] if summary["effective_rule"] == summary["rule"]
-         else f"{summary['effective_rule']} (--safe_vocab_rule {summary['rule']} with the sampler's own)")
-         + (order or " (no pruning: the full vocabulary)")),
+        (
+            "safe-vocabulary rule",
+            (
+                summary["rule"]
+                if summary["effective_rule"] == summary["rule"]
+                else f"{summary['effective_rule']} (--safe_vocab_rule {summary['rule']} with the sampler's own)"
+            )
+            + (order or " (no pruning: the full vocabulary)"),
+        ),
         _reward_row(summary, fmt),
     ]
     if summary["length_decay"] is not None:

@@ -48,7 +48,9 @@ def make_chat_dataset(n: int, seed: int = 0, split: str = "train", **options: An
     """
     from datasets import Dataset
 
-    rows = sample_problems(n, random.Random(f"arithmetic-chat-{split}-{seed}"), split, **{**CHAT_TASK_OPTIONS, **options})
+    rows = sample_problems(
+        n, random.Random(f"arithmetic-chat-{split}-{seed}"), split, **{**CHAT_TASK_OPTIONS, **options}
+    )
     return Dataset.from_dict({"prompt": [chat_messages(p) for p, _ in rows], "answer": [a for _, a in rows]})
 
 

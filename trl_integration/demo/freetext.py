@@ -163,8 +163,10 @@ def load_task_texts(folder: Path | None = None) -> dict[str, tuple[str, ...]]:
     """The task's texts ``{"held_out": (...), "train": (...)}`` (default: the bundled testbed's)."""
     path = Path(TESTBED_DIR if folder is None else folder) / TASK_TEXTS_FILE
     if not path.is_file():
-        raise FileNotFoundError(f"the free-text task's texts are missing: {path} (rebuild with "
-                                "`python scripts/train_testbed_model.py`; see docs/testbed.md)")
+        raise FileNotFoundError(
+            f"the free-text task's texts are missing: {path} (rebuild with "
+            "`python scripts/train_testbed_model.py`; see docs/testbed.md)"
+        )
     data = json.loads(gzip.decompress(path.read_bytes()).decode("utf-8"))
     return {"held_out": tuple(data["held_out"]), "train": tuple(data["train"])}
 
@@ -239,8 +241,11 @@ def held_out_reward(
     was_training = model.training
     model.eval()
     rng_state = torch.random.get_rng_state()
-    sampling = dict(do_sample=True, temperature=1.0, top_k=None, top_p=None, min_p=min_p) if do_sample else dict(
-        do_sample=False)
+    sampling = (
+        dict(do_sample=True, temperature=1.0, top_k=None, top_p=None, min_p=min_p)
+        if do_sample
+        else dict(do_sample=False)
+    )
     total = 0.0
     try:
         torch.manual_seed(seed)
@@ -248,8 +253,13 @@ def held_out_reward(
             for start in range(0, len(prompts), batch_size):
                 batch = prompts[start : start + batch_size]
                 enc = tokenizer(batch, return_tensors="pt", padding=True, padding_side="left").to(device)
-                out = model.generate(**enc, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id,
-                                     eos_token_id=tokenizer.eos_token_id, **sampling)
+                out = model.generate(
+                    **enc,
+                    max_new_tokens=max_new_tokens,
+                    pad_token_id=tokenizer.pad_token_id,
+                    eos_token_id=tokenizer.eos_token_id,
+                    **sampling,
+                )
                 texts = tokenizer.batch_decode(out[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
                 total += sum(freetext_reward(batch, texts, references[start : start + batch_size]))
     finally:

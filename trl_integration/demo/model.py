@@ -43,7 +43,10 @@ def tiny_model_path() -> Path:
             did not ship the package data); the message says how to rebuild it.
     """
     return bundled_folder(
-        TINY_MODEL_DIR, TINY_MODEL_FILES, "tiny model", "`python scripts/train_tiny_model.py` (about 10 minutes on a CPU; see docs/tiny_model.md)"
+        TINY_MODEL_DIR,
+        TINY_MODEL_FILES,
+        "tiny model",
+        "`python scripts/train_tiny_model.py` (about 10 minutes on a CPU; see docs/tiny_model.md)",
     )
 
 

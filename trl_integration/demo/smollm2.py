@@ -78,7 +78,9 @@ def smollm2_gguf_path() -> Path:
 
 def _check_gguf_package() -> None:
     if importlib.util.find_spec("gguf") is None:
-        raise RealModelError(f"the package gguf is not installed (transformers reads GGUF files with it): {INSTALL_HINT}")
+        raise RealModelError(
+            f"the package gguf is not installed (transformers reads GGUF files with it): {INSTALL_HINT}"
+        )
 
 
 def _is_complete(folder: Path) -> bool:

@@ -45,7 +45,10 @@ def testbed_model_path() -> Path:
             not ship the package data); the message says how to rebuild it.
     """
     return bundled_folder(
-        TESTBED_DIR, TESTBED_MODEL_FILES, "testbed model", "`python scripts/train_testbed_model.py` (about 12 minutes on 2 CPU cores; see docs/testbed.md)"
+        TESTBED_DIR,
+        TESTBED_MODEL_FILES,
+        "testbed model",
+        "`python scripts/train_testbed_model.py` (about 12 minutes on 2 CPU cores; see docs/testbed.md)",
     )
 
 

@@ -71,8 +71,8 @@ from transformers.utils import (
     WEIGHTS_NAME,
 )
 
-from trl_integration.grpo.length_decay import uses_detector
 from trl_integration.grpo.disk_full import no_space_error
+from trl_integration.grpo.length_decay import uses_detector
 from trl_integration.grpo.resume_settings import (
     check_settings,
     checkpoint_step,
@@ -171,7 +171,7 @@ def save_staged(trainer, model, trial) -> None:
     except (OSError, RuntimeError) as error:
         full = no_space_error(error, name, staging)  # the space left measured before the clean-up
         shutil.rmtree(staging, ignore_errors=True)  # nothing half-written stays behind
-        raise full or error
+        raise full or error  # noqa: B904 (the caught error itself, or its one-line ENOSPC form)
     trainer.accelerator.wait_for_everyone()  # every process has written its files (rng_state_<r>.pth, shards)
     if args.should_save:
         _settle_best_checkpoint(trainer, run_dir, os.path.join(staging, name))
@@ -197,7 +197,7 @@ def save_in_place(trainer, model, trial) -> None:
         if trainer.args.should_save and os.path.isdir(folder):
             write_settings(trainer, folder)
     except (OSError, RuntimeError) as error:
-        raise no_space_error(error, name, folder, removed=False) or error
+        raise no_space_error(error, name, folder, removed=False) or error  # noqa: B904 (as above)
 
 
 def publish(staged: str, final: str) -> None:
@@ -339,7 +339,7 @@ def find_resume_checkpoint(run_dir: str | os.PathLike) -> tuple[str | None, list
         for e in entries
         if e.is_dir() and e.name.startswith((STAGING_PREFIX, REPLACED_PREFIX))
     ]
-    steps = sorted(((int(m.group(1)), e.path) for e in entries if (m := _CHECKPOINT.match(e.name)) and e.is_dir()))
+    steps = sorted((int(m.group(1)), e.path) for e in entries if (m := _CHECKPOINT.match(e.name)) and e.is_dir())
     for _, path in reversed(steps):
         problem = checkpoint_problem(path)
         if problem is None:

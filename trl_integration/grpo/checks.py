@@ -116,7 +116,9 @@ def check_safe_vocab_fields(config) -> None:
     one_of("safe_vocab_scoring", config.safe_vocab_scoring, STRING_CHOICES["safe_vocab_scoring"])
     one_of("safe_vocab_support", config.safe_vocab_support, STRING_CHOICES["safe_vocab_support"])
     config.safe_vocab_out_of_set_warn_frac = real(
-        "safe_vocab_out_of_set_warn_frac", config.safe_vocab_out_of_set_warn_frac, lambda x: 0.0 <= x <= 1.0,
+        "safe_vocab_out_of_set_warn_frac",
+        config.safe_vocab_out_of_set_warn_frac,
+        lambda x: 0.0 <= x <= 1.0,
         "a number in [0, 1] (1: never warn)",
     )
     one_of("safe_vocab_empty_step", config.safe_vocab_empty_step, STRING_CHOICES["safe_vocab_empty_step"])

@@ -95,7 +95,9 @@ class SafeHeadState:
             return None
         taken = self.supports[self._cursor : self._cursor + batch]
         if len(taken) != batch:
-            raise RuntimeError(f"the head scores {batch} more sequences than the {len(self.supports)} replayed supports")
+            raise RuntimeError(
+                f"the head scores {batch} more sequences than the {len(self.supports)} replayed supports"
+            )
         self._cursor += batch
         return taken
 

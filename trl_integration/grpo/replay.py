@@ -66,7 +66,9 @@ def per_sequence_supports(sampling_mask: Sequence, completion_ids: Sequence[Sequ
         completion_ids: the completions' token ids (the masks must have one row per token).
     """
     if isinstance(sampling_mask, (str, bytes)) or not isinstance(sampling_mask, Sequence):
-        raise TypeError(f"sampling_mask must be a list with one entry per completion, got {type(sampling_mask).__name__}")
+        raise TypeError(
+            f"sampling_mask must be a list with one entry per completion, got {type(sampling_mask).__name__}"
+        )
     if len(sampling_mask) != len(completion_ids):
         raise ValueError(
             f"sampling_mask has {len(sampling_mask)} entries for {len(completion_ids)} completions: accepted one per completion"
@@ -95,7 +97,9 @@ def select_support(supports: Sequence[SafeSupport], scored: torch.Tensor) -> Saf
         when it has ``num_rows`` scored positions (its completion tokens), none when it has none.
     """
     if scored.shape[0] != len(supports):
-        raise ValueError(f"the head scores {scored.shape[0]} sequences but {len(supports)} replayed supports were given")
+        raise ValueError(
+            f"the head scores {scored.shape[0]} sequences but {len(supports)} replayed supports were given"
+        )
     counts = scored.sum(dim=1).tolist()
     token_ids, sizes = [], []
     for i, (support, n) in enumerate(zip(supports, counts)):
@@ -110,7 +114,9 @@ def select_support(supports: Sequence[SafeSupport], scored: torch.Tensor) -> Saf
         sizes.append(support.sizes)
     device = scored.device
     if not sizes:
-        return SafeSupport(torch.zeros(0, dtype=torch.long, device=device), torch.zeros(1, dtype=torch.long, device=device))
+        return SafeSupport(
+            torch.zeros(0, dtype=torch.long, device=device), torch.zeros(1, dtype=torch.long, device=device)
+        )
     offsets = torch.cat([torch.zeros(1, dtype=torch.long), torch.cat(sizes).cpu().cumsum(0)])
     return SafeSupport(torch.cat(token_ids).to(device), offsets.to(device))
 

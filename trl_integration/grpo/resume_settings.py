@@ -211,17 +211,24 @@ def weights_problem(model: torch.nn.Module, folder: str | os.PathLike) -> str | 
     expected = {name: tuple(tensor.shape) for name, tensor in state.items()}
     present_storage = {_storage(state[name]) for name in expected.keys() & shapes.keys()}
     ignored = set(getattr(model, "_keys_to_ignore_on_save", None) or ())
-    missing = [name for name in expected if name not in shapes and name not in ignored
-               and _storage(state[name]) not in present_storage]  # fmt: skip  (a tied copy need not be stored)
+    missing = [
+        name
+        for name in expected
+        if name not in shapes and name not in ignored and _storage(state[name]) not in present_storage
+    ]  # fmt: skip  (a tied copy need not be stored)
     unexpected = [name for name in shapes if name not in expected]
     reshaped = [name for name in shapes if name in expected and shapes[name] != expected[name]]
     if not (missing or unexpected or reshaped):
         return None
     parts = []
     if missing:
-        parts.append(f"{len(missing)} of the model's tensors missing (first {missing[0]!r} {_shape(expected[missing[0]])})")
+        parts.append(
+            f"{len(missing)} of the model's tensors missing (first {missing[0]!r} {_shape(expected[missing[0]])})"
+        )
     if unexpected:
-        parts.append(f"{len(unexpected)} unknown to the model (first {unexpected[0]!r} {_shape(shapes[unexpected[0]])})")
+        parts.append(
+            f"{len(unexpected)} unknown to the model (first {unexpected[0]!r} {_shape(shapes[unexpected[0]])})"
+        )
     if reshaped:
         name = reshaped[0]
         parts.append(f"{len(reshaped)} of another shape (first {name!r}: {_shape(shapes[name])} in the file, "
@@ -252,7 +259,9 @@ def _changed(stored: dict, current: dict) -> list[tuple[str, Any, Any]]:
         if name == "max_steps" and constant:
             continue  # the constant schedule does not depend on it
         old = stored[name]
-        if old != new and not (isinstance(old, (int, float)) and isinstance(new, (int, float)) and float(old) == float(new)):
+        if old != new and not (
+            isinstance(old, (int, float)) and isinstance(new, (int, float)) and float(old) == float(new)
+        ):
             changes.append((name, old, new))
     return changes
 
@@ -297,7 +306,9 @@ def check_settings(trainer, checkpoint: str, global_step: int) -> ResumedLearnin
         how = (" (honoured: the schedule is rebuilt from this run's settings at the checkpoint's step, and a new "
                "learning_rate scales the restored LRs)") if honoured else ""  # fmt: skip
         note = f"; {ALLOW_FIELD} accepts {[c[0] for c in accepted]}" if accepted else ""
-        warnings.warn(f"resuming from {checkpoint} with changed settings: {listed}{how}{note}", UserWarning, stacklevel=4)
+        warnings.warn(
+            f"resuming from {checkpoint} with changed settings: {listed}{how}{note}", UserWarning, stacklevel=4
+        )
     old_lr = next((old for name, old, _ in honoured if name == "learning_rate"), None)
     # transformers restores the optimizer and the schedule only together (optimizer.pt or FSDP's optimizer*)
     restored = Path(checkpoint, SCHEDULER_NAME).is_file() and any(Path(checkpoint).glob("optimizer*"))

@@ -79,7 +79,7 @@ def _is_async(func: Callable) -> bool:
     object whose ``__call__`` is ``async`` (the forms trl recognises)."""
     while isinstance(func, functools.partial):
         func = func.func
-    return inspect.iscoroutinefunction(func) or inspect.iscoroutinefunction(getattr(func, "__call__", None))
+    return inspect.iscoroutinefunction(func) or inspect.iscoroutinefunction(getattr(func, "__call__", None))  # noqa: B004 (its method)
 
 
 def _short(value: object) -> str:

@@ -63,7 +63,6 @@ _REMOVED_KEYS = ("abs_logp_diff_mean", "abs_logp_diff_max", "k3_kl", "log_ppl_ab
 COUNT_NORMALISED_LOSSES = ("dapo", "cispo", "vespo")
 
 
-
 @dataclass
 class SafeTokenStats:
     """Per-token safe-set statistics of one scoring pass, each ``[B, T]`` (completion positions).
@@ -95,6 +94,7 @@ class SafeTokenStats:
     def from_head_outputs(cls, outputs: list, logits_to_keep: int) -> SafeTokenStats:
         """The completion positions (last ``logits_to_keep``) of the safe head's outputs of one scoring call, one per
         chunk of rows (``SafeCausalLMOutput``-like objects with ``in_safe``, ``log_kept_mass``, ``safe_size``)."""
+
         def cat(name: str) -> torch.Tensor | None:
             parts = [getattr(o, name, None) for o in outputs]
             return None if any(p is None for p in parts) else torch.cat([p[:, -logits_to_keep:] for p in parts])
@@ -326,7 +326,9 @@ def safe_vocabulary_step(
     # 3. Metrics.
     metric_inputs = None
     if measure:
-        metric_inputs = StepMetricInputs(stats, masks, train_logps, rollout_logps, ratio, settings, measured_rollout_logps)
+        metric_inputs = StepMetricInputs(
+            stats, masks, train_logps, rollout_logps, ratio, settings, measured_rollout_logps
+        )
 
     record = {
         "train_logps": train_logps.detach(),
@@ -386,4 +388,3 @@ def concat_records(records: list[dict]) -> dict:
     return {
         key: None if records[0][key] is None else torch.cat([record[key] for record in records]) for key in records[0]
     }
-

@@ -26,7 +26,6 @@ from trl_integration._private import (
 )
 from trl_integration.grpo.batch import BatchSettings, GenerationBatch
 from trl_integration.grpo.checkpoints import AtomicCheckpoints
-from trl_integration.grpo.trainer_checks import check_built_trainer, check_tokenizer
 from trl_integration.grpo.config import SafeVocabGRPOConfig
 from trl_integration.grpo.console_log import quiet_console
 from trl_integration.grpo.head import SafeHeadState, add_safe_lm_head
@@ -37,6 +36,7 @@ from trl_integration.grpo.replay import SupportReplay
 from trl_integration.grpo.rewards import check_reward_funcs
 from trl_integration.grpo.step import ROLLOUT_LOGPROBS_FRAC, SafeTokenStats
 from trl_integration.grpo.threads import TrainerThreads
+from trl_integration.grpo.trainer_checks import check_built_trainer, check_tokenizer
 from trl_integration.grpo.vllm_engine import (
     check_engine_settings,
     colocated_engine_dtype,
@@ -173,12 +173,10 @@ class SafeVocabGRPOTrainer(QueuedMetrics, AtomicCheckpoints, GRPOTrainerBridge):
         # Before the recorder: it records the perturbed distribution (and the rounded weights' one).
         processors = self.rollout_mismatch.processors(self.generation_config.temperature)
         target = self.accelerator.unwrap_model(self.model_wrapped)
-        with self.rollout_mismatch.weights(target), recording_generate(
-            target, recorder, self._rollout_dtype, processors
-        ):
-            completion_ids, logprobs = self.stock_generate_turn(
-                prompt_ids, images, multimodal_fields, num_generations, has_tool_images
-            )
+        generating = recording_generate(target, recorder, self._rollout_dtype, processors)
+        with self.rollout_mismatch.weights(target), generating:
+            turn = (prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
+            completion_ids, logprobs = self.stock_generate_turn(*turn)
         if recorder is not None and recorder.failure is not None:
             fallback = recorder.failure
         if fallback is not None and self._rollout_logprobs_fallback is None:  # one warning per run
@@ -250,6 +248,7 @@ class SafeVocabGRPOTrainer(QueuedMetrics, AtomicCheckpoints, GRPOTrainerBridge):
                 **kwargs) -> tuple[tuple, SafeTokenStats]:  # fmt: skip
         """``((logps, entropies, aux_loss), stats)``: trl's scoring over the safe head (or trl's own head, rule
         ``"none"``) and the per-token safe-set statistics of the call."""
+
         def stock():
             return self.stock_score_completion_tokens(
                 model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size,

@@ -25,7 +25,6 @@ from typing import Any
 
 import torch
 
-
 __all__ = ["check_tokenizer", "check_chat_template", "first_example", "check_train_dataset", "check_zero3_rollout_dtype",
            "check_built_trainer"]  # fmt: skip
 

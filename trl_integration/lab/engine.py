@@ -88,8 +88,9 @@ def _forward_logits(model, ids: torch.Tensor, attn: torch.Tensor) -> torch.Tenso
         return model(input_ids=ids, attention_mask=attn, position_ids=pos).logits
 
 
-def _sample(model, tokenizer, prompts, *, max_new_tokens, num_samples, temperature, noise, noise_kind, noise_rule,
-            seed, device):
+def _sample(
+    model, tokenizer, prompts, *, max_new_tokens, num_samples, temperature, noise, noise_kind, noise_rule, seed, device
+):
     """Sample continuations on the rollout side; returns ``(ids, attn, counted)`` with ``counted`` marking the
     sampled tokens as targets (``[B, L-1]``, aligned with ``ids[:, 1:]``)."""
     from transformers import LogitsProcessorList
@@ -223,13 +224,25 @@ def run_diagnose(
         chunk_texts = list(texts[start:stop])
         if max_new_tokens > 0:
             ids, attn, counted = _sample(
-                model_b, tokenizer, chunk_texts, max_new_tokens=max_new_tokens, num_samples=num_samples,
-                temperature=temperature, noise=noise, noise_kind=noise_kind, noise_rule=noise_rule, seed=seed + start,
+                model_b,
+                tokenizer,
+                chunk_texts,
+                max_new_tokens=max_new_tokens,
+                num_samples=num_samples,
+                temperature=temperature,
+                noise=noise,
+                noise_kind=noise_kind,
+                noise_rule=noise_rule,
+                seed=seed + start,
                 device=device,
             )
         else:
             enc = tokenizer(
-                chunk_texts, return_tensors="pt", padding=True, padding_side="right", truncation=True,
+                chunk_texts,
+                return_tensors="pt",
+                padding=True,
+                padding_side="right",
+                truncation=True,
                 max_length=max_length,
             ).to(device)
             ids, attn = enc["input_ids"], enc["attention_mask"]
@@ -352,8 +365,14 @@ def run_diagnose(
         "buckets": bucket_rows,
         "rule": None,
     }
-    tokens = {"p": p, "train_logp": train_logp, "rollout_logp": rollout_logp, "log_r": log_r, "eps_t": eps_t,
-              "bound": bound}
+    tokens = {
+        "p": p,
+        "train_logp": train_logp,
+        "rollout_logp": rollout_logp,
+        "log_r": log_r,
+        "eps_t": eps_t,
+        "bound": bound,
+    }
     if use_rule:
         kept, same = tok["kept"], tok["same_set"]
         pruned = tok["pruned_log_r"]
@@ -373,9 +392,7 @@ def run_diagnose(
             "abs_diff_mean_dropped": _mean(log_r.abs(), ~kept),
             "abs_diff_max_kept_pruned": _max(pruned.abs(), kept),
             "shrink_vs_all": _ratio(_mean(pruned.abs(), kept), float(log_r.abs().mean())),
-            "frac_within_pruned_bound": _mean(
-                (pruned.abs() <= pruned_bound + BOUND_TOLERANCE).double(), both
-            ),
+            "frac_within_pruned_bound": _mean((pruned.abs() <= pruned_bound + BOUND_TOLERANCE).double(), both),
             "k3_share_outside": _ratio(float(k3_all[~tok["train_in_set"]].sum()), k3_total),
             "k3_removable": _ratio(k3_total - float(k3_terms(pruned[kept]).sum()), k3_total),
             "bucket_abs_diff_mean_kept_pruned": [
@@ -406,4 +423,3 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
-

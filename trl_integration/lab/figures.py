@@ -47,14 +47,23 @@ def plot_tail_mismatch(summary: dict, path: Path) -> None:
         label = f"{tail.get('labels', {}).get(source, SOURCE_LABELS.get(source, source))} ({data['n_tokens']} tokens)"
         ax.bar(x + offset, mean, width, yerr=err, capsize=3, label=label, color=f"C{i}", alpha=0.85)
         for xi, r in zip(x, rows):
-            ax.annotate(f"n={r['n']}", (xi + offset, 0.0), xytext=(0, -11 if (r["signed_mean"] or 0) >= 0 else 4),
-                        textcoords="offset points", ha="center", fontsize=6)
+            ax.annotate(
+                f"n={r['n']}",
+                (xi + offset, 0.0),
+                xytext=(0, -11 if (r["signed_mean"] or 0) >= 0 else 4),
+                textcoords="offset points",
+                ha="center",
+                fontsize=6,
+            )
     ax.axhline(0.0, color="black", lw=0.8)
     ax.set_xticks(x, names, rotation=15, fontsize=8)
     ax.set_xlabel("bucket of training probability p = π(y) of the sampled token")
     ax.set_ylabel("mean log μ(y) − log π(y)  (nats)")
-    ax.set_title(f"tail mismatch on sampled tokens: {mismatch_source(summary)}\n(> 0: the rollout over-samples "
-                 "these tokens; bars ± 1 standard error)", fontsize=9)
+    ax.set_title(
+        f"tail mismatch on sampled tokens: {mismatch_source(summary)}\n(> 0: the rollout over-samples "
+        "these tokens; bars ± 1 standard error)",
+        fontsize=9,
+    )
     ax.legend(fontsize=8, loc="best")
     ax.grid(True, axis="y", alpha=0.3)
     fig.tight_layout()
@@ -93,23 +102,51 @@ def plot_mismatch_vs_p(result: DiagnoseResult, path: Path, max_points: int) -> N
     nonzero = gap > 0
     floor = float(gap[nonzero].min()) / 10 if nonzero.any() else 1e-12
     fig, ax = plt.subplots(figsize=(6.4, 4.4), dpi=110)
-    ax.scatter(p[nonzero], gap[nonzero], s=4, alpha=0.35, color="tab:blue",
-               label=f"|log π − log μ| per token ({int(nonzero.sum())} shown)")
+    ax.scatter(
+        p[nonzero],
+        gap[nonzero],
+        s=4,
+        alpha=0.35,
+        color="tab:blue",
+        label=f"|log π − log μ| per token ({int(nonzero.sum())} shown)",
+    )
     if (~nonzero).any():
-        ax.scatter(p[~nonzero], np.full((~nonzero).sum(), floor), s=4, alpha=0.35,
-                   color="tab:gray", marker="v", label=f"exactly 0 ({int((~nonzero).sum())}, drawn at the floor)")
+        ax.scatter(
+            p[~nonzero],
+            np.full((~nonzero).sum(), floor),
+            s=4,
+            alpha=0.35,
+            color="tab:gray",
+            marker="v",
+            label=f"exactly 0 ({int((~nonzero).sum())}, drawn at the floor)",
+        )
     p_lo = max(min(float(p.min()), 1e-3) / 3, 1e-9)
     p_hi = 1 - max(min(1 - float(p.max()), 1e-3) / 3, 1e-9)
     grid = 1.0 / (1.0 + np.exp(-np.linspace(math.log(p_lo / (1 - p_lo)), math.log(p_hi / (1 - p_hi)), 400)))
     eps = s["eps_ref"]
     curve = logprob_mismatch_bound(torch.tensor(grid), torch.tensor(eps, dtype=torch.float64)).numpy()
-    ax.plot(grid, np.maximum(curve, floor / 10), color="tab:red", lw=2,
-            label=f"bound log(p + (1 − p)·exp(2ε)), ε = {eps:.3g}")
+    ax.plot(
+        grid,
+        np.maximum(curve, floor / 10),
+        color="tab:red",
+        lw=2,
+        label=f"bound log(p + (1 − p)·exp(2ε)), ε = {eps:.3g}",
+    )
     ax.set_xscale("logit")
-    ticks = [t for t in (1e-8, 1e-6, 1e-4, 1e-2, 0.5, 1 - 1e-2, 1 - 1e-4, 1 - 1e-6, 1 - 1e-8)
-             if grid[0] <= t <= grid[-1]]
-    labels = {1e-8: "1e-8", 1e-6: "1e-6", 1e-4: "1e-4", 1e-2: "0.01", 0.5: "0.5", 1 - 1e-2: "0.99",
-              1 - 1e-4: "1-1e-4", 1 - 1e-6: "1-1e-6", 1 - 1e-8: "1-1e-8"}
+    ticks = [
+        t for t in (1e-8, 1e-6, 1e-4, 1e-2, 0.5, 1 - 1e-2, 1 - 1e-4, 1 - 1e-6, 1 - 1e-8) if grid[0] <= t <= grid[-1]
+    ]
+    labels = {
+        1e-8: "1e-8",
+        1e-6: "1e-6",
+        1e-4: "1e-4",
+        1e-2: "0.01",
+        0.5: "0.5",
+        1 - 1e-2: "0.99",
+        1 - 1e-4: "1-1e-4",
+        1 - 1e-6: "1-1e-6",
+        1 - 1e-8: "1-1e-8",
+    }
     ax.xaxis.set_major_locator(matplotlib.ticker.FixedLocator(ticks))
     ax.xaxis.set_major_formatter(matplotlib.ticker.FixedFormatter([labels[t] for t in ticks]))
     ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
@@ -144,18 +181,44 @@ def plot_bucket_means(result: DiagnoseResult, path: Path) -> None:
     ax.bar(x - (width / 2 if rule else 0), vals, width, color="tab:blue", label="mean |Δ log p|, full softmax")
     if rule:
         pruned = [nan if v is None else v for v in rule["bucket_abs_diff_mean_kept_pruned"]]
-        ax.bar(x + width / 2, pruned, width, color="tab:green",
-               label=f"mean |Δ log π_S|, tokens kept by {rule['rule']}")
-    ax.plot(x, [nan if r["abs_diff_max"] is None else r["abs_diff_max"] for r in rows], "kv", markersize=6,
-            label="max |Δ log p|")
-    ax.plot(x, [nan if r["local_bound_mean"] is None else r["local_bound_mean"] for r in rows], "o",
-            color="tab:orange", markersize=6, label="mean bound at each token's own ε_t")
-    ax.plot(x, [r["bound_at_lo"] for r in rows], "_", color="tab:red", markersize=22, mew=2,
-            label=f"bound at the bucket's lower edge, ε = {s['eps_ref']:.3g}")
+        ax.bar(
+            x + width / 2, pruned, width, color="tab:green", label=f"mean |Δ log π_S|, tokens kept by {rule['rule']}"
+        )
+    ax.plot(
+        x,
+        [nan if r["abs_diff_max"] is None else r["abs_diff_max"] for r in rows],
+        "kv",
+        markersize=6,
+        label="max |Δ log p|",
+    )
+    ax.plot(
+        x,
+        [nan if r["local_bound_mean"] is None else r["local_bound_mean"] for r in rows],
+        "o",
+        color="tab:orange",
+        markersize=6,
+        label="mean bound at each token's own ε_t",
+    )
+    ax.plot(
+        x,
+        [r["bound_at_lo"] for r in rows],
+        "_",
+        color="tab:red",
+        markersize=22,
+        mew=2,
+        label=f"bound at the bucket's lower edge, ε = {s['eps_ref']:.3g}",
+    )
     ax.set_yscale("log")
     for xi, r in zip(x, rows):
-        ax.annotate(f"n={r['n']}", (xi, 0.0), xycoords=("data", "axes fraction"), xytext=(0, 3),
-                    textcoords="offset points", ha="center", fontsize=7)
+        ax.annotate(
+            f"n={r['n']}",
+            (xi, 0.0),
+            xycoords=("data", "axes fraction"),
+            xytext=(0, 3),
+            textcoords="offset points",
+            ha="center",
+            fontsize=7,
+        )
     ax.set_xticks(x, [r["name"] for r in rows], rotation=15, fontsize=8)
     ax.set_ylabel("nats")
     ax.set_title("mismatch by training-probability bucket")

@@ -13,8 +13,9 @@ from trl_integration.lab.engine import DiagnoseResult
 __all__ = ["write_outputs", "print_summary"]
 
 
-def write_outputs(result: DiagnoseResult, output_dir: str | os.PathLike, plots: bool = True,
-                  max_points: int = 20000) -> list[Path]:
+def write_outputs(
+    result: DiagnoseResult, output_dir: str | os.PathLike, plots: bool = True, max_points: int = 20000
+) -> list[Path]:
     """Write ``summary.json`` and (``plots=True``) ``tail_mismatch.png`` (when ``result.summary`` has the tail
     diagnostic, ``"tail"``), ``mismatch_vs_p.png`` and ``bucket_means.png``.
 
@@ -62,13 +63,19 @@ def _tail_lines(summary: dict) -> list[tuple[str, str]]:
         return []
     from trl_integration.lab.figures import SOURCE_LABELS, mismatch_source
 
-    lines = [("tail mismatch", f"mean log μ − log π of sampled tokens ({tail['num_samples']} × ≤ "
-                               f"{tail['max_new_tokens']} tokens per prompt); {mismatch_source(summary)}")]
+    lines = [
+        (
+            "tail mismatch",
+            f"mean log μ − log π of sampled tokens ({tail['num_samples']} × ≤ "
+            f"{tail['max_new_tokens']} tokens per prompt); {mismatch_source(summary)}",
+        )
+    ]
     for source, data in tail["sources"].items():
         label = tail.get("labels", {}).get(source, SOURCE_LABELS.get(source, source))
         overall = "-" if data["signed_mean"] is None else f"{data['signed_mean']:+.4g}"
-        lines.append((f"  {source}", f"{label}: {data['n_tokens']} tokens from {data['n_prompts']} prompts, "
-                                     f"mean {overall}"))
+        lines.append(
+            (f"  {source}", f"{label}: {data['n_tokens']} tokens from {data['n_prompts']} prompts, mean {overall}")
+        )
         for r in data["buckets"]:
             if r["n"] == 0:
                 value = "-"
@@ -90,16 +97,27 @@ def print_summary(summary: dict, files: list[Path]) -> None:
         *_tail_lines(summary),
         ("compare (train:rollout)", f"{summary['train_dtype']}:{summary['rollout_dtype']}"),
         ("injected noise", f"{summary['noise']:g} ({summary['noise_kind']})" if summary["noise"] else "none"),
-        ("rollout weights", "as trained" if summary.get("rollout_mantissa_bits") is None
-                            else f"rounded to {summary['rollout_mantissa_bits']} mantissa bits"),
+        (
+            "rollout weights",
+            "as trained"
+            if summary.get("rollout_mantissa_bits") is None
+            else f"rounded to {summary['rollout_mantissa_bits']} mantissa bits",
+        ),
         ("tokens scored", f"{summary['n_tokens']} in {summary['n_sequences']} sequences ({summary['mode']})"),
-        ("eps_max (logit gap)", f"{summary['eps_max']:.4g}  (p50 {summary['eps_quantiles']['p50']:.3g}, "
-                                f"p99 {summary['eps_quantiles']['p99']:.3g})"),
-        ("within bound", f"{summary['frac_within_bound'] * 100:.2f}% at eps={summary['eps_ref']:.4g} "
-                         f"({summary['eps_ref_source']})"),
+        (
+            "eps_max (logit gap)",
+            f"{summary['eps_max']:.4g}  (p50 {summary['eps_quantiles']['p50']:.3g}, "
+            f"p99 {summary['eps_quantiles']['p99']:.3g})",
+        ),
+        (
+            "within bound",
+            f"{summary['frac_within_bound'] * 100:.2f}% at eps={summary['eps_ref']:.4g} ({summary['eps_ref_source']})",
+        ),
         ("|Δ log p| mean / max", f"{summary['abs_diff_mean']:.3g} / {summary['abs_diff_max']:.3g}"),
-        ("k3 KL / chi2 token", f"{summary['sequence_metrics']['k3_kl']:.3g} / "
-                               f"{summary['sequence_metrics']['chi2_token']:.3g}"),
+        (
+            "k3 KL / chi2 token",
+            f"{summary['sequence_metrics']['k3_kl']:.3g} / {summary['sequence_metrics']['chi2_token']:.3g}",
+        ),
     ]
     for r in summary["buckets"]:
         mean = "-" if r["abs_diff_mean"] is None else f"{r['abs_diff_mean']:.3g}"
@@ -108,14 +126,23 @@ def print_summary(summary: dict, files: list[Path]) -> None:
     if rule:
         kept = rule["abs_diff_mean_kept_pruned"]
         lines += [
-            (f"rule {rule['rule']}", f"keeps {rule['kept_frac'] * 100:.1f}% of tokens, sets differ at "
-                                     f"{rule['set_differ_frac'] * 100:.2f}% of positions"),
-            ("  mean |Δ| on kept tokens", f"{_fmt(rule['abs_diff_mean_kept_full'])} full softmax -> "
-                                          f"{_fmt(kept)} renormalised π_S (all tokens: "
-                                          f"{rule['abs_diff_mean_all']:.3g})"),
-            ("  k3 below the cut", f"{_pct(rule.get('k3_share_outside'))} of the k3 sum on tokens outside the "
-                                   f"training set; {_pct(rule.get('k3_removable'))} removed by masking them and "
-                                   "renormalising"),
+            (
+                f"rule {rule['rule']}",
+                f"keeps {rule['kept_frac'] * 100:.1f}% of tokens, sets differ at "
+                f"{rule['set_differ_frac'] * 100:.2f}% of positions",
+            ),
+            (
+                "  mean |Δ| on kept tokens",
+                f"{_fmt(rule['abs_diff_mean_kept_full'])} full softmax -> "
+                f"{_fmt(kept)} renormalised π_S (all tokens: "
+                f"{rule['abs_diff_mean_all']:.3g})",
+            ),
+            (
+                "  k3 below the cut",
+                f"{_pct(rule.get('k3_share_outside'))} of the k3 sum on tokens outside the "
+                f"training set; {_pct(rule.get('k3_removable'))} removed by masking them and "
+                "renormalising",
+            ),
         ]
     lines.append(("wrote", ", ".join(str(f) for f in files)))
     try:

@@ -50,9 +50,7 @@ def model_in(base: torch.nn.Module, dtype: torch.dtype, cache: dict) -> torch.nn
     return cache[dtype]
 
 
-def rollout_side(
-    base: torch.nn.Module, dtype: torch.dtype, mantissa_bits: int | None, cache: dict
-) -> torch.nn.Module:
+def rollout_side(base: torch.nn.Module, dtype: torch.dtype, mantissa_bits: int | None, cache: dict) -> torch.nn.Module:
     """The rollout side's model: ``base`` in ``dtype`` (`model_in`), with its floating parameters rounded to
     ``mantissa_bits`` mantissa bits when given (a copy, cached under ``(dtype, mantissa_bits)``)."""
     model = model_in(base, dtype, cache)

@@ -74,8 +74,11 @@ def tail_buckets(train_logp: torch.Tensor, rollout_logp: torch.Tensor, buckets: 
             "signed_se": float(values.std() / math.sqrt(n)) if n > 1 else None,
             "abs_mean": float(b.abs_diff_mean[j]) if n else None,
         })  # fmt: skip
-    return {"n_tokens": int(signed.numel()), "signed_mean": float(signed.mean()) if signed.numel() else None,
-            "buckets": rows}
+    return {
+        "n_tokens": int(signed.numel()),
+        "signed_mean": float(signed.mean()) if signed.numel() else None,
+        "buckets": rows,
+    }
 
 
 def sample_tokens(
@@ -98,8 +101,9 @@ def sample_tokens(
     the same tokens with ``train_model`` (one teacher-forced forward). The global RNG is left as it was.
     ``noise_rule``: the rule whose cut tokens ``noise_kind="tail"`` lifts."""
     device = next(train_model.parameters()).device
-    enc = tokenizer(list(prompts), return_tensors="pt", padding=True, padding_side="left", truncation=True,
-                    max_length=max_length).to(device)
+    enc = tokenizer(
+        list(prompts), return_tensors="pt", padding=True, padding_side="left", truncation=True, max_length=max_length
+    ).to(device)
     recorder = RolloutLogprobRecorder(NoPruning(), temperature)
     processors = [LogitNoiseProcessor(noise, noise_kind, seed=seed, temperature=temperature, rule=noise_rule)
                   ] if noise > 0 else []  # fmt: skip
@@ -187,8 +191,12 @@ def tail_mismatch(
     cache: dict = {}
     train_model = model_in(model, compare[0], cache)
     rollout_model = rollout_side(model, compare[1], mantissa_bits, cache)
-    result: dict[str, Any] = {"max_new_tokens": max_new_tokens, "num_samples": num_samples,
-                              "temperature": float(temperature), "sources": {}}
+    result: dict[str, Any] = {
+        "max_new_tokens": max_new_tokens,
+        "num_samples": num_samples,
+        "temperature": float(temperature),
+        "sources": {},
+    }
     batches = [(name, start) for name, prompts in sources.items() for start in range(0, len(prompts), batch_size)]
     bar = tqdm(total=len(batches), desc="tail diagnostic", unit="batch", disable=not progress or len(batches) < 2)
     scored: dict[str, tuple[list, list]] = {name: ([], []) for name, prompts in sources.items() if prompts}

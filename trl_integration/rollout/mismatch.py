@@ -112,8 +112,9 @@ class RolloutMismatch:
                 "argument): set one"
             )
         if perturbation is not None and (args.use_vllm or args.use_transformers_continuous_batching):
-            raise ValueError("rollout_perturbation acts on the plain generate rollouts only: not with vLLM or "
-                             "continuous batching")
+            raise ValueError(
+                "rollout_perturbation acts on the plain generate rollouts only: not with vLLM or continuous batching"
+            )
         if args.rollout_mantissa_bits is not None:
             from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
 
@@ -126,12 +127,14 @@ class RolloutMismatch:
         noise = None
         if args.rollout_logit_noise > 0:
             tail_rule = args.rollout_tail_rule if args.rollout_tail_rule is not None else args.safe_vocab_rule
-            noise = LogitNoiseProcessor(args.rollout_logit_noise, args.rollout_logit_noise_kind, seed=seed,
-                                        rule=tail_rule)  # the rule is read by kind 'tail' only
+            noise = LogitNoiseProcessor(
+                args.rollout_logit_noise, args.rollout_logit_noise_kind, seed=seed, rule=tail_rule
+            )  # the rule is read by kind 'tail' only
         return cls(
             noise=noise,
-            perturbation=make_perturbation(perturbation if perturbation is not None else args.rollout_perturbation,
-                                           seed),
+            perturbation=make_perturbation(
+                perturbation if perturbation is not None else args.rollout_perturbation, seed
+            ),
             mantissa_bits=args.rollout_mantissa_bits,
         )
 

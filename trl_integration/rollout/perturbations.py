@@ -101,8 +101,9 @@ def logit_noise(
     """
     _check_noise(eps, kind)
     if kind not in RANDOM_NOISE_KINDS:
-        raise ValueError(f"kind={kind!r} depends on the logits: use lift_perturbation, tail_perturbation or "
-                         "logit_delta")
+        raise ValueError(
+            f"kind={kind!r} depends on the logits: use lift_perturbation, tail_perturbation or logit_delta"
+        )
     if device is None and generator is not None:
         device = generator.device
     if kind == "uniform":
@@ -148,8 +149,10 @@ def tail_rule(rule: SafeVocabRule | str | None) -> SafeVocabRule:
     if not isinstance(parsed, SafeVocabRule):
         raise ValueError(f"rule={rule!r} is not accepted for kind='tail': accepted a SafeVocabRule or a rule string")
     if isinstance(parsed, NoPruning):
-        raise ValueError("rule='none' is not accepted for kind='tail': it cuts no token, so nothing would be "
-                         "lifted; accepted a rule that prunes, e.g. 'min_p=0.01'")
+        raise ValueError(
+            "rule='none' is not accepted for kind='tail': it cuts no token, so nothing would be "
+            "lifted; accepted a rule that prunes, e.g. 'min_p=0.01'"
+        )
     return parsed
 
 

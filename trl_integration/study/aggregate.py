@@ -49,13 +49,73 @@ def _mean_std(values: Sequence[float]) -> tuple[float | None, float | None]:
 BASELINES = ("no_remedy", "no_mismatch")
 
 #: Student's t quantile t_{0.975, df} for df = 1..30 (beyond: the normal's 1.960 is within 2 %).
-_T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
-         2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
+_T975 = (
+    12.706,
+    4.303,
+    3.182,
+    2.776,
+    2.571,
+    2.447,
+    2.365,
+    2.306,
+    2.262,
+    2.228,
+    2.201,
+    2.179,
+    2.160,
+    2.145,
+    2.131,
+    2.120,
+    2.110,
+    2.101,
+    2.093,
+    2.086,
+    2.080,
+    2.074,
+    2.069,
+    2.064,
+    2.060,
+    2.056,
+    2.052,
+    2.048,
+    2.045,
+    2.042,
+)
 
 
 #: Student's t quantile t_{0.95, df} for df = 1..30 (beyond: the normal's 1.645 is within 2 %).
-_T95 = (6.314, 2.920, 2.353, 2.132, 2.015, 1.943, 1.895, 1.860, 1.833, 1.812, 1.796, 1.782, 1.771, 1.761, 1.753,
-        1.746, 1.740, 1.734, 1.729, 1.725, 1.721, 1.717, 1.714, 1.711, 1.708, 1.706, 1.703, 1.701, 1.699, 1.697)
+_T95 = (
+    6.314,
+    2.920,
+    2.353,
+    2.132,
+    2.015,
+    1.943,
+    1.895,
+    1.860,
+    1.833,
+    1.812,
+    1.796,
+    1.782,
+    1.771,
+    1.761,
+    1.753,
+    1.746,
+    1.740,
+    1.734,
+    1.729,
+    1.725,
+    1.721,
+    1.717,
+    1.714,
+    1.711,
+    1.708,
+    1.706,
+    1.703,
+    1.701,
+    1.699,
+    1.697,
+)
 
 
 def t_quantile_975(df: int) -> float:
@@ -84,8 +144,15 @@ def paired_stats(diffs: Sequence[float], seeds: Sequence[int] | None = None) -> 
     if std is not None:
         half, half90 = (q * std / math.sqrt(n) for q in (t_quantile_975(n - 1), t_quantile_95(n - 1)))
         ci, ci90 = [mean - half, mean + half], [mean - half90, mean + half90]
-    return {"mean": mean, "std": std, "n": n, "ci95": ci, "ci90": ci90, "diffs": list(diffs),
-            "seeds": list(seeds) if seeds is not None else None}
+    return {
+        "mean": mean,
+        "std": std,
+        "n": n,
+        "ci95": ci,
+        "ci90": ci90,
+        "diffs": list(diffs),
+        "seeds": list(seeds) if seeds is not None else None,
+    }
 
 
 #: The held-out scorings a run may record: the suffix of their outcome keys and of their ``eval`` series
@@ -97,9 +164,21 @@ _EVAL_OUTCOMES = ("initial_metric", "final_metric", "late_metric", "best_metric"
 
 #: The per-run outcomes `summarize` aggregates (``*_metric``: the task's held-out metric; ``*_rule``: on the rule's
 #: support, ``None`` where not scored).
-OUTCOMES = (*_EVAL_OUTCOMES, *(f"{k}_rule" for k in _EVAL_OUTCOMES), "final_reward", "first_reward", "log_ppl_gap",
-            "k3_kl", "out_of_set_frac", "is_clipped_frac", "grad_norm", "mean_length", "pruned_mass", "seq_tv",
-            "wall_time_s")
+OUTCOMES = (
+    *_EVAL_OUTCOMES,
+    *(f"{k}_rule" for k in _EVAL_OUTCOMES),
+    "final_reward",
+    "first_reward",
+    "log_ppl_gap",
+    "k3_kl",
+    "out_of_set_frac",
+    "is_clipped_frac",
+    "grad_norm",
+    "mean_length",
+    "pruned_mass",
+    "seq_tv",
+    "wall_time_s",
+)
 
 
 def metric_name(results: dict) -> str:
@@ -175,7 +254,8 @@ def run_metrics(run: dict, metric: str = "accuracy") -> dict[str, float | None]:
         **held_out,
         "final_reward": mean_of("reward", FINAL_REWARD_STEPS),
         "first_reward": (lambda v: sum(v) / len(v) if v else None)(
-            [x for x in (series.get("reward") or [])[:FINAL_REWARD_STEPS] if x is not None]),
+            [x for x in (series.get("reward") or [])[:FINAL_REWARD_STEPS] if x is not None]
+        ),
         "log_ppl_gap": mean_of("mismatch/log_ppl_abs_diff"),
         "k3_kl": mean_of("mismatch/k3_kl"),
         "out_of_set_frac": mean_of("safevocab/out_of_set_frac"),
@@ -194,8 +274,9 @@ def summarize(results: dict) -> dict[str, dict]:
     scoring and, with evaluation seeds, per evaluation seed (the module docstring)."""
     arms = list(results["arms"])
     metric = metric_name(results)
-    per_run = {(r["arm"], r["seed"]): (r, {**run_metrics(r, metric), **_by_eval_seed(r, metric)})
-               for r in results["runs"]}
+    per_run = {
+        (r["arm"], r["seed"]): (r, {**run_metrics(r, metric), **_by_eval_seed(r, metric)}) for r in results["runs"]
+    }
     compared = [f"{key}{suffix}" for suffix in scorings(results) for key in ("final_metric", "late_metric")]
     n_eval_seeds = len(eval_seeds(results) or [])
     summary: dict[str, dict] = {}
@@ -219,7 +300,8 @@ def summarize(results: dict) -> dict[str, dict]:
                 entry[f"{key}_vs_{base_arm}"] = _paired_to(ok, per_run, base_arm, key)
                 if n_eval_seeds:
                     entry[f"{key}_vs_{base_arm}_by_eval_seed"] = [
-                        _paired_to(ok, per_run, base_arm, f"{key}@{j}") for j in range(n_eval_seeds)]
+                        _paired_to(ok, per_run, base_arm, f"{key}@{j}") for j in range(n_eval_seeds)
+                    ]
         decays = [r.get("length_decay") for r, _ in ok if r.get("length_decay")]
         if decays:
             entry["length_decay"] = {

@@ -50,7 +50,15 @@ __all__ = [
 
 #: The arms, in report order.
 ARM_NAMES: tuple[str, ...] = (
-    "no_remedy", "tis", "mis", "dvp", "dvp_length_decay", "dvp_mis", "dvp_tis", "no_mismatch", "dvp_no_mismatch",
+    "no_remedy",
+    "tis",
+    "mis",
+    "dvp",
+    "dvp_length_decay",
+    "dvp_mis",
+    "dvp_tis",
+    "no_mismatch",
+    "dvp_no_mismatch",
 )
 
 #: The arms a study runs when ``--arms`` is not given (those of the bundled study, docs/results.md).
@@ -170,8 +178,17 @@ class StudySettings:
             raise ValueError(f"--arms {self.arms!r} repeats an arm")
         if not self.seeds or len(set(self.seeds)) != len(self.seeds):
             raise ValueError(f"--seeds {self.seeds!r} is not accepted: accepted distinct integers")
-        for name in ("steps", "eval_every", "eval_num_prompts", "num_prompts_per_step", "num_generations",
-                     "max_completion_length", "train_num_prompts", "smooth", "threads"):
+        for name in (
+            "steps",
+            "eval_every",
+            "eval_num_prompts",
+            "num_prompts_per_step",
+            "num_generations",
+            "max_completion_length",
+            "train_num_prompts",
+            "smooth",
+            "threads",
+        ):
             value = getattr(self, name)
             if name == "max_completion_length" and value is None:
                 continue
@@ -202,20 +219,27 @@ class StudySettings:
 
         dvp_rule = parse_rule(self.dvp_rule)  # raises ValueError naming the rule
         if self.noise_kind == "tail" and self.noise > 0 and isinstance(dvp_rule, NoPruning):
-            raise ValueError("--noise_kind tail lifts the tokens --dvp_rule cuts, and --dvp_rule 'none' cuts nothing: "
-                             "accepted a rule that prunes, e.g. --dvp_rule min_p=0.01")
+            raise ValueError(
+                "--noise_kind tail lifts the tokens --dvp_rule cuts, and --dvp_rule 'none' cuts nothing: "
+                "accepted a rule that prunes, e.g. --dvp_rule min_p=0.01"
+            )
 
     def _validate_evaluation(self) -> None:
         for name in ("eval_steps", "eval_seeds"):
             values = getattr(self, name)
-            if values is not None and (not isinstance(values, list) or not values or any(
-                    not isinstance(v, int) or isinstance(v, bool) for v in values)):
+            if values is not None and (
+                not isinstance(values, list)
+                or not values
+                or any(not isinstance(v, int) or isinstance(v, bool) for v in values)
+            ):
                 raise ValueError(f"--{name} {values!r} is not accepted: accepted a non-empty list of integers")
         steps = self.eval_steps
-        if steps is not None and (any(b <= a for a, b in zip(steps, steps[1:])) or steps[0] < 0
-                                  or steps[-1] > self.steps):
-            raise ValueError(f"--eval_steps {steps!r} is not accepted: accepted increasing steps in [0, --steps "
-                             f"{self.steps}]")
+        if steps is not None and (
+            any(b <= a for a, b in zip(steps, steps[1:])) or steps[0] < 0 or steps[-1] > self.steps
+        ):
+            raise ValueError(
+                f"--eval_steps {steps!r} is not accepted: accepted increasing steps in [0, --steps {self.steps}]"
+            )
         if self.eval_seeds is not None and len(set(self.eval_seeds)) != len(self.eval_seeds):
             raise ValueError(f"--eval_seeds {self.eval_seeds!r} is not accepted: accepted distinct integers")
         if not isinstance(self.eval_on_rule, bool):
@@ -240,12 +264,16 @@ class StudySettings:
             from safevocab import MinProb, NoPruning, parse_rule
 
             if not isinstance(self.sampler_rule, str):
-                raise ValueError(f"--sampler_rule {self.sampler_rule!r} is not accepted: accepted a rule such as "
-                                 "'top_p=0.9' or 'min_p=0.05'")
+                raise ValueError(
+                    f"--sampler_rule {self.sampler_rule!r} is not accepted: accepted a rule such as "
+                    "'top_p=0.9' or 'min_p=0.05'"
+                )
             rule = parse_rule(self.sampler_rule)  # raises ValueError naming the rule
             if isinstance(rule, NoPruning) or any(isinstance(part, MinProb) for part in rule.parts):
-                raise ValueError(f"--sampler_rule {self.sampler_rule!r} is not accepted: accepted a rule a sampler "
-                                 "applies that prunes (top_k, top_p, min_p), e.g. 'top_p=0.9' or 'min_p=0.05'")
+                raise ValueError(
+                    f"--sampler_rule {self.sampler_rule!r} is not accepted: accepted a rule a sampler "
+                    "applies that prunes (top_k, top_p, min_p), e.g. 'top_p=0.9' or 'min_p=0.05'"
+                )
 
 
 def rule_min_p(settings: StudySettings) -> float:
@@ -258,8 +286,10 @@ def rule_min_p(settings: StudySettings) -> float:
 
     rule = parse_rule(settings.dvp_rule)
     if not isinstance(rule, MinP):
-        raise ValueError(f"--eval_on_rule scores on --dvp_rule's support by sampling under its min_p: accepted a "
-                         f"--dvp_rule min_p=RHO, got {str(rule)!r}")
+        raise ValueError(
+            f"--eval_on_rule scores on --dvp_rule's support by sampling under its min_p: accepted a "
+            f"--dvp_rule min_p=RHO, got {str(rule)!r}"
+        )
     return float(rule.rho)
 
 
@@ -297,21 +327,32 @@ def arm_overrides(arm: str, settings: StudySettings) -> dict[str, Any]:
         return dict(safe_vocab_rule=settings.dvp_rule, safe_vocab_in_sampler=True, **no_is)
     if arm == "dvp_length_decay":
         return dict(
-            safe_vocab_rule=settings.dvp_rule, safe_vocab_in_sampler=True, length_decay=True,
-            length_decay_period="auto", **no_is,
+            safe_vocab_rule=settings.dvp_rule,
+            safe_vocab_in_sampler=True,
+            length_decay=True,
+            length_decay_period="auto",
+            **no_is,
         )
     if arm in ("dvp_mis", "dvp_tis"):
-        correction = arm_overrides(arm[len("dvp_"):], settings)
+        correction = arm_overrides(arm[len("dvp_") :], settings)
         return {**correction, "safe_vocab_rule": settings.dvp_rule, "safe_vocab_in_sampler": True}
     if arm == "no_mismatch":
         untruncated = dict(NEUTRAL_SAMPLER) if settings.sampler_rule is not None else {}
         return dict(
-            safe_vocab_rule="none", rollout_logit_noise=0.0, rollout_mantissa_bits=None, rollout_perturbation=None,
-            rollout_dtype="auto", **untruncated, **no_is,
+            safe_vocab_rule="none",
+            rollout_logit_noise=0.0,
+            rollout_mantissa_bits=None,
+            rollout_perturbation=None,
+            rollout_dtype="auto",
+            **untruncated,
+            **no_is,
         )
     if arm == "dvp_no_mismatch":
-        return {**arm_overrides("no_mismatch", settings), "safe_vocab_rule": settings.dvp_rule,
-                "safe_vocab_in_sampler": True}
+        return {
+            **arm_overrides("no_mismatch", settings),
+            "safe_vocab_rule": settings.dvp_rule,
+            "safe_vocab_in_sampler": True,
+        }
     raise ValueError(f"unknown arm {arm!r}: accepted one of {list(ARM_NAMES)}")
 
 

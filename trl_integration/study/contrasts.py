@@ -48,8 +48,10 @@ CONTRASTS: dict[str, tuple[dict[str, int], str]] = {
     "harm": ({"no_remedy": 1, "no_mismatch": -1}, "the mismatch's cost without a remedy"),
     "dvp_cost": ({"dvp_no_mismatch": 1, "no_mismatch": -1}, "DVP's own cost, without mismatch"),
     "dvp_residual_harm": ({"dvp": 1, "dvp_no_mismatch": -1}, "the mismatch's cost under DVP"),
-    "dvp_interaction": ({"dvp": 1, "dvp_no_mismatch": -1, "no_remedy": -1, "no_mismatch": 1},
-                        "the part of the harm DVP removes (residual harm − harm)"),
+    "dvp_interaction": (
+        {"dvp": 1, "dvp_no_mismatch": -1, "no_remedy": -1, "no_mismatch": 1},
+        "the part of the harm DVP removes (residual harm − harm)",
+    ),
     "dvp_gain": ({"dvp": 1, "no_remedy": -1}, "DVP against no remedy under the mismatch"),
     "tis_gain": ({"tis": 1, "no_remedy": -1}, "truncated IS against no remedy"),
     "tis_residual_harm": ({"tis": 1, "no_mismatch": -1}, "the mismatch's cost under truncated IS"),
@@ -95,7 +97,9 @@ def contrasts(results: dict) -> dict[str, dict[str, Any]]:
             entry[key] = _combine(outcomes, weights, seeds, lambda m, k=key: m.get(k))
             if n_eval_seeds:
                 entry[f"{key}_by_eval_seed"] = [
-                    _combine(per_eval_seed, weights, seeds, lambda m, k=key, j=j: (m.get(k) or [None] * n_eval_seeds)[j])
+                    _combine(
+                        per_eval_seed, weights, seeds, lambda m, k=key, j=j: (m.get(k) or [None] * n_eval_seeds)[j]
+                    )
                     for j in range(n_eval_seeds)
                 ]
         out[name] = entry

@@ -170,6 +170,12 @@ def check_evaluation(settings: StudySettings, task: StudyTask) -> None:
 def evaluation_callback(trainer: Any, dataset: Any, settings: StudySettings, task: StudyTask) -> HeldOutMetricCallback:
     """The held-out evaluation of one study run, as ``settings`` asks for it (:func:`check_evaluation` first)."""
     return HeldOutMetricCallback(
-        trainer, dataset, settings.eval_every, task.held_out_metric, task.metric_name, steps=settings.eval_steps,
-        seeds=settings.eval_seeds, rule_min_p=rule_min_p(settings) if settings.eval_on_rule else None,
+        trainer,
+        dataset,
+        settings.eval_every,
+        task.held_out_metric,
+        task.metric_name,
+        steps=settings.eval_steps,
+        seeds=settings.eval_seeds,
+        rule_min_p=rule_min_p(settings) if settings.eval_on_rule else None,
     )

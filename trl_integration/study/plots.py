@@ -123,8 +123,15 @@ def draw_metric(results: dict, stem: str) -> Any:
             mean, lo, hi = np.nanmean(arr, axis=0), np.nanmin(arr, axis=0), np.nanmax(arr, axis=0)
         n = arr.shape[0]
         marker = "o" if key.startswith("eval/") else None
-        ax.plot(steps, mean, color=color, marker=marker, ms=3, label=f"{arm} (n={n}{', = ' + same if same else ''})",
-                **style)
+        ax.plot(
+            steps,
+            mean,
+            color=color,
+            marker=marker,
+            ms=3,
+            label=f"{arm} (n={n}{', = ' + same if same else ''})",
+            **style,
+        )
         if n > 1:
             ax.fill_between(steps, lo, hi, color=color, alpha=0.15, lw=0)
         drawn += 1

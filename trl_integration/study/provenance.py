@@ -43,8 +43,12 @@ def code_version(root: str | Path | None = None) -> dict[str, Any]:
         return {"commit": None, "clean": None, "dirty": [], "root": str(root)}
     status = _git(["status", "--porcelain", "--untracked-files=normal"], root)
     changed = [line for line in (status or "").splitlines() if line.strip()]
-    return {"commit": head.strip(), "clean": status is not None and not changed, "dirty": changed[:20],
-            "root": str(root)}
+    return {
+        "commit": head.strip(),
+        "clean": status is not None and not changed,
+        "dirty": changed[:20],
+        "root": str(root),
+    }
 
 
 def run_code_versions(results: dict, label: str = "") -> list[tuple[str, str, bool | None]]:
@@ -60,8 +64,9 @@ def run_code_versions(results: dict, label: str = "") -> list[tuple[str, str, bo
     return out
 
 
-def check_code_versions(studies: Iterable[tuple[str, dict]], *, allow_mixed_commits: bool = False,
-                        allow_dirty: bool = False) -> dict[str, Any]:
+def check_code_versions(
+    studies: Iterable[tuple[str, dict]], *, allow_mixed_commits: bool = False, allow_dirty: bool = False
+) -> dict[str, Any]:
     """Check that the finished runs of ``studies`` (``(label, results)`` pairs) come from one commit and clean trees.
 
     Returns:
@@ -80,11 +85,16 @@ def check_code_versions(studies: Iterable[tuple[str, dict]], *, allow_mixed_comm
             if clean is False:
                 dirty.append(where)
     if len(commits) > 1 and not allow_mixed_commits:
-        listed = "; ".join(f"{c[:12] if c != NOT_RECORDED else c}: {len(w)} runs (e.g. {w[0]})"
-                           for c, w in commits.items())
-        raise ValueError(f"the records come from {len(commits)} code versions ({listed}): accepted one commit, or "
-                         "pass --allow_mixed_commits")
+        listed = "; ".join(
+            f"{c[:12] if c != NOT_RECORDED else c}: {len(w)} runs (e.g. {w[0]})" for c, w in commits.items()
+        )
+        raise ValueError(
+            f"the records come from {len(commits)} code versions ({listed}): accepted one commit, or "
+            "pass --allow_mixed_commits"
+        )
     if dirty and not allow_dirty:
-        raise ValueError(f"{len(dirty)} runs were trained from a tree with uncommitted changes (e.g. {dirty[0]}): "
-                         "accepted clean trees only, or pass --allow_dirty")
+        raise ValueError(
+            f"{len(dirty)} runs were trained from a tree with uncommitted changes (e.g. {dirty[0]}): "
+            "accepted clean trees only, or pass --allow_dirty"
+        )
     return {"commits": {c: len(w) for c, w in commits.items()}, "dirty_runs": dirty, "mixed": len(commits) > 1}

@@ -59,8 +59,12 @@ def format_status(entry: dict) -> str:
 def _settings_rows(results: dict) -> list[tuple[str, str]]:
     s = results["settings"]
     env = results.get("environment", {})
-    task = results.get("task") or {"name": "arithmetic", "reward_funcs": ["arithmetic_reward"],
-                                   "metric_name": "accuracy", "description": ""}
+    task = results.get("task") or {
+        "name": "arithmetic",
+        "reward_funcs": ["arithmetic_reward"],
+        "metric_name": "accuracy",
+        "description": "",
+    }
     batch = s["num_prompts_per_step"] * s["num_generations"]
     mismatch = []
     if s["noise"] > 0:
@@ -71,8 +75,9 @@ def _settings_rows(results: dict) -> list[tuple[str, str]]:
     if s.get("rollout_perturbation"):
         mismatch.append(f"rollout perturbation {s['rollout_perturbation']}")
     if s.get("sampler_rule"):
-        mismatch.append(f"rollouts sampled with {s['sampler_rule']} (sampler_rule; rule-none arms score the full "
-                        "softmax)")
+        mismatch.append(
+            f"rollouts sampled with {s['sampler_rule']} (sampler_rule; rule-none arms score the full softmax)"
+        )
     mismatch.append(f"rollout_dtype {s['rollout_dtype']}")
     injected = s["noise"] > 0 or s.get("rollout_mantissa_bits") is not None or s.get("rollout_perturbation")
     injected = injected or s.get("sampler_rule")
@@ -85,21 +90,36 @@ def _settings_rows(results: dict) -> list[tuple[str, str]]:
     about = f"; {task['description']}" if task.get("description") else ""
     return [
         ("model", str(model)),
-        ("task", f"{task['name']} (train pool {s['train_num_prompts']} prompts, seed 0), reward "
-                 f"{', '.join(task['reward_funcs'])}{about}"),
+        (
+            "task",
+            f"{task['name']} (train pool {s['train_num_prompts']} prompts, seed 0), reward "
+            f"{', '.join(task['reward_funcs'])}{about}",
+        ),
         ("mismatch", "; ".join(mismatch)),
         ("steps per run", str(s["steps"])),
-        ("batch", f"{s['num_prompts_per_step']} prompts × {s['num_generations']} generations = {batch} completions "
-                  f"per step, max_completion_length {s['max_completion_length']}"),
-        ("optimiser", f"AdamW, lr {s['learning_rate']:g}, schedule {s['lr_scheduler_type']} (dvp_length_decay: "
-                      "x the length-decay factor, 1 until a surge), beta 0, loss dapo (trl default), temperature 1"),
+        (
+            "batch",
+            f"{s['num_prompts_per_step']} prompts × {s['num_generations']} generations = {batch} completions "
+            f"per step, max_completion_length {s['max_completion_length']}",
+        ),
+        (
+            "optimiser",
+            f"AdamW, lr {s['learning_rate']:g}, schedule {s['lr_scheduler_type']} (dvp_length_decay: "
+            "x the length-decay factor, 1 until a surge), beta 0, loss dapo (trl default), temperature 1",
+        ),
         ("DVP rule", s["dvp_rule"]),
-        ("IS settings", f"tis: token_truncate, clip_max {s['is_clip_max']:g}; mis and dvp_mis: {s['mis_mode']}, "
-                        f"[{s['is_clip_min']:g}, {s['is_clip_max']:g}]"),
+        (
+            "IS settings",
+            f"tis: token_truncate, clip_max {s['is_clip_max']:g}; mis and dvp_mis: {s['mis_mode']}, "
+            f"[{s['is_clip_min']:g}, {s['is_clip_max']:g}]",
+        ),
         ("seeds", ", ".join(str(x) for x in s["seeds"])),
         ("held-out evaluation", _evaluation_text(s, metric)),
-        ("software", f"torch {env.get('torch')}, transformers {env.get('transformers')}, trl {env.get('trl')}, "
-                     f"python {env.get('python')}, {env.get('torch_threads')} torch threads"),
+        (
+            "software",
+            f"torch {env.get('torch')}, transformers {env.get('transformers')}, trl {env.get('trl')}, "
+            f"python {env.get('python')}, {env.get('torch_threads')} torch threads",
+        ),
         ("code", _code_text(results.get("code"))),
         ("wall time", f"{results['wall_time_s']:.0f} s in total" if results.get("wall_time_s") is not None else "–"),
     ]
@@ -137,7 +157,9 @@ def _held_out_table(summ: dict, arms: list[str], metric: str, suffix: str) -> li
     for arm in arms:
         e = summ[arm]
         deltas = "".join(
-            " – | – |" if arm == b else f" {format_paired(e.get(f'final_metric{suffix}_vs_{b}'))} | "
+            " – | – |"
+            if arm == b
+            else f" {format_paired(e.get(f'final_metric{suffix}_vs_{b}'))} | "
             f"{format_paired(e.get(f'late_metric{suffix}_vs_{b}'))} |"
             for b in baselines
         )
@@ -196,8 +218,10 @@ def _contrast_lines(results: dict, metric: str, hh: str) -> list[str]:
             by_eval = c.get(f"late_metric{suffix}_by_eval_seed")
             per_eval = ", ".join("–" if x["mean"] is None else f"{x['mean']:+.4f}" for x in by_eval) if by_eval else "–"
             ci90 = f"[{late['ci90'][0]:+.4f}, {late['ci90'][1]:+.4f}]" if late.get("ci90") else "–"
-            lines.append(f"| `{name}` | {c['formula']}: {c['description']} | {_scoring_name(suffix, rule)} | "
-                         f"{format_paired(late, 4)} | {ci90} | {per_seed} | {per_eval} |")
+            lines.append(
+                f"| `{name}` | {c['formula']}: {c['description']} | {_scoring_name(suffix, rule)} | "
+                f"{format_paired(late, 4)} | {ci90} | {per_seed} | {per_eval} |"
+            )
     return lines + [""]
 
 
@@ -274,16 +298,25 @@ def render_report(
         )
     for arm in arms:
         if summ[arm].get("identical_to"):
-            lines += ["", f"`{arm}` reproduced `{summ[arm]['identical_to']}` exactly: the same per-step reward, "
-                          f"gradient norm and held-out {metric} in every seed."]
+            lines += [
+                "",
+                f"`{arm}` reproduced `{summ[arm]['identical_to']}` exactly: the same per-step reward, "
+                f"gradient norm and held-out {metric} in every seed.",
+            ]
     decays = [(a, summ[a]["length_decay"]) for a in arms if summ[a].get("length_decay")]
     for arm, d in decays:
         if d["surges_detected"] == 0:
-            lines += ["", f"`{arm}`: the response-length surge detector never fired ({d['runs']} runs), so the LR "
-                          "stayed at its initial value."]
+            lines += [
+                "",
+                f"`{arm}`: the response-length surge detector never fired ({d['runs']} runs), so the LR "
+                "stayed at its initial value.",
+            ]
         else:
-            lines += ["", f"`{arm}`: the surge detector fired in {d['surges_detected']} of {d['runs']} runs "
-                          f"(surge steps {d['surge_steps']}, decay periods {d['decay_periods']})."]
+            lines += [
+                "",
+                f"`{arm}`: the surge detector fired in {d['surges_detected']} of {d['runs']} runs "
+                f"(surge steps {d['surge_steps']}, decay periods {d['decay_periods']}).",
+            ]
     failed = [(r["arm"], r["seed"], r.get("error")) for r in results["runs"] if r["status"] == "failed"]
     not_run = [(r["arm"], r["seed"]) for r in results["runs"] if r["status"] == "not_run"]
     lines += ["", f"{hh} Failed runs", ""]
@@ -294,10 +327,15 @@ def render_report(
     for arm, seed in not_run:
         lines.append(f"- {arm}, seed {seed}: not run (the study was interrupted; `--resume` trains what is missing)")
     if plots:
-        lines += ["", f"{hh} Figures", "",
-                  f"One line per arm: the mean over seeds; the band spans the smallest to the largest seed. Training "
-                  f"metrics are smoothed with a trailing {s['smooth']}-step moving average (raw series in "
-                  "results.json).", ""]
+        lines += [
+            "",
+            f"{hh} Figures",
+            "",
+            f"One line per arm: the mean over seeds; the band spans the smallest to the largest seed. Training "
+            f"metrics are smoothed with a trailing {s['smooth']}-step moving average (raw series in "
+            "results.json).",
+            "",
+        ]
         for stem, (_, label, _) in plot_specs(metric, rule="_rule" in scorings(results)).items():
             lines += [f"![{label}]({image_prefix}{stem}.png)", ""]
     return "\n".join(lines).rstrip() + "\n"
@@ -305,6 +343,7 @@ def render_report(
 
 def _overrides_text(overrides: dict) -> str:
     return ", ".join(f"{k}={v}" for k, v in overrides.items())
+
 
 def write_report(results: dict, output_dir: str | os.PathLike, plots: bool = True) -> list[Path]:
     """Write ``results.json``, ``report.md`` and (with ``plots``) one PNG per entry of ``plot_specs(metric)``.

@@ -96,15 +96,31 @@ def _series_from_history(history: list[dict]) -> dict[str, list]:
     return series
 
 
-def _run_one(arm: str, overrides: dict, seed: int, settings: StudySettings, model_path: str, task: StudyTask,
-             train_dataset, test_dataset, bar) -> dict:
+def _run_one(
+    arm: str,
+    overrides: dict,
+    seed: int,
+    settings: StudySettings,
+    model_path: str,
+    task: StudyTask,
+    train_dataset,
+    test_dataset,
+    bar,
+) -> dict:
     """Train one (arm, seed); never raises (an exception becomes ``status="failed"``)."""
     import tempfile
 
     record: dict[str, Any] = {
-        "arm": arm, "seed": seed, "status": "failed", "error": None, "traceback": None,
-        "wall_time_s": None, "train_runtime_s": None,
-        "eval": {"step": [], task.metric_name: []}, "series": {"step": []}, "length_decay": None,
+        "arm": arm,
+        "seed": seed,
+        "status": "failed",
+        "error": None,
+        "traceback": None,
+        "wall_time_s": None,
+        "train_runtime_s": None,
+        "eval": {"step": [], task.metric_name: []},
+        "series": {"step": []},
+        "length_decay": None,
     }
     start = time.perf_counter()
     done_before = bar.n if bar is not None else 0
@@ -158,8 +174,11 @@ def _run_one(arm: str, overrides: dict, seed: int, settings: StudySettings, mode
 
 
 def _environment() -> dict[str, Any]:
-    env: dict[str, Any] = {"python": platform.python_version(), "platform": platform.platform(),
-                           "cpu_count": os.cpu_count()}
+    env: dict[str, Any] = {
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "cpu_count": os.cpu_count(),
+    }
     for name in ("torch", "transformers", "trl"):
         try:
             env[name] = __import__(name).__version__
@@ -178,8 +197,14 @@ def _environment() -> dict[str, Any]:
 def task_record(task: StudyTask, spec: str) -> dict[str, Any]:
     """What ``results.json`` keeps of a task (``spec``: how ``--task`` named it)."""
     rewards = [getattr(f, "__name__", type(f).__name__) for f in task.reward_funcs]
-    return {"spec": spec, "name": task.name, "model_path": task.model_path, "metric_name": task.metric_name,
-            "reward_funcs": rewards, "description": task.description}
+    return {
+        "spec": spec,
+        "name": task.name,
+        "model_path": task.model_path,
+        "metric_name": task.metric_name,
+        "reward_funcs": rewards,
+        "description": task.description,
+    }
 
 
 def _quiet_libraries() -> Callable[[], None]:
@@ -279,7 +304,7 @@ def run_study(
         "model": model_path,
         "environment": _environment(),
         "code": code_version(),  # the commit and whether the tree was clean, here where the study runs
-        "arms": {a: {k: v for k, v in o.items()} for a, o in arms.items()},
+        "arms": {a: dict(o) for a, o in arms.items()},
         "started": previous_results.get("started", time.strftime("%Y-%m-%d %H:%M:%S")),
         "wall_time_s": None,
         "runs": [],
@@ -323,9 +348,19 @@ def run_study(
         done = {(r["arm"], r["seed"]) for r in results["runs"]}
         for arm, seed in plan:  # interrupted: the runs that never started are listed as such
             if (arm, seed) not in done:
-                results["runs"].append({"arm": arm, "seed": seed, "status": "not_run", "error": "not run",
-                                        "eval": {"step": [], task.metric_name: []}, "series": {"step": []},
-                                        "wall_time_s": None, "train_runtime_s": None, "length_decay": None})
+                results["runs"].append(
+                    {
+                        "arm": arm,
+                        "seed": seed,
+                        "status": "not_run",
+                        "error": "not run",
+                        "eval": {"step": [], task.metric_name: []},
+                        "series": {"step": []},
+                        "wall_time_s": None,
+                        "train_runtime_s": None,
+                        "length_decay": None,
+                    }
+                )
         results["wall_time_s"] = wall_before + time.perf_counter() - start
         results["summary"] = summarize(results)
         results["contrasts"] = contrasts(results)

@@ -48,8 +48,9 @@ json.dump([h["learning_rate"] for h in trainer.state.log_history if "learning_ra
 
 
 def main():
-    root = subprocess.run(["git", "rev-parse", "--show-toplevel"], capture_output=True, text=True, check=True,
-                          cwd=HERE).stdout.strip()
+    root = subprocess.run(
+        ["git", "rev-parse", "--show-toplevel"], capture_output=True, text=True, check=True, cwd=HERE
+    ).stdout.strip()
     with tempfile.TemporaryDirectory() as tmp:
         tree, out = os.path.join(tmp, "tree"), os.path.join(tmp, "out")
         os.mkdir(tree)
