@@ -45,7 +45,7 @@ from pathlib import Path
 from safevocab.bounds import objective_bias_bound
 from trl_integration.study.aggregate import metric_name, paired_stats
 from trl_integration.study.contrasts import contrasts
-from trl_integration.study.provenance import check_code_versions
+from trl_integration.study.provenance import add_code_version_flags, check_code_versions
 
 #: The equivalence margin of E2 (late held-out reward), fixed in the pre-registration.
 MARGIN = 0.005
@@ -365,16 +365,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, help="write every figure here")
     parser.add_argument("--plot", type=Path, help="draw the estimands' forest plot here (PNG; needs matplotlib)")
     parser.add_argument("--markdown", type=Path, help="write the outcome's tables here (Markdown)")
-    parser.add_argument(
-        "--allow_mixed_commits",
-        action="store_true",
-        help="analyse runs recorded from different commits (refused by default)",
-    )
-    parser.add_argument(
-        "--allow_dirty",
-        action="store_true",
-        help="analyse runs trained from a tree with uncommitted changes (refused by default)",
-    )
+    add_code_version_flags(parser)
     args = parser.parse_args(argv)
     tail = json.loads(args.tail.read_text())
     lift_alone = json.loads(args.lift2.read_text())

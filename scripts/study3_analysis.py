@@ -40,7 +40,7 @@ from study2_analysis import CONTROLS, above, below, bonferroni, with_controls, w
 
 from trl_integration.study.aggregate import paired_stats
 from trl_integration.study.contrasts import contrasts
-from trl_integration.study.provenance import check_code_versions
+from trl_integration.study.provenance import add_code_version_flags, check_code_versions
 
 #: The margin of every equivalence statement (late held-out reward), Study 2's.
 MARGIN = 0.005
@@ -352,16 +352,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, help="write every figure here")
     parser.add_argument("--markdown", type=Path, help="write the outcome's tables here (Markdown)")
     parser.add_argument("--plot", type=Path, help="draw the forest plot here (PNG; needs matplotlib)")
-    parser.add_argument(
-        "--allow_mixed_commits",
-        action="store_true",
-        help="analyse runs recorded from different commits (refused by default)",
-    )
-    parser.add_argument(
-        "--allow_dirty",
-        action="store_true",
-        help="analyse runs trained from a tree with uncommitted changes (refused by default)",
-    )
+    add_code_version_flags(parser)
     args = parser.parse_args(argv)
     if args.trunc is None and args.bf16 is None and not args.tail:
         parser.error("give at least one of --trunc, --bf16, --tail")

@@ -16,7 +16,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-__all__ = ["NOT_RECORDED", "code_version", "run_code_versions", "check_code_versions"]
+__all__ = ["NOT_RECORDED", "code_version", "run_code_versions", "check_code_versions", "add_code_version_flags"]
 
 #: The commit a run without a ``code`` record counts as.
 NOT_RECORDED = "not recorded"
@@ -98,3 +98,18 @@ def check_code_versions(
             "accepted clean trees only, or pass --allow_dirty"
         )
     return {"commits": {c: len(w) for c, w in commits.items()}, "dirty_runs": dirty, "mixed": len(commits) > 1}
+
+
+def add_code_version_flags(parser) -> None:
+    """An analysis script's ``--allow_mixed_commits`` and ``--allow_dirty`` (the opt-outs of
+    :func:`check_code_versions`), on its ``argparse`` parser."""
+    parser.add_argument(
+        "--allow_mixed_commits",
+        action="store_true",
+        help="analyse runs recorded from different commits (refused by default)",
+    )
+    parser.add_argument(
+        "--allow_dirty",
+        action="store_true",
+        help="analyse runs trained from a tree with uncommitted changes (refused by default)",
+    )
