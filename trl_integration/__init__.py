@@ -23,12 +23,15 @@ from __future__ import annotations
 
 import importlib
 
-__all__ = ["SafeVocabGRPOConfig", "SafeVocabGRPOTrainer", "add_safe_lm_head"]
+__all__ = ["SafeVocabGRPOConfig", "SafeVocabGRPOTrainer", "add_safe_lm_head", "OutOfSetWarning", "NothingToTrainError"]
 
 _LAZY = {
     "SafeVocabGRPOConfig": "trl_integration.grpo.config",
     "SafeVocabGRPOTrainer": "trl_integration.grpo.trainer",
     "add_safe_lm_head": "trl_integration.grpo.head",
+    # what a run raises or warns when rollouts and the safe set disagree (docs/trl.md, "Out-of-set tokens")
+    "OutOfSetWarning": "trl_integration.grpo.out_of_set_alert",
+    "NothingToTrainError": "trl_integration.grpo.out_of_set_alert",
 }
 
 

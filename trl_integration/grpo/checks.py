@@ -83,7 +83,10 @@ def check_rule_text(name: str, text: str, engine: str | None = None):
             f"{name}='' is not accepted: accepted a rule such as 'min_p=0.001' or 'top_k=50', or 'none' "
             "for the full vocabulary"
         )
-    return parse_rule(text) if engine is None else parse_rule(text, engine=engine)
+    try:
+        return parse_rule(text) if engine is None else parse_rule(text, engine=engine)
+    except (ValueError, TypeError) as err:  # the rule's own message, prefixed by the field it came from
+        raise type(err)(f"{name}={text!r}: {err}") from None
 
 
 def check_safe_vocab_fields(config) -> None:
