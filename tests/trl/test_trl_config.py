@@ -305,3 +305,20 @@ def test_every_field_s_help_is_its_docstring_entry_written_once():
 
     with pytest.raises(TypeError, match=r"fields \['forgotten'\] have no entry in the class docstring"):
         fill_field_help(Undocumented)
+
+
+def test_unknown_loss_type_is_refused_when_the_config_is_built(tmp_path):
+    """trl checks ``loss_type`` only inside the loss (after the model, the data and a generation batch); the config
+    refuses a typo at once, in one line, with trl's own documented list, and accepts every value on it."""
+    with pytest.raises(ValueError, match=r"^loss_type='grpoo': accepted one of grpo, dr_grpo, .*\(trl's GRPOConfig\)$"):
+        SafeVocabGRPOConfig(output_dir=str(tmp_path), loss_type="grpoo", use_cpu=True)
+    for name in (
+        "grpo",
+        "dr_grpo",
+        "dapo",
+        "bnpo",
+        "cispo",
+        "vespo",
+        GRPOConfig.__dataclass_fields__["loss_type"].default,
+    ):
+        assert SafeVocabGRPOConfig(output_dir=str(tmp_path), loss_type=name, use_cpu=True).loss_type == name

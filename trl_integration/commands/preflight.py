@@ -28,6 +28,8 @@ from __future__ import annotations
 import os
 import re
 
+from trl_integration.grpo.loss_types import accepted_loss_types, loss_types_in
+
 __all__ = [
     "check_before_loading",
     "check_mixture",
@@ -112,22 +114,6 @@ def check_before_loading(
     output_dir = training_args.output_dir
     if output_dir and os.path.exists(output_dir) and not os.path.isdir(output_dir):
         raise ValueError(f"--output_dir {output_dir!r} is a file: accepted a directory (created when missing)")
-
-
-def accepted_loss_types(config_cls: type) -> tuple[str, ...]:
-    """The ``loss_type`` values trl's ``GRPOConfig`` documents ("Supported values are 'grpo', ... and 'vespo'" in the
-    field's help: trl keeps no list of them, and checks the value only in the loss); ``()`` if the help changed."""
-    import dataclasses
-
-    text = next((f.metadata.get("help", "") for f in dataclasses.fields(config_cls) if f.name == "loss_type"), "")
-    return loss_types_in(text)
-
-
-def loss_types_in(help_text: str) -> tuple[str, ...]:
-    """The values listed in the help of trl's ``loss_type`` field ("Supported values are 'grpo', ..., and 'vespo'."),
-    also as the quick pass reads it from trl's source (``early_checks.training_fields``); ``()`` if not listed."""
-    listed = re.search(r"Supported values are (.*?)\.(\s|$)", help_text)
-    return tuple(re.findall(r"'(\w+)'", listed.group(1))) if listed else ()
 
 
 def _check_loss_type(loss_type: str, accepted: tuple[str, ...]) -> None:

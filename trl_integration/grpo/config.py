@@ -25,6 +25,7 @@ from trl_integration.grpo.checks import (
     warn_on_sampler_rule_mismatch,
 )
 from trl_integration.grpo.field_help import fill_field_help
+from trl_integration.grpo.loss_types import check_loss_type
 from trl_integration.grpo.sampler_settings import compose_with_sampler, resolve_rollout_logprobs
 from trl_integration.options import (
     DEFAULT_BUCKETS,
@@ -284,6 +285,7 @@ class SafeVocabGRPOConfig(GRPOConfig):
         if self.bf16 is None and not (self.fp16 or self.use_cpu or bf16_supported()):
             self.bf16 = False  # trl reads unset as True, which transformers refuses without a bf16 device
 
+        check_loss_type(self)
         super().__post_init__()
 
         resolve_rollout_logprobs(self)
