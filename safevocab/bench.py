@@ -19,14 +19,16 @@ same seeded inputs, in one fresh subprocess:
 budget and the variants ``floor,fused,fused_torch,trl,liger`` (explicit flags still win). Comparison
 variants that fail (missing package, out of memory) are reported in the table instead of stopping the run.
 
-It prints time (best of ``--repeats``, taken round-robin across variants, the usual guard against a busy
+It reports time (best of ``--repeats``, taken round-robin across variants, the usual guard against a busy
 machine; the JSON has the median too) and peak extra memory of each (tensor storage allocated during one
 step and alive at once, inputs excluded: see :class:`LiveTensorBytes`; ``torch.cuda.max_memory_allocated``
 on GPU), and the
 ratios of ``fused`` to each other variant that ran. Timings are ratios from one run on one
 machine; tests never assert them.
 
-This module imports trl lazily, and only to time it: ``safevocab`` itself never depends on trl.
+This module imports trl lazily, and only to time it: ``safevocab`` itself never depends on trl. It prints nothing
+itself: :func:`run` returns the report, progress lines go to this module's logger (INFO), and the entry points
+(``python -m safevocab.bench``, ``safevocab bench``) print the report and show the progress (:func:`show_progress`).
 
 **Experimental** (as ``trl.experimental``): this module's names may change or go in any release without
 deprecation; the stable API is listed in ``docs/api.md``.
@@ -36,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import statistics
 import subprocess
@@ -69,6 +72,10 @@ PRESETS = {
     },
 }
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+logger = logging.getLogger(__name__)
+#: The loggers of the benchmark's progress lines (this module's and :mod:`safevocab.bench_matrix`'s).
+PROGRESS_LOGGERS = (__name__, "safevocab.bench_matrix")
 
 
 def _inputs(args: argparse.Namespace, device: torch.device):
@@ -226,7 +233,7 @@ def _measure_steps(factories: dict[str, Callable[[], Callable[[], None]]], args:
             steps.pop(variant, None)
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-            print(f"benchmark variant {variant!r} failed: {err!r}", file=sys.stderr)
+            logger.warning("benchmark variant %r failed: %r", variant, err)
             results[variant] = {"variant": variant, "error": f"{type(err).__name__}: {err}"[:200]}
     times: dict[str, list[float]] = {variant: [] for variant in steps}
     for _ in range(args.repeats):
@@ -378,8 +385,29 @@ def _parse_args(argv: list[str], prog: str) -> argparse.Namespace:
     return args
 
 
-def main(argv: list[str] | None = None, prog: str = "python -m safevocab.bench") -> int:
-    """Run the benchmark (``argv``: default ``sys.argv[1:]``; ``prog`` names it in ``--help``). Returns 0."""
+class _ProgressHandler(logging.StreamHandler):
+    """The handler :func:`show_progress` adds (found again by its type, so a second call adds none)."""
+
+
+def show_progress(stream=None) -> None:
+    """Show the benchmark's progress lines (INFO and up of :data:`PROGRESS_LOGGERS`) on ``stream`` (default:
+    ``sys.stderr``), as their bare message. For the entry points: a library caller configures logging."""
+    for name in PROGRESS_LOGGERS:
+        progress_logger = logging.getLogger(name)
+        progress_logger.setLevel(logging.INFO)
+        if not any(isinstance(handler, _ProgressHandler) for handler in progress_logger.handlers):
+            handler = _ProgressHandler(stream)
+            handler.setFormatter(logging.Formatter("%(message)s"))
+            progress_logger.addHandler(handler)
+        progress_logger.propagate = False
+
+
+def run(argv: list[str] | None = None, prog: str = "python -m safevocab.bench") -> str:
+    """Run the benchmark and return its report: the table (or, in a worker process, the results as one JSON line).
+
+    ``argv``: default ``sys.argv[1:]``; ``prog`` names the command in ``--help``. Progress goes to this module's
+    logger. Raises ``SystemExit`` on ``--help`` and on a bad flag (argparse's, and one line for ``--variants``).
+    """
     argv = list(sys.argv[1:] if argv is None else argv)
     args = _parse_args(argv, prog)
     if args.max_chunk_bytes is None:
@@ -392,16 +420,14 @@ def main(argv: list[str] | None = None, prog: str = "python -m safevocab.bench")
         from safevocab.bench_matrix import measure_matrix
 
         with_trl = "trl" in args.variants.split(",") and _trl_available()
-        print(json.dumps(measure_matrix(args, _make_step, _measure_steps, with_trl)))
-        return 0
+        return json.dumps(measure_matrix(args, _make_step, _measure_steps, with_trl))
     if args._worker:
         results = _measure(args._worker.split(","), args)
         hidden, weight, _, _ = _inputs(args, torch.device(args.device))
         results["_kept_set"] = kept_set_sizes(hidden.detach(), weight.detach(), args.rule)  # |S| of the timed rows
-        print(json.dumps(results))
-        return 0
+        return json.dumps(results)
     if args.rules is not None or args.threads is not None or args.busy_cores:
-        return _main_matrix(args, argv)
+        return _run_matrix(args, argv)
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     unknown = sorted(set(variants) - set(VARIANTS))
     if unknown:
@@ -413,18 +439,17 @@ def main(argv: list[str] | None = None, prog: str = "python -m safevocab.bench")
     from safevocab.rules import parse_rule
 
     parse_rule(args.rule)  # fail fast on a bad rule, before any worker starts
-    print(f"measuring {', '.join(variants)} ({args.repeats} round-robin repeats) ...", file=sys.stderr, flush=True)
+    logger.info("measuring %s (%d round-robin repeats) ...", ", ".join(variants), args.repeats)
     results = _run_worker(variants, argv)
     kept_set = results.pop("_kept_set", None)
-    print(_format_table(args, results, kept_set))
     if args.json_path:
         with open(args.json_path, "w") as f:
             json.dump({"args": {k: v for k, v in vars(args).items() if k != "_worker"}, "results": results,
                        "kept_set": kept_set}, f, indent=2)  # fmt: skip
-    return 0
+    return _format_table(args, results, kept_set)
 
 
-def _main_matrix(args: argparse.Namespace, argv: list[str]) -> int:
+def _run_matrix(args: argparse.Namespace, argv: list[str]) -> str:
     from safevocab.bench_matrix import format_matrix, run_matrix, split_rules
     from safevocab.rules import parse_rule
 
@@ -438,14 +463,14 @@ def _main_matrix(args: argparse.Namespace, argv: list[str]) -> int:
         parse_rule(rule)  # fail fast on a bad rule, before any worker starts
     load = os.getloadavg()
     results = run_matrix(args, argv)
-    print(format_matrix(args, results, load))
     if args.json_path:
         with open(args.json_path, "w") as f:
             state = {"load_average": load, "busy_cores": args.busy_cores}
             json.dump({"args": {k: v for k, v in vars(args).items() if not k.startswith("_")}, "machine": state,
                        "results": results}, f, indent=2)  # fmt: skip
-    return 0
+    return format_matrix(args, results, load)
 
 
-if __name__ == "__main__":
-    raise SystemExit(main())
+if __name__ == "__main__":  # the `python -m safevocab.bench` entry point (a worker process runs it too)
+    show_progress()
+    print(run(), flush=True)

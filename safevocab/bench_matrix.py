@@ -7,7 +7,7 @@ sampled per rule, as :mod:`safevocab.bench` does). Every ratio of a row is measu
 same conditions: ``fused / floor`` and ``fused / trl`` per rule.
 
 ``--busy-cores K`` starts ``K`` processes that spin on a core for the whole measurement (the output says so): the
-"one core busy elsewhere" condition, reproducible. The load average at the start is printed with the table.
+"one core busy elsewhere" condition, reproducible. The load average at the start is given with the table.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -25,6 +26,8 @@ import torch
 __all__ = ["run_matrix", "measure_matrix", "format_matrix"]
 
 _SPIN = "while True:\n    pass\n"
+
+logger = logging.getLogger(__name__)
 
 
 def _rule_args(args: argparse.Namespace, rule: str) -> argparse.Namespace:
@@ -72,11 +75,7 @@ def run_matrix(args: argparse.Namespace, argv: list[str]) -> dict[str, dict]:
     for threads in [int(t) for t in str(args.threads).split(",")]:
         env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
         cmd = [sys.executable, "-m", "safevocab.bench", *argv, "--_worker", "matrix", "--_threads", str(threads)]
-        print(
-            f"measuring {args.rules!r} at {threads} thread(s), {args.busy_cores} busy core(s) ...",
-            file=sys.stderr,
-            flush=True,
-        )
+        logger.info("measuring %r at %d thread(s), %d busy core(s) ...", args.rules, threads, args.busy_cores)
         spinning = _spinners(args.busy_cores)
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, env=env)

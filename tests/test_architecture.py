@@ -296,3 +296,53 @@ def test_no_product_module_sets_the_environment_at_import():
         str(path.relative_to(ROOT)): lines for path in _modules().values() if (lines := _environ_writes_at_import(path))
     }
     assert not offenders, offenders
+
+
+#: The command-line entry points, which print what the library returns (as trl's and transformers' ``commands``).
+CONSOLE_PACKAGES = ("trl_integration.commands",)
+
+
+def _console_writes(path: Path) -> list[str]:
+    """``line: call`` of each console write in ``path`` outside an ``if __name__ == "__main__":`` block (the
+    ``python -m`` entry point, a program): ``print(...)``, ``pprint(...)``, a ``.print(...)`` method (rich's
+    ``Console``) and ``sys.stdout.write`` / ``sys.stderr.write``. Logging and tqdm bars are not console writes."""
+
+    def name(node: ast.AST) -> str:
+        if isinstance(node, ast.Name):
+            return node.id
+        if isinstance(node, ast.Attribute):
+            return f"{name(node.value)}.{node.attr}"
+        return "(...)"
+
+    def is_main_guard(node: ast.AST) -> bool:
+        test = node.test if isinstance(node, ast.If) else None
+        return (isinstance(test, ast.Compare) and isinstance(test.left, ast.Name) and test.left.id == "__name__"
+                and any(isinstance(c, ast.Constant) and c.value == "__main__" for c in test.comparators))  # fmt: skip
+
+    found: list[str] = []
+
+    def walk(node: ast.AST) -> None:
+        for child in ast.iter_child_nodes(node):
+            if is_main_guard(child):
+                continue
+            if isinstance(child, ast.Call):
+                called = name(child.func)
+                if called in ("print", "pprint", "pprint.pprint", "sys.stdout.write", "sys.stderr.write") or (
+                    called.endswith(".print")
+                ):
+                    found.append(f"{child.lineno}: {called}(...)")
+            walk(child)
+
+    walk(ast.parse(path.read_text(), filename=str(path)))
+    return found
+
+
+def test_no_console_writes_in_library_code():
+    """Issue 39: the library returns text (or a table) and logs through a logger; only the command-line entry
+    points (``trl_integration/commands/``, a ``python -m`` module's ``__main__`` block) print."""
+    offenders = {
+        str(path.relative_to(ROOT)): lines
+        for module, path in _modules().items()
+        if not module.startswith(CONSOLE_PACKAGES) and (lines := _console_writes(path))
+    }
+    assert not offenders, offenders

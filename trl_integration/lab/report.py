@@ -1,5 +1,5 @@
-"""Outputs of the mismatch lab: ``summary.json``, the figures, and the summary table printed on the console (the
-tail diagnostic first, when the summary has one)."""
+"""Outputs of the mismatch lab: ``summary.json``, the figures, and the summary table that ``safevocab diagnose``
+prints on the console (the tail diagnostic first, when the summary has one). This module prints nothing itself."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 from trl_integration.demo.model import TINY_MODEL_NAME, is_tiny_model
 from trl_integration.lab.engine import DiagnoseResult
 
-__all__ = ["write_outputs", "print_summary"]
+__all__ = ["write_outputs", "summary_rows", "summary_table"]
 
 
 def write_outputs(
@@ -86,9 +86,8 @@ def _tail_lines(summary: dict) -> list[tuple[str, str]]:
     return lines
 
 
-def print_summary(summary: dict, files: list[Path]) -> None:
-    """Print the summary as a table (rich when available), the tail diagnostic first, ending with the written
-    ``files``."""
+def summary_rows(summary: dict, files: list[Path]) -> list[tuple[str, str]]:
+    """The summary as ``(label, value)`` rows, the tail diagnostic first, ending with the written ``files``."""
     model = str(summary["model"])
     if is_tiny_model(model):
         model = f"{TINY_MODEL_NAME} (bundled)"
@@ -145,17 +144,21 @@ def print_summary(summary: dict, files: list[Path]) -> None:
             ),
         ]
     lines.append(("wrote", ", ".join(str(f) for f in files)))
-    try:
-        from rich.console import Console
-        from rich.table import Table
+    return lines
 
-        table = Table(title="safevocab diagnose", show_header=False)
-        table.add_column(style="bold")
-        table.add_column()
-        for k, v in lines:
-            table.add_row(k, v)
-        Console().print(table)
+
+def summary_table(summary: dict, files: list[Path]):
+    """:func:`summary_rows` as a ``rich.table.Table`` titled "safevocab diagnose" (print it with rich's
+    ``Console().print``), or, without rich, as aligned plain text (a ``str``)."""
+    lines = summary_rows(summary, files)
+    try:
+        from rich.table import Table
     except ImportError:  # pragma: no cover - rich is part of the trl extra
         width = max(len(k) for k, _ in lines)
-        for k, v in lines:
-            print(f"{k:<{width}}  {v}")
+        return "\n".join(f"{k:<{width}}  {v}" for k, v in lines)
+    table = Table(title="safevocab diagnose", show_header=False)
+    table.add_column(style="bold")
+    table.add_column()
+    for k, v in lines:
+        table.add_row(k, v)
+    return table
