@@ -303,30 +303,65 @@ def accumulate_chunk_grads(
     if grad_bias is not None:
         grad_bias.add_(grad.sum(0, dtype=grad_bias.dtype), alpha=shift)
     grad = grad.to(gemm_operand_dtype(grad, h))
+    side = _dw_side_stream(grad.device) if grad_weight is not None and grad_hidden is not None else None
+    if side is not None:  # the dW GEMM overlaps the dX GEMM, then the chunk's buffer may be reused
+        main = torch.cuda.current_stream(grad.device)
+        side.wait_stream(main)  # grad, h and grad_weight as the main stream left them
+        with torch.cuda.stream(side):
+            _add_grad_weight(grad_weight, grad, h, shift)
+        _add_grad_hidden(grad_hidden, grad, weight, rows, shift)
+        main.wait_stream(side)  # before the caller's next GEMM overwrites grad, and before grad_weight is read
+        return
     if grad_hidden is not None:
-        if grad_hidden.dtype == weight.dtype:  # fp32/fp64 inputs
-            product = grad.to(grad_hidden.dtype) @ weight
-            if shift != 1.0:
-                product.mul_(shift)  # a power of two: exact, and finite wherever the true product fits its dtype
-            if isinstance(rows, slice):
-                grad_hidden[rows] += product
-            else:
-                grad_hidden.index_add_(0, rows, product)
-        else:  # half inputs, fp32 buffer; on an accelerator the operand is the weight's dtype (tensor cores)
-            operand = grad.to(weight.dtype) if grad_hidden.device.type != "cpu" else grad
-            if isinstance(rows, slice):
-                addmm_fp32(grad_hidden[rows], operand, weight, alpha=shift)
-            else:
-                product = torch.zeros(grad.shape[0], weight.shape[1], device=grad.device, dtype=grad_hidden.dtype)
-                addmm_fp32(product, operand, weight, alpha=shift)
-                grad_hidden.index_add_(0, rows, product)
+        _add_grad_hidden(grad_hidden, grad, weight, rows, shift)
     if grad_weight is not None:
-        if grad.dtype == grad_weight.dtype:
-            grad_weight.addmm_(grad.t(), h.to(grad.dtype), alpha=shift)
-        elif shift != 1.0:  # fp16 at tiny temperatures only: the plain fp32 product, scaled
-            grad_weight.addmm_(grad.t().to(grad_weight.dtype), h.to(grad_weight.dtype), alpha=shift)
+        _add_grad_weight(grad_weight, grad, h, shift)
+
+
+#: Private switch (issue 41): issue each chunk's dW GEMM on a side CUDA stream so that it overlaps the dX GEMM's tail
+#: wave (FlashInfer's ``DW_STREAM``). Off until a device measurement shows it helps; never used off CUDA.
+_DW_SIDE_STREAM = False
+_side_streams: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def _dw_side_stream(device: torch.device) -> torch.cuda.Stream | None:
+    if not _DW_SIDE_STREAM or device.type != "cuda":
+        return None
+    if device not in _side_streams:
+        _side_streams[device] = torch.cuda.Stream(device=device)
+    return _side_streams[device]
+
+
+def _add_grad_hidden(
+    grad_hidden: torch.Tensor, grad: torch.Tensor, weight: torch.Tensor, rows: slice | torch.Tensor, shift: float
+) -> None:
+    """``grad_hidden[rows] += shift * grad @ weight``."""
+    if grad_hidden.dtype == weight.dtype:  # fp32/fp64 inputs
+        product = grad.to(grad_hidden.dtype) @ weight
+        if shift != 1.0:
+            product.mul_(shift)  # a power of two: exact, and finite wherever the true product fits its dtype
+        if isinstance(rows, slice):
+            grad_hidden[rows] += product
         else:
-            addmm_fp32(grad_weight, grad.t(), h)
+            grad_hidden.index_add_(0, rows, product)
+    else:  # half inputs, fp32 buffer; on an accelerator the operand is the weight's dtype (tensor cores)
+        operand = grad.to(weight.dtype) if grad_hidden.device.type != "cpu" else grad
+        if isinstance(rows, slice):
+            addmm_fp32(grad_hidden[rows], operand, weight, alpha=shift)
+        else:
+            product = torch.zeros(grad.shape[0], weight.shape[1], device=grad.device, dtype=grad_hidden.dtype)
+            addmm_fp32(product, operand, weight, alpha=shift)
+            grad_hidden.index_add_(0, rows, product)
+
+
+def _add_grad_weight(grad_weight: torch.Tensor, grad: torch.Tensor, h: torch.Tensor, shift: float) -> None:
+    """``grad_weight += shift * grad.T @ h`` (fp32/fp64 ``grad_weight``)."""
+    if grad.dtype == grad_weight.dtype:
+        grad_weight.addmm_(grad.t(), h.to(grad.dtype), alpha=shift)
+    elif shift != 1.0:  # fp16 at tiny temperatures only: the plain fp32 product, scaled
+        grad_weight.addmm_(grad.t().to(grad_weight.dtype), h.to(grad_weight.dtype), alpha=shift)
+    else:
+        addmm_fp32(grad_weight, grad.t(), h)
 
 
 def gemm_operand_dtype(grad: torch.Tensor, h: torch.Tensor) -> torch.dtype:

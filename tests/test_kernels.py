@@ -474,6 +474,24 @@ def test_balanced_chunk_rows_fit_and_never_add_a_chunk():
                 assert rows == (-(-balanced // 128) * 128 if -(-balanced // 128) * 128 <= max_rows else balanced)
 
 
+@pytest.mark.skipif(not ON_CUDA, reason="CUDA streams: the private side-stream switch is never used off CUDA")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_dw_side_stream_gives_the_same_gradients(dtype, monkeypatch):
+    """The private ``_DW_SIDE_STREAM`` switch (dW GEMM on a side stream, issue 41) changes no gradient: the chunk
+    buffer is reused only after the side stream's GEMM, and ``grad_weight`` is read after it."""
+    import safevocab.chunking as chunking
+
+    params = make_inputs(n=300, h=64, v=3000, dtype=dtype, bias=True)
+    targets = params[3]
+    runs = []
+    for on in (False, True):
+        monkeypatch.setattr(chunking, "_DW_SIDE_STREAM", on)
+        out = run_backend("triton", "min_p=0.01", params[:3], targets, max_chunk_bytes=64 * 3000 * 4)
+        runs.append(grads_of(random_loss(out), params[:3]))
+    for a, b in zip(*runs):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+
+
 # ---------------------------------------------------------------------------------------------- selection and errors
 
 

@@ -224,6 +224,20 @@ def test_fp32_grad_hidden_buffer_accumulates_several_products_in_fp32():
     assert (half_sum == expected).float().mean() < 0.9  # the old bf16 accumulation: measurably off
 
 
+def test_dw_side_stream_switch_changes_nothing_off_cuda(monkeypatch):
+    """The private dW side-stream switch (issue 41) is guarded by ``device.type == "cuda"``: on the CPU it is a no-op."""
+    import safevocab.chunking as chunking
+
+    hidden, weight, bias, targets = make_inputs(n=20, v=300, dtype=torch.bfloat16)
+    runs = []
+    for on in (False, True):
+        monkeypatch.setattr(chunking, "_DW_SIDE_STREAM", on)
+        out = fused_safe_logprobs(hidden, weight, targets, "min_p=0.1", bias=bias, compute_entropy=True)
+        runs.append(grads(out, (hidden, weight, bias)))
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+
+
 @given(
     n=st.integers(0, 40),
     v=st.integers(1, 150),
