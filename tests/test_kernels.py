@@ -437,6 +437,28 @@ def test_forward_fold_none_online_pass_rescales_exactly(dtype, tol, monkeypatch)
     assert in_safe.all()
 
 
+@pytest.mark.parametrize("mode", [MODE_NONE, MODE_MIN_P, MODE_MIN_PROB])
+def test_forward_fold_shows_a_nan_or_inf_logit_in_its_statistics(mode, monkeypatch):
+    """``raise_on_non_finite_rows`` reads ``row_max`` and ``log_sum_full``: a NaN or +inf logit must leave one of them
+    non-finite in every mode (the online pass too, NaN in any block, whatever ``tl.max`` makes of a NaN)."""
+    monkeypatch.setattr(forward_fold, "MAX_BLOCK", 16)
+    raw = torch.randn(4, 50, generator=torch.Generator().manual_seed(5)).to(DEVICE)
+    raw[0, 3], raw[1, 40], raw[2, 20] = math.nan, math.nan, math.inf
+    n = raw.shape[0]
+    outs = {k: torch.empty(n, device=DEVICE) for k in ("threshold", "row_max", "target_shift", "log_sum_safe")}
+    outs.update(log_sum_full=torch.empty(n, device=DEVICE), entropy=torch.empty(n, device=DEVICE))
+    in_safe, safe_size = (
+        torch.empty(n, dtype=torch.bool, device=DEVICE),
+        torch.empty(n, dtype=torch.int64, device=DEVICE),
+    )
+    targets = torch.zeros(n, dtype=torch.int64, device=DEVICE)
+    forward_fold.forward_fold(
+        raw, targets, **outs, in_safe=in_safe, safe_size=safe_size, mode=mode, log_param=math.log(0.1)
+    )
+    finite = torch.isfinite(outs["row_max"]) & torch.isfinite(outs["log_sum_full"])
+    assert finite.tolist() == [False, False, False, True]
+
+
 def _chunk_sizes(n_rows, budget, rule="none", vocab=151936, in_bytes=2):
     from safevocab.backends.triton_backend import triton_chunk_rows
     from safevocab.chunking import chunk_slices

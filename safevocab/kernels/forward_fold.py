@@ -90,6 +90,7 @@ def _forward_fold_kernel(
         s_full = tl.zeros((), acc)
         u_safe = tl.zeros((), acc)
         n_kept = tl.zeros((), tl.int32)
+        floor = tl.full((), FLOOR, acc)
         for start in range(0, n_cols, BLOCK):
             offs = start + cols
             mask = offs < n_cols
@@ -102,17 +103,17 @@ def _forward_fold_kernel(
             # shift by 0 while every logit so far is -inf: exp(-inf - (-inf)) would be NaN
             shift = tl.where(m_new == float("-inf"), 0.0, m_new).to(acc)
             alpha = tl.exp(m - shift)  # 1 when the maximum stays, 0 before the first finite logit
-            kept = z >= FLOOR  # S = {z >= floor}: the finite logits (the cap at m only matters for an all -inf row)
-            x = tl.where(kept, z - shift, 0.0)
-            e = tl.where(kept, tl.exp(x), 0.0)
+            kept = z >= floor  # S = {z >= floor}: the finite logits (the cap at m only matters for an all -inf row)
+            x = z - shift
+            e = tl.exp(x)  # 0 at -inf (and past the row's end); NaN at a NaN logit, so that log_sum_full shows it
             if HAS_ENTROPY:
                 # sum e^{z-m_old}(z-m_old) -> alpha (u + (m_old - m_new) s); m_old - m_new is 0 while m_old = -inf
                 u_safe = alpha * (u_safe + (tl.where(m == float("-inf"), shift, m) - shift) * s_full)
-                u_safe += tl.sum(e * x, axis=0)
+                u_safe += tl.sum(tl.where(kept, e * x, 0.0), axis=0)  # 0 * -inf outside S dropped
             s_full = alpha * s_full + tl.sum(e, axis=0)
             n_kept += tl.sum(kept.to(tl.int32), axis=0)
             m = m_new
-        t = tl.minimum(tl.full((), FLOOR, acc), m)
+        t = tl.minimum(floor, m)
         tl.store(threshold_ptr + row, t)
         tl.store(row_max_ptr + row, m)
         # an all -inf row (the caller raises on its m): S = V, as z >= t = -inf says
