@@ -109,7 +109,7 @@ def _forward_fold_kernel(
             if HAS_ENTROPY:
                 # sum e^{z-m_old}(z-m_old) -> alpha (u + (m_old - m_new) s); m_old - m_new is 0 while m_old = -inf
                 u_safe = alpha * (u_safe + (tl.where(m == float("-inf"), shift, m) - shift) * s_full)
-                u_safe += tl.sum(tl.where(kept, e * x, 0.0), axis=0)  # 0 * -inf outside S dropped
+                u_safe += tl.sum(e * tl.where(kept, x, 0.0), axis=0)  # no 0 * -inf outside S
             s_full = alpha * s_full + tl.sum(e, axis=0)
             n_kept += tl.sum(kept.to(tl.int32), axis=0)
             m = m_new
