@@ -7,7 +7,7 @@ recomputed chunk into its logits gradient. What they exchange lives here:
 
 - :class:`Transform`: the sampler's logit transform (``logit_scale``, softcap, ``/ temperature``);
 - :func:`chunk_slices` and :class:`ChunkLogits`: the row slices and the chunk GEMM, identical in forward and
-  backward, so a recomputed chunk is bit-identical to the forward's;
+  backward, so a recomputed chunk is bit-identical to the forward's; :func:`balanced_chunk_rows`: equal chunk sizes;
 - :class:`RowStats`: the max-shifted per-row outputs of the forward; :class:`SparseChunk`: a chunk's safe
   sets stored as CSR; :class:`Coefficients`: the per-row backward coefficients;
 - :func:`accumulate_chunk_grads`: a chunk's logits gradient into the input gradients (fp32 weight gradient).
@@ -29,6 +29,7 @@ __all__ = [
     "Transform",
     "accumulate_chunk_grads",
     "addmm_fp32",
+    "balanced_chunk_rows",
     "chunk_slices",
     "forward_chunks_of",
     "fp16_grad_shift",
@@ -80,6 +81,29 @@ class Transform:
         if scale != 1.0:
             grad_z.mul_(scale)
         return grad_z
+
+
+#: Row chunks are sized in multiples of this (:func:`balanced_chunk_rows`): the GEMMs of a chunk tile its rows by 128
+#: (cuBLAS/CUTLASS output tiles on Hopper), so a chunk of ``128 k + 1`` rows runs a nearly idle extra tile row.
+CHUNK_ROW_MULTIPLE = 128
+
+
+def balanced_chunk_rows(n_rows: int, max_rows: int, multiple: int = CHUNK_ROW_MULTIPLE) -> int:
+    """Rows per chunk for ``n_rows`` rows and at most ``max_rows`` a chunk: as few chunks as ``max_rows``-row ones
+    (``n = ceil(n_rows / max_rows)``), of balanced sizes ``ceil(n_rows / n)`` rounded up to a multiple of
+    ``multiple`` where that still fits ``max_rows`` (else left unrounded: rounding down would add a chunk).
+
+    ``max_rows``-row chunks leave a short tail (8192 rows by 3533: 3533, 3533, 1126), a GEMM too small to fill the
+    device; balanced ones do not (2816, 2816, 2560). Never more chunks than ``max_rows``-row ones, never more rows
+    than ``max_rows``, never fewer than 1; ``n_rows <= max_rows`` gives one chunk of ``n_rows``.
+    """
+    max_rows = max(1, max_rows)
+    if n_rows <= max_rows:
+        return max(1, n_rows)
+    n_chunks = -(-n_rows // max_rows)
+    rows = -(-n_rows // n_chunks)
+    rounded = -(-rows // multiple) * multiple
+    return rounded if rounded <= max_rows else rows
 
 
 def chunk_slices(n_rows: int, chunk_rows: int) -> list[slice]:
@@ -270,12 +294,49 @@ def accumulate_chunk_grads(
 ) -> None:
     """Add a chunk's logits gradient ``shift * grad`` (``grad`` ``[n, V]``; ``shift``: ``Coefficients.grad_shift``)
     to the input gradients: ``grad @ weight`` into ``grad_hidden[rows]``, ``grad.T @ h`` into the fp32
-    ``grad_weight`` (rounding each chunk's product to bf16 would bias training), column sums into ``grad_bias``."""
+    ``grad_weight`` (rounding each chunk's product to bf16 would bias training), column sums into ``grad_bias``.
+
+    For half inputs ``grad_hidden`` is an fp32 buffer (``FusedSafeLogProbs`` allocates it and rounds it to the
+    inputs' dtype once, at the end): the ``grad @ weight`` product is accumulated in fp32 (:func:`addmm_fp32`), as
+    trl's ``_addmm_fp32`` does, not rounded to half precision and then added in half precision."""
     grad_hidden, grad_weight, grad_bias = grads
     if grad_bias is not None:
         grad_bias.add_(grad.sum(0, dtype=grad_bias.dtype), alpha=shift)
     grad = grad.to(gemm_operand_dtype(grad, h))
+    side = _dw_side_stream(grad.device) if grad_weight is not None and grad_hidden is not None else None
+    if side is not None:  # the dW GEMM overlaps the dX GEMM, then the chunk's buffer may be reused
+        main = torch.cuda.current_stream(grad.device)
+        side.wait_stream(main)  # grad, h and grad_weight as the main stream left them
+        with torch.cuda.stream(side):
+            _add_grad_weight(grad_weight, grad, h, shift)
+        _add_grad_hidden(grad_hidden, grad, weight, rows, shift)
+        main.wait_stream(side)  # before the caller's next GEMM overwrites grad, and before grad_weight is read
+        return
     if grad_hidden is not None:
+        _add_grad_hidden(grad_hidden, grad, weight, rows, shift)
+    if grad_weight is not None:
+        _add_grad_weight(grad_weight, grad, h, shift)
+
+
+#: Private switch (issue 41): issue each chunk's dW GEMM on a side CUDA stream so that it overlaps the dX GEMM's tail
+#: wave (FlashInfer's ``DW_STREAM``). Off until a device measurement shows it helps; never used off CUDA.
+_DW_SIDE_STREAM = False
+_side_streams: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def _dw_side_stream(device: torch.device) -> torch.cuda.Stream | None:
+    if not _DW_SIDE_STREAM or device.type != "cuda":
+        return None
+    if device not in _side_streams:
+        _side_streams[device] = torch.cuda.Stream(device=device)
+    return _side_streams[device]
+
+
+def _add_grad_hidden(
+    grad_hidden: torch.Tensor, grad: torch.Tensor, weight: torch.Tensor, rows: slice | torch.Tensor, shift: float
+) -> None:
+    """``grad_hidden[rows] += shift * grad @ weight``."""
+    if grad_hidden.dtype == weight.dtype:  # fp32/fp64 inputs
         product = grad.to(grad_hidden.dtype) @ weight
         if shift != 1.0:
             product.mul_(shift)  # a power of two: exact, and finite wherever the true product fits its dtype
@@ -283,13 +344,24 @@ def accumulate_chunk_grads(
             grad_hidden[rows] += product
         else:
             grad_hidden.index_add_(0, rows, product)
-    if grad_weight is not None:
-        if grad.dtype == grad_weight.dtype:
-            grad_weight.addmm_(grad.t(), h.to(grad.dtype), alpha=shift)
-        elif shift != 1.0:  # fp16 at tiny temperatures only: the plain fp32 product, scaled
-            grad_weight.addmm_(grad.t().to(grad_weight.dtype), h.to(grad_weight.dtype), alpha=shift)
+    else:  # half inputs, fp32 buffer; on an accelerator the operand is the weight's dtype (tensor cores)
+        operand = grad.to(weight.dtype) if grad_hidden.device.type != "cpu" else grad
+        if isinstance(rows, slice):
+            addmm_fp32(grad_hidden[rows], operand, weight, alpha=shift)
         else:
-            addmm_fp32(grad_weight, grad.t(), h)
+            product = torch.zeros(grad.shape[0], weight.shape[1], device=grad.device, dtype=grad_hidden.dtype)
+            addmm_fp32(product, operand, weight, alpha=shift)
+            grad_hidden.index_add_(0, rows, product)
+
+
+def _add_grad_weight(grad_weight: torch.Tensor, grad: torch.Tensor, h: torch.Tensor, shift: float) -> None:
+    """``grad_weight += shift * grad.T @ h`` (fp32/fp64 ``grad_weight``)."""
+    if grad.dtype == grad_weight.dtype:
+        grad_weight.addmm_(grad.t(), h.to(grad.dtype), alpha=shift)
+    elif shift != 1.0:  # fp16 at tiny temperatures only: the plain fp32 product, scaled
+        grad_weight.addmm_(grad.t().to(grad_weight.dtype), h.to(grad_weight.dtype), alpha=shift)
+    else:
+        addmm_fp32(grad_weight, grad.t(), h)
 
 
 def gemm_operand_dtype(grad: torch.Tensor, h: torch.Tensor) -> torch.dtype:
@@ -306,21 +378,32 @@ def gemm_operand_dtype(grad: torch.Tensor, h: torch.Tensor) -> torch.dtype:
     return grad.dtype
 
 
-def addmm_fp32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """``acc += a @ b`` for an fp32/fp64 ``acc``, without rounding the product to half precision first."""
+def addmm_fp32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, alpha: float = 1.0) -> None:
+    """``acc += alpha * a @ b`` for an fp32/fp64 ``acc``, without rounding the product to half precision first.
+
+    On CUDA half operands go through one mixed-dtype GEMM (``out_dtype=torch.float32``); elsewhere they are upcast,
+    ``b`` in column blocks of at most :data:`UPCAST_BLOCK_BYTES` (``b`` may be the ``[V, H]`` weight)."""
     global _OUT_DTYPE_MM
-    if a.dtype == acc.dtype:
-        acc.addmm_(a, b)
+    if a.dtype == acc.dtype and b.dtype == acc.dtype:
+        acc.addmm_(a, b, alpha=alpha)
         return
-    if _OUT_DTYPE_MM and acc.device.type == "cuda" and acc.dtype == torch.float32:
+    if _OUT_DTYPE_MM and acc.device.type == "cuda" and acc.dtype == torch.float32 and a.dtype == b.dtype:
         try:
-            torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+            torch.addmm(acc, a, b, out_dtype=torch.float32, alpha=alpha, out=acc)
             return
         except (TypeError, RuntimeError):  # torch without mixed-dtype addmm: the upcast below
             _OUT_DTYPE_MM = False
-    acc.addmm_(a.to(acc.dtype), b.to(acc.dtype))
+    a = a.to(acc.dtype)
+    step = max(1, UPCAST_BLOCK_BYTES // max(1, b.shape[0] * acc.element_size()))
+    if step >= b.shape[1]:
+        acc.addmm_(a, b.to(acc.dtype), alpha=alpha)
+        return
+    for start in range(0, b.shape[1], step):
+        acc[:, start : start + step].addmm_(a, b[:, start : start + step].to(acc.dtype), alpha=alpha)
 
 
+#: Largest upcast copy of an operand :func:`addmm_fp32` makes at once where no mixed-dtype GEMM runs (CPU).
+UPCAST_BLOCK_BYTES = 64 * 2**20
 _OUT_DTYPE_MM = True
 
 

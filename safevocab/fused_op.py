@@ -208,7 +208,8 @@ class FusedSafeLogProbs(torch.autograd.Function):
         if hidden.dtype == torch.float16:  # a logits gradient beyond 65504 is stored scaled down (Coefficients)
             coef.grad_shift = fp16_grad_shift(coef, ctx.transform.logit_scale / ctx.transform.temperature)
 
-        grad_hidden = torch.zeros_like(hidden) if need_h else None
+        # fp32 for half inputs: every chunk's dX product is accumulated in fp32 and rounded once, on return
+        grad_hidden = torch.zeros(hidden.shape, device=hidden.device, dtype=stat) if need_h else None
         grad_weight = torch.zeros(weight.shape, device=weight.device, dtype=stat) if need_w else None
         grad_bias = torch.zeros(weight.shape[0], device=weight.device, dtype=stat) if need_b else None
         grads = (grad_hidden, grad_weight, grad_bias)
@@ -236,7 +237,7 @@ class FusedSafeLogProbs(torch.autograd.Function):
             )
 
         return (
-            grad_hidden,
+            grad_hidden.to(hidden.dtype) if need_h else None,
             grad_weight.to(weight.dtype) if need_w else None,
             grad_bias.to(bias.dtype) if need_b else None,
             None,

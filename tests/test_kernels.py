@@ -394,6 +394,126 @@ def test_forward_fold_kernel_against_definitions(rule, mode, store_z, softcap, m
     torch.testing.assert_close(outs["entropy"], entropy, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 2e-6), (torch.float64, 1e-13)])
+def test_forward_fold_none_online_pass_rescales_exactly(dtype, tol, monkeypatch):
+    """``none``'s single online pass (running maximum, sums rescaled when it grows) against float64 definitions:
+    rows whose maximum grows in every column block (a rescale each time, by up to e^-60), rows whose first blocks
+    are all ``-inf`` (the shift must not make ``exp(-inf - (-inf))`` a NaN), ``-inf`` inside a block, the maximum
+    in the first block; the entropy too. Only rounding may differ: ``tol`` is a few ulps of the dtype."""
+    monkeypatch.setattr(forward_fold, "MAX_BLOCK", 32)
+    g = torch.Generator().manual_seed(11)
+    v = 200  # 7 column blocks, the last one partial
+    raw = torch.randn(6, v, generator=g, dtype=torch.float64) * 3
+    raw[0] = torch.linspace(-60.0, 25.0, v, dtype=torch.float64) + torch.rand(v, generator=g, dtype=torch.float64)
+    raw[1, :70] = -math.inf  # two whole blocks and part of a third
+    raw[2, 5:150] = -math.inf
+    raw[3, 0] = 40.0  # the maximum first: nothing is ever rescaled
+    raw[4] = torch.linspace(30.0, -30.0, v, dtype=torch.float64)
+    raw[5, 1:] = -math.inf  # a single finite logit
+    raw = raw.to(DEVICE, dtype)
+    targets = torch.tensor([v - 1, 100, 3, 0, 7, 0], device=DEVICE)
+    names = ("threshold", "row_max", "target_shift", "log_sum_safe", "log_sum_full", "entropy")
+    outs = {k: torch.empty(6, device=DEVICE, dtype=dtype) for k in names}
+    in_safe = torch.empty(6, dtype=torch.bool, device=DEVICE)
+    safe_size = torch.empty(6, dtype=torch.int64, device=DEVICE)
+    forward_fold.forward_fold(
+        raw.clone(), targets, **outs, in_safe=in_safe, safe_size=safe_size, mode=MODE_NONE, temperature=0.5
+    )
+    z = raw.double().cpu() / 0.5  # a power of two: Triton passes the scalar as fp32
+    m = z.amax(-1)
+    finite = torch.isfinite(z)
+    p = torch.softmax(z, -1)
+    expect = {
+        "threshold": torch.full((6,), torch.finfo(dtype).min, dtype=torch.float64),
+        "row_max": m,
+        "target_shift": z.gather(-1, targets.cpu()[:, None]).squeeze(-1) - m,
+        "log_sum_safe": torch.logsumexp(z - m[:, None], -1),
+        "log_sum_full": torch.logsumexp(z - m[:, None], -1),
+        "entropy": -(p * p.clamp_min(1e-300).log()).sum(-1),
+    }
+    for name in names:
+        torch.testing.assert_close(outs[name].double().cpu(), expect[name], atol=tol, rtol=tol, msg=name)
+    assert torch.equal(safe_size.cpu(), finite.sum(-1))
+    assert in_safe.all()
+
+
+@pytest.mark.parametrize("mode", [MODE_NONE, MODE_MIN_P, MODE_MIN_PROB])
+def test_forward_fold_shows_a_nan_or_inf_logit_in_its_statistics(mode, monkeypatch):
+    """``raise_on_non_finite_rows`` reads ``row_max`` and ``log_sum_full``: a NaN or +inf logit must leave one of them
+    non-finite in every mode (the online pass too, NaN in any block, whatever ``tl.max`` makes of a NaN)."""
+    monkeypatch.setattr(forward_fold, "MAX_BLOCK", 16)
+    raw = torch.randn(4, 50, generator=torch.Generator().manual_seed(5)).to(DEVICE)
+    raw[0, 3], raw[1, 40], raw[2, 20] = math.nan, math.nan, math.inf
+    n = raw.shape[0]
+    outs = {k: torch.empty(n, device=DEVICE) for k in ("threshold", "row_max", "target_shift", "log_sum_safe")}
+    outs.update(log_sum_full=torch.empty(n, device=DEVICE), entropy=torch.empty(n, device=DEVICE))
+    in_safe, safe_size = (
+        torch.empty(n, dtype=torch.bool, device=DEVICE),
+        torch.empty(n, dtype=torch.int64, device=DEVICE),
+    )
+    targets = torch.zeros(n, dtype=torch.int64, device=DEVICE)
+    forward_fold.forward_fold(
+        raw, targets, **outs, in_safe=in_safe, safe_size=safe_size, mode=mode, log_param=math.log(0.1)
+    )
+    finite = torch.isfinite(outs["row_max"]) & torch.isfinite(outs["log_sum_full"])
+    assert finite.tolist() == [False, False, False, True]
+
+
+def _chunk_sizes(n_rows, budget, rule="none", vocab=151936, in_bytes=2):
+    from safevocab.backends.triton_backend import triton_chunk_rows
+    from safevocab.chunking import chunk_slices
+
+    rows = triton_chunk_rows(n_rows, vocab, parse_rule(rule), in_bytes, budget)
+    return rows, [s.stop - s.start for s in chunk_slices(n_rows, rows)]
+
+
+def test_triton_chunk_rows_are_balanced_multiples_of_128():
+    """Balanced row chunks in multiples of 128 (GPU_DESIGN.md 3.4): no short tail chunk, no more chunks than the
+    budget's own row count gives, never above the budget. The bench's shape, bf16, 2 B/logit for ``none``: 1 GiB
+    holds 3533 rows (4096 would need 1.16 GiB), 1.25 GiB holds 4416."""
+    assert _chunk_sizes(8192, 2**30)[1] == [2816, 2816, 2560]  # 3533, 3533, 1126 before
+    assert _chunk_sizes(8192, 5 * 2**28)[1] == [4096, 4096]  # 4416, 3776 before
+    assert _chunk_sizes(5000, 2**30)[1] == [2560, 2440]  # odd N
+    assert _chunk_sizes(8191, 5 * 2**28)[1] == [4096, 4095]
+    assert _chunk_sizes(1, 2**30)[1] == [1]  # tiny N: one chunk of N rows
+    assert _chunk_sizes(3533, 2**30)[1] == [3533]  # fits: one chunk, whatever the multiple
+    assert _chunk_sizes(0, 2**30)[0] == 1
+    assert _chunk_sizes(100, 30 * 151936 * 2)[1] == [25, 25, 25, 25]  # 128 does not fit: balanced, unrounded
+    assert _chunk_sizes(7, 100)[1] == [1] * 7  # a budget below one row: one row a chunk, as before
+
+
+def test_balanced_chunk_rows_fit_and_never_add_a_chunk():
+    from safevocab.chunking import balanced_chunk_rows, chunk_slices
+
+    for n_rows in (1, 2, 127, 128, 129, 300, 1000, 4097, 8192, 16385):
+        for max_rows in (1, 3, 100, 127, 128, 129, 256, 1000, 3533, 4416, 10**6):
+            rows = balanced_chunk_rows(n_rows, max_rows)
+            sizes = [s.stop - s.start for s in chunk_slices(n_rows, rows)]
+            assert 1 <= rows <= max_rows and sum(sizes) == n_rows
+            assert len(sizes) <= -(-n_rows // max_rows)  # never more chunks than max_rows-sized ones
+            if len(sizes) > 1:
+                balanced = -(-n_rows // -(-n_rows // max_rows))
+                assert rows == (-(-balanced // 128) * 128 if -(-balanced // 128) * 128 <= max_rows else balanced)
+
+
+@pytest.mark.skipif(not ON_CUDA, reason="CUDA streams: the private side-stream switch is never used off CUDA")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_dw_side_stream_gives_the_same_gradients(dtype, monkeypatch):
+    """The private ``_DW_SIDE_STREAM`` switch (dW GEMM on a side stream, issue 41) changes no gradient: the chunk
+    buffer is reused only after the side stream's GEMM, and ``grad_weight`` is read after it."""
+    import safevocab.chunking as chunking
+
+    params = make_inputs(n=300, h=64, v=3000, dtype=dtype, bias=True)
+    targets = params[3]
+    runs = []
+    for on in (False, True):
+        monkeypatch.setattr(chunking, "_DW_SIDE_STREAM", on)
+        out = run_backend("triton", "min_p=0.01", params[:3], targets, max_chunk_bytes=64 * 3000 * 4)
+        runs.append(grads_of(random_loss(out), params[:3]))
+    for a, b in zip(*runs):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+
+
 # ---------------------------------------------------------------------------------------------- selection and errors
 
 

@@ -179,6 +179,65 @@ def test_fused_matches_materialised_half(dtype, tol, rule):
         assert g.dtype == p.dtype and torch.isfinite(g.float()).all()
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_grad_hidden_is_the_float64_gradient_rounded_once(dtype):
+    """``grad_hidden`` of half inputs is accumulated in fp32 and rounded once (issue 41 point 4): on the CPU (fp32
+    logits gradient, fp32 products) it is the float64 gradient, on the logits as the op defines them (the GEMM
+    output rounded to the inputs' dtype), rounded once to the inputs' dtype, in practically every entry. Rounding
+    the logits gradient and each chunk's product to half precision, as before, left 29-31 % of the entries off the
+    rounded value (0.7061 correctly rounded for bf16, 0.6904 for fp16, with 8-row chunks)."""
+    g = torch.Generator().manual_seed(0)
+    n, h, v = 64, 256, 2048
+    hidden = torch.randn(n, h, generator=g, dtype=torch.float64).to(dtype).requires_grad_()
+    weight = (torch.randn(v, h, generator=g, dtype=torch.float64) * 2 / h**0.5).to(dtype)
+    targets = torch.randint(0, v, (n,), generator=g)
+    upstream = torch.randn(n, generator=g, dtype=torch.float64)
+    out = fused_safe_logprobs(hidden, weight, targets, "none", backend="torch", max_chunk_bytes=8 * v * 4)
+    (grad_hidden,) = torch.autograd.grad((out.logprobs.double() * upstream).sum(), [hidden])
+    assert grad_hidden.dtype == dtype
+    z = (hidden.detach() @ weight.t()).double().requires_grad_()
+    log_p = torch.log_softmax(z, -1).gather(-1, targets[:, None]).squeeze(-1)
+    (grad_z,) = torch.autograd.grad((log_p * upstream).sum(), [z])
+    expected = (grad_z @ weight.double()).to(dtype)
+    assert (grad_hidden == expected).float().mean() > 0.99
+
+
+def test_fp32_grad_hidden_buffer_accumulates_several_products_in_fp32():
+    """Several products added into the same rows (the sparse and full-softmax parts of a row, several vocabulary
+    pieces) stay in fp32 until the single rounding: each piece rounded to bf16 and summed in bf16 drifts."""
+    from safevocab.chunking import accumulate_chunk_grads
+
+    g = torch.Generator().manual_seed(3)
+    n, h, v, pieces = 16, 64, 4096, 8
+    hidden = torch.randn(n, h, generator=g).bfloat16()
+    weight = (torch.randn(v, h, generator=g) / 8).bfloat16()
+    grad = torch.randn(n, v, generator=g).bfloat16()
+    rows = torch.arange(n)
+    buffer = torch.zeros(n, h)  # what FusedSafeLogProbs allocates for half inputs
+    for cols in torch.arange(v).chunk(pieces):
+        accumulate_chunk_grads(grad[:, cols], hidden, weight[cols], rows, (buffer, None, None))
+    expected = (grad.double() @ weight.double()).bfloat16()
+    assert (buffer.bfloat16() == expected).float().mean() > 0.99
+    half_sum = torch.zeros(n, h, dtype=torch.bfloat16)
+    for cols in torch.arange(v).chunk(pieces):
+        half_sum += grad[:, cols] @ weight[cols]
+    assert (half_sum == expected).float().mean() < 0.9  # the old bf16 accumulation: measurably off
+
+
+def test_dw_side_stream_switch_changes_nothing_off_cuda(monkeypatch):
+    """The private dW side-stream switch (issue 41) is guarded by ``device.type == "cuda"``: on the CPU it is a no-op."""
+    import safevocab.chunking as chunking
+
+    hidden, weight, bias, targets = make_inputs(n=20, v=300, dtype=torch.bfloat16)
+    runs = []
+    for on in (False, True):
+        monkeypatch.setattr(chunking, "_DW_SIDE_STREAM", on)
+        out = fused_safe_logprobs(hidden, weight, targets, "min_p=0.1", bias=bias, compute_entropy=True)
+        runs.append(grads(out, (hidden, weight, bias)))
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+
+
 @given(
     n=st.integers(0, 40),
     v=st.integers(1, 150),

@@ -35,6 +35,7 @@ from safevocab.chunking import (
     SparseChunk,
     Transform,
     accumulate_chunk_grads,
+    balanced_chunk_rows,
     chunk_slices,
     forward_chunks_of,
 )
@@ -62,7 +63,8 @@ def triton_chunk_rows(n_rows: int, vocab: int, rule: SafeVocabRule, in_bytes: in
         per_logit = in_bytes + mask
     else:
         per_logit = stat_bytes + (in_bytes if in_bytes < 4 else 0) + mask + rule.scratch_bytes_per_logit
-    return max(1, min(n_rows, max_chunk_bytes // max(1, vocab * per_logit)))
+    # balanced chunks in multiples of 128 rows (no short tail chunk), as many as the budget's own row count gives
+    return balanced_chunk_rows(n_rows, max_chunk_bytes // max(1, vocab * per_logit))
 
 
 class _ChunkGemm:

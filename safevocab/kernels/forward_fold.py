@@ -2,10 +2,17 @@
 
 One program per row. With ``m`` the row maximum and ``t`` the threshold (``S = {z >= t}``):
 
-- pass 1 (in-kernel thresholds only): ``m``; for ``MinProb`` a second pass for ``logsumexp`` over ``V``;
-- last pass: ``e = exp(z - m)`` summed over ``V`` and over ``S``, ``sum_S e (z - m)`` for the entropy,
-  ``|S|``; optionally the transformed logits written back over the chunk (fp32/fp64 inputs, for the
-  sparse backward's copy of ``S``).
+- ``NoPruning`` (``MODE_NONE``): one online pass, as trl's ``_forward_kernel``: the running maximum ``m``, with
+  ``sum e^{z - m}`` and ``sum_S e^{z - m} (z - m)`` rescaled whenever ``m`` grows (its threshold, the finite
+  floor, does not depend on ``m``, so nothing waits for it);
+- ``MinP``/``MinProb`` (their threshold depends on ``m``): pass 1 finds ``m`` (for ``MinProb`` a second pass
+  ``logsumexp`` over ``V``), then the last pass: ``e = exp(z - m)`` summed over ``V`` and over ``S``,
+  ``sum_S e (z - m)`` for the entropy, ``|S|``;
+- either way the transformed logits may be written back over the chunk in the last pass (fp32/fp64 inputs,
+  for the sparse backward's copy of ``S``).
+
+Every sum is a scalar, reduced once per column block (as trl's kernel does), not a ``[BLOCK]`` vector:
+fewer registers per program, more programs resident, more of the re-read row still in L2.
 
 Outputs per row, max-shifted as :class:`safevocab.chunking.RowStats` (no ``m + log sum`` is ever
 formed, so huge logits lose no precision): ``threshold``, ``row_max = m``, ``log_sum_safe = log sum_S e``,
@@ -74,65 +81,99 @@ def _forward_fold_kernel(
     z_y = tl.load(row_ptr + tl.load(targets_ptr + row)).to(acc)
     z_y = transform(z_y, scale, softcap, temperature, HAS_SCALE, HAS_SOFTCAP, HAS_TEMPERATURE)
 
-    if MODE == _GIVEN:
-        m = tl.load(row_max_ptr + row).to(acc)
-        t = tl.load(threshold_ptr + row).to(acc)
-    else:
-        m_vec = tl.full((BLOCK,), float("-inf"), acc)
+    # Every accumulator is a scalar reduced each iteration (as trl's kernel): [BLOCK] vectors of them would cost
+    # registers, hence resident programs, hence the L2 hits of the next pass over the row.
+    if MODE == _NONE:
+        # ONE online pass: t is the finite floor whatever m is, so S is every finite logit and nothing waits for m.
+        # Running maximum m; s = sum e^{z-m} and u = sum_S e^{z-m} (z-m), rescaled when m grows.
+        m = tl.full((), float("-inf"), acc)
+        s_full = tl.zeros((), acc)
+        u_safe = tl.zeros((), acc)
+        n_kept = tl.zeros((), tl.int32)
+        floor = tl.full((), FLOOR, acc)
         for start in range(0, n_cols, BLOCK):
             offs = start + cols
             mask = offs < n_cols
             z = tl.load(row_ptr + offs, mask=mask, other=0.0).to(acc)
             z = transform(z, scale, softcap, temperature, HAS_SCALE, HAS_SOFTCAP, HAS_TEMPERATURE)
-            m_vec = tl.maximum(m_vec, tl.where(mask, z, float("-inf")))
-        m = tl.max(m_vec, axis=0)
-        if MODE == _NONE:
-            t = tl.full((), FLOOR, acc)
-        elif MODE == _MIN_P:
-            t = m + tl.cast(log_param, acc)
-        else:  # MODE_MIN_PROB: p_a >= tau  <=>  z_a >= lse + log tau, capped at the maximum
-            s_vec = tl.zeros((BLOCK,), acc)
+            if STORE_Z:
+                tl.store(row_ptr + offs, z.to(z_ptr.dtype.element_ty), mask=mask)
+            z = tl.where(mask, z, float("-inf"))
+            m_new = tl.maximum(m, tl.max(z, axis=0))
+            # shift by 0 while every logit so far is -inf: exp(-inf - (-inf)) would be NaN
+            shift = tl.where(m_new == float("-inf"), 0.0, m_new).to(acc)
+            alpha = tl.exp(m - shift)  # 1 when the maximum stays, 0 before the first finite logit
+            kept = z >= floor  # S = {z >= floor}: the finite logits (the cap at m only matters for an all -inf row)
+            x = z - shift
+            e = tl.exp(x)  # 0 at -inf (and past the row's end); NaN at a NaN logit, so that log_sum_full shows it
+            if HAS_ENTROPY:
+                # sum e^{z-m_old}(z-m_old) -> alpha (u + (m_old - m_new) s); m_old - m_new is 0 while m_old = -inf
+                u_safe = alpha * (u_safe + (tl.where(m == float("-inf"), shift, m) - shift) * s_full)
+                u_safe += tl.sum(e * tl.where(kept, x, 0.0), axis=0)  # no 0 * -inf outside S
+            s_full = alpha * s_full + tl.sum(e, axis=0)
+            n_kept += tl.sum(kept.to(tl.int32), axis=0)
+            m = m_new
+        t = tl.minimum(floor, m)
+        tl.store(threshold_ptr + row, t)
+        tl.store(row_max_ptr + row, m)
+        # an all -inf row (the caller raises on its m): S = V, as z >= t = -inf says
+        n_kept = tl.where(m == float("-inf"), n_cols, n_kept)
+        s_safe = s_full
+    else:
+        if MODE == _GIVEN:
+            m = tl.load(row_max_ptr + row).to(acc)
+            t = tl.load(threshold_ptr + row).to(acc)
+        else:
+            m = tl.full((), float("-inf"), acc)
             for start in range(0, n_cols, BLOCK):
                 offs = start + cols
                 mask = offs < n_cols
                 z = tl.load(row_ptr + offs, mask=mask, other=0.0).to(acc)
                 z = transform(z, scale, softcap, temperature, HAS_SCALE, HAS_SOFTCAP, HAS_TEMPERATURE)
-                s_vec += tl.where(mask, tl.exp(z - m), 0.0)
-            t = m + tl.log(tl.sum(s_vec, axis=0)) + tl.cast(log_param, acc)
-        # floor first, then cap: a row below the floor still keeps its argmax
-        t = tl.minimum(tl.maximum(t, tl.full((), FLOOR, acc)), m)
-        tl.store(threshold_ptr + row, t)
-        tl.store(row_max_ptr + row, m)
+                m = tl.maximum(m, tl.max(tl.where(mask, z, float("-inf")), axis=0))
+            if MODE == _MIN_P:
+                t = m + tl.cast(log_param, acc)
+            else:  # MODE_MIN_PROB: p_a >= tau  <=>  z_a >= lse + log tau, capped at the maximum
+                s_lse = tl.zeros((), acc)
+                for start in range(0, n_cols, BLOCK):
+                    offs = start + cols
+                    mask = offs < n_cols
+                    z = tl.load(row_ptr + offs, mask=mask, other=0.0).to(acc)
+                    z = transform(z, scale, softcap, temperature, HAS_SCALE, HAS_SOFTCAP, HAS_TEMPERATURE)
+                    s_lse += tl.sum(tl.where(mask, tl.exp(z - m), 0.0), axis=0)
+                t = m + tl.log(s_lse) + tl.cast(log_param, acc)
+            # floor first, then cap: a row below the floor still keeps its argmax
+            t = tl.minimum(tl.maximum(t, tl.full((), FLOOR, acc)), m)
+            tl.store(threshold_ptr + row, t)
+            tl.store(row_max_ptr + row, m)
 
-    sum_full = tl.zeros((BLOCK,), acc)
-    sum_safe = tl.zeros((BLOCK,), acc)
-    sum_safe_z = tl.zeros((BLOCK,), acc)
-    kept_count = tl.zeros((BLOCK,), tl.int32)
-    for start in range(0, n_cols, BLOCK):
-        offs = start + cols
-        mask = offs < n_cols
-        z = tl.load(row_ptr + offs, mask=mask, other=0.0).to(acc)
-        z = transform(z, scale, softcap, temperature, HAS_SCALE, HAS_SOFTCAP, HAS_TEMPERATURE)
-        if STORE_Z:
-            tl.store(row_ptr + offs, z.to(z_ptr.dtype.element_ty), mask=mask)
-        kept = mask & (z >= t)
-        e = tl.where(mask, tl.exp(z - m), 0.0)
-        sum_full += e
-        e_safe = tl.where(kept, e, 0.0)
-        sum_safe += e_safe
-        if HAS_ENTROPY:
-            # xlogy(e, e) = e (z - m) on S; dropped entries (z may be -inf) contribute 0 * 0
-            sum_safe_z += e_safe * (tl.where(kept, z, m) - m)
-        kept_count += kept.to(tl.int32)
+        s_full = tl.zeros((), acc)
+        s_safe = tl.zeros((), acc)
+        u_safe = tl.zeros((), acc)
+        n_kept = tl.zeros((), tl.int32)
+        for start in range(0, n_cols, BLOCK):
+            offs = start + cols
+            mask = offs < n_cols
+            z = tl.load(row_ptr + offs, mask=mask, other=0.0).to(acc)
+            z = transform(z, scale, softcap, temperature, HAS_SCALE, HAS_SOFTCAP, HAS_TEMPERATURE)
+            if STORE_Z:
+                tl.store(row_ptr + offs, z.to(z_ptr.dtype.element_ty), mask=mask)
+            kept = mask & (z >= t)
+            e = tl.where(mask, tl.exp(z - m), 0.0)
+            s_full += tl.sum(e, axis=0)
+            e_safe = tl.where(kept, e, 0.0)
+            s_safe += tl.sum(e_safe, axis=0)
+            if HAS_ENTROPY:
+                # xlogy(e, e) = e (z - m) on S; dropped entries (z may be -inf) contribute 0 * 0
+                u_safe += tl.sum(e_safe * (tl.where(kept, z, m) - m), axis=0)
+            n_kept += tl.sum(kept.to(tl.int32), axis=0)
 
-    s_full = tl.sum(sum_full, axis=0)
-    s_safe = tl.sum(sum_safe, axis=0)
     log_s_safe = tl.log(s_safe)
     tl.store(log_sum_safe_ptr + row, log_s_safe)
     tl.store(log_sum_full_ptr + row, tl.log(s_full))
-    tl.store(safe_size_ptr + row, tl.sum(kept_count, axis=0))
+    tl.store(safe_size_ptr + row, n_kept)
     if HAS_ENTROPY:
-        tl.store(entropy_ptr + row, log_s_safe - tl.sum(sum_safe_z, axis=0) / s_safe)
+        tl.store(entropy_ptr + row, log_s_safe - u_safe / s_safe)
 
     tl.store(target_shift_ptr + row, z_y - m)
     tl.store(in_safe_ptr + row, z_y >= t)
