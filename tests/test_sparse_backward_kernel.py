@@ -406,3 +406,28 @@ def test_triton_replay_matches_reference(inputs, data):
     transform = data.draw(transforms(inputs["exact"]))
     support = data.draw(supports(inputs))
     check_fused(inputs, parts, transform, data.draw(st.integers(1, 4096)), False, "triton", DEVICE.type, support)
+
+
+def test_sparse_kernel_writes_each_weight_row_once(monkeypatch):
+    """No atomics: the dW kernel must get one program per distinct id (ids strictly ascending), or two programs would
+    read-add-write the same row of dW concurrently on a GPU (the interpreter, running programs one after another,
+    would not show the lost update)."""
+    launches = []
+    kernel = sparse_kernel._grad_weight_kernel
+
+    class Recording:
+        def __getitem__(self, grid):
+            def launch(group_cols, group_offsets, *args, **kwargs):
+                launches.append((grid, group_cols.cpu(), group_offsets.cpu()))
+                return kernel[grid](group_cols, group_offsets, *args, **kwargs)
+
+            return launch
+
+    monkeypatch.setattr(sparse_kernel, "_grad_weight_kernel", Recording())
+    case = kernel_case(3)
+    run_kernel(case)
+    ((grid, group_cols, group_offsets),) = launches
+    cols = case[2].long()
+    assert torch.equal(group_cols, cols.unique())  # ascending, each id once
+    assert grid[0] == group_cols.numel() and int(group_offsets[-1]) == cols.numel()
+    assert torch.equal(group_offsets.diff(), torch.bincount(cols)[group_cols])
