@@ -19,8 +19,9 @@ Backward forms ``grad_z = g_lp 1[a=y] - pi_S (c_S + g_H (log pi_S + H)) - c_F pi
   - **sparse** (the common case in RL): when a chunk's safe sets are small (at most
     ``SPARSE_MAX_DENSITY`` of its logits), forward stores ``S`` itself as CSR (int32 column, fp32
     ``z - m``: 8 bytes per kept logit), and backward runs two sparse GEMMs whose cost scales with
-    ``|S|``: no recomputation at all (:func:`sparse_backward`).
-  - **dense** (chunks with large safe sets, half-precision inputs): the backend recomputes the chunk's
+    ``|S|``: no recomputation at all (:func:`sparse_backward`), or the backend's own ``sparse_backward`` when it
+    has one (the Triton backend: :mod:`safevocab.kernels.sparse_backward`, any input dtype; :func:`sparse_density`).
+  - **dense** (chunks with large safe sets; half-precision inputs on the torch backend): the backend recomputes the chunk's
     logits with the *same call on the same operands* as the forward (the same row slice of ``hidden``, the
     same buffer shape: BLAS results depend on layout and alignment, and a boundary token one ulp off would
     leave ``S``), rebuilds ``S = {z >= t}`` and checks it against the saved ``|S|``.

@@ -2,8 +2,9 @@
 
 :class:`TritonBackend` implements :class:`safevocab.backends.protocol.FusedBackend`: :func:`triton_forward` and
 :func:`triton_dense_backward` replace the torch backend's passes (:mod:`safevocab.backends.torch_backend`) with the
-kernels of :mod:`safevocab.kernels` (one op a file); the autograd bookkeeping and the sparse backward stay in
-:mod:`safevocab.fused_op`. The backward (dense chunks and the full-softmax part of sparse ones,
+kernels of :mod:`safevocab.kernels` (one op a file); the autograd bookkeeping stays in :mod:`safevocab.fused_op`,
+which calls :meth:`TritonBackend.sparse_backward` (:func:`triton_sparse_backward`) for the chunks whose ``S`` the
+forward stored (every input dtype) and :func:`triton_replay_forward` for replayed supports. The backward (dense chunks and the full-softmax part of sparse ones,
 :func:`triton_full_softmax_backward`) recomputes each chunk on the forward's row slice with the same calls, so
 ``S = {z >= t}`` is rebuilt, and ``pi`` normalised, from bit-identical logits.
 
