@@ -33,9 +33,9 @@ from safevocab.kernels import interpreter_on
 #: Whether these kernels were defined under Triton's interpreter (``TRITON_INTERPRET=1`` at import).
 INTERPRETED = interpreter_on()
 #: Entries one program loads at a time (rows of ``W`` or ``h`` gathered together).
-BLOCK_ENTRIES = 16
+BLOCK_ENTRIES = 32
 #: Columns of ``H`` per program (tests lower it to exercise several blocks).
-MAX_BLOCK_H = 512
+MAX_BLOCK_H = 256
 
 
 @triton.jit
