@@ -431,3 +431,28 @@ def test_sparse_kernel_writes_each_weight_row_once(monkeypatch):
     assert torch.equal(group_cols, cols.unique())  # ascending, each id once
     assert grid[0] == group_cols.numel() and int(group_offsets[-1]) == cols.numel()
     assert torch.equal(group_offsets.diff(), torch.bincount(cols)[group_cols])
+
+
+def test_compact_kept_entries_of_a_half_chunk(monkeypatch):
+    """S's entries of a bf16 GEMM output, transformed as the forward kernel does, compacted across several column
+    blocks in column order; a count that differs from the forward's |S| gives None (the chunk then goes dense)."""
+    from safevocab.kernels import kept_entries
+
+    monkeypatch.setattr(kept_entries, "MAX_BLOCK", 16)
+    g = torch.Generator().manual_seed(12)
+    raw = (torch.randn(7, 90, generator=g) * 3).to(torch.bfloat16)
+    raw[2, 30:60] = -math.inf
+    scale, temperature = 1.5, 0.7
+    z = raw.float() * scale / temperature  # the same fp32 operations as the kernel's (no softcap)
+    m = z.amax(-1)
+    t = m - torch.rand(7, generator=g) * 6
+    t[4] = z[4].amin()  # a row keeping everything
+    keep = z >= t[:, None]
+    dev = [x.to(DEVICE) for x in (raw, t, m, keep.sum(-1))]
+    cols, shifted = kept_entries.compact_kept(*dev, scale, None, temperature, apply_transform=True)
+    r, c = keep.nonzero(as_tuple=True)
+    assert torch.equal(cols.cpu(), c.to(torch.int32))
+    assert torch.equal(shifted.cpu(), z[r, c] - m[r])
+    wrong = dev[3].clone()
+    wrong[5] -= 1
+    assert kept_entries.compact_kept(*dev[:3], wrong, scale, None, temperature, apply_transform=True) is None

@@ -54,7 +54,7 @@ def _compact_kept_kernel(
     m = tl.load(row_max_ptr + row)
     base = tl.load(offsets_ptr + row)
     room = tl.load(offsets_ptr + row + 1) - base
-    count = tl.zeros((), tl.int64)
+    count = tl.full((), 0, tl.int64)
     for start in range(0, n_cols, BLOCK):
         offs = start + tl.arange(0, BLOCK)
         mask = offs < n_cols
