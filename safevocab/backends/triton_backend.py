@@ -179,28 +179,21 @@ def _sparse_chunk(
     z: torch.Tensor, start: int, out: dict[str, torch.Tensor], transform: Transform, raw: bool
 ) -> SparseChunk | None:
     """A forward chunk's ``S`` as CSR, from the logits the forward kernel compared with ``t`` (the same ``S``, bit for
-    bit). ``raw``: ``z`` is the half-precision GEMM output the kernel transformed itself; the entries are then
-    compacted by :func:`~safevocab.kernels.kept_entries.compact_kept` with the kernel's transform (``None`` if its
-    count differs from the forward's ``|S|``: the chunk then takes the dense backward). Otherwise ``z`` holds the
-    transformed fp32/fp64 logits (written back by the kernel, or the torch copy)."""
-    if raw:
-        entries = compact_kept(
-            z,
-            out["threshold"],
-            out["row_max"],
-            out["safe_size"],
-            transform.logit_scale,
-            transform.softcap,
-            transform.temperature,
-            apply_transform=True,
-        )
-        if entries is None:
-            return None
-        return SparseChunk(start, out["safe_size"].clone(), *entries)
-    keep = z >= out["threshold"].unsqueeze(-1)
-    r, c = keep.nonzero(as_tuple=True)
-    shifted = z[r, c] - out["row_max"][r]
-    return SparseChunk(start, keep.sum(-1), c.to(torch.int32), shifted)
+    bit), compacted by :func:`~safevocab.kernels.kept_entries.compact_kept` (no ``[rows, V]`` mask). ``raw``: ``z`` is
+    the half-precision GEMM output the kernel transformed itself, transformed again there with the same code;
+    otherwise ``z`` holds the transformed fp32/fp64 logits (written back by the kernel, or the torch copy). ``None``
+    when a row's count differs from the forward's ``|S|``: the chunk then takes the dense backward."""
+    entries = compact_kept(
+        z,
+        out["threshold"],
+        out["row_max"],
+        out["safe_size"],
+        transform.logit_scale,
+        transform.softcap,
+        transform.temperature,
+        apply_transform=raw,
+    )
+    return None if entries is None else SparseChunk(start, out["safe_size"].clone(), *entries)
 
 
 class _BackwardLogits:
