@@ -374,6 +374,7 @@ def test_triton_replay_far_below_the_maximum(sparse_calls):
     assert torch.isfinite(tri.log_kept_mass).all() and torch.isfinite(tri.entropy).all()
     for a, b in zip(g_tri, g_ref):
         torch.testing.assert_close(a, b)
+    assert len(sparse_calls) == 1  # the Triton path replayed it
 
 
 def test_triton_replay_refuses_empty_and_duplicate_supports():
