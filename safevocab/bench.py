@@ -11,7 +11,8 @@ same seeded inputs, in one fresh subprocess:
 - ``fused_torch`` (CUDA default): the fused path forced to ``backend="torch"``, so ``fused / fused_torch`` is
   what the Triton kernels buy (``fused`` uses ``--backend``, default ``auto``: Triton on CUDA);
 - ``fused_replay``: the fused path with a replayed :class:`~safevocab.support.SafeSupport` (the sets ``--rule``
-  keeps on these logits, built once outside the timing) and no rule: what exact support replay costs;
+  keeps on these logits, built once outside the timing) and no rule: what exact support replay costs (with
+  ``--backend``, as ``fused``: the Triton backend replays too);
 - ``liger`` (CUDA default, when ``liger_kernel`` imports): Liger-Kernel's ``LigerFusedLinearGRPOLoss``
   (temperature only, no pruning; ``beta=0``, on-policy) on the same rows viewed as ``[N / T, T]`` sequences.
 
@@ -136,7 +137,13 @@ def _make_step(variant: str, args: argparse.Namespace, device: torch.device) -> 
 
         def step() -> None:
             out = fused_safe_logprobs(
-                hidden, weight, targets, None, max_chunk_bytes=args.max_chunk_bytes, support=support
+                hidden,
+                weight,
+                targets,
+                None,
+                max_chunk_bytes=args.max_chunk_bytes,
+                support=support,
+                backend=args.backend,
             ).logprobs
             out.backward(grad_out)
 

@@ -19,8 +19,9 @@ Backward forms ``grad_z = g_lp 1[a=y] - pi_S (c_S + g_H (log pi_S + H)) - c_F pi
   - **sparse** (the common case in RL): when a chunk's safe sets are small (at most
     ``SPARSE_MAX_DENSITY`` of its logits), forward stores ``S`` itself as CSR (int32 column, fp32
     ``z - m``: 8 bytes per kept logit), and backward runs two sparse GEMMs whose cost scales with
-    ``|S|``: no recomputation at all (:func:`sparse_backward`).
-  - **dense** (chunks with large safe sets, half-precision inputs): the backend recomputes the chunk's
+    ``|S|``: no recomputation at all (:func:`sparse_backward`), or the backend's own ``sparse_backward`` when it
+    has one (the Triton backend: :mod:`safevocab.kernels.sparse_backward`, any input dtype; :func:`sparse_density`).
+  - **dense** (chunks with large safe sets; half-precision inputs on the torch backend): the backend recomputes the chunk's
     logits with the *same call on the same operands* as the forward (the same row slice of ``hidden``, the
     same buffer shape: BLAS results depend on layout and alignment, and a boundary token one ulp off would
     leave ``S``), rebuilds ``S = {z >= t}`` and checks it against the saved ``|S|``.
@@ -70,6 +71,7 @@ __all__ = [
     "FusedSafeLogProbs",
     "SPARSE_MAX_DENSITY",
     "sparse_backward",
+    "sparse_density",
     "raise_on_empty_support",
     "raise_on_non_finite_rows",
 ]
@@ -94,15 +96,14 @@ class FusedSafeLogProbs(torch.autograd.Function):
         chunk_rows: int,
         backend: FusedBackend,  # the per-chunk implementation (safevocab.backends.registry.get_backend)
         weight_gather=None,  # sharded-weight hook: zero-arg factory of a context manager, or None
-        support: SafeSupport | None = None,  # replayed kept ids per row (torch backend only)
+        support: SafeSupport | None = None,  # replayed kept ids per row (backends with supports_replay)
     ):
         ctx.set_materialize_grads(False)
         ctx.weight_gather = weight_gather
         n_rows = hidden.shape[0]
         stat_dtype = torch.float64 if hidden.dtype == torch.float64 else torch.float32
         stats = RowStats.empty(n_rows, hidden.device, stat_dtype, compute_entropy, replay=support is not None)
-        # MKL/cuSPARSE sparse GEMMs take fp32/fp64 only; half inputs use the dense backward.
-        density = SPARSE_MAX_DENSITY if hidden.dtype in (torch.float32, torch.float64) else None
+        density = sparse_density(hidden.dtype, backend)
         # A -inf weight entry times positive hidden values gives a -inf logit, which reads as a banned token and
         # leaves every row statistic finite: the weight's extremes (one read in its own dtype, no [V, H] temporary,
         # checked at the statistics' sync; NaN propagates through them) show it
@@ -208,29 +209,39 @@ class FusedSafeLogProbs(torch.autograd.Function):
         if hidden.dtype == torch.float16:  # a logits gradient beyond 65504 is stored scaled down (Coefficients)
             coef.grad_shift = fp16_grad_shift(coef, ctx.transform.logit_scale / ctx.transform.temperature)
 
-        # fp32 for half inputs: every chunk's dX product is accumulated in fp32 and rounded once, on return
-        grad_hidden = torch.zeros(hidden.shape, device=hidden.device, dtype=stat) if need_h else None
-        grad_weight = torch.zeros(weight.shape, device=weight.device, dtype=stat) if need_w else None
-        grad_bias = torch.zeros(weight.shape[0], device=weight.device, dtype=stat) if need_b else None
-        grads = (grad_hidden, grad_weight, grad_bias)
-
-        # Safe-set part: the stored S of sparse chunks, or an exact recomputation of the other chunks.
         sparse_starts = set()
         in_sparse = torch.zeros(n_rows, device=hidden.device, dtype=torch.bool)
         for chunk in ctx.sparse_chunks:
-            sparse_backward(chunk, hidden, weight, coef, ctx.transform, grads)
             sparse_starts.add(chunk.start)
             in_sparse[chunk.start : chunk.start + chunk.counts.shape[0]] = True
         dense_chunks = [rows for rows in chunk_slices(n_rows, ctx.chunk_rows) if rows.start not in sparse_starts]
+        # Full-softmax part of sparse-chunk rows whose gradient leaves S (the dense chunks include it).
+        leaves = in_sparse & ((coef.c_full != 0) | (coef.g_target_out != 0))
+        full_idx = leaves.nonzero().squeeze(-1)
+        backend_sparse = getattr(ctx.backend, "sparse_backward", None)  # the backend's own sparse backward, if any
+
+        # fp32 for half inputs: every chunk's dX product is accumulated in fp32 and rounded once, on return
+        grad_hidden = torch.zeros(hidden.shape, device=hidden.device, dtype=stat) if need_h else None
+        # fp32 accumulators, except where only the backend's sparse backward writes (each row once, no GEMM sums)
+        sparse_only = backend_sparse is not None and not dense_chunks and not full_idx.numel()
+        w_acc = weight.dtype if sparse_only else stat
+        grad_weight = torch.zeros(weight.shape, device=weight.device, dtype=w_acc) if need_w else None
+        b_acc = bias.dtype if sparse_only and need_b else stat
+        grad_bias = torch.zeros(weight.shape[0], device=weight.device, dtype=b_acc) if need_b else None
+        grads = (grad_hidden, grad_weight, grad_bias)
+
+        # Safe-set part: the stored S of sparse chunks, or an exact recomputation of the other chunks.
+        if backend_sparse is not None:
+            backend_sparse(ctx.sparse_chunks, hidden, weight, coef, ctx.transform, grads)
+        else:
+            for chunk in ctx.sparse_chunks:
+                sparse_backward(chunk, hidden, weight, coef, ctx.transform, grads)
         if dense_chunks:
             args = (dense_chunks, hidden, weight, bias, coef, ctx.transform, ctx.chunk_rows, grads, ctx.rule)
             if ctx.support is None:
                 ctx.backend.dense_backward(*args)
             else:
                 ctx.backend.dense_backward(*args, ctx.support)
-        # Full-softmax part of sparse-chunk rows whose gradient leaves S (the dense chunks include it).
-        leaves = in_sparse & ((coef.c_full != 0) | (coef.g_target_out != 0))
-        full_idx = leaves.nonzero().squeeze(-1)
         if full_idx.numel():
             ctx.backend.full_softmax_backward(
                 full_idx, hidden, weight, bias, coef, ctx.transform, ctx.chunk_rows, grads, ctx.rule
@@ -249,6 +260,15 @@ class FusedSafeLogProbs(torch.autograd.Function):
             None,  # weight_gather
             None,  # support
         )
+
+
+def sparse_density(dtype: torch.dtype, backend: FusedBackend) -> float | None:
+    """The densest chunk (fraction of its logits in ``S``) the forward stores for the sparse backward; ``None``:
+    never. The torch sparse GEMMs (MKL/cuSPARSE, :func:`sparse_backward`) take fp32/fp64 only, so half inputs use
+    the dense backward there; a backend with its own ``sparse_backward`` (the Triton one) takes every dtype."""
+    if dtype in (torch.float32, torch.float64) or hasattr(backend, "sparse_backward"):
+        return SPARSE_MAX_DENSITY
+    return None
 
 
 def raise_on_empty_support(safe_size: torch.Tensor, rule: SafeVocabRule) -> None:

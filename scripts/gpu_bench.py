@@ -9,7 +9,8 @@ Writes one results file (JSON, plus the same as Markdown beside it) with the sec
    each logits profile of ``--profiles`` (``synthetic``: flat N(0, 9) logits; ``lm``: a Zipf prior plus a context
    term, kept sets of tens to hundreds of tokens, :mod:`safevocab.bench_inputs`): fused vs trl's
    ``ChunkedLogProbFunction`` vs the floor, time (forward + backward), peak memory and the kept sets' median size,
-   and support replay at ``|S| = 64``;
+   and support replay at ``|S| = 64`` (on the Triton backend, as ``fused``: the rule's fold, a gather of the ids and
+   the Triton sparse backward);
 3. **profile**: ``scripts/profile_fused_vs_trl.py``: per-kernel device times of ``fused`` and trl's kernel for none,
    min_p, top_k and top_p in one process;
 4. **grpo**: ``SafeVocabGRPOTrainer`` vs stock ``GRPOTrainer`` on a locally built Qwen2-shaped model of about

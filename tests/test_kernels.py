@@ -41,6 +41,7 @@ try:
     )
     forward_fold = importlib.import_module("safevocab.kernels.forward_fold")
     backward_fold = importlib.import_module("safevocab.kernels.backward_fold")
+    triton_backend = importlib.import_module("safevocab.backends.triton_backend")  # imports every kernel module
 finally:
     if _previous_interpret is None:
         os.environ.pop("TRITON_INTERPRET", None)
@@ -169,13 +170,17 @@ def test_triton_rl_gradient_dense_and_sparse(rule, transform, backward_path, mon
     """The RL loss (out-of-set tokens masked, entropy bonus): gradient confined to S.
 
     With ``sparse``, fp32 chunks store ``S`` from the logits the forward kernel wrote back (transformed
-    in the kernel, or in torch for top-k/top-p) and the torch sparse backward runs on them.
+    in the kernel, or in torch for top-k/top-p) and the Triton sparse backward runs on them.
     """
     hidden, weight, bias, targets = make_inputs(n=40, v=300)
     params = (hidden, weight, bias)
     sparse_calls = []
-    sparse_backward = fused_op.sparse_backward
-    monkeypatch.setattr(fused_op, "sparse_backward", lambda *a: sparse_calls.append(1) or sparse_backward(*a))
+    sparse_backward = triton_backend.triton_sparse_backward
+    monkeypatch.setattr(
+        triton_backend,
+        "triton_sparse_backward",
+        lambda *a: (sparse_calls.append(1) if a[0] else None, sparse_backward(*a)),
+    )
     tri = run_backend("triton", rule, params, targets, **transform)
     w = torch.randn(40, generator=torch.Generator().manual_seed(3)).to(DEVICE)
 

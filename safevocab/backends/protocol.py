@@ -6,6 +6,10 @@ logits. Two implement it: :class:`safevocab.backends.torch_backend.TorchBackend`
 :class:`safevocab.backends.triton_backend.TritonBackend` (Triton kernels, CUDA or Triton's interpreter);
 :mod:`safevocab.backends.registry` builds them by name. No backend imports the autograd function; the data they
 exchange lives in :mod:`safevocab.chunking`.
+
+A backend may also define ``sparse_backward(chunks, hidden, weight, coef, transform, grads)``: the safe-set part of
+the gradient of all its stored chunks (:class:`~safevocab.chunking.SparseChunk`) at once, in place of the fused op's
+torch sparse GEMMs; the fused op then stores ``S`` for every input dtype (``safevocab.fused_op.sparse_density``).
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ accepts the tensors' device (Triton for CUDA tensors when ``triton`` imports; to
 So a new backend is one module implementing :class:`~safevocab.backends.protocol.FusedBackend` and one entry here.
 
 ``fused_safe_logprobs`` calls :func:`resolve_backend` on the name it was given, :func:`get_backend` on the result,
-and :func:`replay_backend` when it replays a support (the Triton kernels take threshold rules only).
+and :func:`replay_backend` when it replays a support (both backends take one now).
 """
 
 from __future__ import annotations
@@ -126,6 +126,6 @@ def get_backend(name: str) -> FusedBackend:
 
 
 def replay_backend(backend: FusedBackend) -> FusedBackend:
-    """The backend that runs a replayed ``SafeSupport``: ``backend`` when it takes one, else the torch backend (a
-    replayed set is not a threshold set, which is all the Triton kernels take)."""
+    """The backend that runs a replayed ``SafeSupport``: ``backend`` when it takes one (``supports_replay``: the torch
+    and Triton backends), else the torch backend."""
     return backend if backend.supports_replay else get_backend("torch")

@@ -2,8 +2,9 @@
 
 :class:`TritonBackend` implements :class:`safevocab.backends.protocol.FusedBackend`: :func:`triton_forward` and
 :func:`triton_dense_backward` replace the torch backend's passes (:mod:`safevocab.backends.torch_backend`) with the
-kernels of :mod:`safevocab.kernels` (one op a file); the autograd bookkeeping and the sparse backward stay in
-:mod:`safevocab.fused_op`. The backward (dense chunks and the full-softmax part of sparse ones,
+kernels of :mod:`safevocab.kernels` (one op a file); the autograd bookkeeping stays in :mod:`safevocab.fused_op`,
+which calls :meth:`TritonBackend.sparse_backward` (:func:`triton_sparse_backward`) for the chunks whose ``S`` the
+forward stored (every input dtype) and :func:`triton_replay_forward` for replayed supports. The backward (dense chunks and the full-softmax part of sparse ones,
 :func:`triton_full_softmax_backward`) recomputes each chunk on the forward's row slice with the same calls, so
 ``S = {z >= t}`` is rebuilt, and ``pi`` normalised, from bit-identical logits.
 
@@ -42,9 +43,19 @@ from safevocab.chunking import (
 from safevocab.kernels import MODE_GIVEN, kernel_threshold
 from safevocab.kernels.backward_fold import backward_fold
 from safevocab.kernels.forward_fold import forward_fold
+from safevocab.kernels.kept_entries import compact_kept, gather_logits
+from safevocab.kernels.sparse_backward import sparse_backward as kernel_sparse_backward
 from safevocab.rules import SafeVocabRule
+from safevocab.support import SafeSupport
 
-__all__ = ["TritonBackend", "triton_chunk_rows", "triton_forward", "triton_dense_backward"]
+__all__ = [
+    "TritonBackend",
+    "triton_chunk_rows",
+    "triton_forward",
+    "triton_dense_backward",
+    "triton_replay_forward",
+    "triton_sparse_backward",
+]
 
 logger = logging.getLogger("safevocab")
 
@@ -150,19 +161,41 @@ def triton_forward(
                     scale=transform.logit_scale,
                     softcap=transform.softcap,
                     temperature=transform.temperature,
-                    # the sparse path reads the kept logits back: transformed ones, written by the kernel
-                    store_z=store_sparse_ok and not identity,
+                    # the sparse path reads the kept logits back: transformed ones, written by the kernel (fp32/fp64)
+                    store_z=store_sparse_ok and not identity and not _is_half(z),
                     **out,
                 )
             if store_sparse_ok and int(out["safe_size"].sum()) <= sparse_max_density * n * vocab:
-                # z holds the transformed logits the kernel compared with t: the same S, bit for bit
-                keep = z >= out["threshold"].unsqueeze(-1)
-                r, c = keep.nonzero(as_tuple=True)
-                shifted = z[r, c] - out["row_max"][r]
-                sparse_chunks.append(SparseChunk(rows.start, keep.sum(-1), c.to(torch.int32), shifted))
-                del keep, r, c
+                chunk = _sparse_chunk(z, rows.start, out, transform, raw=in_kernel is not None and _is_half(z))
+                if chunk is not None:
+                    sparse_chunks.append(chunk)
             del z
     return sparse_chunks
+
+
+def _is_half(z: torch.Tensor) -> bool:
+    return z.dtype not in (torch.float32, torch.float64)
+
+
+def _sparse_chunk(
+    z: torch.Tensor, start: int, out: dict[str, torch.Tensor], transform: Transform, raw: bool
+) -> SparseChunk | None:
+    """A forward chunk's ``S`` as CSR, from the logits the forward kernel compared with ``t`` (the same ``S``, bit for
+    bit), compacted by :func:`~safevocab.kernels.kept_entries.compact_kept` (no ``[rows, V]`` mask). ``raw``: ``z`` is
+    the half-precision GEMM output the kernel transformed itself, transformed again there with the same code;
+    otherwise ``z`` holds the transformed fp32/fp64 logits (written back by the kernel, or the torch copy). ``None``
+    when a row's count differs from the forward's ``|S|``: the chunk then takes the dense backward."""
+    entries = compact_kept(
+        z,
+        out["threshold"],
+        out["row_max"],
+        out["safe_size"],
+        transform.logit_scale,
+        transform.softcap,
+        transform.temperature,
+        apply_transform=raw,
+    )
+    return None if entries is None else SparseChunk(start, out["safe_size"].clone(), *entries)
 
 
 class _BackwardLogits:
@@ -282,17 +315,160 @@ def triton_full_softmax_backward(
             del z, out
 
 
+def triton_replay_forward(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    targets: torch.Tensor,
+    rule: SafeVocabRule,
+    transform: Transform,
+    chunk_rows: int,
+    stats: RowStats,
+    support: SafeSupport,
+) -> list[SparseChunk]:
+    """The forward of a replayed ``support`` (``S`` = its ids of each row with ``z >= t``, ``t`` the rule's threshold),
+    as the torch backend computes it (``safevocab.backends.torch_backend``), every chunk stored sparsely.
+
+    Per chunk: the rule's fold (:func:`~safevocab.kernels.forward_fold.forward_fold` on the logits path the backward's
+    full-softmax part recomputes, :class:`_BackwardLogits`) gives ``m``, ``t``, ``log sum_V`` and ``z_y - m``; the
+    given ids' logits and the targets' are gathered and transformed as the kernel transforms them
+    (:func:`~safevocab.kernels.kept_entries.gather_logits`), and ``S``'s own statistics formed from them in ``O(|S|)``
+    work: its shift ``m_S`` (maximum; ``-inf`` for a row that keeps nothing, which ``FusedSafeLogProbs`` then refuses),
+    ``log sum_S exp(z - m_S)`` and the entropy summed in float64, ``|S|``, ``in_safe`` and ``z_y - m_S``. Ids may come
+    in any order. Every chunk's ``S`` is stored (8 bytes an entry, no more than the support itself takes), so the
+    backward is the sparse one."""
+    n_rows = hidden.shape[0]
+    sparse_chunks: list[SparseChunk] = []
+    if n_rows == 0:
+        return sparse_chunks
+    targets = targets.contiguous()
+    in_kernel = kernel_threshold(rule)
+    logits_of = _BackwardLogits(hidden, weight, bias, transform, min(chunk_rows, n_rows), rule)
+    with _device_guard(hidden.device):
+        for rows in chunk_slices(n_rows, chunk_rows):
+            z, _ = logits_of(hidden[rows])
+            out = stats.rows(rows)
+            if in_kernel is None:  # z: the torch-transformed copy
+                t, z_max = rule.threshold_and_max(z)
+                out["threshold"].copy_(t.squeeze(-1))
+                out["row_max"].copy_(z_max.squeeze(-1))
+                forward_fold(z, targets[rows], mode=MODE_GIVEN, **out)
+            else:  # z: the GEMM output, transformed in the kernel
+                mode, log_param = in_kernel
+                forward_fold(
+                    z,
+                    targets[rows],
+                    mode=mode,
+                    log_param=log_param,
+                    scale=transform.logit_scale,
+                    softcap=transform.softcap,
+                    temperature=transform.temperature,
+                    **out,
+                )
+            sparse_chunks.append(_replayed_chunk(z, rows, targets, support, stats, transform, in_kernel is not None))
+            del z
+    return sparse_chunks
+
+
+def _replayed_chunk(
+    z: torch.Tensor,
+    rows: slice,
+    targets: torch.Tensor,
+    support: SafeSupport,
+    stats: RowStats,
+    transform: Transform,
+    apply_transform: bool,
+) -> SparseChunk:
+    """``S``'s statistics of the rows ``rows`` (overwriting the rule fold's) and its entries ``(column, z - m_S)``."""
+    n = rows.stop - rows.start
+    local_row, ids = support.rows(rows)
+    stat = stats.row_max.dtype
+    local = torch.arange(n, device=z.device)
+    values = gather_logits(
+        z,
+        torch.cat([local_row, local]),
+        torch.cat([ids, targets[rows]]),
+        stat,
+        transform.logit_scale,
+        transform.softcap,
+        transform.temperature,
+        apply_transform,
+    )
+    z_ids, z_y = values[: ids.numel()], values[ids.numel() :]
+    keep = z_ids >= stats.threshold[rows].index_select(0, local_row)  # the rule's set; drops -inf logits
+    row, col, kept = local_row[keep], ids[keep], z_ids[keep]
+    m_s = torch.full((n,), -torch.inf, dtype=stat, device=z.device).scatter_reduce_(0, row, kept, reduce="amax")
+    shifted = kept - m_s.index_select(0, row)
+    e = shifted.exp().to(torch.float64)
+    total = torch.zeros(n, dtype=torch.float64, device=z.device).index_add_(0, row, e)
+    stats.set_max[rows] = m_s
+    stats.log_sum_safe[rows] = total.log()
+    if stats.entropy is not None:
+        weighted = torch.zeros_like(total).index_add_(0, row, e * shifted.to(torch.float64))
+        stats.entropy[rows] = (total.log() - weighted / total).to(stat)
+    counts = torch.bincount(row, minlength=n)
+    stats.safe_size[rows] = counts
+    in_safe = torch.zeros(n, dtype=torch.bool, device=z.device)
+    in_safe[row[col == targets[rows].index_select(0, row)]] = True
+    stats.in_safe[rows] = in_safe
+    stats.target_shift_safe[rows] = z_y - m_s
+    return SparseChunk(rows.start, counts, col.to(torch.int32), shifted)
+
+
+def triton_sparse_backward(
+    chunks: list[SparseChunk],
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    coef: Coefficients,
+    transform: Transform,
+    grads: tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None],
+) -> None:
+    """The safe-set part of the gradient of every stored chunk at once, by
+    :func:`safevocab.kernels.sparse_backward.sparse_backward`: ``dX`` row by row, ``dW``/``db`` per distinct kept id
+    over all chunks (each touched row of the gradients written once; no fp32 ``[V, H]`` buffer needed)."""
+    if not chunks:
+        return
+    device = hidden.device
+    rows = torch.cat([torch.arange(c.start, c.start + c.counts.numel(), device=device) for c in chunks])
+    has_ent = coef.g_ent is not None
+    with _device_guard(device):
+        kernel_sparse_backward(
+            rows,
+            torch.cat([c.counts for c in chunks]).to(torch.int64),
+            torch.cat([c.cols for c in chunks]),
+            torch.cat([c.shifted for c in chunks]),
+            coef.targets.contiguous(),
+            coef.log_sum_safe,
+            coef.c_safe,
+            coef.g_lp,
+            coef.g_ent if has_ent else None,
+            coef.entropy if has_ent else None,
+            coef.set_max.contiguous(),
+            hidden if hidden.stride(1) == 1 else hidden.contiguous(),
+            weight if weight.stride(1) == 1 else weight.contiguous(),
+            *grads,
+            temperature=transform.temperature,
+            softcap=transform.softcap,
+            logit_scale=transform.logit_scale,
+            grad_shift=coef.grad_shift,
+        )
+
+
 class TritonBackend:
     """The Triton kernels fold every chunk (CUDA, or CPU under ``TRITON_INTERPRET=1``)."""
 
     name = "triton"
-    #: Replayed supports are not threshold sets: ``fused_safe_logprobs`` uses the torch backend for them.
-    supports_replay = False
+    #: Replayed supports: the rule's fold plus a gather of the given ids (:func:`triton_replay_forward`).
+    supports_replay = True
 
     def rows_per_chunk(self, n_rows: int, vocab: int, rule: SafeVocabRule, in_bytes: int, max_chunk_bytes: int) -> int:
         return triton_chunk_rows(n_rows, vocab, rule, in_bytes, max_chunk_bytes)  # the kernels need less scratch
 
-    def forward(self, hidden, weight, bias, targets, rule, transform, chunk_rows, stats, sparse_max_density):
+    def forward(
+        self, hidden, weight, bias, targets, rule, transform, chunk_rows, stats, sparse_max_density, support=None
+    ):
+        if support is not None:  # every chunk stored sparsely, whatever the density
+            return triton_replay_forward(hidden, weight, bias, targets, rule, transform, chunk_rows, stats, support)
         return triton_forward(hidden, weight, bias, targets, rule, transform, chunk_rows, stats, sparse_max_density)
 
     def dense_backward(self, chunks, hidden, weight, bias, coef, transform, chunk_rows, grads, rule):
@@ -300,3 +476,8 @@ class TritonBackend:
 
     def full_softmax_backward(self, idx, hidden, weight, bias, coef, transform, chunk_rows, grads, rule):
         triton_full_softmax_backward(idx, hidden, weight, bias, coef, transform, chunk_rows, grads, rule)
+
+    def sparse_backward(self, chunks, hidden, weight, coef, transform, grads):
+        """The safe-set part of the stored chunks' gradient in Triton (any input dtype), used by ``FusedSafeLogProbs``
+        instead of its torch sparse GEMMs; with it the forward stores ``S`` for bf16/fp16 inputs too."""
+        triton_sparse_backward(chunks, hidden, weight, coef, transform, grads)

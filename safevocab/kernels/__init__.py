@@ -18,7 +18,11 @@ runs is chosen in :mod:`safevocab.backends.registry`, from the probes of the Tri
 Thresholds: ``NoPruning``, ``MinP`` and ``MinProb`` are computed inside the forward kernel
 (:func:`kernel_threshold`). The other rules (``TopK``, ``TopP`` and compositions) need a selection or a sort:
 their per-row threshold is computed in torch with the rule's own code, on logits transformed in torch, and the
-kernels fold the rest (logged at DEBUG level on the ``"safevocab"`` logger). The sparse backward stays in torch.
+kernels fold the rest (logged at DEBUG level on the ``"safevocab"`` logger).
+
+Sparse backward (chunks whose ``S`` the forward stored, and every replayed support):
+:mod:`safevocab.kernels.kept_entries` gathers ``S``'s entries from a half-precision GEMM output with the forward's
+own transform, and :mod:`safevocab.kernels.sparse_backward` turns them into the input gradients without ``[rows, V]``.
 
 This package's ``__init__`` never imports Triton: ``safevocab`` imports (and ``backend="auto"`` works)
 without it; the op modules import it. Triton runs on CUDA; on CPU only through its interpreter
@@ -40,6 +44,7 @@ __all__ = ["kernel_threshold", "triton_import_error", "triton_available", "inter
 MODE_GIVEN, MODE_NONE, MODE_MIN_P, MODE_MIN_PROB = 0, 1, 2, 3
 
 _KERNEL_MODULES = ("safevocab.kernels.common", "safevocab.kernels.forward_fold", "safevocab.kernels.backward_fold")
+_KERNEL_MODULES += ("safevocab.kernels.sparse_backward", "safevocab.kernels.kept_entries")
 
 
 @functools.lru_cache(maxsize=1)
