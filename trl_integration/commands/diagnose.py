@@ -248,6 +248,7 @@ def run_parsed(args: argparse.Namespace, prog: str = PROG) -> int:
 
     from trl_integration.demo.model import is_tiny_model
     from trl_integration.lab import parse_compare, print_summary, run_diagnose, tail_mismatch, write_outputs
+    from trl_integration.lab.kept_sets import kept_set_lines, plot_kept_sets
     from trl_integration.lab.sides import check_mantissa_bits
     from trl_integration.study.tasks import load_task
 
@@ -318,8 +319,14 @@ def run_parsed(args: argparse.Namespace, prog: str = PROG) -> int:
     if tail is not None:  # the lab's first output: first in summary.json too
         result.summary = {"tail": tail, **result.summary}
     files = write_outputs(result, args.output_dir, plots=not args.no_plots)
+    kept_sets = (result.summary.get("rule") or {}).get("kept_sets")
+    if kept_sets is not None and not args.no_plots:
+        files.append(Path(args.output_dir) / "kept_sets.png")
+        plot_kept_sets(result.tokens, result.summary["rule"]["rule"], files[-1])
     if not args.quiet:
         print_summary(result.summary, files)
+        if kept_sets is not None:
+            print("\n".join(kept_set_lines(kept_sets)))
     return 0
 
 
