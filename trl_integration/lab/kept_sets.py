@@ -79,7 +79,7 @@ def kept_set_lines(stats: dict[str, Any]) -> list[str]:
 
 
 def plot_kept_sets(tokens: dict[str, torch.Tensor], rule: str, path: str | os.PathLike) -> None:
-    """Two panels: the kept-set size per position (histogram, log scale) and the pruned mass per position, each
+    """Two panels: the kept-set size per position (cumulative share, log scale) and the pruned mass per position, each
     side; ``tokens`` is a `DiagnoseResult`'s ``tokens`` with ``kept_size_train`` etc. (a run with a rule)."""
     import matplotlib
 
@@ -88,14 +88,14 @@ def plot_kept_sets(tokens: dict[str, torch.Tensor], rule: str, path: str | os.Pa
     import numpy as np
 
     fig, (ax_size, ax_mass) = plt.subplots(1, 2, figsize=(10, 3.8))
-    sizes = [tokens[f"kept_size_{side}"].numpy() for side in ("train", "rollout")]
-    top = max(2, int(max(s.max() for s in sizes)))
-    bins = np.unique(np.geomspace(1, top + 1, 40).astype(int))
-    for side, values in zip(("training", "rollout"), sizes, strict=True):
-        ax_size.hist(values, bins=bins, histtype="step", label=f"{side} (median {np.median(values):.0f})")
+    for side, label in (("train", "training"), ("rollout", "rollout")):
+        values = np.sort(tokens[f"kept_size_{side}"].numpy())  # a cumulative share: no integer-binning artefacts
+        share = np.arange(1, len(values) + 1) / len(values)
+        ax_size.step(values, share, where="post", label=f"{label} (median {np.median(values):.0f})")
     ax_size.set_xscale("log")
     ax_size.set_xlabel("kept-set size |S| (tokens)")
-    ax_size.set_ylabel("positions")
+    ax_size.set_ylabel("share of positions with |S| <= x")
+    ax_size.grid(alpha=0.3)
     ax_size.legend(fontsize=8)
     for side in ("train", "rollout"):
         mass = -np.expm1(tokens[f"log_kept_mass_{side}"].double().numpy())
