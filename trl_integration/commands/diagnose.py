@@ -250,6 +250,7 @@ def run_parsed(args: argparse.Namespace, prog: str = PROG) -> int:
 
     from trl_integration.demo.model import is_tiny_model
     from trl_integration.lab import parse_compare, run_diagnose, summary_table, tail_mismatch, write_outputs
+    from trl_integration.lab.kept_sets import kept_set_lines, plot_kept_sets
     from trl_integration.lab.sides import check_mantissa_bits
     from trl_integration.study.tasks import load_task
 
@@ -320,6 +321,10 @@ def run_parsed(args: argparse.Namespace, prog: str = PROG) -> int:
     if tail is not None:  # the lab's first output: first in summary.json too
         result.summary = {"tail": tail, **result.summary}
     files = write_outputs(result, args.output_dir, plots=not args.no_plots)
+    kept_sets = (result.summary.get("rule") or {}).get("kept_sets")
+    if kept_sets is not None and not args.no_plots:
+        files.append(Path(args.output_dir) / "kept_sets.png")
+        plot_kept_sets(result.tokens, result.summary["rule"]["rule"], files[-1])
     if not args.quiet:
         table = summary_table(result.summary, files)
         if isinstance(table, str):  # pragma: no cover - rich is part of the trl extra
@@ -328,6 +333,8 @@ def run_parsed(args: argparse.Namespace, prog: str = PROG) -> int:
             from rich.console import Console
 
             Console().print(table)
+        if kept_sets is not None:
+            print("\n".join(kept_set_lines(kept_sets)))
     return 0
 
 

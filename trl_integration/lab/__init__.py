@@ -6,6 +6,7 @@
 - :mod:`~trl_integration.lab.tail`: ``tail_mismatch``, the tail diagnostic (signed ``log mu - log pi`` per
   probability bucket on sampled tokens), the lab's first output;
 - :mod:`~trl_integration.lab.engine`: ``run_diagnose``, the scoring and its summary (``DiagnoseResult``);
+- :mod:`~trl_integration.lab.kept_sets`: the kept sets' size and pruned mass per side, and their disagreement;
 - :mod:`~trl_integration.lab.report`: ``summary.json`` (``write_outputs``) and the console table (``summary_table``);
 - :mod:`~trl_integration.lab.figures`: the three PNG figures.
 

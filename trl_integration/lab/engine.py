@@ -22,7 +22,9 @@ and the size of the logit perturbation at that position, ``eps_t = (max_i delta_
   lies: ``k3_share_outside``, the share of the summed per-token k3 terms ``r - log r - 1`` (``r = pi / mu``)
   carried by the scored tokens outside the training side's safe set (below the cut: the tokens DVP masks out of
   the loss), and ``k3_removable``, ``1 - sum_kept k3(log pi_S - log mu_S) / sum_all k3(log pi - log mu)``: the share
-  of the k3 sum that masking those tokens and renormalising both sides over their sets removes;
+  of the k3 sum that masking those tokens and renormalising both sides over their sets removes; and ``kept_sets``:
+  each side's kept-set size and pruned mass per position (median, p90, p99, max) and the share of positions where
+  the two sides' sets differ (:mod:`trl_integration.lab.kept_sets`);
 - verl's sequence statistics (k3 KL, chi², log-ppl gap) with each text as a sequence.
 
 The command ``safevocab diagnose`` (:mod:`trl_integration.commands.diagnose`) runs it on texts or prompts; with
@@ -55,6 +57,7 @@ from safevocab.mismatch import (
 from safevocab.mismatch.formulas import k3_terms
 from safevocab.rules import NoPruning, parse_rule
 from trl_integration.grpo.config import DEFAULT_RULE
+from trl_integration.lab.kept_sets import KEPT_SET_COLUMNS, kept_set_stats
 from trl_integration.lab.sides import check_mantissa_bits, model_in, rollout_side
 from trl_integration.options import NOISE_KINDS
 from trl_integration.rollout.perturbations import tail_rule
@@ -74,7 +77,8 @@ class DiagnoseResult:
         tokens: per scored token, 1-D float64/bool CPU tensors: ``p`` (training probability), ``train_logp``,
             ``rollout_logp``, ``log_r`` (``train - rollout``), ``eps_t`` and ``bound`` (at the reference eps);
             with a rule also ``kept`` (both sides keep the token), ``same_set``, ``pruned_log_r`` and
-            ``in_train_set`` (the training side keeps it).
+            ``in_train_set`` (the training side keeps it), and each side's kept-set size and log kept mass
+            (:data:`~trl_integration.lab.kept_sets.KEPT_SET_COLUMNS`, summarised in ``summary["rule"]["kept_sets"]``).
     """
 
     summary: dict
@@ -214,7 +218,7 @@ def run_diagnose(
 
     cols: dict[str, list[torch.Tensor]] = {k: [] for k in ("train_logp", "rollout_logp", "eps_t", "eps_raw", "seq")}
     if use_rule:
-        for k in ("kept", "same_set", "pruned_log_r", "jaccard", "train_logp_s", "train_in_set"):
+        for k in ("kept", "same_set", "pruned_log_r", "jaccard", "train_logp_s", "train_in_set", *KEPT_SET_COLUMNS):
             cols[k] = []
     n_seq = 0
     chunk_elems = 2**22  # float64 elements per chunk of [positions, V]
@@ -279,6 +283,9 @@ def run_diagnose(
                 cols["jaccard"].append(dis.jaccard.cpu())
                 cols["pruned_log_r"].append((sa.logprobs - sb.logprobs).double().cpu())
                 cols["train_logp_s"].append(sa.logprobs.double().cpu())
+                for side, safe in (("train", sa), ("rollout", sb)):  # the kept sets' size and mass (lab/kept_sets)
+                    cols[f"kept_size_{side}"].append(safe.safe_size.cpu())
+                    cols[f"log_kept_mass_{side}"].append(safe.log_kept_mass.double().cpu())
         n_seq += ids.shape[0]
         bar.update(1)
     bar.close()
@@ -400,7 +407,14 @@ def run_diagnose(
                 for r in bucket_rows
             ],
         }
-        tokens.update(kept=kept, same_set=same, pruned_log_r=pruned, in_train_set=tok["train_in_set"])
+        kept_set_tokens = {k: tok[k] for k in KEPT_SET_COLUMNS}
+        summary["rule"]["kept_sets"] = kept_set_stats(
+            kept_set_tokens["kept_size_train"], kept_set_tokens["kept_size_rollout"],
+            kept_set_tokens["log_kept_mass_train"], kept_set_tokens["log_kept_mass_rollout"], ~same,
+        )  # fmt: skip
+        tokens.update(
+            kept=kept, same_set=same, pruned_log_r=pruned, in_train_set=tok["train_in_set"], **kept_set_tokens
+        )
     return DiagnoseResult(summary=summary, tokens=tokens)
 
 
