@@ -1,0 +1,450 @@
+"""Top-k / top-p thresholds (and their compositions) from the raw GEMM output: no sort of ``V``, no fp32 copy.
+
+For ``TopK``, ``TopP`` and ``Intersection`` rules of the four elementary kinds, :func:`select_thresholds` computes
+each row's ``threshold`` and ``row_max`` exactly as ``rule.threshold_and_max`` does on the fp32 logits the fold
+kernels see (the raw ``[rows, V]`` chunk in the inputs' dtype, transformed in the kernel by
+:func:`safevocab.kernels.common.transform`, so forward and backward rebuild ``S = {z >= t}`` bit for bit). One program
+per row, ``BLOCK`` columns at a time:
+
+**Pass A** (online): the maximum ``m``; ``T = sum_V e``, ``e = exp(z - m)`` in fp32, summed as
+``safevocab.nucleus.row_sum64`` does (fp32 partial sums of 64 aligned columns, added in fp64; rescaled by
+``exp(m_old - m_new)`` when the maximum grows); and a *slot-max sketch*: ``slot[j] = max z`` over the columns
+``= j (mod BLOCK)``. From them a per-row **floor** ``c <= t`` (any value at most the final threshold is valid):
+
+- ``top_k``: the ``k``-th largest slot (``-inf`` if ``k > BLOCK``). The slots' maxima are ``BLOCK`` distinct entries
+  of the row, and the ``k``-th largest of a subset is at most the ``k``-th largest of the row;
+- ``top_p`` (``q``, on the full distribution): with the slots sorted descending, the first ``s_i`` whose slot-mass
+  prefix ``sum_{j <= i} e(s_j)`` reaches ``q T (1 + 1e-4)``. The slots ``>= s_i`` are distinct entries ``>= s_i``, so
+  the mass ``M(s_i)`` of the row at or above ``s_i`` reaches ``q T``, hence ``s_i <= t_p = max {z : M(z) >= q T}``
+  (the ``1e-4`` margin covers the rounding of ``T`` and of ``exp``). Also, and kept if higher,
+  ``m + log(0.99 (1 - q) T / V)``: the tokens below it carry less than ``(1 - q) T`` in total, so the mass at or
+  above it exceeds ``q T`` and ``t_p`` is not below it;
+- ``min_p``: ``m + log rho`` (exact); ``min_prob`` (only after another stage): ``m + log tau``, because the kept
+  mass is at least the argmax's ``e = 1``, so ``m + log(kept) + log tau`` is not below it;
+- compositions (:func:`safevocab.engine_order.composition_stages`): the final ``t`` is the maximum of the stages'
+  thresholds, and a stage's threshold on a renormalised distribution is never below its floor on the full one
+  (``top_k``/``min_p`` keep the same set, ``top_p`` over a smaller total only rises). So the maximum of the
+  floors is a floor, **but** a mass-dependent stage (``top_p``, ``min_prob``) after the first needs the whole kept set
+  of the stages before it, to sum its mass. The floor is therefore the maximum over the stages up to, not including,
+  the first mass-dependent stage after the first stage (all stages when there is none): e.g. ``c = c_k`` for HF's
+  ``top_k -> top_p``, ``max(c_m, c_k)`` for vLLM's ``min_p -> top_k -> top_p``, ``max(c_k, c_p)`` for SGLang's joint
+  stage. ``c`` is raised to the finite floor (``-inf`` logits are never kept); a row whose ``c`` was raised has every
+  finite logit among its candidates (*complete*).
+
+**Pass B** compacts the candidates ``z >= c`` into a ``[rows, KCAP]`` buffer (positions by ``tl.cumsum``; the count
+goes on past ``KCAP`` to flag an overflow).
+
+**Candidate phase** (torch, on ``[rows, <= KCAP]``): the candidates are sorted and the stages applied in the engine's
+order as the rules' torch code does: ``top_k`` keeps ties (``t_k`` = the ``k``-th largest, ``-inf`` when fewer
+are kept), ``top_p`` takes the first sorted entry whose float64 running mass of the fp32 ``e`` reaches ``q T_prev``
+(``T_prev``: ``T`` for a first stage, else the float64 sum over the kept candidates), ``min_p`` is ``m + log rho``,
+``min_prob`` is ``(m + log kept) + log tau`` in fp32; each stage's threshold is capped at ``m``, the result floored
+and capped as ``SafeVocabRule.threshold_of`` does. A stage whose threshold lies below ``c`` is not known exactly but
+then does not decide ``t``; the row goes to the fallback only when it would (or a later stage needs its mass).
+
+**Fallback** (last resort, exact by definition): rows whose candidates overflow ``KCAP``, whose floor did not
+certify (a flat row: ``top_p`` never reached within the candidates where it decides ``t``), a non-finite ``m`` or
+``T``, or where the float64 masses could not reach ``q T_prev`` by rounding, are transformed in the kernel into fp32
+(only those rows) and given to the rule's own torch code. The design's bounded pivot search (GPU_DESIGN.md §3.2) is
+not built.
+
+The masses follow ``safevocab.nucleus``: ``T`` in fp32 partials added in fp64; they can differ from its decision only
+where the boundary mass lies within rounding (~1e-7 relative) of ``q T``, as the engines' own fp32 sums do.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from safevocab.engine_order import composition_stages
+from safevocab.kernels import interpreter_on
+from safevocab.kernels.common import transform
+from safevocab.rules import Intersection, MinP, MinProb, SafeVocabRule, TopK, TopP, finite_floor
+
+__all__ = ["SelectionPlan", "selection_plan", "select_thresholds", "transformed_rows", "KCAP", "SKETCH_SLOTS"]
+
+#: Whether these kernels were defined under Triton's interpreter (``TRITON_INTERPRET=1`` at import).
+INTERPRETED = interpreter_on()
+#: Candidates kept per row (more: the row takes the fallback).
+KCAP = 4096
+#: Slots of the max sketch (= the column block; tests lower it to exercise ``k > slots`` and the column loop).
+SKETCH_SLOTS = 2048
+#: Relative margin on ``q T`` for the sketch's top-p floor (covers the rounding of ``T`` and ``exp``).
+_SKETCH_MARGIN = 1e-4
+#: Factor on ``(1 - q) T / V`` for the flat-row top-p floor (strict inequality with room for rounding).
+_FLAT_FACTOR = 0.99
+_MASS_DEPENDENT = frozenset({"top_p", "min_prob"})
+_ELEMENTARY = (TopK, TopP, MinP, MinProb)
+
+
+@dataclass(frozen=True)
+class SelectionPlan:
+    """What the kernel and the candidate phase need of a rule: its non-trivial stages and the parts its floor uses.
+
+    ``stages``: the engine's stages (:func:`composition_stages`) as tuples of elementary rules, without the parts
+    that keep everything (``top_k >= V`` is decided per call; ``top_p = 1`` here). ``floor_parts``: the parts whose
+    floors make ``c`` (see the module docstring).
+    """
+
+    stages: tuple[tuple[SafeVocabRule, ...], ...]
+    rule: SafeVocabRule
+
+    def active(self, vocab: int) -> tuple[tuple[SafeVocabRule, ...], ...]:
+        """The stages without the parts that keep every token for this vocabulary size (``top_k >= V``)."""
+        kept = (tuple(p for p in stage if not (type(p) is TopK and p.k >= vocab)) for stage in self.stages)
+        return tuple(stage for stage in kept if stage)
+
+    def floor_parts(self, vocab: int) -> tuple[SafeVocabRule, ...]:
+        stages = self.active(vocab)
+        parts: list[SafeVocabRule] = []
+        for i, stage in enumerate(stages):
+            if i > 0 and any(p.key in _MASS_DEPENDENT for p in stage):
+                break
+            parts.extend(stage)
+        return tuple(parts)
+
+
+def selection_plan(rule: SafeVocabRule) -> SelectionPlan | None:
+    """The plan for ``rule`` when this kernel computes its threshold: exact ``TopK``, ``TopP``, or an exact
+    ``Intersection`` of exact ``TopK``/``TopP``/``MinP``/``MinProb`` parts; else ``None`` (a subclass may change
+    its threshold)."""
+    if type(rule) in (TopK, TopP):
+        parts: tuple[SafeVocabRule, ...] = (rule,)
+    elif type(rule) is Intersection and all(type(p) in _ELEMENTARY for p in rule.parts):
+        parts = rule.parts
+    else:
+        return None
+    by_key = {p.key: p for p in parts}
+    stages = []
+    for stage in composition_stages(rule.engine, frozenset(by_key)):
+        kept = tuple(by_key[key] for key in stage if not (key == "top_p" and by_key[key].q >= 1.0))
+        if kept:
+            stages.append(kept)
+    return SelectionPlan(tuple(stages), rule)
+
+
+@triton.jit
+def _ordered_key(x):
+    """fp32 -> int64 keys in the same order (``-0`` just below ``+0``; ``-inf`` the smallest)."""
+    bits = x.to(tl.int32, bitcast=True)
+    return tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(tl.int64)
+
+
+@triton.jit
+def _select_kernel(
+    z_ptr,
+    z_stride,
+    n_cols,
+    scale,
+    softcap,
+    temperature,
+    top_k,
+    top_p,
+    log_min_p,
+    log_min_prob,
+    row_max_ptr,  # [n] fp32 out
+    total_ptr,  # [n] fp64 out: T = sum_V exp(z - m)
+    floor_ptr,  # [n] fp32 out: c
+    count_ptr,  # [n] int32 out: #{z >= c} (may exceed KCAP)
+    cand_ptr,  # [n, KCAP] fp32 out: the candidates' z, in column order
+    kcap,
+    USE_K: tl.constexpr,
+    USE_P: tl.constexpr,
+    USE_MIN_P: tl.constexpr,
+    USE_MIN_PROB: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_TEMPERATURE: tl.constexpr,
+    FLOOR: tl.constexpr,
+    BLOCK: tl.constexpr,
+    GROUP: tl.constexpr,  # columns per fp32 partial sum of T (64, as nucleus.row_sum64)
+    MARGIN: tl.constexpr,
+    FLAT: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    row_ptr = z_ptr + row * z_stride
+    cols = tl.arange(0, BLOCK)
+    neg_inf = float("-inf")
+
+    # PASS A: online maximum and T, and the slot-max sketch
+    slot = tl.full((BLOCK,), neg_inf, tl.float32)
+    m = tl.full((), neg_inf, tl.float32)
+    total = tl.zeros((), tl.float64)
+    for start in range(0, n_cols, BLOCK):
+        offs = start + cols
+        mask = offs < n_cols
+        z = tl.load(row_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        z = transform(z, scale, softcap, temperature, HAS_SCALE, HAS_SOFTCAP, HAS_TEMPERATURE)
+        z = tl.where(mask, z, neg_inf)
+        slot = tl.maximum(slot, z)
+        m_new = tl.maximum(m, tl.max(z, axis=0))
+        shift = tl.where(m_new == neg_inf, 0.0, m_new)  # an all -inf prefix: e = 0, no NaN
+        e = tl.where(z == neg_inf, 0.0, tl.exp(z - shift))
+        partial = tl.sum(tl.reshape(e, (BLOCK // GROUP, GROUP)), axis=1).to(tl.float64)
+        rescale = tl.where(m == neg_inf, 0.0, tl.exp((m - shift).to(tl.float64)))
+        total = total * rescale + tl.sum(partial, axis=0)
+        m = m_new
+
+    # FLOORS c <= t (module docstring)
+    c = tl.full((), neg_inf, tl.float32)
+    # the sketch's order statistics by bisection on the slots' ordered integer keys (no sort: 33 counting steps)
+    keys = _ordered_key(slot)
+    if USE_K:
+        lo = tl.min(keys, axis=0)
+        hi = tl.max(keys, axis=0)
+        for _ in range(33):  # the largest key with >= k slots at or above it: the k-th largest slot
+            mid = lo + (hi - lo + 1) // 2
+            ok = tl.sum((keys >= mid).to(tl.int32), axis=0) >= top_k
+            lo = tl.where(ok, mid, lo)
+            hi = tl.where(ok, hi, mid - 1)
+        c_k = tl.max(tl.where(keys == lo, slot, neg_inf), axis=0)
+        c = tl.maximum(c, tl.where(top_k <= BLOCK, c_k, neg_inf))
+    if USE_P:
+        e_s = tl.where(slot == neg_inf, 0.0, tl.exp(slot - m)).to(tl.float64)
+        target = top_p * total * (1.0 + MARGIN)
+        lo = tl.min(keys, axis=0)
+        hi = tl.max(keys, axis=0)
+        reachable = tl.sum(e_s, axis=0) >= target
+        for _ in range(33):  # the largest slot whose slot mass at or above it reaches q T (1 + margin)
+            mid = lo + (hi - lo + 1) // 2
+            ok = tl.sum(tl.where(keys >= mid, e_s, 0.0), axis=0) >= target
+            lo = tl.where(ok, mid, lo)
+            hi = tl.where(ok, hi, mid - 1)
+        c_s = tl.max(tl.where(keys == lo, slot, neg_inf), axis=0)
+        c = tl.maximum(c, tl.where(reachable, c_s, neg_inf))
+        flat = (1.0 - top_p) * total * FLAT / n_cols
+        c = tl.maximum(c, m + tl.log(flat.to(tl.float32)))
+    if USE_MIN_P:
+        c = tl.maximum(c, m + tl.cast(log_min_p, tl.float32))
+    if USE_MIN_PROB:
+        c = tl.maximum(c, m + tl.cast(log_min_prob, tl.float32))
+    c = tl.maximum(c, tl.full((), FLOOR, tl.float32))  # -inf logits are never kept
+    tl.store(row_max_ptr + row, m)
+    tl.store(total_ptr + row, total)
+    tl.store(floor_ptr + row, c)
+
+    # PASS B: compact the candidates z >= c
+    base = tl.zeros((), tl.int32)
+    out_ptr = cand_ptr + row * kcap
+    for start in range(0, n_cols, BLOCK):
+        offs = start + cols
+        mask = offs < n_cols
+        z = tl.load(row_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        z = transform(z, scale, softcap, temperature, HAS_SCALE, HAS_SOFTCAP, HAS_TEMPERATURE)
+        cand = (mask & (z >= c)).to(tl.int32)
+        n_cand = tl.sum(cand, axis=0)
+        if n_cand > 0:
+            pos = base + tl.cumsum(cand, axis=0) - 1
+            tl.store(out_ptr + pos, z, mask=(cand > 0) & (pos < kcap))
+            base += n_cand
+    tl.store(count_ptr + row, base)
+
+
+@triton.jit
+def _transform_rows_kernel(
+    z_ptr,
+    z_stride,
+    rows_ptr,
+    out_ptr,
+    n_cols,
+    scale,
+    softcap,
+    temperature,
+    HAS_SCALE: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_TEMPERATURE: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    i = tl.program_id(0).to(tl.int64)
+    src = z_ptr + tl.load(rows_ptr + i).to(tl.int64) * z_stride
+    dst = out_ptr + i * n_cols
+    for start in range(0, n_cols, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        mask = offs < n_cols
+        z = tl.load(src + offs, mask=mask, other=0.0).to(tl.float32)
+        z = transform(z, scale, softcap, temperature, HAS_SCALE, HAS_SOFTCAP, HAS_TEMPERATURE)
+        tl.store(dst + offs, z, mask=mask)
+
+
+def _transform_flags(scale: float, softcap: float | None, temperature: float) -> dict:
+    return dict(HAS_SCALE=scale != 1.0, HAS_SOFTCAP=softcap is not None, HAS_TEMPERATURE=temperature != 1.0)
+
+
+def transformed_rows(
+    z: torch.Tensor, rows: torch.Tensor, scale: float = 1.0, softcap: float | None = None, temperature: float = 1.0
+) -> torch.Tensor:
+    """The rows ``rows`` of the raw chunk ``z`` ``[n, V]`` transformed in fp32 by the fold kernels' own transform:
+    ``[len(rows), V]`` (the fallback's input, and the tests' reference logits)."""
+    n_rows, n_cols = rows.numel(), z.shape[1]
+    out = torch.empty(n_rows, n_cols, device=z.device, dtype=torch.float32)
+    if n_rows:
+        _transform_rows_kernel[(n_rows,)](
+            z,
+            z.stride(0),
+            rows.to(torch.int64).contiguous(),
+            out,
+            n_cols,
+            float(scale),
+            float(softcap) if softcap is not None else 1.0,
+            float(temperature),
+            **_transform_flags(scale, softcap, temperature),
+            BLOCK=min(triton.next_power_of_2(n_cols), SKETCH_SLOTS),
+        )
+    return out
+
+
+def select_thresholds(
+    z: torch.Tensor,
+    plan: SelectionPlan,
+    threshold: torch.Tensor,
+    row_max: torch.Tensor,
+    scale: float = 1.0,
+    softcap: float | None = None,
+    temperature: float = 1.0,
+    kcap: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Write ``plan.rule``'s per-row ``threshold`` and ``row_max`` (``[n]`` fp32) for the raw chunk ``z`` ``[n, V]``
+    (bf16/fp16/fp32, row-contiguous; transformed in the kernel). Returns ``(fallback, candidates)``: the indices of
+    the rows that took the fallback (the rule's torch code on those rows) and the ``[n]`` int32 candidate counts
+    (``> kcap``: overflow).
+
+    Args:
+        kcap: candidates per row (default :data:`KCAP`, at most ``V``).
+    """
+    n, vocab = z.shape
+    if n == 0:
+        return torch.zeros(0, dtype=torch.long, device=z.device), torch.zeros(0, dtype=torch.int32, device=z.device)
+    assert z.stride(1) == 1, "the chunk must be row-contiguous"
+    assert z.dtype != torch.float64, "fp64 inputs keep the torch threshold path"
+    kcap = min(KCAP if kcap is None else kcap, vocab)
+    stages = plan.active(vocab)
+    floors = {p.key: p for p in plan.floor_parts(vocab)}
+    device = z.device
+    total = torch.empty(n, device=device, dtype=torch.float64)
+    floor = torch.empty(n, device=device, dtype=torch.float32)
+    count = torch.empty(n, device=device, dtype=torch.int32)
+    cand = torch.empty(n, kcap, device=device, dtype=torch.float32)
+    block = max(64, min(triton.next_power_of_2(vocab), SKETCH_SLOTS))
+    _select_kernel[(n,)](
+        z,
+        z.stride(0),
+        vocab,
+        float(scale),
+        float(softcap) if softcap is not None else 1.0,
+        float(temperature),
+        int(floors["top_k"].k) if "top_k" in floors else 0,
+        float(floors["top_p"].q) if "top_p" in floors else 0.0,
+        math.log(floors["min_p"].rho) if "min_p" in floors else 0.0,
+        math.log(floors["min_prob"].tau) if "min_prob" in floors else 0.0,
+        row_max,
+        total,
+        floor,
+        count,
+        cand,
+        kcap,
+        USE_K="top_k" in floors,
+        USE_P="top_p" in floors,
+        USE_MIN_P="min_p" in floors,
+        USE_MIN_PROB="min_prob" in floors,
+        **_transform_flags(scale, softcap, temperature),
+        FLOOR=finite_floor(torch.float32),
+        BLOCK=block,
+        GROUP=64,
+        MARGIN=_SKETCH_MARGIN,
+        FLAT=_FLAT_FACTOR,
+        num_warps=8 if block >= 2048 else 4,
+    )
+    t, bad = _decide(stages, cand, count, floor, row_max, total, vocab, kcap)
+    threshold.copy_(t)
+    bad = bad.nonzero().squeeze(-1)
+    if bad.numel():
+        exact = transformed_rows(z, bad, scale, softcap, temperature)
+        t_bad, m_bad = plan.rule.threshold_and_max(exact)
+        threshold.index_copy_(0, bad, t_bad.squeeze(-1))
+        row_max.index_copy_(0, bad, m_bad.squeeze(-1))
+    return bad, count
+
+
+def _decide(stages, cand, count, floor, m, total, vocab: int, kcap: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The candidate phase (module docstring): ``(threshold [n] fp32, fallback [n] bool)``."""
+    n = cand.shape[0]
+    device = cand.device
+    neg_inf = torch.tensor(-math.inf, device=device)
+    bad = (count > kcap) | ~torch.isfinite(m) | ~torch.isfinite(total)
+    width = int(count.clamp(max=kcap).max()) if n else 0
+    cols = torch.arange(width, device=device)
+    valid = cols < count.clamp(max=kcap).unsqueeze(-1)
+    vals = torch.where(valid, cand[:, :width], neg_inf).sort(dim=-1, descending=True).values
+    complete = floor <= finite_floor(torch.float32)  # every finite logit is a candidate
+    e = torch.where(valid.sort(dim=-1, descending=True).values, (vals - m.unsqueeze(-1)).exp(), 0.0)
+    n_valid = count.clamp(max=kcap).long()
+
+    t = None  # [n] fp32 value, with ``known``: exact (else some value below c)
+    known = torch.ones(n, dtype=torch.bool, device=device)
+    for stage in stages:
+        if t is None:
+            kept_mask, kept_count, kept_complete = None, n_valid, complete
+        else:
+            kept_mask = vals >= t.unsqueeze(-1)
+            kept_count = kept_mask.sum(-1)
+            kept_complete = complete | (known & (t >= floor))
+        stage_t, stage_known = [], []
+        for part in stage:
+            if type(part) is TopK:
+                k = part.k
+                kth = vals[:, k - 1] if k <= width else torch.full((n,), -math.inf, device=device)
+                enough = kept_count >= k
+                stage_t.append(torch.where(enough, kth, neg_inf))
+                stage_known.append(enough | kept_complete)
+            elif type(part) is TopP:
+                if t is None:
+                    kept_e, t_prev = e, total
+                else:
+                    kept_e = torch.where(kept_mask, e, 0.0)
+                    t_prev = kept_e.double().sum(-1)
+                    bad |= ~kept_complete
+                target = part.q * t_prev
+                reached = kept_e.double().cumsum(-1) >= target.unsqueeze(-1)
+                any_reached = reached.any(-1)
+                first = reached.to(torch.uint8).argmax(-1)
+                t_p = vals.gather(-1, first.unsqueeze(-1)).squeeze(-1) if width else m
+                # not reached over a complete kept set: nucleus.py's rounding case; leave it to the rule's code
+                bad |= ~any_reached & (kept_complete if t is None else torch.ones_like(bad))
+                stage_t.append(torch.where(any_reached, t_p, neg_inf))
+                stage_known.append(any_reached)
+            elif type(part) is MinP:
+                stage_t.append(m + math.log(part.rho))
+                stage_known.append(torch.ones_like(bad))
+            else:  # MinProb: (m + log kept) + log tau, in fp32 as the rule
+                if t is None:
+                    kept = total.float()
+                else:
+                    kept = torch.where(kept_mask, e, 0.0).double().sum(-1).float()
+                    bad |= ~kept_complete
+                stage_t.append((m + kept.log()) + math.log(part.tau))
+                stage_known.append(torch.ones_like(bad))
+        new_t, new_known = _combine(stage_t, stage_known, floor)
+        if t is None:
+            t, known = new_t, new_known
+        else:
+            t, known = _combine([t, new_t], [known, new_known], floor)
+        t = torch.minimum(t, m)
+    if t is None:  # every part keeps everything
+        t = torch.full((n,), -math.inf, device=device)
+    bad |= ~known
+    return torch.minimum(t.clamp_min(finite_floor(torch.float32)), m), bad
+
+
+def _combine(values, known, floor):
+    """``max`` of thresholds some of which are only known to lie below ``floor``: exact when every one is, or when
+    a known one reaches ``floor`` (the unknown ones are below it)."""
+    value = values[0] if len(values) == 1 else torch.stack(values).amax(0)
+    certain = torch.stack(known)
+    ok = certain.all(0) | (certain & (torch.stack(values) >= floor)).any(0)
+    known_value = torch.where(certain, torch.stack(values), -math.inf).amax(0)
+    return torch.where(ok, known_value, value), ok
