@@ -362,11 +362,14 @@ def select_thresholds(
     t, bad = _decide(stages, cand, count, floor, row_max, total, vocab, kcap)
     threshold.copy_(t)
     bad = bad.nonzero().squeeze(-1)
-    if bad.numel():
-        exact = transformed_rows(z, bad, scale, softcap, temperature)
+    # fallback rows in batches whose fp32 copy and the rule's scratch (~16 B a logit) stay near the raw chunk's size,
+    # which is all the chunk sizing (triton_chunk_rows) budgets for
+    for part in bad.split(max(1, n * z.element_size() // 16)):
+        exact = transformed_rows(z, part, scale, softcap, temperature)
         t_bad, m_bad = plan.rule.threshold_and_max(exact)
-        threshold.index_copy_(0, bad, t_bad.squeeze(-1))
-        row_max.index_copy_(0, bad, m_bad.squeeze(-1))
+        threshold.index_copy_(0, part, t_bad.squeeze(-1))
+        row_max.index_copy_(0, part, m_bad.squeeze(-1))
+        del exact
     return bad, count
 
 
