@@ -93,17 +93,19 @@ def reference(raw, rule, transform):
     return z, t.squeeze(-1), m.squeeze(-1)
 
 
-def select(raw, rule, transform, kcap=None):
+def select(raw, rule, transform, kcap=None, refine_passes=None):
     n = raw.shape[0]
     threshold = torch.empty(n, device=raw.device)
     row_max = torch.empty(n, device=raw.device)
-    fallback, count = ts.select_thresholds(raw, ts.selection_plan(rule), threshold, row_max, kcap=kcap, **transform)
+    plan = ts.selection_plan(rule)
+    kw = dict(kcap=kcap, refine_passes=refine_passes, **transform)
+    fallback, count = ts.select_thresholds(raw, plan, threshold, row_max, **kw)
     return threshold, row_max, fallback, count
 
 
-def assert_same_thresholds(raw, rule, transform, kcap=None, exact=True):
+def assert_same_thresholds(raw, rule, transform, kcap=None, exact=True, refine_passes=None):
     z, t_ref, m_ref = reference(raw, rule, transform)
-    t, m, fallback, count = select(raw, rule, transform, kcap)
+    t, m, fallback, count = select(raw, rule, transform, kcap, refine_passes)
     assert torch.equal(m, m_ref)
     # the sets, and (without min_prob, whose threshold sums the kept mass in another order) the thresholds
     assert torch.equal(z >= t.unsqueeze(-1), z >= t_ref.unsqueeze(-1)), f"{rule}: sets differ"
@@ -169,17 +171,37 @@ def test_adversarial_rows(dtype):
 @pytest.mark.parametrize("transform", [TRANSFORMS[0], TRANSFORMS[2]])
 def test_k_above_the_sketch_and_several_column_blocks(transform, monkeypatch):
     """64 slots for 600 columns: the column loop, ``k > slots`` (floor -inf: all finite logits are candidates,
-    which overflow KCAP=256 and take the fallback), ``k`` within the slots (the sketch still bounds)."""
+    which overflow KCAP=256: the pivot refinement, or without it the fallback), ``k`` within the slots."""
     monkeypatch.setattr(ts, "SKETCH_SLOTS", 64)
     raw = random_rows(n=4, v=600, seed=2, dtype=torch.bfloat16)
-    fallback, count = assert_same_thresholds(raw, parse_rule("top_k=100"), transform, kcap=256)
+    fallback, count = assert_same_thresholds(raw, parse_rule("top_k=100"), transform, kcap=256, refine_passes=0)
     assert fallback.numel() == 4 and bool((count == 600).all())
+    # the pivot refinement raises the floor until the candidates fit
+    fallback, count = assert_same_thresholds(raw, parse_rule("top_k=100"), transform, kcap=256)
+    assert fallback.numel() == 0 and bool((count <= 256).all())
     fallback, count = assert_same_thresholds(raw, parse_rule("top_k=100"), transform, kcap=600)
     assert fallback.numel() == 0  # the whole row fits: decided from the candidates
     fallback, count = assert_same_thresholds(raw, parse_rule("top_k=10"), transform, kcap=256)
     assert fallback.numel() == 0 and int(count.max()) < 256
     for spec in ("top_p=0.9", COMPOSITIONS[0]):
         assert_same_thresholds(raw, parse_rule(spec), transform, kcap=256)
+
+
+@pytest.mark.parametrize("spec", ["top_p=0.3", "top_k=150,top_p=0.9"])
+def test_pivot_refinement_of_flat_rows(spec, monkeypatch):
+    """Flattish rows, 64 sketch slots for 900 columns: the sketch's bound lies far below the threshold and overflows
+    KCAP=200; a few pivot passes raise it until the candidates fit, and the set is still exact. Rows whose kept set
+    itself is wider than KCAP go to the rule's code."""
+    monkeypatch.setattr(ts, "SKETCH_SLOTS", 64)
+    raw = random_rows(n=4, v=900, seed=3, sd=1.0, dtype=torch.bfloat16)
+    *_, count0 = select(raw, parse_rule(spec), {}, kcap=200, refine_passes=0)
+    assert bool((count0 > 200).any()), f"the sketch's bound alone overflows: {count0}"
+    assert_same_thresholds(raw, parse_rule(spec, engine="vllm"), {}, kcap=200)
+    fallback, count = assert_same_thresholds(raw, parse_rule(spec), {}, kcap=200)
+    z = ts.transformed_rows(raw, torch.arange(4))
+    kept = (z >= parse_rule(spec).threshold(z)).sum(-1)
+    wide = set((kept > 200).nonzero().squeeze(-1).tolist())  # rows whose kept set itself exceeds KCAP
+    assert wide <= set(fallback.tolist()) and len(fallback) < int((count0 > 200).sum()), (fallback, count0, kept)
 
 
 def test_flat_rows_top_p_take_the_fallback_or_the_flat_floor():
@@ -204,7 +226,7 @@ def test_flat_rows_top_p_take_the_fallback_or_the_flat_floor():
 def test_property_random_rows(seed, v, sd, k, q, engine):
     raw = random_rows(n=4, v=v, seed=seed, sd=sd, dtype=torch.bfloat16)
     for spec in (f"top_k={k}", f"top_p={q}", f"top_k={k},top_p={q},min_p=0.02"):
-        assert_same_thresholds(raw, parse_rule(spec, engine=engine), {"temperature": 0.9}, kcap=256)
+        assert_same_thresholds(raw, parse_rule(spec, engine=engine), {"temperature": 0.9}, kcap=128)
 
 
 # ---------------------------------------------------------------------------------------------- the fused op

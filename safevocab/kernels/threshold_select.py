@@ -42,11 +42,15 @@ are kept), ``top_p`` takes the first sorted entry whose float64 running mass of 
 and capped as ``SafeVocabRule.threshold_of`` does. A stage whose threshold lies below ``c`` is not known exactly but
 then does not decide ``t``; the row goes to the fallback only when it would (or a later stage needs its mass).
 
-**Fallback** (last resort, exact by definition): rows whose candidates overflow ``KCAP``, whose floor did not
-certify (a flat row: ``top_p`` never reached within the candidates where it decides ``t``), a non-finite ``m`` or
-``T``, or where the float64 masses could not reach ``q T_prev`` by rounding, are transformed in the kernel into fp32
-(only those rows) and given to the rule's own torch code. The design's bounded pivot search (GPU_DESIGN.md §3.2) is
-not built.
+**Fallback.** A row whose candidates overflow ``KCAP`` first gets a bounded pivot refinement of its floor
+(GPU_DESIGN.md §3.2, :data:`REFINE_PASSES` passes over the row, 4 pivots each): a pivot that one of the floor's parts
+certifies (``top_k``: at least ``k`` logits at or above it; ``top_p``: their mass reaches ``q T (1 + 1e-4)``;
+``min_p``/``min_prob``: not above their threshold) is still at most ``t``, by the same arguments as the floors, and
+becomes the new floor; the candidates are then compacted again. The last resort, exact by definition: rows that still
+overflow (ties wider than ``KCAP``, e.g. a flat row), whose floor did not certify (``top_p`` never reached within the
+candidates where it decides ``t``), a non-finite ``m`` or ``T``, or where the float64 masses could not reach
+``q T_prev`` by rounding, are transformed in the kernel into fp32 (only those rows, in batches) and given to the
+rule's own torch code.
 
 The masses follow ``safevocab.nucleus``: ``T`` in fp32 partials added in fp64; they can differ from its decision only
 where the boundary mass lies within rounding (~1e-7 relative) of ``q T``, as the engines' own fp32 sums do.
@@ -66,12 +70,22 @@ from safevocab.kernels import interpreter_on
 from safevocab.kernels.common import transform
 from safevocab.rules import Intersection, MinP, MinProb, SafeVocabRule, TopK, TopP, finite_floor
 
-__all__ = ["SelectionPlan", "selection_plan", "select_thresholds", "transformed_rows", "KCAP", "SKETCH_SLOTS"]
+__all__ = [
+    "SelectionPlan",
+    "selection_plan",
+    "select_thresholds",
+    "transformed_rows",
+    "KCAP",
+    "REFINE_PASSES",
+    "SKETCH_SLOTS",
+]
 
 #: Whether these kernels were defined under Triton's interpreter (``TRITON_INTERPRET=1`` at import).
 INTERPRETED = interpreter_on()
 #: Candidates kept per row (more: the row takes the fallback).
 KCAP = 4096
+#: Pivot-refinement passes (4 pivots each) for a row whose candidates overflow ``KCAP``, before the torch fallback.
+REFINE_PASSES = 6
 #: Slots of the max sketch (= the column block; tests lower it to exercise ``k > slots`` and the column loop).
 SKETCH_SLOTS = 2048
 #: Relative margin on ``q T`` for the sketch's top-p floor (covers the rounding of ``T`` and ``exp``).
@@ -165,17 +179,22 @@ def _select_kernel(
     GROUP: tl.constexpr,  # columns per fp32 partial sum of T (64, as nucleus.row_sum64)
     MARGIN: tl.constexpr,
     FLAT: tl.constexpr,
+    GIVEN_C: tl.constexpr,  # recompaction: rows_ptr names the rows, c is read from floor_ptr
+    rows_ptr,
 ):
-    row = tl.program_id(0).to(tl.int64)
+    if GIVEN_C:
+        row = tl.load(rows_ptr + tl.program_id(0)).to(tl.int64)
+    else:
+        row = tl.program_id(0).to(tl.int64)
     row_ptr = z_ptr + row * z_stride
     cols = tl.arange(0, BLOCK)
     neg_inf = float("-inf")
 
-    # PASS A: online maximum and T, and the slot-max sketch
+    # PASS A: online maximum and T, and the slot-max sketch (a recompaction knows them)
     slot = tl.full((BLOCK,), neg_inf, tl.float32)
     m = tl.full((), neg_inf, tl.float32)
     total = tl.zeros((), tl.float64)
-    for start in range(0, n_cols, BLOCK):
+    for start in range(0, 0 if GIVEN_C else n_cols, BLOCK):
         offs = start + cols
         mask = offs < n_cols
         z = tl.load(row_ptr + offs, mask=mask, other=0.0).to(tl.float32)
@@ -224,9 +243,12 @@ def _select_kernel(
     if USE_MIN_PROB:
         c = tl.maximum(c, m + tl.cast(log_min_prob, tl.float32))
     c = tl.maximum(c, tl.full((), FLOOR, tl.float32))  # -inf logits are never kept
-    tl.store(row_max_ptr + row, m)
-    tl.store(total_ptr + row, total)
-    tl.store(floor_ptr + row, c)
+    if GIVEN_C:
+        c = tl.load(floor_ptr + row)
+    else:
+        tl.store(row_max_ptr + row, m)
+        tl.store(total_ptr + row, total)
+        tl.store(floor_ptr + row, c)
 
     # PASS B: compact the candidates z >= c
     base = tl.zeros((), tl.int32)
@@ -243,6 +265,94 @@ def _select_kernel(
             tl.store(out_ptr + pos, z, mask=(cand > 0) & (pos < kcap))
             base += n_cand
     tl.store(count_ptr + row, base)
+
+
+@triton.jit
+def _from_key(key):
+    """Inverse of :func:`_ordered_key`."""
+    bits = key.to(tl.int32)
+    return tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _refine_kernel(
+    z_ptr,
+    z_stride,
+    rows_ptr,  # the overflowing rows
+    n_cols,
+    scale,
+    softcap,
+    temperature,
+    top_k,
+    top_p,
+    log_min_p,
+    log_min_prob,
+    row_max_ptr,
+    total_ptr,
+    floor_ptr,  # read and raised
+    count_ptr,  # read and lowered: #{z >= c}
+    kcap,
+    max_passes,
+    USE_K: tl.constexpr,
+    USE_P: tl.constexpr,
+    USE_MIN_P: tl.constexpr,
+    USE_MIN_PROB: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_TEMPERATURE: tl.constexpr,
+    BLOCK: tl.constexpr,
+    MARGIN: tl.constexpr,
+):
+    """Raise an overflowing row's floor by pivot refinement: each pass counts, and sums ``e`` above, 4 pivots
+    spread over the bracket ``[lo, hi]`` of ordered keys; a pivot that some floor part certifies (``top_k``:
+    ``>= k`` logits at or above it; ``top_p``: mass at or above it ``>= q T (1 + margin)``; ``min_p``/``min_prob``:
+    not above ``m + log rho``/``m + log tau``) is still ``<= t`` and becomes ``lo``; one that none certifies bounds
+    ``hi``. Stops when ``#{z >= lo} <= kcap`` or after ``max_passes``."""
+    row = tl.load(rows_ptr + tl.program_id(0)).to(tl.int64)
+    row_ptr = z_ptr + row * z_stride
+    cols = tl.arange(0, BLOCK)
+    piv_ids = tl.arange(0, 4)
+    m = tl.load(row_max_ptr + row)
+    target = top_p * tl.load(total_ptr + row) * (1.0 + MARGIN)
+    c = tl.load(floor_ptr + row)
+    lo = _ordered_key(c)
+    hi = _ordered_key(m)
+    count = tl.load(count_ptr + row)
+    passes = tl.zeros((), tl.int32)
+    while (passes < max_passes) & (count > kcap) & (lo < hi):
+        step = (hi - lo) // 5
+        keys = lo + tl.maximum(step, 1) * (piv_ids + 1).to(tl.int64)
+        keys = tl.minimum(keys, hi)
+        pivots = _from_key(keys)
+        n_above = tl.zeros((4,), tl.int32)
+        mass = tl.zeros((4,), tl.float64)
+        for start in range(0, n_cols, BLOCK):
+            offs = start + cols
+            mask = offs < n_cols
+            z = tl.load(row_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            z = transform(z, scale, softcap, temperature, HAS_SCALE, HAS_SOFTCAP, HAS_TEMPERATURE)
+            z = tl.where(mask, z, float("-inf"))
+            above = z[:, None] >= pivots[None, :]
+            n_above += tl.sum(above.to(tl.int32), axis=0)
+            e = tl.where(z == float("-inf"), 0.0, tl.exp(z - m))
+            mass += tl.sum(tl.where(above, e[:, None], 0.0), axis=0).to(tl.float64)
+        ok = piv_ids < 0
+        if USE_K:
+            ok = ok | (n_above >= top_k)
+        if USE_P:
+            ok = ok | (mass >= target)
+        if USE_MIN_P:
+            ok = ok | (pivots <= m + tl.cast(log_min_p, tl.float32))
+        if USE_MIN_PROB:
+            ok = ok | (pivots <= m + tl.cast(log_min_prob, tl.float32))
+        # certification is monotone: the certified pivots are a prefix
+        best = tl.max(tl.where(ok, keys, lo), axis=0)
+        count = tl.where(tl.max(ok.to(tl.int32), axis=0) > 0, tl.min(tl.where(ok, n_above, 2147483647), axis=0), count)
+        hi = tl.minimum(hi, tl.min(tl.where(ok, hi, keys - 1), axis=0))
+        lo = best
+        passes += 1
+    tl.store(floor_ptr + row, _from_key(lo))
+    tl.store(count_ptr + row, count)
 
 
 @triton.jit
@@ -307,6 +417,7 @@ def select_thresholds(
     softcap: float | None = None,
     temperature: float = 1.0,
     kcap: int | None = None,
+    refine_passes: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Write ``plan.rule``'s per-row ``threshold`` and ``row_max`` (``[n]`` fp32) for the raw chunk ``z`` ``[n, V]``
     (bf16/fp16/fp32, row-contiguous; transformed in the kernel). Returns ``(fallback, candidates)``: the indices of
@@ -315,6 +426,8 @@ def select_thresholds(
 
     Args:
         kcap: candidates per row (default :data:`KCAP`, at most ``V``).
+        refine_passes: pivot-refinement passes for the rows whose candidates overflow ``kcap`` (default
+            :data:`REFINE_PASSES`; ``0``: straight to the torch fallback).
     """
     n, vocab = z.shape
     if n == 0:
@@ -322,6 +435,7 @@ def select_thresholds(
     assert z.stride(1) == 1, "the chunk must be row-contiguous"
     assert z.dtype != torch.float64, "fp64 inputs keep the torch threshold path"
     kcap = min(KCAP if kcap is None else kcap, vocab)
+    refine_passes = REFINE_PASSES if refine_passes is None else refine_passes
     stages = plan.active(vocab)
     floors = {p.key: p for p in plan.floor_parts(vocab)}
     device = z.device
@@ -330,35 +444,38 @@ def select_thresholds(
     count = torch.empty(n, device=device, dtype=torch.int32)
     cand = torch.empty(n, kcap, device=device, dtype=torch.float32)
     block = max(64, min(triton.next_power_of_2(vocab), SKETCH_SLOTS))
-    _select_kernel[(n,)](
-        z,
-        z.stride(0),
-        vocab,
-        float(scale),
-        float(softcap) if softcap is not None else 1.0,
-        float(temperature),
-        int(floors["top_k"].k) if "top_k" in floors else 0,
-        float(floors["top_p"].q) if "top_p" in floors else 0.0,
-        math.log(floors["min_p"].rho) if "min_p" in floors else 0.0,
-        math.log(floors["min_prob"].tau) if "min_prob" in floors else 0.0,
-        row_max,
-        total,
-        floor,
-        count,
-        cand,
-        kcap,
-        USE_K="top_k" in floors,
-        USE_P="top_p" in floors,
-        USE_MIN_P="min_p" in floors,
-        USE_MIN_PROB="min_prob" in floors,
+    common = dict(
+        z_ptr=z,
+        z_stride=z.stride(0),
+        n_cols=vocab,
+        scale=float(scale),
+        softcap=float(softcap) if softcap is not None else 1.0,
+        temperature=float(temperature),
+        top_k=int(floors["top_k"].k) if "top_k" in floors else 0,
+        top_p=float(floors["top_p"].q) if "top_p" in floors else 0.0,
+        log_min_p=math.log(floors["min_p"].rho) if "min_p" in floors else 0.0,
+        log_min_prob=math.log(floors["min_prob"].tau) if "min_prob" in floors else 0.0,
+        row_max_ptr=row_max,
+        total_ptr=total,
+        floor_ptr=floor,
+        count_ptr=count,
+        kcap=kcap,
         **_transform_flags(scale, softcap, temperature),
-        FLOOR=finite_floor(torch.float32),
         BLOCK=block,
-        GROUP=64,
         MARGIN=_SKETCH_MARGIN,
-        FLAT=_FLAT_FACTOR,
         num_warps=8 if block >= 2048 else 4,
     )
+    uses = dict(USE_K="top_k" in floors, USE_P="top_p" in floors)
+    uses.update(USE_MIN_P="min_p" in floors, USE_MIN_PROB="min_prob" in floors)
+    select = dict(cand_ptr=cand, FLOOR=finite_floor(torch.float32), GROUP=64, FLAT=_FLAT_FACTOR)
+    _select_kernel[(n,)](**common, **select, **uses, GIVEN_C=False, rows_ptr=count)
+    overflow = ((count > kcap) & torch.isfinite(row_max) & torch.isfinite(total)).nonzero().squeeze(-1)
+    if overflow.numel() and refine_passes > 0:
+        # FALLBACK, first step: pivot refinement of the floor (GPU_DESIGN.md 3.2), then the candidates again
+        rows = overflow.to(torch.int32)
+        _refine_kernel[(rows.numel(),)](**common, **uses, rows_ptr=rows, max_passes=refine_passes)
+        off = dict.fromkeys(uses, False)
+        _select_kernel[(rows.numel(),)](**common, **select, **off, GIVEN_C=True, rows_ptr=rows)
     t, bad = _decide(stages, cand, count, floor, row_max, total, vocab, kcap)
     threshold.copy_(t)
     bad = bad.nonzero().squeeze(-1)
