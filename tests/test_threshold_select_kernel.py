@@ -202,6 +202,9 @@ def test_pivot_refinement_of_flat_rows(spec, monkeypatch):
     kept = (z >= parse_rule(spec).threshold(z)).sum(-1)
     wide = set((kept > 200).nonzero().squeeze(-1).tolist())  # rows whose kept set itself exceeds KCAP
     assert wide <= set(fallback.tolist()) and len(fallback) < int((count0 > 200).sum()), (fallback, count0, kept)
+    # the raised floor is still a floor: every kept logit is a candidate (a floor above t would send the row to the
+    # fallback, exact but slow)
+    assert bool((count >= kept).all()), (count, kept)
 
 
 def test_flat_rows_top_p_take_the_fallback_or_the_flat_floor():
