@@ -18,7 +18,9 @@ per row, ``BLOCK`` columns at a time:
   the mass ``M(s_i)`` of the row at or above ``s_i`` reaches ``q T``, hence ``s_i <= t_p = max {z : M(z) >= q T}``
   (the ``1e-4`` margin covers the rounding of ``T`` and of ``exp``). Also, and kept if higher,
   ``m + log(0.99 (1 - q) T / V)``: the tokens below it carry less than ``(1 - q) T`` in total, so the mass at or
-  above it exceeds ``q T`` and ``t_p`` is not below it;
+  above it exceeds ``q T`` and ``t_p`` is not below it. Both order statistics of the slots are found by bisection on
+  their ordered integer keys (33 counting steps over the ``BLOCK`` slots: no sort; the sketch is the row itself when
+  ``V <= BLOCK``);
 - ``min_p``: ``m + log rho`` (exact); ``min_prob`` (only after another stage): ``m + log tau``, because the kept
   mass is at least the argmax's ``e = 1``, so ``m + log(kept) + log tau`` is not below it;
 - compositions (:func:`safevocab.engine_order.composition_stages`): the final ``t`` is the maximum of the stages'
@@ -40,7 +42,10 @@ are kept), ``top_p`` takes the first sorted entry whose float64 running mass of 
 (``T_prev``: ``T`` for a first stage, else the float64 sum over the kept candidates), ``min_p`` is ``m + log rho``,
 ``min_prob`` is ``(m + log kept) + log tau`` in fp32; each stage's threshold is capped at ``m``, the result floored
 and capped as ``SafeVocabRule.threshold_of`` does. A stage whose threshold lies below ``c`` is not known exactly but
-then does not decide ``t``; the row goes to the fallback only when it would (or a later stage needs its mass).
+then does not decide ``t``; the row goes to the fallback only when it would (or a later stage needs its mass). So the
+phase certifies its floor: a floor above ``t`` leaves a deciding stage unknown (too few candidates for ``top_k``,
+``q T`` never reached for ``top_p``, a known threshold below ``c``) and sends the row to the fallback; a wrong floor
+costs time, not exactness.
 
 **Fallback.** A row whose candidates overflow ``KCAP`` first gets a bounded pivot refinement of its floor
 (GPU_DESIGN.md §3.2, :data:`REFINE_PASSES` passes over the row, 4 pivots each): a pivot that one of the floor's parts
