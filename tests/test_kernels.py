@@ -523,13 +523,15 @@ def test_dw_side_stream_gives_the_same_gradients(dtype, monkeypatch):
 
 
 def test_torch_threshold_rules_are_logged_at_debug(caplog):
-    hidden, weight, bias, targets = make_inputs(n=4, v=20)
+    # fp64 inputs: top_k keeps the torch threshold (bf16/fp16/fp32 take the selection kernel, threshold_select)
+    hidden, weight, bias, targets = make_inputs(n=4, v=20, dtype=torch.float64)
     with caplog.at_level(logging.DEBUG, logger="safevocab"):
         fused_safe_logprobs(hidden, weight, targets, "top_k=5,min_p=0.1", backend="triton")
     assert any("top_k=5,min_p=0.1" in r.getMessage() and "torch" in r.getMessage() for r in caplog.records)
     caplog.clear()
     with caplog.at_level(logging.DEBUG, logger="safevocab"):
         fused_safe_logprobs(hidden, weight, targets, "min_p=0.1", backend="triton")
+        fused_safe_logprobs(hidden.float(), weight.float(), targets, "top_k=5,min_p=0.1", backend="triton")
     assert not [r for r in caplog.records if r.name == "safevocab"]
 
 

@@ -8,12 +8,15 @@ forward stored (every input dtype) and :func:`triton_replay_forward` for replaye
 :func:`triton_full_softmax_backward`) recomputes each chunk on the forward's row slice with the same calls, so
 ``S = {z >= t}`` is rebuilt, and ``pi`` normalised, from bit-identical logits.
 
-Two ways to get a chunk's threshold, fixed per rule (:func:`safevocab.kernels.kernel_threshold`) so
+Three ways to get a chunk's threshold, fixed per rule (:func:`safevocab.kernels.kernel_threshold`) so
 that forward and backward rebuild ``S = {z >= t}`` from bit-identical logits:
 
 - **in-kernel** (``NoPruning``, ``MinP``, ``MinProb``): the GEMM output (inputs' dtype) goes straight to
   the kernels, which apply the logit transform and compute the threshold themselves;
-- **torch threshold** (``TopK``, ``TopP``, compositions): the chunk is transformed in torch into an fp32
+- **selection kernel** (``TopK``, ``TopP``, compositions; bf16/fp16/fp32 inputs): the raw GEMM output goes to
+  :func:`safevocab.kernels.threshold_select.select_thresholds` (thresholds computed from it with the kernels'
+  transform), then to the fold kernels as for in-kernel thresholds;
+- **torch threshold** (other rules, and fp64 inputs): the chunk is transformed in torch into an fp32
   copy (``ChunkLogits``, as the torch backend does), the rule's ``threshold_and_max`` runs in torch,
   and the kernels fold the rest. Logged once per call at DEBUG level.
 
@@ -45,6 +48,7 @@ from safevocab.kernels.backward_fold import backward_fold
 from safevocab.kernels.forward_fold import forward_fold
 from safevocab.kernels.kept_entries import compact_kept, gather_logits
 from safevocab.kernels.sparse_backward import sparse_backward as kernel_sparse_backward
+from safevocab.kernels.threshold_select import KCAP, SelectionPlan, select_thresholds, selection_plan
 from safevocab.rules import SafeVocabRule
 from safevocab.support import SafeSupport
 
@@ -59,6 +63,18 @@ __all__ = [
 
 logger = logging.getLogger("safevocab")
 
+#: Whether ``TopK``/``TopP``/compositions get their thresholds from :mod:`safevocab.kernels.threshold_select`
+#: (``False``: the torch threshold on an fp32 copy, as before; for A/B comparisons and tests).
+_KERNEL_SELECTION = True
+
+
+def _kernel_selection(rule: SafeVocabRule, in_bytes: int) -> SelectionPlan | None:
+    """The selection kernel's plan for ``rule`` (``None``: in-kernel threshold, or the torch threshold path). fp64
+    inputs keep the torch path (fp64 statistics)."""
+    if not _KERNEL_SELECTION or in_bytes >= 8 or kernel_threshold(rule) is not None:
+        return None
+    return selection_plan(rule)
+
 
 def triton_chunk_rows(n_rows: int, vocab: int, rule: SafeVocabRule, in_bytes: int, max_chunk_bytes: int) -> int:
     """Rows per chunk for the Triton backend so that one chunk's scratch fits ``max_chunk_bytes``.
@@ -70,12 +86,15 @@ def triton_chunk_rows(n_rows: int, vocab: int, rule: SafeVocabRule, in_bytes: in
     """
     stat_bytes = 8 if in_bytes >= 8 else 4
     mask = 1 if in_bytes >= 4 else 0  # keep-mask of the sparse backward (fp32/fp64 inputs only)
+    extra_per_row = 0
     if kernel_threshold(rule) is not None:
         per_logit = in_bytes + mask
+    elif _kernel_selection(rule, in_bytes) is not None:  # the raw chunk, plus the candidate buffer and row scalars
+        per_logit, extra_per_row = in_bytes + mask, 4 * min(KCAP, vocab) + 32
     else:
         per_logit = stat_bytes + (in_bytes if in_bytes < 4 else 0) + mask + rule.scratch_bytes_per_logit
     # balanced chunks in multiples of 128 rows (no short tail chunk), as many as the budget's own row count gives
-    return balanced_chunk_rows(n_rows, max_chunk_bytes // max(1, vocab * per_logit))
+    return balanced_chunk_rows(n_rows, max_chunk_bytes // max(1, vocab * per_logit + extra_per_row))
 
 
 class _ChunkGemm:
@@ -132,8 +151,9 @@ def triton_forward(
         return sparse_chunks
     targets = targets.contiguous()
     in_kernel = kernel_threshold(rule)
+    plan = _kernel_selection(rule, hidden.element_size())
     rows_buf = min(chunk_rows, n_rows)
-    if in_kernel is None:
+    if in_kernel is None and plan is None:
         _log_torch_threshold(rule)
         logits_of = ChunkLogits(hidden, weight, bias, transform, rows_buf)
     else:
@@ -144,7 +164,15 @@ def triton_forward(
         for rows in chunk_slices(n_rows, chunk_rows):
             n = rows.stop - rows.start
             out = stats.rows(rows)
-            if in_kernel is None:
+            if plan is not None:
+                # thresholds from the raw chunk (threshold_select: no sort of V, no fp32 copy), then the fold
+                # with the same in-kernel transform
+                z = gemm(hidden[rows])
+                kw = dict(scale=transform.logit_scale, softcap=transform.softcap, temperature=transform.temperature)
+                select_thresholds(z, plan, out["threshold"], out["row_max"], **kw)
+                store_z = store_sparse_ok and not identity and not _is_half(z)
+                forward_fold(z, targets[rows], mode=MODE_GIVEN, store_z=store_z, **kw, **out)
+            elif in_kernel is None:
                 z = logits_of(hidden[rows])  # transformed, fp32 (fp64 for fp64 inputs)
                 t, z_max = rule.threshold_and_max(z)
                 out["threshold"].copy_(t.squeeze(-1))
@@ -166,7 +194,8 @@ def triton_forward(
                     **out,
                 )
             if store_sparse_ok and int(out["safe_size"].sum()) <= sparse_max_density * n * vocab:
-                chunk = _sparse_chunk(z, rows.start, out, transform, raw=in_kernel is not None and _is_half(z))
+                raw = (in_kernel is not None or plan is not None) and _is_half(z)  # the GEMM output, untransformed
+                chunk = _sparse_chunk(z, rows.start, out, transform, raw=raw)
                 if chunk is not None:
                     sparse_chunks.append(chunk)
             del z
@@ -204,7 +233,9 @@ class _BackwardLogits:
     what the backward kernel reads, and the inputs'-dtype buffer it writes the logits gradient into."""
 
     def __init__(self, hidden, weight, bias, transform: Transform, rows: int, rule: SafeVocabRule):
-        self.in_kernel = kernel_threshold(rule) is not None
+        self.in_kernel = (
+            kernel_threshold(rule) is not None or _kernel_selection(rule, hidden.element_size()) is not None
+        )
         self.gemm = _ChunkGemm(hidden, weight, bias, rows) if self.in_kernel else None
         self.logits = None if self.in_kernel else ChunkLogits(hidden, weight, bias, transform, rows)
 
@@ -343,12 +374,17 @@ def triton_replay_forward(
         return sparse_chunks
     targets = targets.contiguous()
     in_kernel = kernel_threshold(rule)
+    plan = _kernel_selection(rule, hidden.element_size())
     logits_of = _BackwardLogits(hidden, weight, bias, transform, min(chunk_rows, n_rows), rule)
     with _device_guard(hidden.device):
         for rows in chunk_slices(n_rows, chunk_rows):
             z, _ = logits_of(hidden[rows])
             out = stats.rows(rows)
-            if in_kernel is None:  # z: the torch-transformed copy
+            if plan is not None:  # z: the GEMM output; the rule's thresholds from it, as triton_forward computes them
+                kw = dict(scale=transform.logit_scale, softcap=transform.softcap, temperature=transform.temperature)
+                select_thresholds(z, plan, out["threshold"], out["row_max"], **kw)
+                forward_fold(z, targets[rows], mode=MODE_GIVEN, **kw, **out)
+            elif in_kernel is None:  # z: the torch-transformed copy
                 t, z_max = rule.threshold_and_max(z)
                 out["threshold"].copy_(t.squeeze(-1))
                 out["row_max"].copy_(z_max.squeeze(-1))
@@ -365,7 +401,8 @@ def triton_replay_forward(
                     temperature=transform.temperature,
                     **out,
                 )
-            sparse_chunks.append(_replayed_chunk(z, rows, targets, support, stats, transform, in_kernel is not None))
+            raw = in_kernel is not None or plan is not None  # z is the GEMM output, which the gather transforms
+            sparse_chunks.append(_replayed_chunk(z, rows, targets, support, stats, transform, raw))
             del z
     return sparse_chunks
 

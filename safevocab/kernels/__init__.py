@@ -16,8 +16,10 @@ runs is chosen in :mod:`safevocab.backends.registry`, from the probes of the Tri
 (:func:`triton_import_error`, :func:`interpreter_on`, :func:`compiled_kernels_loaded`).
 
 Thresholds: ``NoPruning``, ``MinP`` and ``MinProb`` are computed inside the forward kernel
-(:func:`kernel_threshold`). The other rules (``TopK``, ``TopP`` and compositions) need a selection or a sort:
-their per-row threshold is computed in torch with the rule's own code, on logits transformed in torch, and the
+(:func:`kernel_threshold`). ``TopK``, ``TopP`` and their compositions (bf16/fp16/fp32 inputs) get theirs from
+:mod:`safevocab.kernels.threshold_select` (a slot-max sketch bounds the threshold from below, the few candidates above
+it are compacted and decided exactly; no sort of the vocabulary, no fp32 copy). Other rules (subclasses, fp64
+inputs) compute their per-row threshold in torch with the rule's own code, on logits transformed in torch, and the
 kernels fold the rest (logged at DEBUG level on the ``"safevocab"`` logger).
 
 Sparse backward (chunks whose ``S`` the forward stored, and every replayed support):
@@ -43,8 +45,14 @@ __all__ = ["kernel_threshold", "triton_import_error", "triton_available", "inter
 #: Threshold modes of the forward kernel (``MODE`` constexpr).
 MODE_GIVEN, MODE_NONE, MODE_MIN_P, MODE_MIN_PROB = 0, 1, 2, 3
 
-_KERNEL_MODULES = ("safevocab.kernels.common", "safevocab.kernels.forward_fold", "safevocab.kernels.backward_fold")
-_KERNEL_MODULES += ("safevocab.kernels.sparse_backward", "safevocab.kernels.kept_entries")
+_KERNEL_MODULES = (
+    "safevocab.kernels.common",
+    "safevocab.kernels.forward_fold",
+    "safevocab.kernels.backward_fold",
+    "safevocab.kernels.threshold_select",
+    "safevocab.kernels.sparse_backward",
+    "safevocab.kernels.kept_entries",
+)
 
 
 @functools.lru_cache(maxsize=1)

@@ -1,0 +1,446 @@
+"""Top-k / top-p thresholds (and their compositions) from the raw GEMM output: no sort of ``V``, no fp32 copy.
+
+For ``TopK``, ``TopP`` and ``Intersection`` rules of the four elementary kinds, :func:`select_thresholds` computes
+each row's ``threshold`` and ``row_max`` exactly as ``rule.threshold_and_max`` does on the fp32 logits the fold
+kernels see (the raw ``[rows, V]`` chunk in the inputs' dtype, transformed in the kernel by
+:func:`safevocab.kernels.common.transform`, so forward and backward rebuild ``S = {z >= t}`` bit for bit). One program
+per row, ``BLOCK`` columns at a time:
+
+**Pass A** (online): the maximum ``m``; ``T = sum_V e``, ``e = exp(z - m)`` in fp32, summed as
+``safevocab.nucleus.row_sum64`` does (fp32 partial sums of 64 aligned columns, added in fp64; rescaled by
+``exp(m_old - m_new)`` when the maximum grows); and a *slot-max sketch*: ``slot[j] = max z`` over the columns
+``= j (mod BLOCK)``. From them a per-row **floor** ``c <= t`` (any value at most the final threshold is valid):
+
+- ``top_k``: the ``k``-th largest slot (``-inf`` if ``k > BLOCK``). The slots' maxima are ``BLOCK`` distinct entries
+  of the row, and the ``k``-th largest of a subset is at most the ``k``-th largest of the row;
+- ``top_p`` (``q``, on the full distribution): with the slots sorted descending, the first ``s_i`` whose slot-mass
+  prefix ``sum_{j <= i} e(s_j)`` reaches ``q T (1 + 1e-4)``. The slots ``>= s_i`` are distinct entries ``>= s_i``, so
+  the mass ``M(s_i)`` of the row at or above ``s_i`` reaches ``q T``, hence ``s_i <= t_p = max {z : M(z) >= q T}``
+  (the ``1e-4`` margin covers the rounding of ``T`` and of ``exp``). Also, and kept if higher,
+  ``m + log(0.99 (1 - q) T / V)``: the tokens below it carry less than ``(1 - q) T`` in total, so the mass at or
+  above it exceeds ``q T`` and ``t_p`` is not below it. Both order statistics of the slots are found by bisection on
+  their ordered integer keys (33 counting steps over the ``BLOCK`` slots: no sort; the sketch is the row itself when
+  ``V <= BLOCK``);
+- ``min_p``: ``m + log rho`` (exact); ``min_prob`` (only after another stage): ``m + log tau``, because the kept
+  mass is at least the argmax's ``e = 1``, so ``m + log(kept) + log tau`` is not below it;
+- compositions (:func:`safevocab.engine_order.composition_stages`): the final ``t`` is the maximum of the stages'
+  thresholds, and a stage's threshold on a renormalised distribution is never below its floor on the full one
+  (``top_k``/``min_p`` keep the same set, ``top_p`` over a smaller total only rises). So the maximum of the
+  floors is a floor, **but** a mass-dependent stage (``top_p``, ``min_prob``) after the first needs the whole kept set
+  of the stages before it, to sum its mass. The floor is therefore the maximum over the stages up to, not including,
+  the first mass-dependent stage after the first stage (all stages when there is none): e.g. ``c = c_k`` for HF's
+  ``top_k -> top_p``, ``max(c_m, c_k)`` for vLLM's ``min_p -> top_k -> top_p``, ``max(c_k, c_p)`` for SGLang's joint
+  stage. ``c`` is raised to the finite floor (``-inf`` logits are never kept); a row whose ``c`` was raised has every
+  finite logit among its candidates (*complete*).
+
+**Pass B** compacts the candidates ``z >= c`` into a ``[rows, KCAP]`` buffer (positions by ``tl.cumsum``; the count
+goes on past ``KCAP`` to flag an overflow).
+
+**Candidate phase** (torch, on ``[rows, <= KCAP]``): the candidates are sorted and the stages applied in the engine's
+order as the rules' torch code does: ``top_k`` keeps ties (``t_k`` = the ``k``-th largest, ``-inf`` when fewer
+are kept), ``top_p`` takes the first sorted entry whose float64 running mass of the fp32 ``e`` reaches ``q T_prev``
+(``T_prev``: ``T`` for a first stage, else the float64 sum over the kept candidates), ``min_p`` is ``m + log rho``,
+``min_prob`` is ``(m + log kept) + log tau`` in fp32; each stage's threshold is capped at ``m``, the result floored
+and capped as ``SafeVocabRule.threshold_of`` does. A stage whose threshold lies below ``c`` is not known exactly but
+then does not decide ``t``; the row goes to the fallback only when it would (or a later stage needs its mass). So the
+phase certifies its floor: a floor above ``t`` leaves a deciding stage unknown (too few candidates for ``top_k``,
+``q T`` never reached for ``top_p``, a known threshold below ``c``) and sends the row to the fallback; a wrong floor
+costs time, not exactness.
+
+**Fallback.** A row whose candidates overflow ``KCAP`` first gets a bounded pivot refinement of its floor
+(GPU_DESIGN.md §3.2, :data:`REFINE_PASSES` passes over the row, 4 pivots each): a pivot that one of the floor's parts
+certifies (``top_k``: at least ``k`` logits at or above it; ``top_p``: their mass reaches ``q T (1 + 1e-4)``;
+``min_p``/``min_prob``: not above their threshold) is still at most ``t``, by the same arguments as the floors, and
+becomes the new floor; the candidates are then compacted again. The last resort, exact by definition: rows that still
+overflow (ties wider than ``KCAP``, e.g. a flat row), whose floor did not certify (``top_p`` never reached within the
+candidates where it decides ``t``), a non-finite ``m`` or ``T``, or where the float64 masses could not reach
+``q T_prev`` by rounding, are transformed in the kernel into fp32 (only those rows, in batches) and given to the
+rule's own torch code.
+
+The masses follow ``safevocab.nucleus``: ``T`` in fp32 partials added in fp64; they can differ from its decision only
+where the boundary mass lies within rounding (~1e-7 relative) of ``q T``, as the engines' own fp32 sums do.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from safevocab.candidate_thresholds import SelectionPlan, decide_thresholds, selection_plan
+from safevocab.kernels import interpreter_on
+from safevocab.kernels.common import transform
+from safevocab.rules import finite_floor
+
+__all__ = [
+    "SelectionPlan",
+    "selection_plan",
+    "select_thresholds",
+    "transformed_rows",
+    "KCAP",
+    "REFINE_PASSES",
+    "SKETCH_SLOTS",
+]
+
+#: Whether these kernels were defined under Triton's interpreter (``TRITON_INTERPRET=1`` at import).
+INTERPRETED = interpreter_on()
+#: Candidates kept per row (more: the row takes the fallback).
+KCAP = 4096
+#: Pivot-refinement passes (4 pivots each) for a row whose candidates overflow ``KCAP``, before the torch fallback.
+REFINE_PASSES = 6
+#: Slots of the max sketch (= the column block; tests lower it to exercise ``k > slots`` and the column loop).
+SKETCH_SLOTS = 2048
+#: Relative margin on ``q T`` for the sketch's top-p floor (covers the rounding of ``T`` and ``exp``).
+_SKETCH_MARGIN = 1e-4
+#: Factor on ``(1 - q) T / V`` for the flat-row top-p floor (strict inequality with room for rounding).
+_FLAT_FACTOR = 0.99
+
+
+@triton.jit
+def _ordered_key(x):
+    """fp32 -> int64 keys in the same order (``-0`` just below ``+0``; ``-inf`` the smallest)."""
+    bits = x.to(tl.int32, bitcast=True)
+    return tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(tl.int64)
+
+
+@triton.jit
+def _select_kernel(
+    z_ptr,
+    z_stride,
+    n_cols,
+    scale,
+    softcap,
+    temperature,
+    top_k,
+    top_p,
+    log_min_p,
+    log_min_prob,
+    row_max_ptr,  # [n] fp32 out
+    total_ptr,  # [n] fp64 out: T = sum_V exp(z - m)
+    floor_ptr,  # [n] fp32 out: c
+    count_ptr,  # [n] int32 out: #{z >= c} (may exceed KCAP)
+    cand_ptr,  # [n, KCAP] fp32 out: the candidates' z, in column order
+    kcap,
+    USE_K: tl.constexpr,
+    USE_P: tl.constexpr,
+    USE_MIN_P: tl.constexpr,
+    USE_MIN_PROB: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_TEMPERATURE: tl.constexpr,
+    FLOOR: tl.constexpr,
+    BLOCK: tl.constexpr,
+    GROUP: tl.constexpr,  # columns per fp32 partial sum of T (64, as nucleus.row_sum64)
+    MARGIN: tl.constexpr,
+    FLAT: tl.constexpr,
+    GIVEN_C: tl.constexpr,  # recompaction: rows_ptr names the rows, c is read from floor_ptr
+    rows_ptr,
+):
+    if GIVEN_C:
+        row = tl.load(rows_ptr + tl.program_id(0)).to(tl.int64)
+    else:
+        row = tl.program_id(0).to(tl.int64)
+    row_ptr = z_ptr + row * z_stride
+    cols = tl.arange(0, BLOCK)
+    neg_inf = float("-inf")
+
+    # PASS A: online maximum and T, and the slot-max sketch (a recompaction knows them)
+    slot = tl.full((BLOCK,), neg_inf, tl.float32)
+    m = tl.full((), neg_inf, tl.float32)
+    total = tl.zeros((), tl.float64)
+    for start in range(0, 0 if GIVEN_C else n_cols, BLOCK):
+        offs = start + cols
+        mask = offs < n_cols
+        z = tl.load(row_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        z = transform(z, scale, softcap, temperature, HAS_SCALE, HAS_SOFTCAP, HAS_TEMPERATURE)
+        z = tl.where(mask, z, neg_inf)
+        slot = tl.maximum(slot, z)
+        m_new = tl.maximum(m, tl.max(z, axis=0))
+        shift = tl.where(m_new == neg_inf, 0.0, m_new)  # an all -inf prefix: e = 0, no NaN
+        e = tl.where(z == neg_inf, 0.0, tl.exp(z - shift))
+        partial = tl.sum(tl.reshape(e, (BLOCK // GROUP, GROUP)), axis=1).to(tl.float64)
+        rescale = tl.where(m == neg_inf, 0.0, tl.exp((m - shift).to(tl.float64)))
+        total = total * rescale + tl.sum(partial, axis=0)
+        m = m_new
+
+    # FLOORS c <= t (module docstring)
+    c = tl.full((), neg_inf, tl.float32)
+    # the sketch's order statistics by bisection on the slots' ordered integer keys (no sort: 33 counting steps)
+    keys = _ordered_key(slot)
+    if USE_K:
+        lo = tl.min(keys, axis=0)
+        hi = tl.max(keys, axis=0)
+        for _ in range(33):  # the largest key with >= k slots at or above it: the k-th largest slot
+            mid = lo + (hi - lo + 1) // 2
+            ok = tl.sum((keys >= mid).to(tl.int32), axis=0) >= top_k
+            lo = tl.where(ok, mid, lo)
+            hi = tl.where(ok, hi, mid - 1)
+        c_k = tl.max(tl.where(keys == lo, slot, neg_inf), axis=0)
+        c = tl.maximum(c, tl.where(top_k <= BLOCK, c_k, neg_inf))
+    if USE_P:
+        e_s = tl.where(slot == neg_inf, 0.0, tl.exp(slot - m)).to(tl.float64)
+        target = top_p * total * (1.0 + MARGIN)
+        lo = tl.min(keys, axis=0)
+        hi = tl.max(keys, axis=0)
+        reachable = tl.sum(e_s, axis=0) >= target
+        for _ in range(33):  # the largest slot whose slot mass at or above it reaches q T (1 + margin)
+            mid = lo + (hi - lo + 1) // 2
+            ok = tl.sum(tl.where(keys >= mid, e_s, 0.0), axis=0) >= target
+            lo = tl.where(ok, mid, lo)
+            hi = tl.where(ok, hi, mid - 1)
+        c_s = tl.max(tl.where(keys == lo, slot, neg_inf), axis=0)
+        c = tl.maximum(c, tl.where(reachable, c_s, neg_inf))
+        flat = (1.0 - top_p) * total * FLAT / n_cols
+        c = tl.maximum(c, m + tl.log(flat.to(tl.float32)))
+    if USE_MIN_P:
+        c = tl.maximum(c, m + tl.cast(log_min_p, tl.float32))
+    if USE_MIN_PROB:
+        c = tl.maximum(c, m + tl.cast(log_min_prob, tl.float32))
+    c = tl.maximum(c, tl.full((), FLOOR, tl.float32))  # -inf logits are never kept
+    if GIVEN_C:
+        c = tl.load(floor_ptr + row)
+    else:
+        tl.store(row_max_ptr + row, m)
+        tl.store(total_ptr + row, total)
+        tl.store(floor_ptr + row, c)
+
+    # PASS B: compact the candidates z >= c
+    base = tl.zeros((), tl.int32)
+    out_ptr = cand_ptr + row * kcap
+    for start in range(0, n_cols, BLOCK):
+        offs = start + cols
+        mask = offs < n_cols
+        z = tl.load(row_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        z = transform(z, scale, softcap, temperature, HAS_SCALE, HAS_SOFTCAP, HAS_TEMPERATURE)
+        cand = (mask & (z >= c)).to(tl.int32)
+        n_cand = tl.sum(cand, axis=0)
+        if n_cand > 0:
+            pos = base + tl.cumsum(cand, axis=0) - 1
+            tl.store(out_ptr + pos, z, mask=(cand > 0) & (pos < kcap))
+            base += n_cand
+    tl.store(count_ptr + row, base)
+
+
+@triton.jit
+def _from_key(key):
+    """Inverse of :func:`_ordered_key`."""
+    bits = key.to(tl.int32)
+    return tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _refine_kernel(
+    z_ptr,
+    z_stride,
+    rows_ptr,  # the overflowing rows
+    n_cols,
+    scale,
+    softcap,
+    temperature,
+    top_k,
+    top_p,
+    log_min_p,
+    log_min_prob,
+    row_max_ptr,
+    total_ptr,
+    floor_ptr,  # read and raised
+    count_ptr,  # read and lowered: #{z >= c}
+    kcap,
+    max_passes,
+    USE_K: tl.constexpr,
+    USE_P: tl.constexpr,
+    USE_MIN_P: tl.constexpr,
+    USE_MIN_PROB: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_TEMPERATURE: tl.constexpr,
+    BLOCK: tl.constexpr,
+    MARGIN: tl.constexpr,
+):
+    """Raise an overflowing row's floor by pivot refinement: each pass counts, and sums ``e`` above, 4 pivots
+    spread over the bracket ``[lo, hi]`` of ordered keys; a pivot that some floor part certifies (``top_k``:
+    ``>= k`` logits at or above it; ``top_p``: mass at or above it ``>= q T (1 + margin)``; ``min_p``/``min_prob``:
+    not above ``m + log rho``/``m + log tau``) is still ``<= t`` and becomes ``lo``; one that none certifies bounds
+    ``hi``. Stops when ``#{z >= lo} <= kcap`` or after ``max_passes``."""
+    row = tl.load(rows_ptr + tl.program_id(0)).to(tl.int64)
+    row_ptr = z_ptr + row * z_stride
+    cols = tl.arange(0, BLOCK)
+    piv_ids = tl.arange(0, 4)
+    m = tl.load(row_max_ptr + row)
+    target = top_p * tl.load(total_ptr + row) * (1.0 + MARGIN)
+    c = tl.load(floor_ptr + row)
+    lo = _ordered_key(c)
+    hi = _ordered_key(m)
+    count = tl.load(count_ptr + row)
+    passes = tl.zeros((), tl.int32)
+    while (passes < max_passes) & (count > kcap) & (lo < hi):
+        step = (hi - lo) // 5
+        keys = lo + tl.maximum(step, 1) * (piv_ids + 1).to(tl.int64)
+        keys = tl.minimum(keys, hi)
+        pivots = _from_key(keys)
+        n_above = tl.zeros((4,), tl.int32)
+        mass = tl.zeros((4,), tl.float64)
+        for start in range(0, n_cols, BLOCK):
+            offs = start + cols
+            mask = offs < n_cols
+            z = tl.load(row_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            z = transform(z, scale, softcap, temperature, HAS_SCALE, HAS_SOFTCAP, HAS_TEMPERATURE)
+            z = tl.where(mask, z, float("-inf"))
+            above = z[:, None] >= pivots[None, :]
+            n_above += tl.sum(above.to(tl.int32), axis=0)
+            e = tl.where(z == float("-inf"), 0.0, tl.exp(z - m))
+            mass += tl.sum(tl.where(above, e[:, None], 0.0), axis=0).to(tl.float64)
+        ok = piv_ids < 0
+        if USE_K:
+            ok = ok | (n_above >= top_k)
+        if USE_P:
+            ok = ok | (mass >= target)
+        if USE_MIN_P:
+            ok = ok | (pivots <= m + tl.cast(log_min_p, tl.float32))
+        if USE_MIN_PROB:
+            ok = ok | (pivots <= m + tl.cast(log_min_prob, tl.float32))
+        # certification is monotone: the certified pivots are a prefix
+        best = tl.max(tl.where(ok, keys, lo), axis=0)
+        count = tl.where(tl.max(ok.to(tl.int32), axis=0) > 0, tl.min(tl.where(ok, n_above, 2147483647), axis=0), count)
+        hi = tl.minimum(hi, tl.min(tl.where(ok, hi, keys - 1), axis=0))
+        lo = best
+        passes += 1
+    tl.store(floor_ptr + row, _from_key(lo))
+    tl.store(count_ptr + row, count)
+
+
+@triton.jit
+def _transform_rows_kernel(
+    z_ptr,
+    z_stride,
+    rows_ptr,
+    out_ptr,
+    n_cols,
+    scale,
+    softcap,
+    temperature,
+    HAS_SCALE: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_TEMPERATURE: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    i = tl.program_id(0).to(tl.int64)
+    src = z_ptr + tl.load(rows_ptr + i).to(tl.int64) * z_stride
+    dst = out_ptr + i * n_cols
+    for start in range(0, n_cols, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        mask = offs < n_cols
+        z = tl.load(src + offs, mask=mask, other=0.0).to(tl.float32)
+        z = transform(z, scale, softcap, temperature, HAS_SCALE, HAS_SOFTCAP, HAS_TEMPERATURE)
+        tl.store(dst + offs, z, mask=mask)
+
+
+def _transform_flags(scale: float, softcap: float | None, temperature: float) -> dict:
+    return dict(HAS_SCALE=scale != 1.0, HAS_SOFTCAP=softcap is not None, HAS_TEMPERATURE=temperature != 1.0)
+
+
+def transformed_rows(
+    z: torch.Tensor, rows: torch.Tensor, scale: float = 1.0, softcap: float | None = None, temperature: float = 1.0
+) -> torch.Tensor:
+    """The rows ``rows`` of the raw chunk ``z`` ``[n, V]`` transformed in fp32 by the fold kernels' own transform:
+    ``[len(rows), V]`` (the fallback's input, and the tests' reference logits)."""
+    n_rows, n_cols = rows.numel(), z.shape[1]
+    out = torch.empty(n_rows, n_cols, device=z.device, dtype=torch.float32)
+    if n_rows:
+        _transform_rows_kernel[(n_rows,)](
+            z,
+            z.stride(0),
+            rows.to(torch.int64).contiguous(),
+            out,
+            n_cols,
+            float(scale),
+            float(softcap) if softcap is not None else 1.0,
+            float(temperature),
+            **_transform_flags(scale, softcap, temperature),
+            BLOCK=min(triton.next_power_of_2(n_cols), SKETCH_SLOTS),
+        )
+    return out
+
+
+def select_thresholds(
+    z: torch.Tensor,
+    plan: SelectionPlan,
+    threshold: torch.Tensor,
+    row_max: torch.Tensor,
+    scale: float = 1.0,
+    softcap: float | None = None,
+    temperature: float = 1.0,
+    kcap: int | None = None,
+    refine_passes: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Write ``plan.rule``'s per-row ``threshold`` and ``row_max`` (``[n]`` fp32) for the raw chunk ``z`` ``[n, V]``
+    (bf16/fp16/fp32, row-contiguous; transformed in the kernel). Returns ``(fallback, candidates)``: the indices of
+    the rows that took the fallback (the rule's torch code on those rows) and the ``[n]`` int32 candidate counts
+    (``> kcap``: overflow).
+
+    Args:
+        kcap: candidates per row (default :data:`KCAP`, at most ``V``).
+        refine_passes: pivot-refinement passes for the rows whose candidates overflow ``kcap`` (default
+            :data:`REFINE_PASSES`; ``0``: straight to the torch fallback).
+    """
+    n, vocab = z.shape
+    if n == 0:
+        return torch.zeros(0, dtype=torch.long, device=z.device), torch.zeros(0, dtype=torch.int32, device=z.device)
+    assert z.stride(1) == 1, "the chunk must be row-contiguous"
+    assert z.dtype != torch.float64, "fp64 inputs keep the torch threshold path"
+    kcap = min(KCAP if kcap is None else kcap, vocab)
+    refine_passes = REFINE_PASSES if refine_passes is None else refine_passes
+    stages = plan.active(vocab)
+    floors = {p.key: p for p in plan.floor_parts(vocab)}
+    device = z.device
+    total = torch.empty(n, device=device, dtype=torch.float64)
+    floor = torch.empty(n, device=device, dtype=torch.float32)
+    count = torch.empty(n, device=device, dtype=torch.int32)
+    cand = torch.empty(n, kcap, device=device, dtype=torch.float32)
+    block = max(64, min(triton.next_power_of_2(vocab), SKETCH_SLOTS))
+    common = dict(
+        z_ptr=z,
+        z_stride=z.stride(0),
+        n_cols=vocab,
+        scale=float(scale),
+        softcap=float(softcap) if softcap is not None else 1.0,
+        temperature=float(temperature),
+        top_k=int(floors["top_k"].k) if "top_k" in floors else 0,
+        top_p=float(floors["top_p"].q) if "top_p" in floors else 0.0,
+        log_min_p=math.log(floors["min_p"].rho) if "min_p" in floors else 0.0,
+        log_min_prob=math.log(floors["min_prob"].tau) if "min_prob" in floors else 0.0,
+        row_max_ptr=row_max,
+        total_ptr=total,
+        floor_ptr=floor,
+        count_ptr=count,
+        kcap=kcap,
+        **_transform_flags(scale, softcap, temperature),
+        BLOCK=block,
+        MARGIN=_SKETCH_MARGIN,
+        num_warps=8 if block >= 2048 else 4,
+    )
+    uses = dict(USE_K="top_k" in floors, USE_P="top_p" in floors)
+    uses.update(USE_MIN_P="min_p" in floors, USE_MIN_PROB="min_prob" in floors)
+    select = dict(cand_ptr=cand, FLOOR=finite_floor(torch.float32), GROUP=64, FLAT=_FLAT_FACTOR)
+    _select_kernel[(n,)](**common, **select, **uses, GIVEN_C=False, rows_ptr=count)
+    overflow = ((count > kcap) & torch.isfinite(row_max) & torch.isfinite(total)).nonzero().squeeze(-1)
+    if overflow.numel() and refine_passes > 0:
+        # FALLBACK, first step: pivot refinement of the floor (GPU_DESIGN.md 3.2), then the candidates again
+        rows = overflow.to(torch.int32)
+        _refine_kernel[(rows.numel(),)](**common, **uses, rows_ptr=rows, max_passes=refine_passes)
+        off = dict.fromkeys(uses, False)
+        _select_kernel[(rows.numel(),)](**common, **select, **off, GIVEN_C=True, rows_ptr=rows)
+    t, bad = decide_thresholds(stages, cand, count, floor, row_max, total, kcap)
+    threshold.copy_(t)
+    bad = bad.nonzero().squeeze(-1)
+    # fallback rows in batches whose fp32 copy and the rule's scratch (~16 B a logit) stay near the raw chunk's size,
+    # which is all the chunk sizing (triton_chunk_rows) budgets for
+    for part in bad.split(max(1, n * z.element_size() // 16)):
+        exact = transformed_rows(z, part, scale, softcap, temperature)
+        t_bad, m_bad = plan.rule.threshold_and_max(exact)
+        threshold.index_copy_(0, part, t_bad.squeeze(-1))
+        row_max.index_copy_(0, part, m_bad.squeeze(-1))
+        del exact
+    return bad, count

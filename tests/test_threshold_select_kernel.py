@@ -1,0 +1,291 @@
+"""The selection kernel (``safevocab.kernels.threshold_select``): top_k / top_p / composition thresholds computed from
+the raw GEMM output equal the rules' own torch code on the same (kernel-transformed) fp32 logits, bit for bit.
+
+Under Triton's interpreter on CPU (as tests/test_kernels.py sets it up: ``TRITON_INTERPRET=1`` before the first
+``import triton`` of the process), compiled on CUDA. Rows: random, ties at the k-th value, ``-inf`` entries, flat rows
+(the fallback), peaked rows, ``k`` above the sketch's slots, ``q`` near 0 and 1, every engine order, the transforms,
+bf16 and fp32 inputs; then ``fused_safe_logprobs(backend="triton")`` forward and backward against the torch backend.
+"""
+
+import importlib
+import os
+import sys
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+ON_CUDA = torch.cuda.is_available() and os.environ.get("SAFEVOCAB_TEST_INTERPRET") != "1"
+DEVICE = torch.device("cuda" if ON_CUDA else "cpu")
+
+_previous_interpret = os.environ.get("TRITON_INTERPRET")
+_triton_was_imported = "triton" in sys.modules
+if not ON_CUDA:
+    os.environ["TRITON_INTERPRET"] = "1"
+try:
+    triton = pytest.importorskip("triton", reason="the Triton kernels need the optional `triton` package")
+    ts = importlib.import_module("safevocab.kernels.threshold_select")
+    triton_backend = importlib.import_module("safevocab.backends.triton_backend")
+finally:
+    if _previous_interpret is None:
+        os.environ.pop("TRITON_INTERPRET", None)
+    else:
+        os.environ["TRITON_INTERPRET"] = _previous_interpret
+
+import safevocab.kernels as kernels  # noqa: E402
+
+if not ON_CUDA and kernels.compiled_kernels_loaded():
+    pytest.skip(
+        "triton was imported before this module could set TRITON_INTERPRET=1 (imported before: "
+        f"{_triton_was_imported}); run tests/test_threshold_select_kernel.py in its own process",
+        allow_module_level=True,
+    )
+
+from safevocab import fused_safe_logprobs, parse_rule  # noqa: E402
+from safevocab.rules import finite_floor  # noqa: E402
+
+TRANSFORMS = [{}, {"temperature": 0.7}, {"softcap": 2.5, "scale": 1.7, "temperature": 1.3}]
+COMPOSITIONS = [
+    "top_k=30,top_p=0.9,min_p=0.01",
+    "top_k=30,top_p=0.9,min_p=0.01,min_prob=0.002",
+    "top_p=0.8,min_p=0.05",
+    "top_k=20,top_p=0.7",
+    "top_k=5,min_p=0.1",
+]
+
+
+@pytest.fixture(autouse=True)
+def kernel_env(monkeypatch):
+    if not ON_CUDA:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def random_rows(n=12, v=700, seed=0, sd=3.0, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(n, v, generator=g) * sd).to(dtype).to(DEVICE)
+
+
+def adversarial_rows(v=700, seed=0, dtype=torch.float32):
+    """Ties at every value (integer logits), ``-inf`` entries, a row with 3 finite logits, flat rows, peaked rows."""
+    g = torch.Generator().manual_seed(seed)
+    ties = (torch.randn(4, v, generator=g) * 2).round()
+    neg_inf = torch.randn(3, v, generator=g) * 3
+    neg_inf[torch.rand(3, v, generator=g) < 0.4] = -torch.inf
+    few = torch.full((1, v), -torch.inf)
+    few[0, :3] = torch.tensor([1.0, 2.0, 2.0])
+    flat = torch.zeros(2, v)
+    flat[1, 5] = 0.5  # flat but one
+    peaked = torch.randn(3, v, generator=g)
+    peaked[:, 7] += 30.0
+    peaked[2, 9] = peaked[2, 7]  # two tied argmaxes
+    return torch.cat([ties, neg_inf, few, flat, peaked]).to(dtype).to(DEVICE)
+
+
+def reference(raw, rule, transform):
+    """``rule.threshold_and_max`` on the logits the kernels see: the raw chunk through the kernels' transform."""
+    z = ts.transformed_rows(raw, torch.arange(raw.shape[0], device=raw.device), **transform)
+    t, m = rule.threshold_and_max(z)
+    return z, t.squeeze(-1), m.squeeze(-1)
+
+
+def select(raw, rule, transform, kcap=None, refine_passes=None):
+    n = raw.shape[0]
+    threshold = torch.empty(n, device=raw.device)
+    row_max = torch.empty(n, device=raw.device)
+    plan = ts.selection_plan(rule)
+    kw = dict(kcap=kcap, refine_passes=refine_passes, **transform)
+    fallback, count = ts.select_thresholds(raw, plan, threshold, row_max, **kw)
+    return threshold, row_max, fallback, count
+
+
+def assert_same_thresholds(raw, rule, transform, kcap=None, exact=True, refine_passes=None):
+    z, t_ref, m_ref = reference(raw, rule, transform)
+    t, m, fallback, count = select(raw, rule, transform, kcap, refine_passes)
+    assert torch.equal(m, m_ref)
+    # the sets, and (without min_prob, whose threshold sums the kept mass in another order) the thresholds
+    assert torch.equal(z >= t.unsqueeze(-1), z >= t_ref.unsqueeze(-1)), f"{rule}: sets differ"
+    if exact:
+        assert torch.equal(t, t_ref), f"{rule}: thresholds {t} != {t_ref}"
+    else:
+        torch.testing.assert_close(t, t_ref, rtol=1e-6, atol=0)
+    return fallback, count
+
+
+def test_selection_plan_floors_follow_the_engine_order():
+    parts = lambda spec, engine="hf": tuple(  # noqa: E731
+        p.key for p in ts.selection_plan(parse_rule(spec, engine=engine)).floor_parts(1000)
+    )
+    assert parts("top_k=5") == ("top_k",) and parts("top_p=0.9") == ("top_p",)
+    # a mass-dependent stage after the first needs the whole kept set of the stages before it
+    assert parts("top_k=5,top_p=0.9,min_p=0.1") == ("top_k",)
+    assert parts("top_p=0.9,min_p=0.1") == ("top_p", "min_p")
+    assert parts("top_k=5,top_p=0.9,min_p=0.1", "vllm") == ("min_p", "top_k")
+    assert parts("top_k=5,top_p=0.9", "sglang") == ("top_k", "top_p")  # one joint stage
+    assert parts("top_k=5,min_p=0.1,min_prob=0.01") == ("top_k", "min_p")
+    assert parts("top_k=2000,top_p=0.9") == ("top_p",)  # top_k >= V keeps everything: dropped
+    assert ts.selection_plan(parse_rule("min_p=0.1")) is None
+    assert ts.selection_plan(parse_rule("top_p=1.0")).active(10) == ()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("transform", TRANSFORMS)
+def test_elementary_rules_on_random_rows(dtype, transform):
+    raw = random_rows(n=8, v=400, dtype=dtype)
+    for spec in ("top_k=1", "top_k=7", "top_k=50", "top_p=0.5", "top_p=0.99"):
+        fallback, count = assert_same_thresholds(raw, parse_rule(spec), transform)
+        assert fallback.numel() == 0, f"{spec}: random rows need no fallback"
+        if spec == "top_k=7":  # the sketch's floor is selective: a few candidates, not the row
+            assert int(count.max()) < 40
+
+
+@pytest.mark.parametrize("engine", ["hf", "vllm", "sglang"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compositions_in_every_engine_order(engine, dtype):
+    raw = random_rows(n=6, v=400, seed=1, dtype=dtype)
+    for spec in COMPOSITIONS:
+        rule = parse_rule(spec, engine=engine)
+        assert_same_thresholds(raw, rule, TRANSFORMS[2], exact="min_prob" not in spec)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_adversarial_rows(dtype):
+    """Ties at the k-th value are kept, ``-inf`` never is; flat rows overflow a small KCAP and take the fallback."""
+    raw = adversarial_rows(dtype=dtype)
+    specs = ["top_k=1", "top_k=5", "top_k=40", "top_p=1e-6", "top_p=0.5", "top_p=0.9999", "top_p=1.0"]
+    specs += ["top_k=699", "top_k=700", "top_k=5000"] + COMPOSITIONS[:1]
+    flat_rows = {8, 9}
+    for spec in specs:
+        fallback, _ = assert_same_thresholds(raw, parse_rule(spec), {}, kcap=128)
+        if spec in ("top_p=0.5", "top_k=40"):
+            assert flat_rows <= set(fallback.tolist()), f"{spec}: flat rows overflow KCAP=128"
+    ties = ts.transformed_rows(raw[:1], torch.tensor([0]))
+    t, *_ = select(raw[:1], parse_rule("top_k=30"), {})
+    assert int((ties >= t).sum()) > 30  # the tie at the 30th value is kept whole
+
+
+@pytest.mark.parametrize("transform", [TRANSFORMS[0], TRANSFORMS[2]])
+def test_k_above_the_sketch_and_several_column_blocks(transform, monkeypatch):
+    """64 slots for 600 columns: the column loop, ``k > slots`` (floor -inf: all finite logits are candidates,
+    which overflow KCAP=256: the pivot refinement, or without it the fallback), ``k`` within the slots."""
+    monkeypatch.setattr(ts, "SKETCH_SLOTS", 64)
+    raw = random_rows(n=4, v=600, seed=2, dtype=torch.bfloat16)
+    fallback, count = assert_same_thresholds(raw, parse_rule("top_k=100"), transform, kcap=256, refine_passes=0)
+    assert fallback.numel() == 4 and bool((count == 600).all())
+    # the pivot refinement raises the floor until the candidates fit
+    fallback, count = assert_same_thresholds(raw, parse_rule("top_k=100"), transform, kcap=256)
+    assert fallback.numel() == 0 and bool((count <= 256).all())
+    fallback, count = assert_same_thresholds(raw, parse_rule("top_k=100"), transform, kcap=600)
+    assert fallback.numel() == 0  # the whole row fits: decided from the candidates
+    fallback, count = assert_same_thresholds(raw, parse_rule("top_k=10"), transform, kcap=256)
+    assert fallback.numel() == 0 and int(count.max()) < 256
+    for spec in ("top_p=0.9", COMPOSITIONS[0]):
+        assert_same_thresholds(raw, parse_rule(spec), transform, kcap=256)
+
+
+@pytest.mark.parametrize("spec", ["top_p=0.3", "top_k=150,top_p=0.9"])
+def test_pivot_refinement_of_flat_rows(spec, monkeypatch):
+    """Flattish rows, 64 sketch slots for 900 columns: the sketch's bound lies far below the threshold and overflows
+    KCAP=200; a few pivot passes raise it until the candidates fit, and the set is still exact. Rows whose kept set
+    itself is wider than KCAP go to the rule's code."""
+    monkeypatch.setattr(ts, "SKETCH_SLOTS", 64)
+    raw = random_rows(n=4, v=900, seed=3, sd=1.0, dtype=torch.bfloat16)
+    *_, count0 = select(raw, parse_rule(spec), {}, kcap=200, refine_passes=0)
+    assert bool((count0 > 200).any()), f"the sketch's bound alone overflows: {count0}"
+    assert_same_thresholds(raw, parse_rule(spec, engine="vllm"), {}, kcap=200)
+    fallback, count = assert_same_thresholds(raw, parse_rule(spec), {}, kcap=200)
+    z = ts.transformed_rows(raw, torch.arange(4))
+    kept = (z >= parse_rule(spec).threshold(z)).sum(-1)
+    wide = set((kept > 200).nonzero().squeeze(-1).tolist())  # rows whose kept set itself exceeds KCAP
+    assert wide <= set(fallback.tolist()) and len(fallback) < int((count0 > 200).sum()), (fallback, count0, kept)
+    # the raised floor is still a floor: every kept logit is a candidate (a floor above t would send the row to the
+    # fallback, exact but slow)
+    assert bool((count >= kept).all()), (count, kept)
+
+
+def test_flat_rows_top_p_take_the_fallback_or_the_flat_floor():
+    """All-equal rows: the nucleus is every tied token. With V > KCAP the row overflows and the rule's code
+    decides it; with room, the candidates do."""
+    raw = torch.zeros(3, 900, device=DEVICE)
+    raw[1] = torch.linspace(0, 1e-3, 900)
+    for kcap, expect_fallback in ((64, True), (900, False)):
+        fallback, _ = assert_same_thresholds(raw, parse_rule("top_p=0.9"), {}, kcap=kcap)
+        assert (fallback.numel() > 0) == expect_fallback
+
+
+@settings(max_examples=12, deadline=None)
+@given(
+    seed=st.integers(0, 10_000),
+    v=st.integers(257, 1200),
+    sd=st.sampled_from([0.3, 3.0, 10.0]),
+    k=st.integers(1, 300),
+    q=st.sampled_from([1e-4, 0.3, 0.9, 0.999]),
+    engine=st.sampled_from(["hf", "vllm", "sglang"]),
+)
+def test_property_random_rows(seed, v, sd, k, q, engine):
+    raw = random_rows(n=4, v=v, seed=seed, sd=sd, dtype=torch.bfloat16)
+    for spec in (f"top_k={k}", f"top_p={q}", f"top_k={k},top_p={q},min_p=0.02"):
+        assert_same_thresholds(raw, parse_rule(spec, engine=engine), {"temperature": 0.9}, kcap=128)
+
+
+# ---------------------------------------------------------------------------------------------- the fused op
+
+
+def make_inputs(n=24, h=16, v=400, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(n, h, generator=g, dtype=torch.float64).to(DEVICE, dtype).requires_grad_()
+    weight = (torch.randn(v, h, generator=g, dtype=torch.float64) * 3 / h**0.5).to(DEVICE, dtype).requires_grad_()
+    targets = torch.randint(0, v, (n,), generator=g).to(DEVICE)
+    return hidden, weight, targets
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("spec", ["top_k=10", "top_p=0.8", "top_k=30,top_p=0.9,min_p=0.01"])
+def test_fused_forward_backward_match_the_torch_backend(spec, dtype, monkeypatch):
+    """The Triton backend takes the selection kernel (no fp32 ChunkLogits copy) and matches the torch backend."""
+    calls = []
+    original = triton_backend.select_thresholds
+    monkeypatch.setattr(triton_backend, "select_thresholds", lambda *a, **k: calls.append(1) or original(*a, **k))
+
+    def no_copy(*args, **kwargs):
+        raise AssertionError("the selection path builds no fp32 ChunkLogits copy")
+
+    monkeypatch.setattr(triton_backend, "ChunkLogits", no_copy)
+    hidden, weight, targets = make_inputs(dtype=dtype)
+    outs, grads = [], []
+    for backend in ("triton", "torch"):
+        out = fused_safe_logprobs(
+            hidden, weight, targets, spec, backend=backend, compute_entropy=True, max_chunk_bytes=8192, temperature=0.8
+        )
+        loss = (out.logprobs.double() * torch.linspace(-1, 1, len(targets), dtype=torch.float64)).sum()
+        loss = loss + out.entropy.double().sum() + out.log_kept_mass.double().sum()
+        outs.append(out)
+        grads.append(torch.autograd.grad(loss, (hidden, weight)))
+    assert calls, "the selection kernel ran"
+    tri, ref = outs
+    assert torch.equal(tri.in_safe, ref.in_safe) and torch.equal(tri.safe_size, ref.safe_size)
+    tol = dict(atol=2e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    for field in ("logprobs", "log_kept_mass", "entropy"):
+        torch.testing.assert_close(getattr(tri, field), getattr(ref, field), **tol)
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a.float(), b.float(), atol=2e-5 if dtype == torch.float32 else 3e-2, rtol=1e-3)
+
+
+def test_chunk_rows_count_two_bytes_a_logit_for_selection_rules(monkeypatch):
+    rule = parse_rule("top_k=50,top_p=0.9")
+    budget, vocab = 64 << 20, 151936
+    rows = triton_backend.triton_chunk_rows(10**6, vocab, rule, 2, budget)
+    assert rows == budget // (vocab * 2 + 4 * ts.KCAP + 32)
+    monkeypatch.setattr(triton_backend, "_KERNEL_SELECTION", False)  # the old path: fp32 copy + the rule's scratch
+    assert triton_backend.triton_chunk_rows(10**6, vocab, rule, 2, budget) < rows // 3
+
+
+def test_floor_is_finite_floor_for_rows_of_few_finite_logits():
+    raw = torch.full((1, 300), -torch.inf, device=DEVICE)
+    raw[0, 4] = 0.0
+    t, m, fallback, _ = select(raw, parse_rule("top_k=5"), {})
+    assert float(t) == min(finite_floor(torch.float32), 0.0) and float(m) == 0.0 and fallback.numel() == 0
