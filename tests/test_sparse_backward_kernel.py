@@ -331,7 +331,15 @@ def replay_both(params, targets, support, rule="none", loss=rl_loss, **transform
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
-    "rule, transform", [("none", {}), ("none", FULL_TRANSFORM), ("top_k=20", {}), ("min_p=0.05", FULL_TRANSFORM)]
+    "rule, transform",
+    [
+        ("none", {}),
+        ("none", FULL_TRANSFORM),
+        ("top_k=20", {}),
+        ("min_p=0.05", FULL_TRANSFORM),
+        ("top_k=20", FULL_TRANSFORM),
+        ("top_p=0.9", FULL_TRANSFORM),
+    ],
 )
 def test_triton_replay_matches_torch(dtype, rule, transform, sparse_calls):
     """Unsorted ids (the argmax often left out), ids of probability 0 (-inf bias), a rule intersected with them;
