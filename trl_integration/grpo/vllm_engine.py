@@ -31,6 +31,10 @@ place of trl's ``sync_weights`` when the engine is colocated and vLLM runs on CP
 when the trainer is built), and leaves trl's own sync everywhere else. The reproducer
 and the measured check are in docs/vllm.md.
 
+All but one layer: a layer whose weights are another layer's (the LM head of a model with tied word embeddings)
+receives none, so the reload puts it back with its old packed copy. :func:`reload_engine_weights` repacks it after
+the reload (:func:`trl_integration._private.repack_tied_layers`; ``scripts/check_tied_head_sync.py`` measures it).
+
 The tensors are cloned before they reach vLLM: the layerwise reload buffers a layer's weights until the layer is
 complete, and trl's parameter iterator may release or unmerge (PEFT) a tensor once it moves on.
 """
@@ -49,6 +53,7 @@ from trl_integration._private import (
     engine_model_runner,
     iter_named_params,
     reload_runner_weights,
+    repack_tied_layers,
     runner_model,
     shut_down_engine,
     wrapped_engine_builder,
@@ -166,6 +171,7 @@ def reload_engine_weights(llm: Any, named_weights: Iterable[tuple[str, torch.Ten
             yield name, tensor.detach().clone()
 
     reload_runner_weights(runner, cloned())
+    repack_tied_layers(runner_model(runner))  # a tied LM head keeps its old packed copy otherwise
     llm.reset_prefix_cache()
     return count
 
