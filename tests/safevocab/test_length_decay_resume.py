@@ -132,13 +132,30 @@ def test_the_resume_scenario_exercises_cooldown_cap_floor_and_ema():
     assert without_cooldown.decay_steps == [62, 132, 172] and more.decay_steps == [62, 132, 222, 287]
 
 
+def resume_points(decisions: list[int]) -> list[int]:
+    """The steps after which the resume test saves: every step of the warm-up (detector warm-up and baseline window,
+    the cosine warm-up), every step from a window and a baseline window before each surge or decay to the end of its
+    cooldown's first steps, each cooldown's last steps, the last steps of the run, and every 6th step in between.
+
+    Every step from 0 to 300 took ~300 resumes x 300 steps (quadratic: the fast suite's slowest pure-CPU test); these
+    are the steps where a state left out of ``state_dict`` changes what comes next (inside a detection window, at a
+    decision, around a cooldown's end), plus a regular grid for anything else."""
+    points = set(range(0, 26)) | set(range(0, STEPS + 1, 6)) | set(range(STEPS - 3, STEPS + 1))
+    for step in decisions:
+        points |= set(range(step - 16, step + 4)) | set(range(step + 47, step + 53))
+    return sorted(k for k in points if 0 <= k <= STEPS)
+
+
 def test_resume_at_every_step_reproduces_the_run_exactly():
-    """Scheduler and optimizer states saved to bytes after every step k, loaded (weights_only) into a fresh optimizer,
-    base schedule, detector and wrapper, continue exactly as the uninterrupted run: LRs, factor and decisions."""
+    """Scheduler and optimizer states saved to bytes after step k, loaded (weights_only) into a fresh optimizer,
+    base schedule, detector and wrapper, continue exactly as the uninterrupted run: LRs, factor and decisions. The
+    steps k (:func:`resume_points`): every step near a surge, a decay or a cooldown's end, every 6th elsewhere."""
     opt, sched = build()
     full = drive(opt, sched, 1, STEPS)
     full_state, full_detections = sched.state_dict(), list(sched.detector.detections)
-    for k in range(STEPS + 1):
+    surges = [60, 130, 170, 220, 285]  # surge_lengths()'s level changes: detections may follow, decays or not
+    points = resume_points(sorted({*surges, *sched.decay_steps}))
+    for k in points:
         opt, sched = build()
         head = drive(opt, sched, 1, k)
         buffer = io.BytesIO()
