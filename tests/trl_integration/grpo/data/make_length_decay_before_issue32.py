@@ -31,7 +31,7 @@ SETTINGS = dict(
 
 RUN = """
 import json, sys
-sys.path.insert(0, "tests/helpers")
+sys.path.insert(0, "tests/trl")  # in the archived tree of COMMIT, where trl_helpers lived
 from trl_helpers import build_model, build_tokenizer, grpo_kwargs, prompt_dataset, vowel_reward
 from trl_integration import SafeVocabGRPOConfig, SafeVocabGRPOTrainer
 out, settings = sys.argv[1], json.loads(sys.argv[2])
