@@ -3,6 +3,7 @@ per touchpoint against real trl, and that no other module names a private trl/tr
 
 from __future__ import annotations
 
+import os
 import pathlib
 import re
 import subprocess
@@ -29,6 +30,15 @@ from trl_integration._private import (
 )
 
 PACKAGE = pathlib.Path(trl_integration.__file__).parent
+
+#: torch.distributed's variables, which a vLLM engine built in this process sets (RANK, MASTER_PORT, ...): a child that
+#: inherited them would join that rendezvous (accelerate's ``Accelerator()`` then waits on a port nobody serves).
+DISTRIBUTED = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}
+
+
+def user_env() -> dict[str, str]:
+    """This process's environment as a user's shell has it: without torch.distributed's variables."""
+    return {k: v for k, v in os.environ.items() if k not in DISTRIBUTED}
 
 
 def stock_trainer(model_dir, tmp_path, **config):
@@ -89,7 +99,9 @@ def test_missing_method_and_helper_fail_in_one_line():
 def test_unsupported_trl_fails_at_import(module):
     """A trl outside the tested range fails when the integration is imported, with one line, not during a step."""
     code = f"import trl; trl.__version__ = '1.17.0'; import {module}"
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=PACKAGE.parent)
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=PACKAGE.parent, env=user_env()
+    )
     assert result.returncode != 0
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith("ImportError: trl 1.17.0 is not supported") and SUPPORTED_TRL in last
@@ -214,7 +226,9 @@ original = mixed_precision_forward(model)
 assert original is not None and original is not model.forward
 print("ok")
 """
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=PACKAGE.parent)
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=PACKAGE.parent, env=user_env()
+    )
     assert result.stdout.strip().endswith("ok"), result.stderr[-2000:]
 
 
