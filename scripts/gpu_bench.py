@@ -2,8 +2,8 @@
 
 Writes one results file (JSON, plus the same as Markdown beside it) with the sections chosen by ``--sections``:
 
-1. **correctness**: the reference tests (``tests/test_core_regressions.py``, ``tests/test_reference_fuzz.py``,
-   ``tests/test_support.py``, ``tests/test_kernels.py``, or ``--tests``) on the device, both backends, every dtype,
+1. **correctness**: the reference tests (``tests/safevocab/test_core_regressions.py``, ``tests/safevocab/test_reference_fuzz.py``,
+   ``tests/safevocab/test_support.py``, ``tests/safevocab/test_kernels.py``, or ``--tests``) on the device, both backends, every dtype,
    rule and support replay (``SAFEVOCAB_TEST_DEVICE``; the Triton kernels compiled, not interpreted);
 2. **op**: ``python -m safevocab.bench`` per rule at N=16384 (``--n``), H=4096, V=151936, bf16 (``--preset gpu``), on
    each logits profile of ``--profiles`` (``synthetic``: flat N(0, 9) logits; ``lm``: a Zipf prior plus a context
@@ -42,10 +42,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 RULES = ("none", "min_p=0.001", "min_prob=0.001", "top_k=50", "top_p=0.9", "top_k=50,min_p=0.01")
 TEST_FILES = (
-    "tests/test_core_regressions.py",
-    "tests/test_reference_fuzz.py",
-    "tests/test_support.py",
-    "tests/test_kernels.py",
+    "tests/safevocab/test_core_regressions.py",
+    "tests/safevocab/test_reference_fuzz.py",
+    "tests/safevocab/test_support.py",
+    "tests/safevocab/test_kernels.py",
 )
 
 

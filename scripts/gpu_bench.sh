@@ -26,7 +26,7 @@ else
 fi
 DEVICE_RUN=(
     --sections correctness,op,profile,pairs
-    --tests tests/test_reference_fuzz.py,tests/test_kernels.py --fuzz-examples 300 --correctness-timeout 120
+    --tests tests/safevocab/test_reference_fuzz.py,tests/safevocab/test_kernels.py --fuzz-examples 300 --correctness-timeout 120
     --n 8192 --no-naive --op-variants floor,fused,trl --op-timeout 40 --profiles synthetic,lm
     --rules "none;min_p=0.001;top_k=50;top_p=0.9;top_k=50,min_p=0.01" --lm-rules "min_p=0.01;top_p=0.9;top_k=50"
     --replay top_k=64 --profile-timeout 120 --grpo-pairs 30

@@ -5,7 +5,7 @@ Run from the repository root (CPU; the Triton backend under Triton's interpreter
     OMP_NUM_THREADS=1 PYTHONPATH=$PWD python scripts/repro_out_of_set_grad.py [--cases 100]
 
 (``PYTHONPATH`` picks the ``safevocab`` measured: point it at a checkout of the old code for the "before" numbers.
-The generators are the tests' own, ``tests/out_of_set_cases.py``.)
+The generators are the tests' own, ``tests/helpers/out_of_set_cases.py``.)
 
 N1, the audit's reproducer: N = 4, V = 26, H = 3, weights x300/sqrt(H), a -inf bias on 5 ids, rule ``top_k=1``,
 T = 1e-6, a gradient on the log-probabilities of rows 0-2 only (targets outside S): max|dW| against the softmax
@@ -15,7 +15,7 @@ N1, random cases (the same generator, seeds 1000-1099 per temperature): the norm
 of dW's and dh's) of the fused gradient against
 ``safe_log_softmax`` on logits computed with the forward's own row slices (the same fp32 logits the forward saw,
 so only fp32 arithmetic separates them), and against the independent float64 reference of the tests
-(``tests/safevocab_reference.py``) with the fp32 rounding of the logits as its yardstick.
+(``tests/helpers/safevocab_reference.py``) with the fp32 rounding of the logits as its yardstick.
 
 D6: fp16 inputs at T = 1e-5 (1/T > 65504): the fused grad_hidden against the float64 value.
 """
@@ -28,7 +28,7 @@ import os
 import sys
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "helpers"))
 import torch  # noqa: E402
 from out_of_set_cases import audit_inputs, d6_inputs  # noqa: E402
 from safevocab_reference import reference  # noqa: E402

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Set up the environment (idempotent, see scripts/setup_env.sh), run the fast tests, build the docs.
 #
-#   bash scripts/test.sh [PYTEST_ARGS...]   # e.g. -x, -k rules, tests/test_rules.py, -m slow
+#   bash scripts/test.sh [PYTEST_ARGS...]   # e.g. -x, -k rules, tests/safevocab/test_rules.py, -m slow
 #
 # Runs `pytest -m "not slow"` (tests/, from pyproject's testpaths; later -m arguments override),
 # then `mkdocs build --strict` into a temporary directory, so a broken API reference (a missing

@@ -1,15 +1,45 @@
-"""Shared pytest configuration: hypothesis profiles and small helpers.
+"""Shared pytest configuration: hypothesis profiles, the helpers' import path and the tiny-model fixtures.
+
+The test folders mirror the packages: ``tests/safevocab/`` tests ``safevocab/``, ``tests/trl_integration/grpo/``
+``trl_integration/grpo/`` (and so ``rollout/``, ``commands/``, ``lab/``, ``study/``, ``demo/``; the top-level modules'
+tests, such as the private-API fence's, directly in ``tests/trl_integration/``); ``tests/`` itself holds the
+project-wide checks (architecture, docs, the test script). The core is collected first, as its name sorts first:
+``tests/safevocab/test_kernels.py`` must import Triton (under its interpreter) before any module imports trl.
+
+Modules the tests share (``trl_helpers``, ``safevocab_reference``, the plugins the command line names as
+``rollout_plugins:...``) live in ``tests/helpers/``, put on ``sys.path`` here: they keep their plain import names
+(which the tests also pass to the command line as strings) whatever folder imports them and whichever import mode
+pytest uses, and the scripts among them (``kill_during_save.py``, ``multiprocess_check.py``) run by path import their
+neighbours from their own folder.
 
 ``CI=true`` (or ``HYPOTHESIS_PROFILE=ci``) selects a derandomized profile, so CI runs are reproducible;
 locally the default profile explores new examples each run.
 """
 
+import importlib.util
 import os
+import sys
+from pathlib import Path
 
+import pytest
 import torch
 from hypothesis import HealthCheck, settings
 
 from trl_integration.notices import filter_known_notices
+
+HELPERS = Path(__file__).resolve().parent / "helpers"
+if str(HELPERS) not in sys.path:
+    sys.path.insert(0, str(HELPERS))
+
+# trl_helpers sets trl's/transformers' quiet-run variables (TRL_EXPERIMENTAL_SILENCE, ...) at import: for the session.
+from trl_helpers import build_model, build_tokenizer  # noqa: E402
+
+#: The folder whose tests need trl.
+TRL_TESTS = Path(__file__).resolve().parent / "trl_integration"
+
+# Without the trl extra installed these tests cannot run: skip the folder instead of failing collection.
+if importlib.util.find_spec("trl") is None:  # pragma: no cover
+    collect_ignore = ["trl_integration"]
 
 # The command-line entry points' notice filters (trl_integration/notices.py), before a test imports trl or vLLM:
 # `import trl_integration` no longer installs them.
@@ -31,3 +61,32 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.ge
 # process), and the stock-vs-ours comparisons saw two reduction orders (weights 6.5e-5 apart, limit 1e-6).
 if not os.environ.get("OMP_NUM_THREADS"):
     torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """Path of a saved tiny Llama + tokenizer (session-wide: built once)."""
+    path = tmp_path_factory.mktemp("tiny-llama")
+    tokenizer = build_tokenizer()
+    model = build_model(tokenizer)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma2_dir(tmp_path_factory):
+    """Path of a saved tiny Gemma-2 (final-logit softcap 5.0) + tokenizer."""
+    path = tmp_path_factory.mktemp("tiny-gemma2")
+    tokenizer = build_tokenizer()
+    model = build_model(tokenizer, arch="gemma2", head_scale=20.0)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+def pytest_collection_modifyitems(config, items):
+    # transformers 5.23 warns on every TrainingArguments about trl's `gradient_checkpointing` default: not ours.
+    for item in items:
+        if item.path.is_relative_to(TRL_TESTS):
+            item.add_marker(pytest.mark.filterwarnings("ignore:`gradient_checkpointing` is deprecated:FutureWarning"))

@@ -6,7 +6,7 @@ this module checks that the installed trl is in the tested range and that each n
 parameters it relies on. Outside the range, or when a name moved, the import fails with one line naming the
 supported range, instead of a step failing half way through a run.
 
-Touchpoints (each has a contract test in ``tests/trl/test_trl_private.py``):
+Touchpoints (each has a contract test in ``tests/trl_integration/test_trl_private.py``):
 
 ==========================================================  ============================================================
 private name                                                what the trainer relies on
