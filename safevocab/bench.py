@@ -104,7 +104,7 @@ def _inputs(args: argparse.Namespace, device: torch.device):
 
 
 _INPUTS: dict[tuple, tuple[torch.Tensor, ...]] = {}
-_sample_targets = sample_targets  # the name tests/test_bench.py checks the draws by
+_sample_targets = sample_targets  # the name tests/safevocab/test_bench.py checks the draws by
 
 
 def _make_step(variant: str, args: argparse.Namespace, device: torch.device) -> Callable[[], None]:

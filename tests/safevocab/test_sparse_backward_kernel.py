@@ -7,7 +7,7 @@ before the first ``import triton``), compiled on CUDA. Three levels:
   blocks) against a float64 restatement of the formula written here;
 - ``fused_safe_logprobs(backend="triton")`` with the sparse backward against the torch backend (its MKL sparse GEMMs
   for fp32, its dense backward for bf16), the Triton dense backward and the float64 reference
-  (``tests/safevocab_reference.py``): entropy gradients, transforms, rows with ``y`` outside ``S`` and gradients
+  (``tests/helpers/safevocab_reference.py``): entropy gradients, transforms, rows with ``y`` outside ``S`` and gradients
   through ``log_kept_mass`` (the full-softmax part of a sparse chunk);
 - replayed supports (``SafeSupport``) on the Triton backend against the torch backend: unsorted ids, ids of
   probability 0, supports far below the row maximum, supports that keep nothing (refused), duplicate ids (refused).

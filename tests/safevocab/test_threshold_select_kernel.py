@@ -1,7 +1,7 @@
 """The selection kernel (``safevocab.kernels.threshold_select``): top_k / top_p / composition thresholds computed from
 the raw GEMM output equal the rules' own torch code on the same (kernel-transformed) fp32 logits, bit for bit.
 
-Under Triton's interpreter on CPU (as tests/test_kernels.py sets it up: ``TRITON_INTERPRET=1`` before the first
+Under Triton's interpreter on CPU (as tests/safevocab/test_kernels.py sets it up: ``TRITON_INTERPRET=1`` before the first
 ``import triton`` of the process), compiled on CUDA. Rows: random, ties at the k-th value, ``-inf`` entries, flat rows
 (the fallback), peaked rows, ``k`` above the sketch's slots, ``q`` near 0 and 1, every engine order, the transforms,
 bf16 and fp32 inputs; then ``fused_safe_logprobs(backend="triton")`` forward and backward against the torch backend.
@@ -38,7 +38,7 @@ import safevocab.kernels as kernels  # noqa: E402
 if not ON_CUDA and kernels.compiled_kernels_loaded():
     pytest.skip(
         "triton was imported before this module could set TRITON_INTERPRET=1 (imported before: "
-        f"{_triton_was_imported}); run tests/test_threshold_select_kernel.py in its own process",
+        f"{_triton_was_imported}); run tests/safevocab/test_threshold_select_kernel.py in its own process",
         allow_module_level=True,
     )
 
