@@ -52,14 +52,8 @@ from safevocab.kernels.threshold_select import KCAP, SelectionPlan, select_thres
 from safevocab.rules import SafeVocabRule
 from safevocab.support import SafeSupport
 
-__all__ = [
-    "TritonBackend",
-    "triton_chunk_rows",
-    "triton_forward",
-    "triton_dense_backward",
-    "triton_replay_forward",
-    "triton_sparse_backward",
-]
+__all__ = ["TritonBackend", "triton_chunk_rows", "triton_forward", "triton_dense_backward", "triton_replay_forward"]
+__all__ += ["triton_sparse_backward"]
 
 logger = logging.getLogger("safevocab")
 
@@ -160,15 +154,14 @@ def triton_forward(
         gemm = _ChunkGemm(hidden, weight, bias, rows_buf)
     identity = transform.logit_scale == 1.0 and transform.softcap is None and transform.temperature == 1.0
     store_sparse_ok = sparse_max_density is not None and sparse_max_density > 0
+    kw = _kernel_transform(transform)
     with _device_guard(hidden.device):
         for rows in chunk_slices(n_rows, chunk_rows):
             n = rows.stop - rows.start
             out = stats.rows(rows)
             if plan is not None:
-                # thresholds from the raw chunk (threshold_select: no sort of V, no fp32 copy), then the fold
-                # with the same in-kernel transform
+                # thresholds from the raw chunk (no sort of V, no fp32 copy), then the fold, the same transform
                 z = gemm(hidden[rows])
-                kw = dict(scale=transform.logit_scale, softcap=transform.softcap, temperature=transform.temperature)
                 select_thresholds(z, plan, out["threshold"], out["row_max"], **kw)
                 store_z = store_sparse_ok and not identity and not _is_half(z)
                 forward_fold(z, targets[rows], mode=MODE_GIVEN, store_z=store_z, **kw, **out)
@@ -181,18 +174,9 @@ def triton_forward(
             else:
                 mode, log_param = in_kernel
                 z = gemm(hidden[rows])
-                forward_fold(
-                    z,
-                    targets[rows],
-                    mode=mode,
-                    log_param=log_param,
-                    scale=transform.logit_scale,
-                    softcap=transform.softcap,
-                    temperature=transform.temperature,
-                    # the sparse path reads the kept logits back: transformed ones, written by the kernel (fp32/fp64)
-                    store_z=store_sparse_ok and not identity and not _is_half(z),
-                    **out,
-                )
+                # the sparse path reads the kept logits back: transformed ones, written by the kernel (fp32/fp64)
+                store_z = store_sparse_ok and not identity and not _is_half(z)
+                forward_fold(z, targets[rows], mode=mode, log_param=log_param, store_z=store_z, **kw, **out)
             if store_sparse_ok and int(out["safe_size"].sum()) <= sparse_max_density * n * vocab:
                 raw = (in_kernel is not None or plan is not None) and _is_half(z)  # the GEMM output, untransformed
                 chunk = _sparse_chunk(z, rows.start, out, transform, raw=raw)
@@ -200,6 +184,11 @@ def triton_forward(
                     sparse_chunks.append(chunk)
             del z
     return sparse_chunks
+
+
+def _kernel_transform(transform: Transform) -> dict[str, float | None]:
+    """The transform as the kernels take it (keyword arguments of ``forward_fold`` and ``select_thresholds``)."""
+    return dict(scale=transform.logit_scale, softcap=transform.softcap, temperature=transform.temperature)
 
 
 def _is_half(z: torch.Tensor) -> bool:
@@ -381,7 +370,7 @@ def triton_replay_forward(
             z, _ = logits_of(hidden[rows])
             out = stats.rows(rows)
             if plan is not None:  # z: the GEMM output; the rule's thresholds from it, as triton_forward computes them
-                kw = dict(scale=transform.logit_scale, softcap=transform.softcap, temperature=transform.temperature)
+                kw = _kernel_transform(transform)
                 select_thresholds(z, plan, out["threshold"], out["row_max"], **kw)
                 forward_fold(z, targets[rows], mode=MODE_GIVEN, **kw, **out)
             elif in_kernel is None:  # z: the torch-transformed copy
@@ -391,16 +380,7 @@ def triton_replay_forward(
                 forward_fold(z, targets[rows], mode=MODE_GIVEN, **out)
             else:  # z: the GEMM output, transformed in the kernel
                 mode, log_param = in_kernel
-                forward_fold(
-                    z,
-                    targets[rows],
-                    mode=mode,
-                    log_param=log_param,
-                    scale=transform.logit_scale,
-                    softcap=transform.softcap,
-                    temperature=transform.temperature,
-                    **out,
-                )
+                forward_fold(z, targets[rows], mode=mode, log_param=log_param, **_kernel_transform(transform), **out)
             raw = in_kernel is not None or plan is not None  # z is the GEMM output, which the gather transforms
             sparse_chunks.append(_replayed_chunk(z, rows, targets, support, stats, transform, raw))
             del z
