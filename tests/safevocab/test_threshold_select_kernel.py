@@ -7,43 +7,18 @@ Under Triton's interpreter on CPU (as tests/safevocab/test_kernels.py sets it up
 bf16 and fp32 inputs; then ``fused_safe_logprobs(backend="triton")`` forward and backward against the torch backend.
 """
 
-import importlib
-import os
-import sys
-
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-ON_CUDA = torch.cuda.is_available() and os.environ.get("SAFEVOCAB_TEST_INTERPRET") != "1"
-DEVICE = torch.device("cuda" if ON_CUDA else "cpu")
+# test_kernels imports Triton under its interpreter on CPU (or skips the module when it cannot) and brings every
+# kernel module in through the Triton backend: the same set-up, and its fixture (autouse), for these tests
+from test_kernels import DEVICE, kernel_env, triton_backend  # noqa: F401
 
-_previous_interpret = os.environ.get("TRITON_INTERPRET")
-_triton_was_imported = "triton" in sys.modules
-if not ON_CUDA:
-    os.environ["TRITON_INTERPRET"] = "1"
-try:
-    triton = pytest.importorskip("triton", reason="the Triton kernels need the optional `triton` package")
-    ts = importlib.import_module("safevocab.kernels.threshold_select")
-    triton_backend = importlib.import_module("safevocab.backends.triton_backend")
-finally:
-    if _previous_interpret is None:
-        os.environ.pop("TRITON_INTERPRET", None)
-    else:
-        os.environ["TRITON_INTERPRET"] = _previous_interpret
-
-import safevocab.kernels as kernels  # noqa: E402
-
-if not ON_CUDA and kernels.compiled_kernels_loaded():
-    pytest.skip(
-        "triton was imported before this module could set TRITON_INTERPRET=1 (imported before: "
-        f"{_triton_was_imported}); run tests/safevocab/test_threshold_select_kernel.py in its own process",
-        allow_module_level=True,
-    )
-
-from safevocab import fused_safe_logprobs, parse_rule  # noqa: E402
-from safevocab.rules import finite_floor  # noqa: E402
+import safevocab.kernels.threshold_select as ts
+from safevocab import fused_safe_logprobs, parse_rule
+from safevocab.rules import finite_floor
 
 TRANSFORMS = [{}, {"temperature": 0.7}, {"softcap": 2.5, "scale": 1.7, "temperature": 1.3}]
 COMPOSITIONS = [
@@ -53,16 +28,6 @@ COMPOSITIONS = [
     "top_k=20,top_p=0.7",
     "top_k=5,min_p=0.1",
 ]
-
-
-@pytest.fixture(autouse=True)
-def kernel_env(monkeypatch):
-    if not ON_CUDA:
-        monkeypatch.setenv("TRITON_INTERPRET", "1")
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def random_rows(n=12, v=700, seed=0, sd=3.0, dtype=torch.float32):
