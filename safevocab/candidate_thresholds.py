@@ -11,6 +11,16 @@ fp32), each stage capped at ``m``, the result floored and capped as ``SafeVocabR
 that lies below the floor ``c`` is not known exactly; the row is flagged for the fallback when such a value would
 decide ``t`` or a later stage needs its kept mass, so a floor above ``t`` costs time, never exactness.
 
+**Rounding of the masses.** The kernel's ``T`` (an online sum, rescaled as the maximum grows, with the kernel's own
+``exp``) and the rule's (``safevocab.nucleus.row_sum64`` of torch's ``exp``, or a masked sum) are two fp32-rounded
+sums of the same masses: they differ by ~1e-8 relative, at worst a few 1e-6. Where a decision lies that close to a
+boundary, the two could keep one token apart (seen: ``top_p=0.999`` crossing 2.2e-8 relative below ``q T``). So a
+row is certified only with a margin of :data:`MASS_MARGIN` (relative, ``2^-19``, above both sums' worst-case
+rounding): ``top_p`` where the first entries reaching ``q T_prev - w`` and ``q T_prev + w`` (``w`` the margin times
+``T_prev``) have one value, ``min_prob`` where no candidate lies within the margin (in logit units) of the stage's
+threshold. The other rows go to the rule's own code (the fallback): about ``2 w / (boundary token's mass)`` of them,
+under 1 % where the boundary token carries 1e-3 of the mass or more.
+
 No Triton here (only torch, outside ``safevocab.kernels``), so the decision can be read and tested apart from the
 kernels.
 """
@@ -28,6 +38,12 @@ from safevocab.rules import Intersection, MinP, MinProb, SafeVocabRule, TopK, To
 __all__ = ["SelectionPlan", "selection_plan", "decide_thresholds"]
 
 _MASS_DEPENDENT = frozenset({"top_p", "min_prob"})
+
+#: Relative width around a mass boundary inside which the candidate phase leaves a row to the rule's own code (module
+#: docstring). Both ``T`` sum fp32 partials of 64 terms in tree order (Triton's ``tl.sum``, torch's cascade sum:
+#: at most ~7 roundings, 4.2e-7 relative) of ``exp`` values within ~2 ulps (1.2e-7): ``2^-19`` (1.9e-6) exceeds the
+#: two sums' combined worst case, so outside it both put the boundary on the same side.
+MASS_MARGIN = 2.0**-19
 _ELEMENTARY = (TopK, TopP, MinP, MinProb)
 
 
@@ -103,7 +119,8 @@ def decide_thresholds(
     valid = cols < count.clamp(max=kcap).unsqueeze(-1)
     vals = torch.where(valid, cand[:, :width], neg_inf).sort(dim=-1, descending=True).values
     complete = floor <= finite_floor(torch.float32)  # every finite logit is a candidate
-    e = torch.where(valid.sort(dim=-1, descending=True).values, (vals - m.unsqueeze(-1)).exp(), 0.0)
+    valid_sorted = valid.sort(dim=-1, descending=True).values
+    e = torch.where(valid_sorted, (vals - m.unsqueeze(-1)).exp(), 0.0)
     n_valid = count.clamp(max=kcap).long()
 
     t = None  # [n] fp32 value, with ``known``: exact (else some value below c)
@@ -131,8 +148,18 @@ def decide_thresholds(
                     t_prev = kept_e.double().sum(-1)
                     bad |= ~kept_complete
                 target = part.q * t_prev
-                reached = kept_e.double().cumsum(-1) >= target.unsqueeze(-1)
+                running = kept_e.double().cumsum(-1)
+                reached = running >= target.unsqueeze(-1)
                 any_reached = reached.any(-1)
+                # where the crossing lies within rounding of q T_prev, the rule's sums may pick another entry: the
+                # first reaching q T_prev - w or q T_prev + w; ambiguous only when those two differ in value (ties
+                # keep the same set)
+                if width:
+                    margin = (MASS_MARGIN * t_prev).unsqueeze(-1)
+                    low, high = running >= target.unsqueeze(-1) - margin, running >= target.unsqueeze(-1) + margin
+                    low_value = vals.gather(-1, low.to(torch.uint8).argmax(-1, keepdim=True)).squeeze(-1)
+                    high_value = vals.gather(-1, high.to(torch.uint8).argmax(-1, keepdim=True)).squeeze(-1)
+                    bad |= low.any(-1) & (~high.any(-1) | (low_value != high_value))
                 first = reached.to(torch.uint8).argmax(-1)
                 t_p = vals.gather(-1, first.unsqueeze(-1)).squeeze(-1) if width else m
                 # not reached over a complete kept set: nucleus.py's rounding case; leave it to the rule's code
@@ -148,7 +175,12 @@ def decide_thresholds(
                 else:
                     kept = torch.where(kept_mask, e, 0.0).double().sum(-1).float()
                     bad |= ~kept_complete
-                stage_t.append((m + kept.log()) + math.log(part.tau))
+                stage_value = (m + kept.log()) + math.log(part.tau)
+                # log kept is known to MASS_MARGIN (relative mass, so absolute in logits), plus fp32 rounding of the sum
+                width = MASS_MARGIN + stage_value.abs() * 2.0**-20
+                near = ((vals - stage_value.unsqueeze(-1)).abs() <= width.unsqueeze(-1)) & valid_sorted
+                bad |= near.any(-1)
+                stage_t.append(stage_value)
                 stage_known.append(torch.ones_like(bad))
         new_t, new_known = _combine(stage_t, stage_known, floor)
         if t is None:

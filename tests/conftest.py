@@ -16,6 +16,7 @@ neighbours from their own folder.
 locally the default profile explores new examples each run.
 """
 
+import gc
 import importlib.util
 import os
 import sys
@@ -61,6 +62,29 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.ge
 # process), and the stock-vs-ours comparisons saw two reduction orders (weights 6.5e-5 apart, limit 1e-6).
 if not os.environ.get("OMP_NUM_THREADS"):
     torch.set_num_threads(1)
+
+
+#: torch.distributed's rendezvous variables. trl's colocated vLLM (``trl.trainer.utils.ensure_master_addr_port``) and an
+#: in-process vLLM engine set them in ``os.environ``; left behind, a later module's child process joins that rendezvous,
+#: and under pytest-xdist two workers' children took the same port (EADDRINUSE on trl's 23456).
+DISTRIBUTED_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _module_leaves_no_rendezvous_and_no_engine_behind():
+    """What one test module leaves to the next in this process: the rendezvous variables as they were, and no vLLM
+    engine waiting for the garbage collector. A dropped engine's finalizer tears down vLLM's process-wide parallel
+    state; run late, inside the next module's engine, it broke that engine ("Process group not initialized in world
+    group map"), depending on which modules a worker happened to run before."""
+    saved = {name: os.environ.get(name) for name in DISTRIBUTED_VARIABLES}
+    yield
+    if "vllm" in sys.modules:
+        gc.collect()
+    for name, value in saved.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
 
 
 @pytest.fixture(scope="session")

@@ -57,8 +57,9 @@ candidates where it decides ``t``), a non-finite ``m`` or ``T``, or where the fl
 ``q T_prev`` by rounding, are transformed in the kernel into fp32 (only those rows, in batches) and given to the
 rule's own torch code.
 
-The masses follow ``safevocab.nucleus``: ``T`` in fp32 partials added in fp64; they can differ from its decision only
-where the boundary mass lies within rounding (~1e-7 relative) of ``q T``, as the engines' own fp32 sums do.
+The masses follow ``safevocab.nucleus``: ``T`` in fp32 partials added in fp64. The kernel's and the rule's ``T`` are
+two roundings of one sum (~1e-8 relative apart): a row whose ``top_p`` or ``min_prob`` decision lies within
+``safevocab.candidate_thresholds.MASS_MARGIN`` of a boundary goes to the fallback, so the sets stay the rule's.
 """
 
 from __future__ import annotations

@@ -4,12 +4,16 @@ import pytest
 import torch
 
 from safevocab import fused_safe_logprobs
-from safevocab.threads import single_threaded
+from safevocab.threads import set_intra_op_threads, single_threaded
+
+
+# The tests set the caller's count with set_intra_op_threads, not torch.set_num_threads: a vLLM engine built earlier in
+# this process (another test's, under pytest-xdist any module's) leaves torch.set_num_threads a no-op.
 
 
 def test_single_threaded_restores_the_thread_count_also_on_error():
     before = torch.get_num_threads()
-    torch.set_num_threads(2)
+    set_intra_op_threads(2)
     try:
         with single_threaded(torch.device("cpu")):
             assert torch.get_num_threads() == 1
@@ -18,13 +22,13 @@ def test_single_threaded_restores_the_thread_count_also_on_error():
             raise RuntimeError("boom")
         assert torch.get_num_threads() == 2
     finally:
-        torch.set_num_threads(before)
+        set_intra_op_threads(before)
 
 
 @pytest.mark.parametrize("rule", ["none", "min_p=0.1", "top_p=0.9"])
 def test_the_fused_op_leaves_the_callers_thread_count(rule):
     before = torch.get_num_threads()
-    torch.set_num_threads(2)
+    set_intra_op_threads(2)
     try:
         hidden = torch.randn(40, 8, requires_grad=True)
         weight = torch.randn(50, 8, requires_grad=True)
@@ -33,7 +37,7 @@ def test_the_fused_op_leaves_the_callers_thread_count(rule):
         out.logprobs.sum().backward()
         assert torch.get_num_threads() == 2
     finally:
-        torch.set_num_threads(before)
+        set_intra_op_threads(before)
 
 
 def _disable_torch_set_num_threads(monkeypatch):
@@ -43,8 +47,6 @@ def _disable_torch_set_num_threads(monkeypatch):
 
 
 def test_set_intra_op_threads_holds_after_a_library_replaced_the_setter(monkeypatch):
-    from safevocab.threads import set_intra_op_threads
-
     before = torch.get_num_threads()
     _disable_torch_set_num_threads(monkeypatch)
     try:

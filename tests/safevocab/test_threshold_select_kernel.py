@@ -9,7 +9,7 @@ bf16 and fp32 inputs; then ``fused_safe_logprobs(backend="triton")`` forward and
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 # test_kernels imports Triton under its interpreter on CPU (or skips the module when it cannot) and brings every
@@ -18,6 +18,7 @@ from test_kernels import DEVICE, kernel_env, triton_backend  # noqa: F401
 
 import safevocab.kernels.threshold_select as ts
 from safevocab import fused_safe_logprobs, parse_rule
+from safevocab.candidate_thresholds import MASS_MARGIN
 from safevocab.rules import finite_floor
 
 TRANSFORMS = [{}, {"temperature": 0.7}, {"softcap": 2.5, "scale": 1.7, "temperature": 1.3}]
@@ -49,6 +50,20 @@ def adversarial_rows(v=700, seed=0, dtype=torch.float32):
     peaked[:, 7] += 30.0
     peaked[2, 9] = peaked[2, 7]  # two tied argmaxes
     return torch.cat([ties, neg_inf, few, flat, peaked]).to(dtype).to(DEVICE)
+
+
+def rows_near_a_mass_boundary(z, q):
+    """Rows whose exact (float64) top_p crossing is ambiguous within twice the candidate phase's margin: the first
+    entries reaching ``q T -+ 2 MASS_MARGIN T`` differ in value (the candidate phase leaves those to the rule)."""
+    z64 = z.double()
+    e = (z64 - z64.amax(-1, keepdim=True)).exp()
+    total = e.sum(-1, keepdim=True)
+    vals, order = z64.sort(-1, descending=True)
+    running = e.gather(-1, order).cumsum(-1)
+    width = 2 * MASS_MARGIN * total
+    low, high = running >= q * total - width, running >= q * total + width
+    first = lambda hit: vals.gather(-1, hit.to(torch.uint8).argmax(-1, keepdim=True))  # noqa: E731
+    return set((first(low) != first(high)).squeeze(-1).nonzero().squeeze(-1).tolist())
 
 
 def reference(raw, rule, transform):
@@ -101,9 +116,12 @@ def test_selection_plan_floors_follow_the_engine_order():
 @pytest.mark.parametrize("transform", TRANSFORMS)
 def test_elementary_rules_on_random_rows(dtype, transform):
     raw = random_rows(n=8, v=400, dtype=dtype)
+    z = ts.transformed_rows(raw, torch.arange(raw.shape[0]), **transform)
     for spec in ("top_k=1", "top_k=7", "top_k=50", "top_p=0.5", "top_p=0.99"):
         fallback, count = assert_same_thresholds(raw, parse_rule(spec), transform)
-        assert fallback.numel() == 0, f"{spec}: random rows need no fallback"
+        # random rows need no fallback, except top_p rows whose crossing lies within rounding of q T
+        allowed = rows_near_a_mass_boundary(z, parse_rule(spec).q) if spec.startswith("top_p") else set()
+        assert set(fallback.tolist()) <= allowed, f"{spec}: fallback {fallback.tolist()}, near a boundary {allowed}"
         if spec == "top_k=7":  # the sketch's floor is selective: a few candidates, not the row
             assert int(count.max()) < 40
 
@@ -183,6 +201,9 @@ def test_flat_rows_top_p_take_the_fallback_or_the_flat_floor():
 
 
 @settings(max_examples=12, deadline=None)
+# Found by the random profile: T's rounding in the kernel and in the rule put a top_p=0.999 crossing (2.2e-8 relative
+# below q T) one token apart, until the candidate phase certified masses with a margin (MASS_MARGIN).
+@example(seed=2238, v=257, sd=3.0, k=1, q=0.999, engine="hf")
 @given(
     seed=st.integers(0, 10_000),
     v=st.integers(257, 1200),
