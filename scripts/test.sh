@@ -12,6 +12,11 @@
 # It says what it does: one `[test] step i/3: ...` line per step (set-up, pytest, docs) and pytest's progress as a
 # count of tests done out of the total (`-o console_output_style=count`; a later `-o` of yours overrides it).
 #
+# Workers: the tests run in parallel processes (pytest-xdist, `-n N --dist loadfile`: a module's tests stay in one
+# worker, so its fixtures are built once), one per core and at most one per 3 GiB of available memory (a worker that
+# built a vLLM engine holds ~1.5 GiB). SAFEVOCAB_TEST_WORKERS=N chooses N; 1 runs them in this process (no xdist). A
+# later `-n` of yours overrides it too.
+#
 # Threads: pytest runs with OMP_NUM_THREADS=1 unless you set it. The suite is many small ops; with torch's default of
 # one thread per core every op ends at a barrier where the threads wait for any of them the OS preempted, so on a
 # busy machine the suite crawls (issue 31: 6 % in 15 minutes at load 7-13). Your own OMP_NUM_THREADS is kept.
@@ -38,9 +43,22 @@ if [[ -z "${OMP_NUM_THREADS:-}" ]]; then
 else
     threads_note="OMP_NUM_THREADS=${OMP_NUM_THREADS} (yours)"
 fi
-echo "[test] step 2/3: the fast tests: python -m pytest -m \"not slow\" $* under ${threads_note}" >&2
+workers="${SAFEVOCAB_TEST_WORKERS:-}"
+if [[ -z "${workers}" ]]; then
+    # (nproc counts OMP_NUM_THREADS, set above, as a limit: ask it without)
+    workers="$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc 2>/dev/null || getconf _NPROCESSORS_ONLN 2>/dev/null || echo 1)"
+    if [[ -r /proc/meminfo ]]; then
+        by_memory=$(( $(awk '/^MemAvailable:/ {print $2}' /proc/meminfo) / (3 * 1024 * 1024) ))
+        (( by_memory < workers )) && workers=${by_memory}
+    fi
+    (( workers < 1 )) && workers=1
+fi
+[[ "${workers}" =~ ^[1-9][0-9]*$ ]] || { echo "[test] SAFEVOCAB_TEST_WORKERS=${workers} must be a whole number >= 1" >&2; exit 2; }
+parallel=()
+(( workers > 1 )) && parallel=(-n "${workers}" --dist loadfile)
+echo "[test] step 2/3: the fast tests: python -m pytest -m \"not slow\" ${parallel[*]:-} $* under ${threads_note}" >&2
 pytest_rc=0
-python -m pytest -m "not slow" -o console_output_style=count "$@" || pytest_rc=$?
+python -m pytest -m "not slow" ${parallel[@]+"${parallel[@]}"} -o console_output_style=count "$@" || pytest_rc=$?
 if [[ ${pytest_rc} -eq 5 ]]; then
     echo "[test] note: pytest collected no tests (exit 5); counted as success" >&2
     pytest_rc=0

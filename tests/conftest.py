@@ -16,7 +16,6 @@ neighbours from their own folder.
 locally the default profile explores new examples each run.
 """
 
-import gc
 import importlib.util
 import os
 import sys
@@ -34,6 +33,7 @@ if str(HELPERS) not in sys.path:
 
 # trl_helpers sets trl's/transformers' quiet-run variables (TRL_EXPERIMENTAL_SILENCE, ...) at import: for the session.
 from trl_helpers import build_model, build_tokenizer  # noqa: E402
+from vllm_required import release_vllm_process_state  # noqa: E402
 
 #: The folder whose tests need trl.
 TRL_TESTS = Path(__file__).resolve().parent / "trl_integration"
@@ -73,13 +73,13 @@ DISTRIBUTED_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
 @pytest.fixture(autouse=True, scope="module")
 def _module_leaves_no_rendezvous_and_no_engine_behind():
     """What one test module leaves to the next in this process: the rendezvous variables as they were, and no vLLM
-    engine waiting for the garbage collector. A dropped engine's finalizer tears down vLLM's process-wide parallel
-    state; run late, inside the next module's engine, it broke that engine ("Process group not initialized in world
-    group map"), depending on which modules a worker happened to run before."""
+    engine or parallel state (:func:`vllm_required.release_vllm_process_state`): left behind, they broke the next
+    module's engine ("Process group ... is not initialized in the world group map"), depending on which modules a
+    worker happened to run before."""
     saved = {name: os.environ.get(name) for name in DISTRIBUTED_VARIABLES}
     yield
     if "vllm" in sys.modules:
-        gc.collect()
+        release_vllm_process_state()
     for name, value in saved.items():
         if value is None:
             os.environ.pop(name, None)

@@ -38,7 +38,7 @@ def _run(venv: Path, **env: str) -> subprocess.CompletedProcess:
 
 
 def test_pytest_runs_on_one_thread_with_a_step_line_each_and_a_count(fake_venv):
-    result = _run(fake_venv)
+    result = _run(fake_venv, SAFEVOCAB_TEST_WORKERS="1")
     assert "pytest OMP_NUM_THREADS=1 ARGS=-m pytest -m not slow -o console_output_style=count -x" in result.stdout
     steps = [line for line in result.stderr.splitlines() if line.startswith("[test] step ")]
     assert [line[:18] for line in steps] == ["[test] step 1/3: s", "[test] step 2/3: t", "[test] step 3/3: t"]
@@ -51,3 +51,21 @@ def test_the_users_thread_count_wins(fake_venv):
     assert "pytest OMP_NUM_THREADS=2 " in result.stdout
     assert "OMP_NUM_THREADS=2 (yours)" in result.stderr
     assert "[test] step 3/3: the docs: skipped (SAFEVOCAB_SKIP_DOCS=1)" in result.stderr
+
+
+def test_the_tests_run_in_parallel_workers_one_per_core_unless_chosen(fake_venv):
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    result = _run(fake_venv, SAFEVOCAB_SKIP_DOCS="1")
+    expected = "-m not slow -o" if cores == 1 else "-m not slow -n "
+    assert expected in result.stdout and ("--dist loadfile" in result.stdout) == (cores > 1), result.stdout
+    chosen = _run(fake_venv, SAFEVOCAB_TEST_WORKERS="3", SAFEVOCAB_SKIP_DOCS="1")
+    assert "ARGS=-m pytest -m not slow -n 3 --dist loadfile -o console_output_style=count -x" in chosen.stdout
+
+
+def test_a_bad_worker_count_is_refused_in_one_line(fake_venv):
+    base = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "SAFEVOCAB_SKIP_DOCS")}
+    base |= {"SAFEVOCAB_VENV": str(fake_venv), "SAFEVOCAB_TORCH": "skip", "PATH": "/usr/bin:/bin"}
+    done = subprocess.run(["bash", str(ROOT / "scripts" / "test.sh")], env={**base, "SAFEVOCAB_TEST_WORKERS": "two"},
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines()[-1] == "[test] SAFEVOCAB_TEST_WORKERS=two must be a whole number >= 1"

@@ -22,3 +22,29 @@ def require_vllm(module_level: bool = False) -> None:
     pytest.skip(
         "vLLM is not installed (the vllm extra; scripts/setup_env.sh installs it)", allow_module_level=module_level
     )
+
+
+def release_vllm_process_state() -> None:
+    """Leave no vLLM engine state in this process for the next test module: finalise the engines it dropped, then
+    forget vLLM's process-wide parallel groups (``vllm.distributed.parallel_state``).
+
+    A colocated trainer's ``Trainer.end()`` destroys torch's default process group, and with it the groups vLLM
+    holds; the dropped engine's own clean-up (run by the garbage collector) then raises ``Invalid process group
+    specified`` half way and leaves the stale groups set, so the next engine built in the process skips their set-up
+    and fails ("Process group ... is not initialized in the world group map"). Which module ran before another in the
+    same process depends on the order (and, under pytest-xdist, on the worker), so each module starts clean.
+    """
+    import gc
+
+    import torch
+    from vllm.distributed import parallel_state
+
+    gc.collect()
+    try:
+        parallel_state.cleanup_dist_env_and_memory()
+    except ValueError:  # the groups were destroyed with the default group already: forget them
+        for name in ("_ETP", "_TP", "_ENGRAM_DP", "_DCP", "_PCP", "_PP", "_DP", "_EP", "_EPLB", "_WORLD"):
+            if hasattr(parallel_state, name):
+                setattr(parallel_state, name, None)
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()

@@ -250,8 +250,18 @@ def test_weight_gather_default_and_validation():
     assert entered == [1]
 
 
-def test_lm_head_passes_the_hook_only_for_zero3_parameters(monkeypatch):
+def _patchable_zero3_switch():
+    """``transformers.integrations.deepspeed``, after ``transformers.modeling_utils`` took its own reference to
+    ``is_deepspeed_zero3_enabled``: imported first inside a patch, it kept the patched one for the rest of the process
+    (a later module's ``from_pretrained`` then imported deepspeed)."""
     import transformers.integrations.deepspeed as hf_ds
+    import transformers.modeling_utils  # noqa: F401
+
+    return hf_ds
+
+
+def test_lm_head_passes_the_hook_only_for_zero3_parameters(monkeypatch):
+    hf_ds = _patchable_zero3_switch()
 
     from trl_integration.grpo.head import _backward_gather
 
@@ -270,9 +280,9 @@ def test_zero3_rejects_only_the_in_place_fp32_rollout(monkeypatch):
     (an in-place upcast of partitioned parameters) raises."""
     from types import SimpleNamespace
 
-    import transformers.integrations.deepspeed as hf_ds
-
     from trl_integration.grpo.trainer_checks import check_zero3_rollout_dtype
+
+    hf_ds = _patchable_zero3_switch()
 
     def stub(rollout_dtype, dtype):
         return SimpleNamespace(rollout_dtype=rollout_dtype), torch.nn.Linear(2, 2).to(dtype)
