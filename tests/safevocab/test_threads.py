@@ -6,7 +6,6 @@ import torch
 from safevocab import fused_safe_logprobs
 from safevocab.threads import set_intra_op_threads, single_threaded
 
-
 # The tests set the caller's count with set_intra_op_threads, not torch.set_num_threads: a vLLM engine built earlier in
 # this process (another test's, under pytest-xdist any module's) leaves torch.set_num_threads a no-op.
 
