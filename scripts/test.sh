@@ -13,9 +13,11 @@
 # count of tests done out of the total (`-o console_output_style=count`; a later `-o` of yours overrides it).
 #
 # Workers: the tests run in parallel processes (pytest-xdist, `-n N --dist loadfile`: a module's tests stay in one
-# worker, so its fixtures are built once), one per core and at most one per 3 GiB of available memory (a worker that
-# built a vLLM engine holds ~1.5 GiB). SAFEVOCAB_TEST_WORKERS=N chooses N; 1 runs them in this process (no xdist). A
-# later `-n` of yours overrides it too.
+# worker, so its fixtures are built once), two per core and at most one per 3 GiB of available memory (a worker that
+# built a vLLM engine holds ~1.5 GiB). Two per core because many tests wait on a child process (the command line, a
+# launch, a kill during a save) while their core could run another test; on a 2-core machine beside 8 busy processes
+# two workers took over 25 minutes (65 % done after 19), four 20. SAFEVOCAB_TEST_WORKERS=N chooses N; 1 runs them in
+# this process (no xdist). A later `-n` of yours overrides it too.
 #
 # Threads: pytest runs with OMP_NUM_THREADS=1 unless you set it. The suite is many small ops; with torch's default of
 # one thread per core every op ends at a barrier where the threads wait for any of them the OS preempted, so on a
@@ -46,7 +48,8 @@ fi
 workers="${SAFEVOCAB_TEST_WORKERS:-}"
 if [[ -z "${workers}" ]]; then
     # (nproc counts OMP_NUM_THREADS, set above, as a limit: ask it without)
-    workers="$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc 2>/dev/null || getconf _NPROCESSORS_ONLN 2>/dev/null || echo 1)"
+    cores="$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc 2>/dev/null || getconf _NPROCESSORS_ONLN 2>/dev/null || echo 1)"
+    workers=$(( 2 * cores ))
     if [[ -r /proc/meminfo ]]; then
         by_memory=$(( $(awk '/^MemAvailable:/ {print $2}' /proc/meminfo) / (3 * 1024 * 1024) ))
         (( by_memory < workers )) && workers=${by_memory}
