@@ -6,7 +6,7 @@ import re
 import numpy as np
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from safevocab.rules import Intersection, MinP, MinProb, NoPruning, TopK, TopP, parse_rule
@@ -238,12 +238,27 @@ def test_top_k_matches_hf(k, seed):
     assert torch.equal(TopK(k).keep_mask(z), hf_keep([TopKLogitsWarper(top_k=k)], z))
 
 
+def rows_off_the_top_p_boundary(z: torch.Tensor, q: float, margin: float = 1e-5) -> torch.Tensor:
+    """``[R]`` bool: rows whose exact (float64) nucleus is decided by more than ``margin`` of the mass. Within it,
+    transformers' float32 softmax and cumulative sum may keep one token more or less than the exact set (TopP's
+    docstring): e.g. seed 23584, scale and q 0.96872 (the random profile found it)."""
+    if q >= 1.0:  # no truncation: every token, whatever the sums
+        return torch.ones(z.shape[0], dtype=torch.bool)
+    p = torch.softmax(z.double(), -1).sort(-1, descending=True).values
+    before = p.cumsum(-1) - p  # mass strictly above each token, descending
+    return ~((before - q).abs() <= margin).any(-1)
+
+
 # q up to 0.99 (and exactly 1): nearer 1, transformers' float32 cumsum decides differently from the exact set in a
 # growing share of rows (issue 37, N9: 0.03 % of rows at 0.999, 2.6 % at 0.99999, 18 % at 0.999999; TopP's docstring)
 @given(st.one_of(st.floats(0.01, 0.99), st.just(1.0)), st.integers(0, 2**16), st.floats(0.5, 6.0))
+@example(0.9687201387255312, 23584, 0.9687201387255312)
 def test_top_p_matches_hf(q, seed, scale):
     z = random_logits(seed, scale=scale)
-    assert torch.equal(TopP(q).keep_mask(z), hf_keep([TopPLogitsWarper(top_p=q)], z))
+    compared = rows_off_the_top_p_boundary(z, q)
+    assert int(compared.sum()) >= z.shape[0] // 2  # never vacuous: the boundary rows are the rare exception
+    ours, hf = TopP(q).keep_mask(z), hf_keep([TopPLogitsWarper(top_p=q)], z)
+    assert torch.equal(ours[compared], hf[compared])
 
 
 @given(st.integers(1, 200), st.floats(0.05, 1.0), st.floats(1e-4, 0.5), st.integers(0, 2**16))
