@@ -16,7 +16,7 @@
 # worker, so its fixtures are built once), two per core and at most one per 3 GiB of available memory (a worker that
 # built a vLLM engine holds ~1.5 GiB). Two per core because many tests wait on a child process (the command line, a
 # launch, a kill during a save) while their core could run another test; on a 2-core machine beside 8 busy processes
-# two workers took over 25 minutes (65 % done after 19), four 20. SAFEVOCAB_TEST_WORKERS=N chooses N; 1 runs them in
+# two workers had done 65 % after 19 minutes, four finished in 25 min 33 s. SAFEVOCAB_TEST_WORKERS=N chooses N; 1 runs them in
 # this process (no xdist). A later `-n` of yours overrides it too.
 #
 # Threads: pytest runs with OMP_NUM_THREADS=1 unless you set it. The suite is many small ops; with torch's default of
