@@ -157,11 +157,8 @@ def decide_thresholds(
                 if width:
                     margin = (MASS_MARGIN * t_prev).unsqueeze(-1)
                     low, high = running >= target.unsqueeze(-1) - margin, running >= target.unsqueeze(-1) + margin
-                    low_value = vals.gather(-1, low.to(torch.uint8).argmax(-1, keepdim=True)).squeeze(-1)
-                    high_value = vals.gather(-1, high.to(torch.uint8).argmax(-1, keepdim=True)).squeeze(-1)
-                    bad |= low.any(-1) & (~high.any(-1) | (low_value != high_value))
-                first = reached.to(torch.uint8).argmax(-1)
-                t_p = vals.gather(-1, first.unsqueeze(-1)).squeeze(-1) if width else m
+                    bad |= low.any(-1) & (~high.any(-1) | (_first_value(vals, low) != _first_value(vals, high)))
+                t_p = _first_value(vals, reached) if width else m
                 # not reached over a complete kept set: nucleus.py's rounding case; leave it to the rule's code
                 bad |= ~any_reached & (kept_complete if t is None else torch.ones_like(bad))
                 stage_t.append(torch.where(any_reached, t_p, neg_inf))
@@ -177,8 +174,8 @@ def decide_thresholds(
                     bad |= ~kept_complete
                 stage_value = (m + kept.log()) + math.log(part.tau)
                 # log kept is known to MASS_MARGIN (relative mass, so absolute in logits), plus fp32 rounding of the sum
-                width = MASS_MARGIN + stage_value.abs() * 2.0**-20
-                near = ((vals - stage_value.unsqueeze(-1)).abs() <= width.unsqueeze(-1)) & valid_sorted
+                near_width = MASS_MARGIN + stage_value.abs() * 2.0**-20
+                near = ((vals - stage_value.unsqueeze(-1)).abs() <= near_width.unsqueeze(-1)) & valid_sorted
                 bad |= near.any(-1)
                 stage_t.append(stage_value)
                 stage_known.append(torch.ones_like(bad))
@@ -192,6 +189,11 @@ def decide_thresholds(
         t = torch.full((n,), -math.inf, device=device)
     bad |= ~known
     return torch.minimum(t.clamp_min(finite_floor(torch.float32)), m), bad
+
+
+def _first_value(vals: torch.Tensor, hit: torch.Tensor) -> torch.Tensor:
+    """``[n]``: each row's value at its first ``hit`` column (the first column where there is none)."""
+    return vals.gather(-1, hit.to(torch.uint8).argmax(-1, keepdim=True)).squeeze(-1)
 
 
 def _combine(values, known, floor):
