@@ -17,10 +17,11 @@ Backward forms ``grad_z = g_lp 1[a=y] - pi_S (c_S + g_H (log pi_S + H)) - c_F pi
   forward's ``S``, whatever the layout, dtype, chunking or backend:
 
   - **sparse** (the common case in RL): when a chunk's safe sets are small (at most
-    ``SPARSE_MAX_DENSITY`` of its logits), forward stores ``S`` itself as CSR (int32 column, fp32
-    ``z - m``: 8 bytes per kept logit), and backward runs two sparse GEMMs whose cost scales with
-    ``|S|``: no recomputation at all (:func:`sparse_backward`), or the backend's own ``sparse_backward`` when it
-    has one (the Triton backend: :mod:`safevocab.kernels.sparse_backward`, any input dtype; :func:`sparse_density`).
+    ``SPARSE_MAX_DENSITY`` of its logits; ``KERNEL_SPARSE_MAX_DENSITY`` on the Triton backend), forward stores
+    ``S`` itself as CSR (int32 column, fp32 ``z - m``: 8 bytes per kept logit), and backward runs two sparse
+    GEMMs whose cost scales with ``|S|``: no recomputation at all (:func:`sparse_backward`), or the backend's own
+    ``sparse_backward`` when it has one (the Triton backend: :mod:`safevocab.kernels.sparse_backward`, any input
+    dtype; :func:`sparse_density`).
   - **dense** (chunks with large safe sets; half-precision inputs on the torch backend): the backend recomputes the chunk's
     logits with the *same call on the same operands* as the forward (the same row slice of ``hidden``, the
     same buffer shape: BLAS results depend on layout and alignment, and a boundary token one ulp off would
@@ -69,6 +70,7 @@ from safevocab.threads import single_threaded
 
 __all__ = [
     "FusedSafeLogProbs",
+    "KERNEL_SPARSE_MAX_DENSITY",
     "SPARSE_MAX_DENSITY",
     "sparse_backward",
     "sparse_density",
@@ -76,8 +78,15 @@ __all__ = [
     "raise_on_non_finite_rows",
 ]
 
-#: Largest fraction of a chunk's logits kept in ``S`` for which the sparse backward is used.
+#: Largest fraction of a chunk's logits kept in ``S`` for which the torch sparse GEMMs (MKL, cuSPARSE) replace the
+#: dense backward.
 SPARSE_MAX_DENSITY = 1.0 / 16
+#: The same for a backend's own sparse backward (the Triton kernels), which gathers ``H`` values per kept logit
+#: without tensor cores: on an H100 (docs/performance.md, third GPU run; H = 4096, V = 151936, N = 8192, bf16) it
+#: took ~14 ns per kept logit against ~39 ms for the dense backward's recomputation and two GEMMs, so it wins below
+#: ~230 kept logits per row (V / 660) and lost 4.7x at 2430 (``min_p=0.001`` on flat logits). Both costs grow with
+#: ``H``; the dense one with ``V``: a fraction of ``V`` is the gate, set below the crossover.
+KERNEL_SPARSE_MAX_DENSITY = 1.0 / 1024
 
 
 class FusedSafeLogProbs(torch.autograd.Function):
@@ -265,8 +274,11 @@ class FusedSafeLogProbs(torch.autograd.Function):
 def sparse_density(dtype: torch.dtype, backend: FusedBackend) -> float | None:
     """The densest chunk (fraction of its logits in ``S``) the forward stores for the sparse backward; ``None``:
     never. The torch sparse GEMMs (MKL/cuSPARSE, :func:`sparse_backward`) take fp32/fp64 only, so half inputs use
-    the dense backward there; a backend with its own ``sparse_backward`` (the Triton one) takes every dtype."""
-    if dtype in (torch.float32, torch.float64) or hasattr(backend, "sparse_backward"):
+    the dense backward there; a backend with its own ``sparse_backward`` (the Triton one) takes every dtype, at its
+    own crossover (``KERNEL_SPARSE_MAX_DENSITY``)."""
+    if hasattr(backend, "sparse_backward"):
+        return KERNEL_SPARSE_MAX_DENSITY
+    if dtype in (torch.float32, torch.float64):
         return SPARSE_MAX_DENSITY
     return None
 

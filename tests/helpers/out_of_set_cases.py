@@ -41,9 +41,9 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 
 import torch
+from backward_path import sparse_max_density
 from safevocab_reference import reference
 
-import safevocab.fused_op as fused_op
 from safevocab import fused_safe_logprobs, parse_rule, safe_log_softmax
 from safevocab.backends import get_backend
 from safevocab.logprobs import DEFAULT_MAX_CHUNK_BYTES
@@ -155,10 +155,7 @@ def fused_grads(case: Case, backend: str, device: str = "cpu"):
         None if x is None else x.detach().to(device).requires_grad_(train)
         for x, train in zip((case.hidden, case.weight, case.bias), trained)
     ]
-    saved = fused_op.SPARSE_MAX_DENSITY
-    if case.dense is not None:
-        fused_op.SPARSE_MAX_DENSITY = 0.0 if case.dense else 1.0
-    try:
+    with sparse_max_density(None if case.dense is None else 0.0 if case.dense else 1.0):
         out = fused_safe_logprobs(
             params[0],
             params[1],
@@ -171,8 +168,6 @@ def fused_grads(case: Case, backend: str, device: str = "cpu"):
             backend=backend,
         )
         grads = iter(torch.autograd.grad(_loss(out, case), [p for p in params if p is not None and p.requires_grad]))
-    finally:
-        fused_op.SPARSE_MAX_DENSITY = saved
     return tuple(next(grads).cpu() if p is not None and p.requires_grad else None for p in params), out
 
 

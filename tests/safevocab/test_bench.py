@@ -105,6 +105,7 @@ def test_targets_are_draws_from_the_pruned_softmax():
     assert torch.allclose(observed, expected, atol=0.015), (observed, expected)
 
 
+@pytest.mark.slow  # tooling (the device run's driver), ~20 s of one core: CI's slow phase
 def test_gpu_bench_script_runs_the_chosen_rules_at_the_chosen_size(tmp_path):
     # The device run's script (scripts/gpu_bench.py), CPU-sized: --n, --rules (';'-separated) and --no-naive reach
     # every rule's benchmark, whose rows land in the results file.

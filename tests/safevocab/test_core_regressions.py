@@ -11,9 +11,9 @@ import math
 import numpy as np
 import pytest
 import torch
+from backward_path import set_sparse_max_density
 from out_of_set_cases import audit_case, check_case, d6_inputs
 
-import safevocab.fused_op as fused_op
 from safevocab import (
     MinP,
     TopK,
@@ -44,7 +44,7 @@ def test_dense_backward_past_the_first_chunk_uses_the_forward_set(rule, dtype, m
     (row slices not 64-byte aligned): the fused gradient equals the materialised one on the same logits.
     Before the fix the backward recomputed the logits on an ``index_select`` copy, MKL returned them one ulp
     apart, the boundary token left S and the gradient was off by up to 100 %."""
-    monkeypatch.setattr(fused_op, "SPARSE_MAX_DENSITY", 0.0)
+    set_sparse_max_density(monkeypatch, 0.0)
     worst = 0.0
     for seed in range(40):
         hidden, weight, targets = _head(seed, dtype=dtype)
@@ -62,7 +62,7 @@ def test_dense_backward_past_the_first_chunk_uses_the_forward_set(rule, dtype, m
 def test_recomputed_set_that_moved_is_repaired_from_the_saved_size(monkeypatch):
     """If a recomputation ever moved a boundary logit by an ulp (a BLAS that is not deterministic), the
     backward still uses |S| logits: the saved size repairs the rebuilt set."""
-    monkeypatch.setattr(fused_op, "SPARSE_MAX_DENSITY", 0.0)
+    set_sparse_max_density(monkeypatch, 0.0)
     hidden, weight, targets = _head(0, n=8, v=50)
     calls = []
     original = ChunkLogits.__call__
@@ -88,7 +88,7 @@ def test_recomputed_set_that_moved_is_repaired_from_the_saved_size(monkeypatch):
 def test_out_of_set_targets_in_a_sparse_chunk_keep_the_stored_set(monkeypatch):
     """Unmasked out-of-set targets in chunks whose S was stored: their safe-set part comes from the stored S
     and only the (S-independent) full-softmax part is recomputed."""
-    monkeypatch.setattr(fused_op, "SPARSE_MAX_DENSITY", 1.0)
+    set_sparse_max_density(monkeypatch, 1.0)
     hidden, weight, targets = _head(3)
     out = fused_safe_logprobs(hidden, weight, targets, "top_k=3", max_chunk_bytes=500 * 16 * 5)
     assert not bool(out.in_safe.all())

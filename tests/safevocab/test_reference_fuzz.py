@@ -26,11 +26,11 @@ import os
 
 import pytest
 import torch
+from backward_path import set_sparse_max_density, sparse_max_density
 from hypothesis import HealthCheck, assume, event, given, settings
 from hypothesis import strategies as st
 from safevocab_reference import reference
 
-import safevocab.fused_op as fused_op
 from safevocab import SafeSupport, fused_safe_logprobs, parse_rule, safe_log_softmax
 from safevocab.backends.torch_backend import chunk_rows_for
 
@@ -300,9 +300,7 @@ def check_fused(
     limit = torch.finfo(dtype).max / 16
     assume(max(float(g.abs().max()) for g in [grad_z * transform["logit_scale"], *want]) < limit)
 
-    saved = fused_op.SPARSE_MAX_DENSITY
-    fused_op.SPARSE_MAX_DENSITY = 0.0 if dense else 1.0
-    try:
+    with sparse_max_density(0.0 if dense else 1.0):
         out = fused_safe_logprobs(
             on_device[0],
             on_device[1],
@@ -317,8 +315,6 @@ def check_fused(
         )
         params = [p for p in on_device if p is not None]
         got = torch.autograd.grad(loss_of(out, weights, out.in_safe), params)
-    finally:
-        fused_op.SPARSE_MAX_DENSITY = saved
     value_tol = 64 * eps + 4 * delta_z + (8 * eps * math.log(max(2, weight.shape[0])))
     if backend == "triton" and transform["softcap"] is not None:
         # The kernels' tanh is within 0.6 ulp where it saturates (torch's, which the reference uses: 0.5 ulp),
@@ -498,7 +494,7 @@ def test_fused_matches_materialised_on_boundary_rules_past_the_first_chunk(monke
         q, tau = float(torch.rand(1, generator=rng)) * 0.9 + 0.05, float(torch.rand(1, generator=rng)) * 0.5 + 0.5
         rule = BOUNDARY_RULES[case % len(BOUNDARY_RULES)].format(k=k, k2=k2, q=q, tau=tau)
         dense = bool(case % 2)
-        monkeypatch.setattr(fused_op, "SPARSE_MAX_DENSITY", 0.0 if dense else 1.0)
+        set_sparse_max_density(monkeypatch, 0.0 if dense else 1.0)
         rows = int(torch.randint(2, 6, (1,), generator=rng))
         max_chunk_bytes = rows * v * _per_logit(rule)  # budget for `rows` rows per chunk
         chunk_rows = chunk_rows_for(10**6, v, parse_rule(rule), 4, max_chunk_bytes)

@@ -17,6 +17,7 @@ import math
 
 import pytest
 import torch
+from backward_path import set_sparse_max_density
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_kernels import (  # noqa: F401  (kernel_env: the interpreter fixture, autouse)
@@ -203,7 +204,7 @@ def sparse_calls(monkeypatch):
 
 
 def run(backend, rule, params, targets, density, monkeypatch, **kwargs):
-    monkeypatch.setattr(fused_op, "SPARSE_MAX_DENSITY", density)
+    set_sparse_max_density(monkeypatch, density)  # both gates: the torch sparse GEMMs' and the Triton kernels'
     hidden, weight, bias = params
     return fused_safe_logprobs(
         hidden, weight, targets, rule, bias=bias, backend=backend, compute_entropy=True, max_chunk_bytes=4096, **kwargs
@@ -295,6 +296,23 @@ def test_triton_sparse_backward_many_rows_share_ids(sparse_calls, monkeypatch):
     others[[7, 8]] = False
     assert not got[1][others].any() and not got[2][others].any()
     assert got[1][[7, 8]].abs().amin(-1).gt(0).all()
+
+
+@pytest.mark.parametrize("top_k, sparse", [(2, True), (4, True), (5, False), (16, False)])
+def test_triton_backend_stores_s_only_below_its_crossover(top_k, sparse, sparse_calls):
+    """The default gate (no patch): a chunk keeping at most ``KERNEL_SPARSE_MAX_DENSITY`` of its logits (4 of
+    V = 4096 per row) takes the Triton sparse backward, a denser one the dense backward. The torch backend's gate,
+    1/16, would send ``top_k=16`` to the sparse kernel, which lost 4.7x to the dense backward on an H100 at 2430 kept
+    logits per row (docs/performance.md, third GPU run)."""
+    assert fused_op.KERNEL_SPARSE_MAX_DENSITY * 4096 == 4
+    hidden, weight, bias, targets = make_inputs(n=6, h=4, v=4096, seed=2)
+    params = (hidden, weight, bias)
+    out = fused_safe_logprobs(
+        hidden, weight, targets, f"top_k={top_k}", bias=bias, backend="triton", compute_entropy=True
+    )
+    assert (out.safe_size == top_k).all()
+    grads_of((out.logprobs * out.in_safe).sum() + 0.1 * out.entropy.sum(), params)
+    assert sparse_calls == ([torch.float32] if sparse else [])
 
 
 @settings(fuzz_settings(12), suppress_health_check=list(HealthCheck))
