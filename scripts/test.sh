@@ -13,11 +13,12 @@
 # count of tests done out of the total (`-o console_output_style=count`; a later `-o` of yours overrides it).
 #
 # Workers: the tests run in parallel processes (pytest-xdist, `-n N --dist loadfile`: a module's tests stay in one
-# worker, so its fixtures are built once), two per core and at most one per 3 GiB of available memory (a worker that
-# built a vLLM engine holds ~1.5 GiB). Two per core because many tests wait on a child process (the command line, a
-# launch, a kill during a save) while their core could run another test; on a 2-core machine beside 8 busy processes
-# two workers had done 65 % after 19 minutes, four finished in 25 min 33 s. SAFEVOCAB_TEST_WORKERS=N chooses N; 1 runs them in
-# this process (no xdist). A later `-n` of yours overrides it too.
+# worker, so its fixtures are built once), at most one per 3 GiB of available memory (a worker that built a vLLM engine
+# holds ~1.5 GiB). On an idle machine one per core: each worker imports the whole stack, so more only add imports and
+# switching (2 idle cores: two workers 7 min 24 s, four 8 min 37 s). On a busy one (1-minute load average at least
+# the cores + 1) three per core: the suite's share of the cores grows with its processes (beside 8 busy processes two
+# workers had done 65 % after 19 minutes, four finished in 25 min 33 s). SAFEVOCAB_TEST_WORKERS=N chooses N; 1 runs
+# them in this process (no xdist). A later `-n` of yours overrides it too.
 #
 # Threads: pytest runs with OMP_NUM_THREADS=1 unless you set it. The suite is many small ops; with torch's default of
 # one thread per core every op ends at a barrier where the threads wait for any of them the OS preempted, so on a
@@ -49,7 +50,13 @@ workers="${SAFEVOCAB_TEST_WORKERS:-}"
 if [[ -z "${workers}" ]]; then
     # (nproc counts OMP_NUM_THREADS, set above, as a limit: ask it without)
     cores="$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc 2>/dev/null || getconf _NPROCESSORS_ONLN 2>/dev/null || echo 1)"
-    workers=$(( 2 * cores ))
+    # (SAFEVOCAB_LOADAVG_FILE: another /proc/loadavg, for tests/test_test_script.py)
+    load="$(cut -d' ' -f1 "${SAFEVOCAB_LOADAVG_FILE:-/proc/loadavg}" 2>/dev/null || echo 0)"
+    if awk -v load="${load}" -v cores="${cores}" 'BEGIN { exit !(load >= cores + 1) }'; then
+        workers=$(( 3 * cores ))
+    else
+        workers=${cores}
+    fi
     if [[ -r /proc/meminfo ]]; then
         by_memory=$(( $(awk '/^MemAvailable:/ {print $2}' /proc/meminfo) / (3 * 1024 * 1024) ))
         (( by_memory < workers )) && workers=${by_memory}

@@ -30,8 +30,12 @@ def fake_venv(tmp_path):
     return venv
 
 
+#: The caller's choices that the script reads: a test sets the ones it means.
+CHOICES = ("OMP_NUM_THREADS", "SAFEVOCAB_SKIP_DOCS", "SAFEVOCAB_TEST_WORKERS", "SAFEVOCAB_LOADAVG_FILE")
+
+
 def _run(venv: Path, **env: str) -> subprocess.CompletedProcess:
-    base = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "SAFEVOCAB_SKIP_DOCS")}
+    base = {k: v for k, v in os.environ.items() if k not in CHOICES}
     base |= {"SAFEVOCAB_VENV": str(venv), "SAFEVOCAB_TORCH": "skip", "PATH": "/usr/bin:/bin", **env}
     return subprocess.run(["bash", str(ROOT / "scripts" / "test.sh"), "-x"], env=base, capture_output=True, text=True,
                           timeout=120, check=True)  # fmt: skip
@@ -53,11 +57,28 @@ def test_the_users_thread_count_wins(fake_venv):
     assert "[test] step 3/3: the docs: skipped (SAFEVOCAB_SKIP_DOCS=1)" in result.stderr
 
 
-def test_the_tests_run_in_parallel_workers_two_per_core_unless_chosen(fake_venv):
+def _memory_cap() -> int:
+    """The script's cap: one worker per 3 GiB of available memory."""
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) // (3 * 1024 * 1024)
+    raise AssertionError("no MemAvailable in /proc/meminfo")
+
+
+@pytest.mark.parametrize(
+    "load_above_cores, per_core", [(-1, 1), (0, 1), (1, 3), (8, 3)], ids=["idle", "loaded", "busy", "load 10"]
+)
+def test_the_tests_run_in_one_worker_per_core_three_when_busy(fake_venv, tmp_path, load_above_cores, per_core):
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    result = _run(fake_venv, SAFEVOCAB_SKIP_DOCS="1")
-    # (the memory cap, one worker per 3 GiB available, does not bind on a test machine)
-    assert f"-m not slow -n {2 * cores} --dist loadfile -o" in result.stdout, result.stdout
+    loadavg = tmp_path / "loadavg"  # /proc/loadavg's format: 1, 5 and 15-minute averages, runnable/total, last pid
+    loadavg.write_text(f"{max(0, cores + load_above_cores):.2f} 1.00 1.00 1/300 12345\n")
+    result = _run(fake_venv, SAFEVOCAB_SKIP_DOCS="1", SAFEVOCAB_LOADAVG_FILE=str(loadavg))
+    workers = max(1, min(per_core * cores, _memory_cap()))
+    expected = "-m not slow -o" if workers == 1 else f"-m not slow -n {workers} --dist loadfile -o"  # 1: no xdist
+    assert expected in result.stdout, result.stdout
+
+
+def test_a_chosen_worker_count_wins(fake_venv):
     chosen = _run(fake_venv, SAFEVOCAB_TEST_WORKERS="3", SAFEVOCAB_SKIP_DOCS="1")
     assert "ARGS=-m pytest -m not slow -n 3 --dist loadfile -o console_output_style=count -x" in chosen.stdout
 
