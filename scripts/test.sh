@@ -15,9 +15,10 @@
 # Workers: the tests run in parallel processes (pytest-xdist, `-n N --dist loadfile`: a module's tests stay in one
 # worker, so its fixtures are built once), at most one per 3 GiB of available memory (a worker that built a vLLM engine
 # holds ~1.5 GiB). On an idle machine one per core: each worker imports the whole stack, so more only add imports and
-# switching (2 idle cores: two workers 7 min 24 s, four 8 min 37 s). On a busy one (1-minute load average at least
-# the cores + 1) three per core: the suite's share of the cores grows with its processes (beside 8 busy processes two
-# workers had done 65 % after 19 minutes, four finished in 25 min 33 s). SAFEVOCAB_TEST_WORKERS=N chooses N; 1 runs
+# switching (2 idle cores: two workers 7 min 24 s, four 8 min 37 s). On a busy one (other work keeps half of the cores
+# busy or more, measured over one second before the tests start) three per core: the suite's share of the cores grows
+# with its processes (beside 8 busy processes two workers had done 65 % after 19 minutes, four finished in 25 min 33 s,
+# six in 19 min 31 s). SAFEVOCAB_TEST_WORKERS=N chooses N; 1 runs
 # them in this process (no xdist). A later `-n` of yours overrides it too.
 #
 # Threads: pytest runs with OMP_NUM_THREADS=1 unless you set it. The suite is many small ops; with torch's default of
@@ -50,9 +51,18 @@ workers="${SAFEVOCAB_TEST_WORKERS:-}"
 if [[ -z "${workers}" ]]; then
     # (nproc counts OMP_NUM_THREADS, set above, as a limit: ask it without)
     cores="$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc 2>/dev/null || getconf _NPROCESSORS_ONLN 2>/dev/null || echo 1)"
-    # (SAFEVOCAB_LOADAVG_FILE: another /proc/loadavg, for tests/test_test_script.py)
-    load="$(cut -d' ' -f1 "${SAFEVOCAB_LOADAVG_FILE:-/proc/loadavg}" 2>/dev/null || echo 0)"
-    if awk -v load="${load}" -v cores="${cores}" 'BEGIN { exit !(load >= cores + 1) }'; then
+    # How busy the cores are now: /proc/stat's "cpu" line over one second (the load average would still count a job
+    # that ended a minute ago). SAFEVOCAB_CPU_SAMPLES: a file of two such lines, before and after (for tests).
+    cpu_lines() { awk '/^cpu / { idle = $5 + $6; total = 0; for (i = 2; i <= NF; i++) total += $i; print idle, total }' "$1"; }
+    samples=""
+    if [[ -n "${SAFEVOCAB_CPU_SAMPLES:-}" ]]; then
+        samples="$(cpu_lines "${SAFEVOCAB_CPU_SAMPLES}")"
+    elif [[ -r /proc/stat ]]; then
+        samples="$(cpu_lines /proc/stat; sleep 1; cpu_lines /proc/stat)"
+    fi
+    # busy when other work keeps at least half of the cores busy
+    busy='NR == 1 { i0 = $1; t0 = $2 } NR == 2 { i1 = $1; t1 = $2 } END { exit !(NR == 2 && t1 > t0 && 1 - (i1 - i0) / (t1 - t0) >= 0.5) }'
+    if awk "${busy}" <<<"${samples}"; then
         workers=$(( 3 * cores ))
     else
         workers=${cores}

@@ -31,7 +31,7 @@ def fake_venv(tmp_path):
 
 
 #: The caller's choices that the script reads: a test sets the ones it means.
-CHOICES = ("OMP_NUM_THREADS", "SAFEVOCAB_SKIP_DOCS", "SAFEVOCAB_TEST_WORKERS", "SAFEVOCAB_LOADAVG_FILE")
+CHOICES = ("OMP_NUM_THREADS", "SAFEVOCAB_SKIP_DOCS", "SAFEVOCAB_TEST_WORKERS", "SAFEVOCAB_CPU_SAMPLES")
 
 
 def _run(venv: Path, **env: str) -> subprocess.CompletedProcess:
@@ -65,17 +65,29 @@ def _memory_cap() -> int:
     raise AssertionError("no MemAvailable in /proc/meminfo")
 
 
-@pytest.mark.parametrize(
-    "load_above_cores, per_core", [(-1, 1), (0, 1), (1, 3), (8, 3)], ids=["idle", "loaded", "busy", "load 10"]
-)
-def test_the_tests_run_in_one_worker_per_core_three_when_busy(fake_venv, tmp_path, load_above_cores, per_core):
+@pytest.mark.parametrize("busy_share, per_core", [(0.1, 1), (0.45, 1), (0.5, 3), (1.0, 3)])
+def test_the_tests_run_in_one_worker_per_core_three_when_busy(fake_venv, tmp_path, busy_share, per_core):
+    """One worker per core while other work keeps under half of the cores busy, three per core from half on, read from
+    /proc/stat's aggregate "cpu" line (user nice system idle iowait ...) one second apart."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    loadavg = tmp_path / "loadavg"  # /proc/loadavg's format: 1, 5 and 15-minute averages, runnable/total, last pid
-    loadavg.write_text(f"{max(0, cores + load_above_cores):.2f} 1.00 1.00 1/300 12345\n")
-    result = _run(fake_venv, SAFEVOCAB_SKIP_DOCS="1", SAFEVOCAB_LOADAVG_FILE=str(loadavg))
+    busy, idle = round(1000 * busy_share), 1000 - round(1000 * busy_share)
+    samples = tmp_path / "stat"
+    samples.write_text(f"cpu  500 0 500 9000 100 0 0 0\ncpu  {500 + busy} 0 500 {9000 + idle} 100 0 0 0\n")
+    result = _run(fake_venv, SAFEVOCAB_SKIP_DOCS="1", SAFEVOCAB_CPU_SAMPLES=str(samples))
     workers = max(1, min(per_core * cores, _memory_cap()))
     expected = "-m not slow -o" if workers == 1 else f"-m not slow -n {workers} --dist loadfile -o"  # 1: no xdist
     assert expected in result.stdout, result.stdout
+
+
+def test_the_busy_measure_reads_this_machine(fake_venv):
+    """Without samples given, the script measures /proc/stat itself (here: this test's machine) and picks one of the
+    two counts."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    result = _run(fake_venv, SAFEVOCAB_SKIP_DOCS="1")
+    counts = {max(1, min(k * cores, _memory_cap())) for k in (1, 3)}
+    assert any(
+        ("-m not slow -o" if n == 1 else f"-m not slow -n {n} --dist loadfile -o") in result.stdout for n in counts
+    ), result.stdout
 
 
 def test_a_chosen_worker_count_wins(fake_venv):
