@@ -83,9 +83,10 @@ __all__ = [
 SPARSE_MAX_DENSITY = 1.0 / 16
 #: The same for a backend's own sparse backward (the Triton kernels), which gathers ``H`` values per kept logit
 #: without tensor cores: on an H100 (docs/performance.md, third GPU run; H = 4096, V = 151936, N = 8192, bf16) it
-#: took ~14 ns per kept logit against ~39 ms for the dense backward's recomputation and two GEMMs, so it wins below
-#: ~230 kept logits per row (V / 660) and lost 4.7x at 2430 (``min_p=0.001`` on flat logits). Both costs grow with
-#: ``H``; the dense one with ``V``: a fraction of ``V`` is the gate, set below the crossover.
+#: took ~12 ms plus ~14 ns per kept logit against ~39 ms for the dense backward's recomputation and two GEMMs, so by
+#: that estimate it wins below ~230 kept logits per row (V / 660); at 2430 (``min_p=0.001`` on flat logits) the op
+#: took 5.3x trl's kernel. Both costs grow with ``H``, the dense one with ``V``: a fraction of ``V`` is the gate, set
+#: below the estimated crossover.
 KERNEL_SPARSE_MAX_DENSITY = 1.0 / 1024
 
 

@@ -52,31 +52,39 @@ if [[ -z "${workers}" ]]; then
     # (nproc counts OMP_NUM_THREADS, set above, as a limit: ask it without)
     cores="$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc 2>/dev/null || getconf _NPROCESSORS_ONLN 2>/dev/null || echo 1)"
     # How busy the cores are now: /proc/stat's "cpu" line over one second (the load average would still count a job
-    # that ended a minute ago). SAFEVOCAB_CPU_SAMPLES: a file of two such lines, before and after (for tests).
-    cpu_lines() { awk '/^cpu / { idle = $5 + $6; total = 0; for (i = 2; i <= NF; i++) total += $i; print idle, total }' "$1"; }
+    # that ended a minute ago): user..steal, guest time being inside user. It covers every CPU the machine shows, also
+    # where this process may use fewer (a pinned job). SAFEVOCAB_CPU_SAMPLES: a file of two such lines (for tests).
+    cpu_lines() { awk '/^cpu / { total = 0; for (i = 2; i <= 9; i++) total += $i; print $5 + $6, total }' "$1" 2>/dev/null || true; }
     samples=""
     if [[ -n "${SAFEVOCAB_CPU_SAMPLES:-}" ]]; then
         samples="$(cpu_lines "${SAFEVOCAB_CPU_SAMPLES}")"
     elif [[ -r /proc/stat ]]; then
         samples="$(cpu_lines /proc/stat; sleep 1; cpu_lines /proc/stat)"
     fi
-    # busy when other work keeps at least half of the cores busy
-    busy='NR == 1 { i0 = $1; t0 = $2 } NR == 2 { i1 = $1; t1 = $2 } END { exit !(NR == 2 && t1 > t0 && 1 - (i1 - i0) / (t1 - t0) >= 0.5) }'
-    if awk "${busy}" <<<"${samples}"; then
+    busy_percent="$(awk 'NR == 1 { i0 = $1; t0 = $2 } NR == 2 { i1 = $1; t1 = $2 }
+        END { if (NR == 2 && t1 > t0) printf "%d", 100 * (1 - (i1 - i0) / (t1 - t0)) + 0.5; else print "unknown" }' <<<"${samples}")"
+    # three per core when other work keeps at least half of the cores busy, else one
+    if [[ "${busy_percent}" =~ ^[0-9]+$ ]] && (( busy_percent >= 50 )); then
         workers=$(( 3 * cores ))
+        workers_note="three per core: the cores were ${busy_percent} % busy"
     else
         workers=${cores}
+        workers_note="one per core: the cores were ${busy_percent} % busy"
     fi
-    if [[ -r /proc/meminfo ]]; then
-        by_memory=$(( $(awk '/^MemAvailable:/ {print $2}' /proc/meminfo) / (3 * 1024 * 1024) ))
-        (( by_memory < workers )) && workers=${by_memory}
+    available_kib="$(awk '/^MemAvailable:/ { print $2 }' /proc/meminfo 2>/dev/null || true)"
+    if [[ "${available_kib}" =~ ^[0-9]+$ ]] && (( available_kib / (3 * 1024 * 1024) < workers )); then
+        workers=$(( available_kib / (3 * 1024 * 1024) ))
+        workers_note="${workers_note}; at most one per 3 GiB of available memory"
     fi
     (( workers < 1 )) && workers=1
+    workers_note="${workers} workers, ${workers_note}"
+else
+    workers_note="${workers} workers (SAFEVOCAB_TEST_WORKERS)"
 fi
 [[ "${workers}" =~ ^[1-9][0-9]*$ ]] || { echo "[test] SAFEVOCAB_TEST_WORKERS=${workers} must be a whole number >= 1" >&2; exit 2; }
 parallel=()
 (( workers > 1 )) && parallel=(-n "${workers}" --dist loadfile)
-echo "[test] step 2/3: the fast tests: python -m pytest -m \"not slow\" ${parallel[*]:-} $* under ${threads_note}" >&2
+echo "[test] step 2/3: the fast tests: python -m pytest -m \"not slow\" ${parallel[*]:-} $* under ${threads_note}; ${workers_note}" >&2
 pytest_rc=0
 python -m pytest -m "not slow" ${parallel[@]+"${parallel[@]}"} -o console_output_style=count "$@" || pytest_rc=$?
 if [[ ${pytest_rc} -eq 5 ]]; then

@@ -5,6 +5,7 @@ how they were called, so nothing is installed and no suite runs."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 from pathlib import Path
 
@@ -77,6 +78,20 @@ def test_the_tests_run_in_one_worker_per_core_three_when_busy(fake_venv, tmp_pat
     workers = max(1, min(per_core * cores, _memory_cap()))
     expected = "-m not slow -o" if workers == 1 else f"-m not slow -n {workers} --dist loadfile -o"  # 1: no xdist
     assert expected in result.stdout, result.stdout
+    # the step line says why, whatever the memory cap made of the count
+    why = f"{'three' if per_core == 3 else 'one'} per core: the cores were {round(100 * busy_share)} % busy"
+    assert why in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize("samples", [None, "", "cpu  1 2 3 4 5 6 7 8\ncpu  1 2 3 4 5 6 7 8\n", "garbage\n"])
+def test_unreadable_samples_mean_one_worker_per_core(fake_venv, tmp_path, samples):
+    """A missing or empty samples file, two equal samples (no time passed) or no "cpu" line: no measure, so the idle
+    machine's count, and the run goes on."""
+    path = tmp_path / "stat"
+    if samples is not None:
+        path.write_text(samples)
+    result = _run(fake_venv, SAFEVOCAB_SKIP_DOCS="1", SAFEVOCAB_CPU_SAMPLES=str(path))
+    assert "one per core: the cores were unknown % busy" in result.stderr, result.stderr
 
 
 def test_the_busy_measure_reads_this_machine(fake_venv):
@@ -88,6 +103,7 @@ def test_the_busy_measure_reads_this_machine(fake_venv):
     assert any(
         ("-m not slow -o" if n == 1 else f"-m not slow -n {n} --dist loadfile -o") in result.stdout for n in counts
     ), result.stdout
+    assert re.search(r"(one|three) per core: the cores were \d+ % busy", result.stderr), result.stderr
 
 
 def test_a_chosen_worker_count_wins(fake_venv):
