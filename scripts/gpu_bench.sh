@@ -12,13 +12,14 @@
 # Later flags override the defaults below (argparse keeps the last value).
 #
 # The GPU machine has torch, Triton, transformers and accelerate but no trl/datasets/hypothesis: wheels in
-# .whl/ (pure-Python ones can be carried) are installed to /tmp/site first when present.
+# .whl/ (pure-Python ones can be carried) are installed to /tmp/site first when present and trl is missing.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "${ROOT}"
 PY="${PYTHON:-python3}"
 if [[ -x "${ROOT}/.venv/bin/python" && -z "${PYTHON:-}" ]]; then PY="${ROOT}/.venv/bin/python"; fi
-if compgen -G ".whl/*.whl" >/dev/null; then
+# (only where trl is missing: a machine that has it, e.g. a CPU checkout keeping last device run's .whl/, keeps its own)
+if compgen -G ".whl/*.whl" >/dev/null && ! "${PY}" -c "import trl" >/dev/null 2>&1; then
     "${PY}" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
     export PYTHONPATH="/tmp/site:${ROOT}${PYTHONPATH:+:${PYTHONPATH}}"
 else
