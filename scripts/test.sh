@@ -15,11 +15,11 @@
 # Workers: the tests run in parallel processes (pytest-xdist, `-n N --dist loadfile`: a module's tests stay in one
 # worker, so its fixtures are built once), at most one per 3 GiB of available memory (a worker that built a vLLM engine
 # holds ~1.5 GiB). On an idle machine one per core: each worker imports the whole stack, so more only add imports and
-# switching (2 idle cores: two workers 7 min 24 s, four 8 min 37 s). On a busy one (other work keeps half of the cores
-# busy or more, measured over one second before the tests start) three per core: the suite's share of the cores grows
-# with its processes (beside 8 busy processes two workers had done 65 % after 19 minutes, four finished in 25 min 33 s,
-# six in 19 min 31 s). SAFEVOCAB_TEST_WORKERS=N chooses N; 1 runs
-# them in this process (no xdist). A later `-n` of yours overrides it too.
+# switching (2 idle cores: two workers 7 min 24 s, four 8 min 29 s to 9 min 04 s). On a busy one (other work keeps half
+# of the cores busy or more, measured over one second before the tests start) three per core: the suite's share of the
+# cores grows with its processes (beside 8 busy processes two workers had done 65 % after 19 minutes, four finished in
+# 25 min 33 s, six in 19 min 31 s). SAFEVOCAB_TEST_WORKERS=N chooses N; 1 runs them in this process (no xdist). A later
+# `-n` of yours overrides it too.
 #
 # Threads: pytest runs with OMP_NUM_THREADS=1 unless you set it. The suite is many small ops; with torch's default of
 # one thread per core every op ends at a barrier where the threads wait for any of them the OS preempted, so on a
@@ -71,9 +71,9 @@ if [[ -z "${workers}" ]]; then
         workers=${cores}
         workers_note="one per core: the cores were ${busy_percent} % busy"
     fi
-    available_kib="$(awk '/^MemAvailable:/ { print $2 }' /proc/meminfo 2>/dev/null || true)"
-    if [[ "${available_kib}" =~ ^[0-9]+$ ]] && (( available_kib / (3 * 1024 * 1024) < workers )); then
-        workers=$(( available_kib / (3 * 1024 * 1024) ))
+    by_memory="$(awk '/^MemAvailable:/ { print int($2 / (3 * 1024 * 1024)) }' /proc/meminfo 2>/dev/null || true)"
+    if [[ "${by_memory}" =~ ^[0-9]+$ ]] && (( by_memory < workers )); then
+        workers=${by_memory}
         workers_note="${workers_note}; at most one per 3 GiB of available memory"
     fi
     (( workers < 1 )) && workers=1

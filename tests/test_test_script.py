@@ -58,6 +58,11 @@ def test_the_users_thread_count_wins(fake_venv):
     assert "[test] step 3/3: the docs: skipped (SAFEVOCAB_SKIP_DOCS=1)" in result.stderr
 
 
+def _pytest_args(workers: int) -> str:
+    """What the script passes pytest for ``workers`` workers (1: no xdist)."""
+    return "-m not slow -o" if workers == 1 else f"-m not slow -n {workers} --dist loadfile -o"
+
+
 def _memory_cap() -> int:
     """The script's cap: one worker per 3 GiB of available memory."""
     for line in Path("/proc/meminfo").read_text().splitlines():
@@ -76,8 +81,7 @@ def test_the_tests_run_in_one_worker_per_core_three_when_busy(fake_venv, tmp_pat
     samples.write_text(f"cpu  500 0 500 9000 100 0 0 0\ncpu  {500 + busy} 0 500 {9000 + idle} 100 0 0 0\n")
     result = _run(fake_venv, SAFEVOCAB_SKIP_DOCS="1", SAFEVOCAB_CPU_SAMPLES=str(samples))
     workers = max(1, min(per_core * cores, _memory_cap()))
-    expected = "-m not slow -o" if workers == 1 else f"-m not slow -n {workers} --dist loadfile -o"  # 1: no xdist
-    assert expected in result.stdout, result.stdout
+    assert _pytest_args(workers) in result.stdout, result.stdout
     # the step line says why, whatever the memory cap made of the count
     why = f"{'three' if per_core == 3 else 'one'} per core: the cores were {round(100 * busy_share)} % busy"
     assert why in result.stderr, result.stderr
@@ -100,9 +104,7 @@ def test_the_busy_measure_reads_this_machine(fake_venv):
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     result = _run(fake_venv, SAFEVOCAB_SKIP_DOCS="1")
     counts = {max(1, min(k * cores, _memory_cap())) for k in (1, 3)}
-    assert any(
-        ("-m not slow -o" if n == 1 else f"-m not slow -n {n} --dist loadfile -o") in result.stdout for n in counts
-    ), result.stdout
+    assert any(_pytest_args(n) in result.stdout for n in counts), result.stdout
     assert re.search(r"(one|three) per core: the cores were \d+ % busy", result.stderr), result.stderr
 
 

@@ -77,7 +77,6 @@ def test_support_length_must_match_the_targets():
 @pytest.mark.parametrize("rule", [None, "top_k=3", "min_p=0.05"])
 @pytest.mark.parametrize("dense_chunks", [False, True])
 def test_fused_equals_materialised_on_the_replayed_sets(rule, dense_chunks, monkeypatch):
-
     set_sparse_max_density(monkeypatch, 0.0 if dense_chunks else 1.0)
     g = torch.Generator().manual_seed(0)
     n, h, v = 19, 6, 40
@@ -130,7 +129,6 @@ def test_replayed_set_1e6_below_the_maximum_keeps_its_precision(entry, monkeypat
     """Issue 37, N13: the materialised op formed ``z - m`` in fp32 before S's own shift, so a set ~3e7 below the row
     maximum became a tie plus a rounding step (log-prob 0.0, entropy 0, gradient [0, -1, 0]); float64: -0.8544, 0.6820,
     [0.574, -0.574, 0]. The fused op shifts by S's maximum on every path (sparse, dense, softcap, several chunks)."""
-
     raw = torch.tensor([[0.0, 0.3, 3e7]] * 3)
     support = SafeSupport.from_lists([[0, 1]] * 3)
     targets = torch.zeros(3, dtype=torch.long)
