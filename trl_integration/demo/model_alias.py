@@ -20,6 +20,7 @@ __all__ = [
     "CHAT_TASK_NUM_PROMPTS",
     "take_model_flag",
     "model_alias_path",
+    "resolve_model_alias",
     "grpo_alias_defaults",
     "chat_dataset_path",
 ]
@@ -85,6 +86,26 @@ def model_alias_path(name: str, progress: bool = True) -> Path:
     if name != SMOLLM2_ALIAS:
         raise ValueError(f"--model {name}: accepted {', '.join(MODEL_ALIASES)}")
     return smollm2_model_path(progress=progress)
+
+
+def resolve_model_alias(model: str) -> str:
+    """The folder of ``model`` when it is an alias (converted on first use, which is said on stderr), else ``model``
+    as it is: for the commands whose ``--model`` otherwise names a folder (``safevocab study``, ``safevocab
+    diagnose``).
+
+    Raises:
+        RealModelError: one line starting ``--model NAME:`` when the alias's model cannot be had (a package missing,
+            a cache folder that cannot be written, a full disk).
+    """
+    if model not in MODEL_ALIASES:
+        return model
+    from trl_integration.demo.smollm2 import RealModelError, show_progress
+
+    show_progress()  # the first use converts it (about a minute): say so on stderr
+    try:
+        return str(model_alias_path(model))
+    except RealModelError as err:
+        raise RealModelError(f"--model {model}: {err}") from err
 
 
 def chat_dataset_path(num_prompts: int = CHAT_TASK_NUM_PROMPTS) -> Path:

