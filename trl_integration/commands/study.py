@@ -262,8 +262,8 @@ def run_parsed(args: argparse.Namespace, command: str | None = None, prog: str =
 
             # results.json records the folder, so a study resumed with the alias or with the folder is the same
             settings = replace(settings, model=resolve_model_alias(settings.model))
-        if settings.model is not None and not Path(settings.model).is_dir():
-            raise ValueError(f"--model {settings.model!r} is not a folder (save_pretrained output)")
+            if not Path(settings.model).is_dir():
+                raise ValueError(f"--model {settings.model!r} is not a folder (save_pretrained output)")
         task = load_task(settings.task)  # a bad --task fails here, in one line, before anything is written
         if settings.rollout_perturbation is not None:
             load_callable(settings.rollout_perturbation, "--rollout_perturbation")
