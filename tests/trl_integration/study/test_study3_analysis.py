@@ -150,3 +150,58 @@ def test_plot_draws(analysis, files, tmp_path):
     png = tmp_path / "estimands.png"
     assert analysis.main(_argv(paths, tails, "--plot", str(png))) == 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def _real_lm_run(arm: str, seed: int, late: float) -> dict:
+    """A finished run of the real-LM arm's shape: 60 steps, evaluations at steps 40, 50, 60 (all late) on both
+    scorings, two evaluation seeds ±0.001 around ``late`` (the rule's support 0.01 above the full distribution)."""
+    rule = late + 0.01
+    return {
+        "arm": arm,
+        "seed": seed,
+        "status": "ok",
+        "eval": {
+            "step": [40, 50, 60],
+            "reward": [late] * 3,
+            "reward_rule": [rule] * 3,
+            "eval_seeds": [0, 1],
+            "reward_by_seed": [[late - 0.001, late + 0.001]] * 3,
+            "reward_rule_by_seed": [[rule - 0.001, rule + 0.001]] * 3,
+        },
+        "series": {"step": [60], "reward": [0.1]},
+    }
+
+
+def test_the_real_lm_arms_registered_command_reads_its_shape(analysis, tmp_path, capsys):
+    """The SmolLM2 arm (docs/results.md): --trunc alone, three seeds, no dvp_tis or dvp_no_mismatch arm; its trunc
+    rows are its estimands, with Student's t on 2 degrees of freedom (95 % t = 4.303)."""
+    seeds, jitter = (11, 12, 13), (0.0, 0.002, -0.002)
+    values = {
+        "no_mismatch": [0.120 + j for j in jitter],
+        "no_remedy": [0.100 + 2 * j for j in jitter],  # harm -0.020, paired std 0.002
+        "tis": [0.110 + j for j in jitter],
+        "dvp": [0.119 + j + w for j, w in zip(jitter, (0.001, -0.0005, -0.0005))],  # residual -0.001 ± a wobble
+    }
+    results = _results([_real_lm_run(a, s, v) for a, vs in values.items() for s, v in zip(seeds, vs)])
+    results["settings"].update(steps=60, noise=0.0, noise_kind="uniform")
+    path, out = tmp_path / "smollm2-trunc.json", tmp_path / "smollm2-analysis.json"
+    path.write_text(json.dumps(results))
+    assert analysis.main(["--trunc", str(path), "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    for scoring in ("rule", "full"):
+        e, d = report[scoring]["estimands"], report[scoring]["decisions"]
+        assert set(e) == {"trunc"} and not report[scoring]["slopes"]
+        harm = e["trunc"]["harm"]
+        assert harm["mean"] == pytest.approx(-0.020) and harm["n"] == 3 and harm["seeds"] == list(seeds)
+        assert harm["ci95"][1] - harm["mean"] == pytest.approx(4.303 * 0.002 / math.sqrt(3), rel=1e-3)
+        assert e["trunc"]["dvp_minus_tis"]["mean"] == pytest.approx(0.009)
+        assert e["trunc"]["dvp_residual_clean"]["mean"] == pytest.approx(-0.001)
+        assert e["trunc"]["tis_residual_harm"]["mean"] == pytest.approx(-0.010)
+        assert e["trunc"]["dvp_gain"]["mean"] == pytest.approx(0.019)
+        assert {"dvp_tis_minus_dvp", "dvp_residual_harm"}.isdisjoint(e["trunc"])  # arms not run
+        assert d["trunc"]["harm"]["decision"] == "harm detected"
+        assert d["trunc"]["dvp_minus_tis"]["decision"] == "DVP above TIS"
+        assert d["trunc"]["dvp_residual_clean"]["decision"] == "reaches the clean control (equivalent)"
+        assert "dose" not in d
+    printed = capsys.readouterr().out
+    assert "| bf16 | harm | – | not run | not run |" in printed  # the plan's primary family: not this arm's
