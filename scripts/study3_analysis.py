@@ -20,6 +20,9 @@ Per condition (where its arms ran; names of :data:`trl_integration.study.contras
 ``harm`` (and of ``dvp_interaction``, and of ``dvp_residual_clean``) against ``log10 k3`` of the four tail sizes
 (:data:`DOSE_K3`, measured before the plan), then ``paired_stats`` over seeds: the change per decade of k3.
 
+Mechanism (descriptive, :func:`mechanism`): each arm's logged ``mismatch/k3_kl`` and ``mismatch/log_ppl_diff``, the
+mean over its steps, then over its seeds.
+
 The primary family (rule's support; Bonferroni over these five, 99 % intervals): ``harm`` in trunc and bf16,
 ``dvp_minus_tis`` in trunc and bf16, and the slope of ``harm``. Decisions: :func:`decide_harm`,
 :func:`decide_versus`, :func:`decide_clean`, :func:`decide_removal`, :func:`decide_slope`; each is also taken for
@@ -67,6 +70,9 @@ ESTIMANDS = (
 )
 #: The slopes of the dose-response (contrast names).
 SLOPES = ("harm", "dvp_interaction", "dvp_residual_clean")
+#: The logged mismatch each arm trained under (descriptive; name: the trainer's metric), per run the mean over its
+#: logged steps, then the mean over its finished seeds.
+MECHANISM = {"k3_kl": "mismatch/k3_kl", "log_ppl_diff": "mismatch/log_ppl_diff"}
 #: The primary family: (condition or "dose", estimand).
 PRIMARY = (("trunc", "harm"), ("bf16", "harm"), ("trunc", "dvp_minus_tis"), ("bf16", "dvp_minus_tis"), ("dose", "harm"))
 
@@ -106,6 +112,28 @@ def estimands(studies: dict[str, dict], key: str) -> dict[str, dict[str, dict]]:
             for name in ESTIMANDS
             if name in found
         }
+    return out
+
+
+def mechanism(studies: dict[str, dict]) -> dict[str, dict[str, dict]]:
+    """``{condition: {arm: {"k3_kl", "log_ppl_diff", "n"}}}``: the mismatch each arm's trainer logged (k3 KL(mu || pi)
+    on sampled tokens, and ``log mu - log pi`` of the sequences: the log of the kept mass for a stock arm under the
+    truncated sampler), per run the mean over its steps, then over the finished seeds (``None`` where not logged)."""
+    out: dict[str, dict[str, dict]] = {}
+    for condition, results in studies.items():
+        per_arm: dict[str, dict] = {}
+        for arm in results["arms"]:
+            runs = [r for r in results["runs"] if r["arm"] == arm and r["status"] == "ok"]
+            entry: dict = {"n": len(runs)}
+            for name, metric in MECHANISM.items():
+                means = []
+                for run in runs:
+                    logged = [v for v in (run.get("series") or {}).get(metric) or [] if v is not None]
+                    if logged:
+                        means.append(sum(logged) / len(logged))
+                entry[name] = sum(means) / len(means) if means else None
+            per_arm[arm] = entry
+        out[condition] = per_arm
     return out
 
 
@@ -246,7 +274,7 @@ def _interval(ci: list[float] | None) -> str:
 
 def markdown(report: dict) -> str:
     """The outcome's tables: per scoring, every estimand per condition (mean, 95 %, 90 %, n) with its decision,
-    the dose-response slopes, and the primary family with its Bonferroni decisions."""
+    the dose-response slopes, and the primary family with its Bonferroni decisions; then the mechanism table."""
     out: list[str] = []
     for scoring, title in TITLES.items():
         part = report[scoring]
@@ -295,6 +323,17 @@ def markdown(report: dict) -> str:
                 f"| {condition} | {name} | {_interval(bonferroni(stats))} | {d['decision']} | {d['bonferroni']} |"
             )
         out.append("")
+    out += [
+        "**Mechanism** (descriptive): the mismatch each arm's trainer logged, mean over steps, then over seeds.",
+        "",
+        "| condition | arm | k3 KL(μ ‖ π) | log μ − log π | n |",
+        "|---|---|---:|---:|---:|",
+    ]
+    for condition, per_arm in report.get("mechanism", {}).items():
+        for arm, entry in per_arm.items():
+            k3, gap = (("–" if entry[k] is None else f"{entry[k]:.3g}") for k in MECHANISM)
+            out.append(f"| {condition} | {arm} | {k3} | {gap} | {entry['n']} |")
+    out.append("")
     return "\n".join(out) + "\n"
 
 
@@ -337,6 +376,7 @@ def analyse(trunc: dict | None, bf16: dict | None, tails: list[dict]) -> dict:
     """Every estimand, slope and decision of both scorings."""
     studies = conditions(trunc, bf16, tails)
     report: dict = {"margin": MARGIN, "dose_k3": {f"{k:g}": v for k, v in DOSE_K3.items()}}
+    report["mechanism"] = mechanism(studies)
     for scoring, key in SCORINGS.items():
         found = estimands(studies, key)
         slopes = dose_slopes(found)

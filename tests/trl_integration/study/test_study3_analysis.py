@@ -168,7 +168,12 @@ def _real_lm_run(arm: str, seed: int, late: float) -> dict:
             "reward_by_seed": [[late - 0.001, late + 0.001]] * 3,
             "reward_rule_by_seed": [[rule - 0.001, rule + 0.001]] * 3,
         },
-        "series": {"step": [60], "reward": [0.1]},
+        "series": {  # the stock arms log the truncated sampler's mismatch, DVP and the control none
+            "step": [30, 60],
+            "reward": [0.1, 0.1],
+            "mismatch/k3_kl": [0.04, 0.06] if arm in ("no_remedy", "tis") else [0.0, 0.0],
+            "mismatch/log_ppl_diff": [0.2, 0.3 + seed / 1000] if arm in ("no_remedy", "tis") else [0.0, 0.0],
+        },
     }
 
 
@@ -203,5 +208,10 @@ def test_the_real_lm_arms_registered_command_reads_its_shape(analysis, tmp_path,
         assert d["trunc"]["dvp_minus_tis"]["decision"] == "DVP above TIS"
         assert d["trunc"]["dvp_residual_clean"]["decision"] == "reaches the clean control (equivalent)"
         assert "dose" not in d
+    mechanism = report["mechanism"]["trunc"]
+    assert mechanism["no_remedy"]["k3_kl"] == pytest.approx(0.05) and mechanism["no_remedy"]["n"] == 3
+    assert mechanism["tis"]["log_ppl_diff"] == pytest.approx(0.25 + 0.012 / 2)  # mean over steps, then seeds
+    assert mechanism["dvp"]["k3_kl"] == mechanism["no_mismatch"]["log_ppl_diff"] == 0.0
     printed = capsys.readouterr().out
+    assert "| trunc | no_remedy | 0.05 | 0.256 | 3 |" in printed
     assert "| bf16 | harm | – | not run | not run |" in printed  # the plan's primary family: not this arm's
