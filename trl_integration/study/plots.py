@@ -71,9 +71,12 @@ def _arm_curves(results: dict, arm: str, key: str, smooth: int) -> tuple[list[in
 
 
 def mismatch_label(settings: dict) -> str:
-    """The injected mismatch in a few words (``"ε=0.5 uniform, rollout auto"``)."""
+    """The injected mismatch in a few words (``"ε=0.5 uniform, rollout auto"``; a truncated sampler,
+    ``sampler_rule``, as ``"no injected noise, rollouts sampled with min_p=0.05, rollout auto"``)."""
     s = settings
     parts = [f"ε={s['noise']:g} {s['noise_kind']}" if s["noise"] > 0 else "no injected noise"]
+    if s.get("sampler_rule") not in (None, "none"):
+        parts.append(f"rollouts sampled with {s['sampler_rule']}")
     if s.get("rollout_mantissa_bits") is not None:
         parts.append(f"weights rounded to {s['rollout_mantissa_bits']} mantissa bits")
     if s.get("rollout_perturbation"):

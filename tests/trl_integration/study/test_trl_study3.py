@@ -189,3 +189,14 @@ def test_check_code_versions_counts_runs_per_commit():
     with pytest.raises(ValueError, match=r"^the records come from 2 code versions .*y: a seed 0"):
         check_code_versions([("x", study("c1")), ("y", study("c2"))])
     assert check_code_versions([("x", study("c1")), ("y", study("c2"))], allow_mixed_commits=True)["mixed"]
+
+
+def test_the_figures_subtitle_names_the_truncated_sampler():
+    """A ``trunc`` study's figures say what its mismatch is: the subtitle once read "no injected noise, rollout auto"
+    under ``--sampler_rule min_p=0.05``, as if the stock arms had none."""
+    from trl_integration.study.plots import mismatch_label
+
+    trunc = {"noise": 0.0, "noise_kind": "uniform", "rollout_dtype": "auto", "sampler_rule": "min_p=0.05"}
+    assert mismatch_label(trunc) == "no injected noise, rollouts sampled with min_p=0.05, rollout auto"
+    for untruncated in ({**trunc, "sampler_rule": None}, {**trunc, "sampler_rule": "none"}):
+        assert mismatch_label(untruncated) == "no injected noise, rollout auto"
