@@ -142,7 +142,7 @@ def make_parser(prog: str = PROG) -> argparse.ArgumentParser:
     p.add_argument(
         "--eval_on_rule",
         action="store_true",
-        help="also score the held-out metric on --dvp_rule's support (sampled under its min_p), every arm "
+        help="also score the held-out metric on --dvp_rule's support (sampled under its min_p or top_p), every arm "
         "alike, at the same steps and seeds (default: the full distribution only)",
     )
     p.add_argument(

@@ -212,19 +212,21 @@ def held_out_reward(
     batch_size: int = 64,
     max_new_tokens: int = MAX_COMPLETION_LENGTH,
     min_p: float | None = None,
+    top_p: float | None = None,
 ) -> float:
     """Mean :func:`freetext_reward` of one completion per row of ``dataset``: sampled at temperature 1 from the full
     distribution, seeded with ``seed`` (``do_sample=False``: greedy). Torch's global RNG state is restored.
 
     ``min_p`` (in (0, 1]) samples from the safe vocabulary of the rule ``min_p=<min_p>`` instead of the full
     distribution (tokens with p ≥ min_p · p_max, renormalised: transformers' ``min_p``), as a policy trained with
-    that rule would be deployed; ``1.0`` keeps only the most probable token (greedy, ties aside). It needs
-    ``do_sample=True``.
+    that rule would be deployed; ``1.0`` keeps only the most probable token (greedy, ties aside). ``top_p`` (in
+    (0, 1]) samples from the nucleus of mass ``top_p`` instead (transformers' ``top_p``). Either needs
+    ``do_sample=True``; at most one of them is given.
 
     Raises:
-        ValueError: one line naming the argument: an empty ``dataset``, a ``min_p`` outside (0, 1] (NaN included),
-            or ``min_p`` with ``do_sample=False``. The model is not touched then.
-        TypeError: ``min_p`` is not a real number (a string, a bool).
+        ValueError: one line naming the argument: an empty ``dataset``, a ``min_p`` or ``top_p`` outside (0, 1] (NaN
+            included), both of them, or either with ``do_sample=False``. The model is not touched then.
+        TypeError: ``min_p`` or ``top_p`` is not a real number (a string, a bool).
     """
     import torch
 
@@ -232,17 +234,24 @@ def held_out_reward(
 
     if len(dataset) == 0:
         raise ValueError("dataset is empty")
-    if min_p is not None:
-        min_p = real("min_p", min_p, lambda x: 0.0 < x <= 1.0, "a float in (0, 1] or None")
-        if not do_sample:
-            raise ValueError(f"min_p={min_p!r} needs do_sample=True: a greedy completion has no support to restrict")
+    if min_p is not None and top_p is not None:
+        raise ValueError(f"min_p={min_p!r} and top_p={top_p!r}: accepted at most one of them")
+    for name, value in (("min_p", min_p), ("top_p", top_p)):
+        if value is not None:
+            value = real(name, value, lambda x: 0.0 < x <= 1.0, "a float in (0, 1] or None")
+            if not do_sample:
+                raise ValueError(
+                    f"{name}={value!r} needs do_sample=True: a greedy completion has no support to restrict"
+                )
+    min_p = None if min_p is None else float(min_p)
+    top_p = None if top_p is None else float(top_p)
     prompts, references = list(dataset["prompt"]), list(dataset["continuation"])
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()
     rng_state = torch.random.get_rng_state()
     sampling = (
-        dict(do_sample=True, temperature=1.0, top_k=None, top_p=None, min_p=min_p)
+        dict(do_sample=True, temperature=1.0, top_k=None, top_p=top_p, min_p=min_p)
         if do_sample
         else dict(do_sample=False)
     )
@@ -283,5 +292,5 @@ def freetext_task():
         metric_name="reward",
         max_completion_length=MAX_COMPLETION_LENGTH,
         description="continue a held-out stdlib docstring or comment; reward: ROUGE-1 F1 with the true continuation",
-        metric_keywords=("seed", "min_p"),
+        metric_keywords=("seed", "min_p", "top_p"),
     )

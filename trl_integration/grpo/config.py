@@ -97,6 +97,10 @@ class SafeVocabGRPOConfig(GRPOConfig):
             Log the `mismatch/*` metrics whenever rollout log-probabilities exist.
         mismatch_buckets (`list[float]`, defaults to `[0.001, 0.01, 0.1, 0.5]`):
             Edges of the probability buckets of the `mismatch/*/p=lo-hi` metrics.
+        log_entropy_metrics (`bool`, defaults to `False`):
+            Log `safevocab/entropy_full` (the policy's full-softmax entropy, stock trl's `entropy`) and
+            `safevocab/entropy_kept` (its entropy over the safe set, this trainer's `entropy`) from the loss's forward;
+            the full one costs one more no-grad LM-head pass when the rule prunes (docs/metrics.md).
         safe_vocab_print_metrics (`bool`, defaults to `False`):
             Also print the project's metrics (`safevocab/*`, `mismatch/*`, `length_decay/*`, `lr_base`) in the
             per-step console output. They are always in the logged history (`trainer.state.log_history`), the run
@@ -231,6 +235,7 @@ class SafeVocabGRPOConfig(GRPOConfig):
     safe_vocab_effective_rule: str | None = field(default=None)
     log_mismatch_metrics: bool = field(default=True)
     mismatch_buckets: list[float] = field(default_factory=lambda: list(DEFAULT_BUCKETS))
+    log_entropy_metrics: bool = field(default=False)
     safe_vocab_max_chunk_bytes: int = field(default=DEFAULT_MAX_CHUNK_BYTES)
     safe_vocab_scoring: str = field(default="auto", metadata={"choices": list(SCORING_MODES)})
     safe_vocab_support: str = field(default="rule", metadata={"choices": list(SUPPORT_SOURCES)})

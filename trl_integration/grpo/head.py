@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers.utils import ModelOutput
 
-from safevocab import SafeVocabRule, fused_safe_logprobs
+from safevocab import NoPruning, SafeVocabRule, fused_safe_logprobs
 from safevocab.logprobs import DEFAULT_MAX_CHUNK_BYTES
 from trl_integration.grpo.replay import select_support
 
@@ -47,6 +47,8 @@ class SafeCausalLMOutput(ModelOutput):
         aux_loss: MoE load-balancing loss, when router logits were requested.
         replay_size: int64 ``|R|`` of the replayed set (``None`` without replay).
         rule_safe_size: int64 ``|S|`` the rule alone picks on the same logits (``None`` without replay).
+        entropy_full: fp32 entropy of the full softmax (no pruning), when :attr:`SafeHeadState.full_entropy` asks for
+            it together with the entropy (``None`` otherwise).
     """
 
     loss: torch.Tensor | None = None
@@ -59,6 +61,7 @@ class SafeCausalLMOutput(ModelOutput):
     aux_loss: torch.Tensor | None = None
     replay_size: torch.Tensor | None = None
     rule_safe_size: torch.Tensor | None = None
+    entropy_full: torch.Tensor | None = None
 
 
 @dataclass
@@ -67,6 +70,8 @@ class SafeHeadState:
 
     ``compute_entropy`` tells the head whether to compute the entropy of ``pi_S`` (trl only needs it for the
     policy's loss pass). While ``records`` is a list, each safe forward appends its ``SafeCausalLMOutput``.
+    ``full_entropy`` (``log_entropy_metrics``) also asks, whenever the entropy is computed, for the entropy of the
+    full softmax (one more no-grad head pass when the set prunes).
 
     Replay (``safe_vocab_support="replay"``): ``supports`` holds one replayed
     :class:`~safevocab.SafeSupport` per sequence of the scoring call; each forward (one chunk of trl's batching
@@ -74,6 +79,7 @@ class SafeHeadState:
     """
 
     compute_entropy: bool = True
+    full_entropy: bool = False
     records: list | None = field(default=None)
     supports: list | None = field(default=None)
     _cursor: int = 0
@@ -217,6 +223,18 @@ def add_safe_lm_head(
                 weight_gather=_backward_gather(lm_head, head_weight, head_bias),
                 support=support,
             )
+            entropy_full = out.entropy
+            if (
+                state.full_entropy
+                and out.entropy is not None
+                and (support is not None or not isinstance(rule, NoPruning))
+            ):
+                with torch.no_grad():  # the policy's full-softmax entropy, a metric: no gradient, no replayed set
+                    entropy_full = fused_safe_logprobs(
+                        scored_hidden.detach(), head_weight.detach(), labels[mask], NoPruning(),
+                        **{k: (v.detach() if isinstance(v, torch.Tensor) else v) for k, v in transform.items()},
+                        compute_entropy=True, max_chunk_bytes=max_chunk_bytes,
+                    ).entropy  # fmt: skip
             rule_size = None
             if support is not None:
                 # The rule's own |S| on the same logits (one no-grad head pass): with |R| and |S & R| (out.safe_size)
@@ -259,6 +277,9 @@ def add_safe_lm_head(
             aux_loss=aux_loss,
             replay_size=None if support is None else scatter(support.sizes, 0),
             rule_safe_size=scatter(rule_size, 0),
+            entropy_full=scatter(entropy_full.detach(), 0.0)
+            if state.full_entropy and entropy_full is not None
+            else None,
         )
         if state.records is not None:
             state.records.append(result)

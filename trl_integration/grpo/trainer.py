@@ -28,6 +28,7 @@ from trl_integration.grpo.batch import BatchSettings, GenerationBatch
 from trl_integration.grpo.checkpoints import AtomicCheckpoints
 from trl_integration.grpo.config import SafeVocabGRPOConfig
 from trl_integration.grpo.console_log import quiet_console
+from trl_integration.grpo.entropy_metrics import EntropyCapture
 from trl_integration.grpo.head import SafeHeadState, add_safe_lm_head
 from trl_integration.grpo.length_decay import LengthDecayCallback, length_decay_scheduler, wraps_base_schedule
 from trl_integration.grpo.metric_queue import MetricQueue, QueuedMetrics, queue_capacity
@@ -124,7 +125,9 @@ class SafeVocabGRPOTrainer(QueuedMetrics, AtomicCheckpoints, GRPOTrainerBridge):
         self._stock_head = isinstance(self.safe_vocab_rule, NoPruning) and self._replay is None
         base = self.model.get_base_model() if is_peft_model(self.model) else self.model
         self._vocab_size = int(base.get_output_embeddings().weight.shape[0])
-        self._safe_head = SafeHeadState()  # one state for the policy's and the reference model's heads
+        self._safe_head = SafeHeadState(full_entropy=bool(args.log_entropy_metrics))  # policy's and reference's heads
+        #: The loss forward's entropies, full and over S (log_entropy_metrics; docs/metrics.md).
+        self._entropies = EntropyCapture() if args.log_entropy_metrics else None
         if not self._stock_head:
             reference = None if self.ref_model is None else self.accelerator.unwrap_model(self.ref_model)
             for target in (base,) if reference is None else (base, reference):
@@ -215,14 +218,22 @@ class SafeVocabGRPOTrainer(QueuedMetrics, AtomicCheckpoints, GRPOTrainerBridge):
         batch = GenerationBatch.of(inputs)
         if batch is None:  # trl's own batch: nothing to mask or measure
             self.out_of_set_alert.observe_loss(inputs)
-            return self.stock_grpo_loss(model, inputs)
-        self._generation = batch
-        try:
-            inputs = batch.loss_inputs(model, inputs)
-            self.out_of_set_alert.observe_loss(inputs)  # the loss tokens left after the out-of-set masking
-            return self.stock_grpo_loss(model, inputs)
-        finally:
-            batch.end_loss()
+            loss = self.stock_grpo_loss(model, inputs)
+        else:
+            self._generation = batch
+            try:
+                inputs = batch.loss_inputs(model, inputs)
+                self.out_of_set_alert.observe_loss(inputs)  # the loss tokens left after the out-of-set masking
+                loss = self.stock_grpo_loss(model, inputs)
+            finally:
+                batch.end_loss()
+        if self._entropies is not None:  # over trl's own loss mask, as trl's `entropy`
+            mask = inputs["completion_mask"]
+            if "tool_mask" in inputs:
+                mask = mask * inputs["tool_mask"]
+            mode = "train" if self.model.training else "eval"
+            self._entropies.log(self.metric_store[mode], mask, lambda t: self.accelerator.reduce(t, reduction="sum"))
+        return loss
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         if self._length_decay is not None and self.model.training:  # the schedule's metrics of the latest step
@@ -257,6 +268,8 @@ class SafeVocabGRPOTrainer(QueuedMetrics, AtomicCheckpoints, GRPOTrainerBridge):
 
         if self._stock_head:
             result = stock()
+            if self._entropies is not None and compute_entropy:  # the full softmax is the kept set
+                self._entropies.keep(result[1], result[1])
             self.last_scoring_stats = SafeTokenStats.whole_vocabulary(result[0], self._vocab_size)
             return result, self.last_scoring_stats
         self._safe_head.begin(compute_entropy, None if self._replay is None else self._replay.current)
@@ -269,6 +282,10 @@ class SafeVocabGRPOTrainer(QueuedMetrics, AtomicCheckpoints, GRPOTrainerBridge):
                 "the safe-vocabulary LM head was not called: the model's forward is not the one "
                 "SafeVocabGRPOTrainer patched (was the model re-wrapped or its forward replaced?)"
             )
+        if self._entropies is not None and compute_entropy:
+            full = [record.entropy_full for record in records]
+            if all(part is not None for part in full):
+                self._entropies.keep(result[1], torch.cat([part[:, -logits_to_keep:] for part in full]))
         self.last_scoring_stats = SafeTokenStats.from_head_outputs(records, logits_to_keep)
         return result, self.last_scoring_stats
 

@@ -26,6 +26,8 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
+from trl_integration.study.collapse import collapse_summary
+
 __all__ = [
     "FINAL_REWARD_STEPS", "OUTCOMES", "BASELINES", "SCORINGS", "metric_name", "run_metrics", "eval_seed_outcomes",
     "paired_stats", "scorings", "eval_seeds", "summarize", "t_quantile_975", "t_quantile_95",
@@ -177,6 +179,10 @@ OUTCOMES = (
     "mean_length",
     "pruned_mass",
     "seq_tv",
+    "entropy_full_first",
+    "entropy_full_final",
+    "entropy_kept_first",
+    "entropy_kept_final",
     "wall_time_s",
 )
 
@@ -244,10 +250,12 @@ def run_metrics(run: dict, metric: str = "accuracy") -> dict[str, float | None]:
         held_out.update({f"{key}{suffix}": value for key, value in outcomes.items()})
     series = run.get("series") or {}
 
-    def mean_of(key: str, last: int | None = None) -> float | None:
+    def mean_of(key: str, last: int | None = None, first: int | None = None) -> float | None:
         vals = [v for v in (series.get(key) or []) if v is not None]
         if last is not None:
             vals = vals[-last:]
+        if first is not None:
+            vals = vals[:first]
         return sum(vals) / len(vals) if vals else None
 
     return {
@@ -264,6 +272,11 @@ def run_metrics(run: dict, metric: str = "accuracy") -> dict[str, float | None]:
         "mean_length": mean_of("completions/mean_length"),
         "pruned_mass": mean_of("safevocab/pruned_mass_mean"),
         "seq_tv": mean_of("safevocab/seq_tv_estimate"),
+        # the policy's entropy (log_entropy_metrics), over the first and the last FINAL_REWARD_STEPS steps
+        "entropy_full_first": mean_of("safevocab/entropy_full", first=FINAL_REWARD_STEPS),
+        "entropy_full_final": mean_of("safevocab/entropy_full", FINAL_REWARD_STEPS),
+        "entropy_kept_first": mean_of("safevocab/entropy_kept", first=FINAL_REWARD_STEPS),
+        "entropy_kept_final": mean_of("safevocab/entropy_kept", FINAL_REWARD_STEPS),
         "wall_time_s": run.get("wall_time_s"),
     }
 
@@ -302,6 +315,7 @@ def summarize(results: dict) -> dict[str, dict]:
                     entry[f"{key}_vs_{base_arm}_by_eval_seed"] = [
                         _paired_to(ok, per_run, base_arm, f"{key}@{j}") for j in range(n_eval_seeds)
                     ]
+        entry["collapse"] = collapse_summary([r for r, _ in runs])
         decays = [r.get("length_decay") for r, _ in ok if r.get("length_decay")]
         if decays:
             entry["length_decay"] = {

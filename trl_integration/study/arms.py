@@ -45,7 +45,7 @@ from trl_integration.plugins import split_spec
 
 __all__ = [
     "ARM_NAMES", "DEFAULT_ARMS", "ARM_DESCRIPTIONS", "MIS_MODES", "StudySettings", "arm_overrides", "shared_config",
-    "resolved_max_completion_length", "rule_min_p", "NEUTRAL_SAMPLER",
+    "resolved_max_completion_length", "rule_sampling", "NEUTRAL_SAMPLER",
 ]  # fmt: skip
 
 #: The arms, in report order.
@@ -102,9 +102,9 @@ class StudySettings:
         eval_seeds: score the held-out metric once per evaluation seed (its sampling seed) and record each value
             and their mean (the metric); ``None``: one score with the task's own seed (the metric must take a
             ``seed`` keyword, ``StudyTask.metric_keywords``).
-        eval_on_rule: also score the held-out metric on the support of ``dvp_rule`` (a ``min_p=RHO`` rule: the metric
-            samples under ``min_p``, as a DVP-trained policy is deployed), every arm alike, at every evaluation
-            and evaluation seed (the metric must take a ``min_p`` keyword).
+        eval_on_rule: also score the held-out metric on the support of ``dvp_rule`` (a ``min_p=RHO`` or ``top_p=P``
+            rule: the metric samples under it, as a DVP-trained policy is deployed), every arm alike, at every
+            evaluation and evaluation seed (the metric must take the ``min_p`` or ``top_p`` keyword).
         task: the task (``arithmetic``, ``freetext`` or ``module:function``, see
             :func:`trl_integration.study.tasks.load_task`): data, reward and held-out metric.
         noise: bound ε of the injected rollout logit noise (``rollout_logit_noise``); 0 disables it.
@@ -245,7 +245,7 @@ class StudySettings:
         if not isinstance(self.eval_on_rule, bool):
             raise ValueError(f"--eval_on_rule {self.eval_on_rule!r} is not accepted: accepted True or False")
         if self.eval_on_rule:
-            rule_min_p(self)  # a --dvp_rule without a min_p to sample under is refused here
+            rule_sampling(self)  # a --dvp_rule without a min_p or top_p to sample under is refused here
 
     def _validate_mismatch_sources(self) -> None:
         if not isinstance(self.task, str) or not self.task:
@@ -276,21 +276,25 @@ class StudySettings:
                 )
 
 
-def rule_min_p(settings: StudySettings) -> float:
-    """The ``min_p`` of ``settings.dvp_rule``, the support ``eval_on_rule`` scores on.
+def rule_sampling(settings: StudySettings) -> dict[str, float]:
+    """The sampler keyword that draws from ``settings.dvp_rule``'s support, the one ``eval_on_rule`` scores on:
+    ``{"min_p": RHO}`` for ``min_p=RHO``, ``{"top_p": P}`` for ``top_p=P``.
 
     Raises:
-        ValueError: the rule is not a single ``min_p=RHO`` (a held-out metric samples under ``min_p`` only).
+        ValueError: the rule is neither a single ``min_p`` nor a single ``top_p`` (a held-out metric samples under one
+            of those).
     """
-    from safevocab import MinP, parse_rule
+    from safevocab import MinP, TopP, parse_rule
 
     rule = parse_rule(settings.dvp_rule)
-    if not isinstance(rule, MinP):
-        raise ValueError(
-            f"--eval_on_rule scores on --dvp_rule's support by sampling under its min_p: accepted a "
-            f"--dvp_rule min_p=RHO, got {str(rule)!r}"
-        )
-    return float(rule.rho)
+    if isinstance(rule, MinP):
+        return {"min_p": float(rule.rho)}
+    if isinstance(rule, TopP):
+        return {"top_p": float(rule.q)}
+    raise ValueError(
+        f"--eval_on_rule scores on --dvp_rule's support by sampling under it: accepted a --dvp_rule min_p=RHO or "
+        f"top_p=P, got {str(rule)!r}"
+    )
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -397,4 +401,5 @@ def shared_config(settings: StudySettings, seed: int, output_dir: str) -> dict[s
         rollout_perturbation=settings.rollout_perturbation,
         rollout_logprobs=True,
         log_mismatch_metrics=True,
+        log_entropy_metrics=True,  # the full-softmax and kept-set entropies of every arm (the collapse criterion)
     )

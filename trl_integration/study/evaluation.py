@@ -7,13 +7,15 @@ A :class:`HeldOutMetricCallback` scores the task's held-out metric on its fixed 
 - **how often**: once with the metric's own sampling seed (the default, as every study before issue 33 ran), or
   once per evaluation seed ``s`` in ``seeds`` (``--eval_seeds``: ``metric(..., seed=s)``), the recorded metric
   then being the mean over the seeds, each seed's value kept;
-- **on which support**: the full distribution, and with ``rule_min_p`` (``--eval_on_rule``) also on the safe
-  vocabulary of the rule ``min_p=rule_min_p`` (``metric(..., min_p=rule_min_p)``), at the same steps and seeds.
+- **on which support**: the full distribution, and with ``rule_sampling`` (``--eval_on_rule``) also on the safe
+  vocabulary of the DVP rule, sampled under it (``metric(..., min_p=RHO)`` or ``metric(..., top_p=P)``), at the same
+  steps and seeds.
 
 What a run records (``results.json``'s ``run["eval"]``, :meth:`HeldOutMetricCallback.record`), with ``M`` the
 metric's name: ``step`` and ``M`` (one value per evaluated step) always; with ``seeds``, ``eval_seeds`` and
-``M_by_seed`` (per step, one value per evaluation seed, in ``eval_seeds``' order); with ``rule_min_p``,
-``rule_min_p``, ``M_rule`` (the mean over seeds on the rule's support) and, with seeds, ``M_rule_by_seed``.
+``M_by_seed`` (per step, one value per evaluation seed, in ``eval_seeds``' order); with ``rule_sampling``,
+``rule_sampling`` (and ``rule_min_p`` for a ``min_p`` rule, as earlier studies recorded it), ``M_rule`` (the mean over
+seeds on the rule's support) and, with seeds, ``M_rule_by_seed``.
 The metric must restore torch's global random state, so evaluating does not change a run.
 """
 
@@ -22,7 +24,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from trl_integration.study.arms import StudySettings, rule_min_p
+from trl_integration.study.arms import StudySettings, rule_sampling
 from trl_integration.task import StudyTask
 
 __all__ = ["HeldOutMetricCallback", "HeldOutAccuracyCallback", "check_evaluation", "evaluation_callback"]
@@ -39,7 +41,7 @@ def _mean(values: Sequence[float]) -> float:
 
 class HeldOutMetricCallback(_CallbackBase):
     """A held-out metric on a fixed set, before training and every ``every`` optimizer steps (see the module
-    docstring). Results accumulate in ``self.steps`` and ``self.values`` (and, with ``seeds``/``rule_min_p``, in
+    docstring). Results accumulate in ``self.steps`` and ``self.values`` (and, with ``seeds``/``rule_sampling``, in
     ``self.values_by_seed``, ``self.rule_values``, ``self.rule_values_by_seed``).
 
     Args:
@@ -50,12 +52,13 @@ class HeldOutMetricCallback(_CallbackBase):
         name: what the metric measures (``"accuracy"``), for the records.
         steps: evaluate at exactly these optimizer steps (0: before training) instead of every ``every``.
         seeds: evaluation seeds, each passed as ``seed=``; ``None``: one call without it.
-        rule_min_p: also score with ``min_p=rule_min_p`` (the rule's support); ``None``: the full distribution only.
+        rule_sampling: also score with these sampler keywords (``{"min_p": RHO}`` or ``{"top_p": P}``: the rule's
+            support); ``None``: the full distribution only.
     """
 
     def __init__(self, trainer: Any, dataset: Any, every: int, metric: Callable[..., float], name: str = "metric",
                  *, steps: Sequence[int] | None = None, seeds: Sequence[int] | None = None,
-                 rule_min_p: float | None = None) -> None:  # fmt: skip
+                 rule_sampling: dict[str, float] | None = None) -> None:  # fmt: skip
         self.trainer = trainer
         self.dataset = dataset
         self.every = every
@@ -63,7 +66,7 @@ class HeldOutMetricCallback(_CallbackBase):
         self.name = name
         self.at_steps = None if steps is None else frozenset(int(s) for s in steps)
         self.seeds = None if seeds is None else [int(s) for s in seeds]
-        self.rule_min_p = rule_min_p
+        self.rule_sampling = None if rule_sampling is None else dict(rule_sampling)
         self.steps: list[int] = []
         self.values: list[float] = []
         self.values_by_seed: list[list[float]] = []
@@ -91,8 +94,8 @@ class HeldOutMetricCallback(_CallbackBase):
         self.values.append(value)
         if by_seed is not None:
             self.values_by_seed.append(by_seed)
-        if self.rule_min_p is not None:
-            value, by_seed = self._scores(metric, model, min_p=self.rule_min_p)
+        if self.rule_sampling is not None:
+            value, by_seed = self._scores(metric, model, **self.rule_sampling)
             self.rule_values.append(value)
             if by_seed is not None:
                 self.rule_values_by_seed.append(by_seed)
@@ -119,8 +122,10 @@ class HeldOutMetricCallback(_CallbackBase):
         if self.seeds is not None:
             out["eval_seeds"] = list(self.seeds)
             out[f"{name}_by_seed"] = [list(v) for v in self.values_by_seed]
-        if self.rule_min_p is not None:
-            out["rule_min_p"] = self.rule_min_p
+        if self.rule_sampling is not None:
+            out["rule_sampling"] = dict(self.rule_sampling)
+            if "min_p" in self.rule_sampling:
+                out["rule_min_p"] = self.rule_sampling["min_p"]
             out[f"{name}_rule"] = list(self.rule_values)
             if self.seeds is not None:
                 out[f"{name}_rule_by_seed"] = [list(v) for v in self.rule_values_by_seed]
@@ -154,11 +159,12 @@ def check_evaluation(settings: StudySettings, task: StudyTask) -> None:
     """Refuse, in one line naming the flag, evaluation settings the task's metric cannot honour.
 
     Raises:
-        ValueError: ``eval_seeds`` for a metric without a ``seed`` keyword, ``eval_on_rule`` for one without
-            ``min_p`` (``StudyTask.metric_keywords``).
+        ValueError: ``eval_seeds`` for a metric without a ``seed`` keyword, ``eval_on_rule`` for one without the
+            rule's ``min_p`` or ``top_p`` (``StudyTask.metric_keywords``).
     """
+    rule_keyword = next(iter(rule_sampling(settings))) if settings.eval_on_rule else "min_p"
     for flag, on, keyword in (("--eval_seeds", settings.eval_seeds is not None, "seed"),
-                              ("--eval_on_rule", settings.eval_on_rule, "min_p")):  # fmt: skip
+                              ("--eval_on_rule", settings.eval_on_rule, rule_keyword)):  # fmt: skip
         if on and keyword not in task.metric_keywords:
             raise ValueError(
                 f"{flag} needs a held-out metric that takes {keyword}=, but task {task.name!r}'s metric takes "
@@ -177,5 +183,5 @@ def evaluation_callback(trainer: Any, dataset: Any, settings: StudySettings, tas
         task.metric_name,
         steps=settings.eval_steps,
         seeds=settings.eval_seeds,
-        rule_min_p=rule_min_p(settings) if settings.eval_on_rule else None,
+        rule_sampling=rule_sampling(settings) if settings.eval_on_rule else None,
     )

@@ -12,18 +12,24 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-__all__ = ["PLOTS", "plot_specs", "draw_metric", "plot_metric"]
+__all__ = ["PLOTS", "plot_specs", "has_entropy_series", "draw_metric", "plot_metric"]
 
 #: Characters per line of a figure's subtitle: a 9-point line of this length fits the 6.4-inch figure with room to
 #: spare (the one-line subtitle of a study with rounded weights was cut at both edges).
 SUBTITLE_WIDTH = 80
 
 
-def plot_specs(metric: str = "accuracy", rule: bool = False) -> dict[str, tuple[str, str, bool]]:
+def plot_specs(metric: str = "accuracy", rule: bool = False, entropy: bool = False) -> dict[str, tuple[str, str, bool]]:
     """The figures of a study whose held-out metric is ``metric``: file stem -> (series key, y-axis label,
     smoothed?). ``eval/<metric>`` is the held-out metric (file ``heldout_<metric>.png``); with ``rule`` (a study
-    that also scored on the DVP rule's support), ``eval/<metric>_rule`` too (``heldout_<metric>_rule.png``)."""
+    that also scored on the DVP rule's support), ``eval/<metric>_rule`` too (``heldout_<metric>_rule.png``); with
+    ``entropy`` (runs that logged ``log_entropy_metrics``), the policy's entropy over the full softmax and over the
+    kept set (``entropy_full.png``, ``entropy_kept.png``)."""
     on_rule = {f"heldout_{metric}_rule": (f"eval/{metric}_rule", f"held-out {metric} on the rule's support", False)}
+    entropies = {
+        "entropy_full": ("safevocab/entropy_full", "policy entropy, full softmax (nats)", True),
+        "entropy_kept": ("safevocab/entropy_kept", "policy entropy over the trainer's kept set (nats)", True),
+    }
     return {
         "reward": ("reward", "mean reward of the training batch", True),
         f"heldout_{metric}": (f"eval/{metric}", f"held-out {metric}", False),
@@ -33,7 +39,13 @@ def plot_specs(metric: str = "accuracy", rule: bool = False) -> dict[str, tuple[
         "out_of_set_frac": ("safevocab/out_of_set_frac", "sampled tokens outside the trainer's safe set", True),
         "response_length": ("completions/mean_length", "mean response length (tokens)", True),
         "learning_rate": ("learning_rate", "learning rate", False),
+        **(entropies if entropy else {}),
     }
+
+
+def has_entropy_series(results: dict) -> bool:
+    """Whether any run of ``results`` logged the entropy metrics (``log_entropy_metrics``, since Study 4)."""
+    return any("safevocab/entropy_full" in (r.get("series") or {}) for r in results.get("runs", []))
 
 
 #: The figures of the arithmetic task's study (held-out greedy accuracy), see `plot_specs`.
@@ -49,10 +61,12 @@ def _smooth(values: list[float], window: int) -> list[float]:
 
 
 def _arm_curves(results: dict, arm: str, key: str, smooth: int) -> tuple[list[int], list[list[float]]] | None:
-    """Steps and one curve per successful seed of ``key`` (``eval/<metric>`` for the held-out metric)."""
+    """Steps and one curve per seed of ``key`` (``eval/<metric>`` for the held-out metric): the successful seeds, and
+    for a training metric also the failed ones up to where they stopped (a run that collapsed into NaN)."""
     curves: list[dict[int, float]] = []
     for r in results["runs"]:
-        if r["arm"] != arm or r["status"] != "ok":
+        trained = r["status"] == "ok" or (r["status"] == "failed" and not key.startswith("eval/"))
+        if r["arm"] != arm or not trained:
             continue
         if key.startswith("eval/"):
             steps, vals = r["eval"]["step"], r["eval"][key[len("eval/") :]]
@@ -103,7 +117,7 @@ def draw_metric(results: dict, stem: str) -> Any:
 
     from trl_integration.study.aggregate import metric_name
 
-    key, label, smoothed = plot_specs(metric_name(results), rule=True)[stem]
+    key, label, smoothed = plot_specs(metric_name(results), rule=True, entropy=True)[stem]
     s = results["settings"]
     window = s["smooth"] if smoothed else 1
     fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=110)

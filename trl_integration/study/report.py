@@ -13,7 +13,7 @@ from trl_integration.demo.model import TINY_MODEL_NAME, is_tiny_model
 from trl_integration.study.aggregate import BASELINES, FINAL_REWARD_STEPS, eval_seeds, metric_name, scorings
 from trl_integration.study.arms import ARM_DESCRIPTIONS
 from trl_integration.study.contrasts import contrasts
-from trl_integration.study.plots import plot_metric, plot_specs
+from trl_integration.study.plots import has_entropy_series, plot_metric, plot_specs
 
 __all__ = ["format_stat", "format_status", "render_report", "write_report", "write_json"]
 
@@ -317,6 +317,7 @@ def render_report(
                 f"`{arm}`: the surge detector fired in {d['surges_detected']} of {d['runs']} runs "
                 f"(surge steps {d['surge_steps']}, decay periods {d['decay_periods']}).",
             ]
+    lines += ["", *_collapse_lines(summ, arms, hh)]
     failed = [(r["arm"], r["seed"], r.get("error")) for r in results["runs"] if r["status"] == "failed"]
     not_run = [(r["arm"], r["seed"]) for r in results["runs"] if r["status"] == "not_run"]
     lines += ["", f"{hh} Failed runs", ""]
@@ -336,9 +337,40 @@ def render_report(
             "results.json).",
             "",
         ]
-        for stem, (_, label, _) in plot_specs(metric, rule="_rule" in scorings(results)).items():
+        specs = plot_specs(metric, rule="_rule" in scorings(results), entropy=has_entropy_series(results))
+        for stem, (_, label, _) in specs.items():
             lines += [f"![{label}]({image_prefix}{stem}.png)", ""]
     return "\n".join(lines).rstrip() + "\n"
+
+
+def _collapse_lines(summ: dict, arms: list[str], hh: str) -> list[str]:
+    """The collapse table (:mod:`trl_integration.study.collapse`) with the policy's entropy at the start and the end."""
+    lines = [
+        f"{hh} Collapse and entropy",
+        "",
+        "Collapse (Study 4's registered criterion, `trl_integration.study.collapse`): a non-finite loss or gradient "
+        "norm; a gradient norm above 10x its median over steps 1-50 for 10 consecutive steps; the 10-step mean "
+        "training reward below half its running maximum for 50 steps after step 100; or the 10-step mean entropy of "
+        "the full softmax below 0.1 nats for 10 steps. Counted over the runs that trained (failed runs included); "
+        "*onsets*: seed: step (criterion). Entropy: the mean over the first and the last "
+        f"{FINAL_REWARD_STEPS} steps, of the full softmax and over the trainer's kept set (nats; – where the runs "
+        "did not log it).",
+        "",
+        "| arm | collapsed | onsets | entropy, full softmax: first → last | entropy, kept set: first → last |",
+        "|---|---|---|---|---|",
+    ]
+    for arm in arms:
+        e = summ[arm]
+        c = e.get("collapse") or {"runs": 0, "collapsed": 0, "by_seed": {}}
+        onsets = ", ".join(
+            f"{seed}: {r['step']} ({r['criterion']})" for seed, r in c["by_seed"].items() if r["collapsed"]
+        )
+        lines.append(
+            f"| {arm} | {c['collapsed']} of {c['runs']} | {onsets or 'none'} | "
+            f"{_g(e.get('entropy_full_first'))} → {_g(e.get('entropy_full_final'))} | "
+            f"{_g(e.get('entropy_kept_first'))} → {_g(e.get('entropy_kept_final'))} |"
+        )
+    return lines
 
 
 def _overrides_text(overrides: dict) -> str:
@@ -355,7 +387,8 @@ def write_report(results: dict, output_dir: str | os.PathLike, plots: bool = Tru
     out.mkdir(parents=True, exist_ok=True)
     files = [out / "report.md", out / "results.json"]
     if plots:
-        for stem in plot_specs(metric_name(results), rule="_rule" in scorings(results)):
+        specs = plot_specs(metric_name(results), rule="_rule" in scorings(results), entropy=has_entropy_series(results))
+        for stem in specs:
             plot_metric(results, stem, out / f"{stem}.png")
             files.append(out / f"{stem}.png")
     results["files"] = [f.name for f in files]

@@ -81,8 +81,9 @@ def _finite_or_none(x: Any) -> float | None:
 
 def _series_from_history(history: list[dict]) -> dict[str, list]:
     """Per-step training series ``{"step": [...], key: [...]}`` from ``trainer.state.log_history`` (None where a
-    key was not logged at that step, e.g. an empty probability bucket)."""
-    rows = [h for h in history if "step" in h and "reward" in h]
+    key was not logged at that step, e.g. an empty probability bucket, or was not finite: :func:`_nonfinite_steps`
+    keeps those)."""
+    rows = _step_rows(history)
     keys: list[str] = []
     for h in rows:
         for k, v in h.items():
@@ -94,6 +95,37 @@ def _series_from_history(history: list[dict]) -> dict[str, list]:
     for k in keys:
         series[k] = [_finite_or_none(h.get(k)) for h in rows]
     return series
+
+
+def _step_rows(history: list[dict]) -> list[dict]:
+    return [h for h in history if "step" in h and "reward" in h]
+
+
+def _nonfinite_steps(history: list[dict]) -> dict[str, list[int]]:
+    """``{key: [steps]}``: the steps at which a logged number was NaN or infinite (strict JSON has no NaN, so the
+    series hold None there; the collapse criterion needs to tell "not finite" from "not logged")."""
+    out: dict[str, list[int]] = {}
+    for h in _step_rows(history):
+        for k, v in h.items():
+            if k in _DROP_KEYS or isinstance(v, bool) or not isinstance(v, (int, float)):
+                continue
+            if not math.isfinite(float(v)):
+                out.setdefault(k, []).append(int(h["step"]))
+    return out
+
+
+#: What torch's sampler raises when the distribution it is handed holds inf or NaN (logits that overflowed).
+_NON_FINITE_SAMPLING = "probability tensor contains either `inf`, `nan`"
+
+
+def _parameters_finite(model) -> bool | None:
+    """Whether every parameter of ``model`` is finite (``None`` when there is no model to read)."""
+    if model is None:
+        return None
+    import torch
+
+    with torch.no_grad():
+        return all(bool(torch.isfinite(p).all()) for p in model.parameters())
 
 
 def _run_one(
@@ -120,6 +152,9 @@ def _run_one(
         "train_runtime_s": None,
         "eval": {"step": [], task.metric_name: []},
         "series": {"step": []},
+        "nonfinite": {},
+        "parameters_finite": None,
+        "stopped_non_finite": False,
         "length_decay": None,
     }
     start = time.perf_counter()
@@ -165,6 +200,12 @@ def _run_one(
     finally:  # a run that crashed mid-way keeps the series and evaluations it got to
         if trainer is not None:
             record["series"] = _series_from_history(trainer.state.log_history)
+            record["nonfinite"] = _nonfinite_steps(trainer.state.log_history)
+            record["parameters_finite"] = _parameters_finite(getattr(trainer, "model", None))
+        # a run that stopped because its weights or its sampling distribution went non-finite (the collapse criterion)
+        record["stopped_non_finite"] = record["status"] == "failed" and (
+            record["parameters_finite"] is False or _NON_FINITE_SAMPLING in (record["error"] or "")
+        )
         if evaluator is not None:
             record["eval"] = evaluator.record()
         record["wall_time_s"] = time.perf_counter() - start

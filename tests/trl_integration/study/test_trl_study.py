@@ -87,6 +87,11 @@ def test_study_writes_a_complete_report(small_study):
     assert list(reward_rows) == ["no_remedy", "dvp"]
     assert all(0.0 <= float(cells[1]) <= 1.0 for cells in reward_rows.values())
     assert "None: every (arm, seed) finished." in report
+    collapse_rows = table_rows(report, "| arm | collapsed | onsets")
+    assert [cells[:2] for cells in collapse_rows.values()] == [["0 of 1", "none"]] * 2
+    for stem in ("entropy_full", "entropy_kept"):
+        assert_png(out / f"{stem}.png")
+        assert f"]({stem}.png)" in report
 
     # One valid PNG per metric, each linked from the report.
     for stem in PLOTS:
@@ -107,6 +112,10 @@ def test_study_writes_a_complete_report(small_study):
             "learning_rate",
         ):
             assert len(series[key]) == 3 and all(isinstance(v, float) for v in series[key]), key
+        # the policy's entropy, full and over the kept set (the dvp arm's kept set is smaller)
+        full, kept = series["safevocab/entropy_full"], series["safevocab/entropy_kept"]
+        assert len(full) == len(kept) == 3 and all(f >= k - 1e-6 for f, k in zip(full, kept))
+        assert run["nonfinite"] == {} and run["parameters_finite"] is True and run["stopped_non_finite"] is False
         assert run["eval"]["step"] == [0, 2, 3]
         assert all(0.0 <= a <= 1.0 for a in run["eval"]["accuracy"])
         # The same model before training: the same step-0 accuracy in every arm.
@@ -195,6 +204,21 @@ def test_a_run_crashing_mid_training_keeps_what_it_logged(tmp_path, monkeypatch)
     report = (tmp_path / "report.md").read_text(encoding="utf-8")
     assert "0/1 (**1 failed**)" in report and "reward server went away" in report
     assert not list(tmp_path.glob("*.png"))  # plots=False
+
+
+def test_a_run_driven_to_nan_is_recorded_as_a_non_finite_collapse(tmp_path):
+    settings = StudySettings(
+        arms=["no_remedy"], seeds=[0], steps=4, eval_every=4, eval_num_prompts=4, num_prompts_per_step=2,
+        num_generations=2, train_num_prompts=16, output_dir=str(tmp_path),
+    )  # fmt: skip
+    # A deliberately unstable arm: an absurd learning rate without gradient clipping sends the weights to inf/NaN.
+    unstable = {**arm_overrides("no_remedy", settings), "learning_rate": 1e30, "max_grad_norm": 0.0}
+    results = run_study(settings, arm_configs={"no_remedy": unstable}, progress=False, plots=False)
+    (run,) = results["runs"]
+    assert run["status"] == "failed" and run["stopped_non_finite"] is True
+    collapse = results["summary"]["no_remedy"]["collapse"]
+    assert collapse["collapsed"] == 1 and collapse["by_seed"]["0"]["criterion"] == "non_finite"
+    json.loads((tmp_path / "results.json").read_text(encoding="utf-8"))  # strict JSON: the NaN is in `nonfinite`
 
 
 def test_arms_differ_only_in_what_they_name():

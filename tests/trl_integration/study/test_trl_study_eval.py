@@ -12,6 +12,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 from test_trl_study import assert_png, table_rows
 
 from trl_integration.commands import main as safevocab_main
@@ -80,7 +81,8 @@ def test_the_arms_and_the_tail_are_the_configs_they_name(tmp_path):
         (["--noise", "1", "--noise_kind", "tail", "--dvp_rule", "none"], "--noise_kind tail lifts the tokens --dvp_rule"),
         (["--eval_seeds", "0", "1"], "--eval_seeds needs a held-out metric that takes seed="),  # arithmetic: greedy
         (["--eval_on_rule"], "--eval_on_rule needs a held-out metric that takes min_p="),
-        (["--task", "freetext", "--eval_on_rule", "--dvp_rule", "top_k=5"], "accepted a --dvp_rule min_p=RHO"),
+        (["--task", "freetext", "--eval_on_rule", "--dvp_rule", "top_k=5"], "accepted a --dvp_rule min_p=RHO or top_p=P"),
+        (["--eval_on_rule", "--dvp_rule", "top_p=0.9"], "--eval_on_rule needs a held-out metric that takes top_p="),
         (["--eval_steps", "0", "200"], "--eval_steps [0, 200] is not accepted: accepted increasing steps"),
         (["--eval_steps", "5", "3"], "--eval_steps [5, 3] is not accepted"),
         (["--eval_seeds", "1", "1"], "--eval_seeds [1, 1] is not accepted: accepted distinct integers"),
@@ -91,6 +93,25 @@ def test_bad_new_flags_exit_2_in_one_line_before_any_work(argv, message, tmp_pat
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "out").exists()
+
+
+def test_a_top_p_rule_is_scored_on_its_nucleus():
+    """--eval_on_rule with --dvp_rule top_p=P samples the held-out metric under top_p (Study 4's top_p condition)."""
+    from trl_integration.demo.freetext import held_out_dataset, held_out_reward
+    from trl_integration.demo.testbed import load_testbed_model, load_testbed_tokenizer
+    from trl_integration.study.arms import rule_sampling
+
+    assert rule_sampling(StudySettings(dvp_rule="top_p=0.9")) == {"top_p": 0.9}
+    assert rule_sampling(StudySettings(dvp_rule="min_p=0.05")) == {"min_p": 0.05}
+    model, tok = load_testbed_model(dtype=torch.float32), load_testbed_tokenizer()
+    data = held_out_dataset(8)
+    full = held_out_reward(model, tok, data, seed=0)
+    nucleus = held_out_reward(model, tok, data, seed=0, top_p=0.9)
+    assert nucleus != full and nucleus == held_out_reward(model, tok, data, seed=0, top_p=0.9)
+    with pytest.raises(ValueError, match="accepted at most one of them"):
+        held_out_reward(model, tok, data, min_p=0.1, top_p=0.9)
+    with pytest.raises(ValueError, match="top_p"):
+        held_out_reward(model, tok, data, top_p=1.5)
 
 
 def test_each_evaluation_seed_and_the_rule_are_recorded_from_the_same_runs(tail_study):
