@@ -12,7 +12,7 @@ thread counts step by step, so the slow drifts of a shared machine fall on both 
 count and their ratio are printed. ``--busy N`` starts N spinning processes (``while True: pass``) for the whole
 run and stops them at the end. Timings are a measurement on one machine; nothing asserts them.
 
-This is the measurement behind ``trl_integration.grpo.threads.SMALL_MODEL_PARAMETERS`` (docs/trl.md, "Threads").
+This is the measurement behind ``trl_integration.harness.threads.SMALL_MODEL_PARAMETERS`` (docs/trl.md, "Threads").
 """
 
 from __future__ import annotations

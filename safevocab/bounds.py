@@ -51,6 +51,7 @@ from safevocab.tensor_args import (
     compute_dtype,
     device_of,
     first_bad,
+    float_inputs,
     result_like,
     rounding_tol,
 )
@@ -101,10 +102,7 @@ def logprob_mismatch_bound(p: TensorLike, eps: TensorLike) -> torch.Tensor | flo
         ValueError: when ``p`` is outside ``[0, 1]``, ``eps`` is negative or not finite, or the shapes do
             not broadcast.
     """
-    check_type("p", p)
-    check_type("eps", eps)
-    dtype, device = compute_dtype(p, eps), device_of(p, eps)
-    pt, et = broadcast(("p", "eps"), as_tensor(p, dtype, device), as_tensor(eps, dtype, device))
+    dtype, (pt, et) = float_inputs(p=p, eps=eps)
     pt = check_probability("p", pt, dtype)
     et = check_eps("eps", et)
 
@@ -137,10 +135,7 @@ def logprob_mismatch_bound_first_order(p: TensorLike, eps: TensorLike) -> torch.
         TypeError: when an input is not a float or a floating-point tensor.
         ValueError: when ``p`` is outside ``[0, 1]`` or ``eps`` is negative or not finite.
     """
-    check_type("p", p)
-    check_type("eps", eps)
-    dtype, device = compute_dtype(p, eps), device_of(p, eps)
-    pt, et = broadcast(("p", "eps"), as_tensor(p, dtype, device), as_tensor(eps, dtype, device))
+    dtype, (pt, et) = float_inputs(p=p, eps=eps)
     pt = check_probability("p", pt, dtype)
     et = check_eps("eps", et)
     return result_like(2.0 * et * (1.0 - pt), p, eps)
@@ -210,9 +205,8 @@ def pruning_tv(kept_mass: TensorLike) -> torch.Tensor | float:
         TypeError: when ``kept_mass`` is not a float or a floating-point tensor.
         ValueError: when ``kept_mass`` is outside ``(0, 1]``.
     """
-    check_type("kept_mass", kept_mass)
-    dtype, device = compute_dtype(kept_mass), device_of(kept_mass)
-    k = check_kept_mass("kept_mass", as_tensor(kept_mass, dtype, device), dtype)
+    dtype, (k,) = float_inputs(kept_mass=kept_mass)
+    k = check_kept_mass("kept_mass", k, dtype)
     return result_like(1.0 - k, kept_mass)
 
 
@@ -235,9 +229,8 @@ def pruning_kl(kept_mass: TensorLike) -> torch.Tensor | float:
         TypeError: when ``kept_mass`` is not a float or a floating-point tensor.
         ValueError: when ``kept_mass`` is outside ``(0, 1]``.
     """
-    check_type("kept_mass", kept_mass)
-    dtype, device = compute_dtype(kept_mass), device_of(kept_mass)
-    k = check_kept_mass("kept_mass", as_tensor(kept_mass, dtype, device), dtype)
+    dtype, (k,) = float_inputs(kept_mass=kept_mass)
+    k = check_kept_mass("kept_mass", k, dtype)
     return result_like(-torch.log(k), kept_mass)
 
 
@@ -266,16 +259,7 @@ def pruned_logprob_mismatch_bound(p: TensorLike, kept_mass: TensorLike, eps: Ten
             than the kept mass), ``kept_mass`` is outside ``(0, 1]``, ``eps`` is invalid, or the shapes do
             not broadcast.
     """
-    check_type("p", p)
-    check_type("kept_mass", kept_mass)
-    check_type("eps", eps)
-    dtype, device = compute_dtype(p, kept_mass, eps), device_of(p, kept_mass, eps)
-    pt, kt, et = broadcast(
-        ("p", "kept_mass", "eps"),
-        as_tensor(p, dtype, device),
-        as_tensor(kept_mass, dtype, device),
-        as_tensor(eps, dtype, device),
-    )
+    dtype, (pt, kt, et) = float_inputs(p=p, kept_mass=kept_mass, eps=eps)
     pt = check_probability("p", pt, dtype)
     kt = check_kept_mass("kept_mass", kt, dtype)
     check_eps("eps", et)
@@ -345,16 +329,7 @@ def objective_bias_bound(tv: TensorLike, r_min: TensorLike, r_max: TensorLike) -
         TypeError: when an input is not a float or a floating-point tensor.
         ValueError: when ``tv`` is outside ``[0, 1]``, a reward end is not finite, or ``r_max < r_min``.
     """
-    check_type("tv", tv)
-    check_type("r_min", r_min)
-    check_type("r_max", r_max)
-    dtype, device = compute_dtype(tv, r_min, r_max), device_of(tv, r_min, r_max)
-    tt, lo, hi = broadcast(
-        ("tv", "r_min", "r_max"),
-        as_tensor(tv, dtype, device),
-        as_tensor(r_min, dtype, device),
-        as_tensor(r_max, dtype, device),
-    )
+    dtype, (tt, lo, hi) = float_inputs(tv=tv, r_min=r_min, r_max=r_max)
     tt = check_probability("tv", tt, dtype)
     first_bad("r_min", lo, ~torch.isfinite(lo), "a finite r_min")
     first_bad("r_max", hi, ~torch.isfinite(hi), "a finite r_max")

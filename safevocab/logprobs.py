@@ -35,8 +35,9 @@ from dataclasses import dataclass
 import torch
 
 from safevocab.backends.registry import get_backend, replay_backend, resolve_backend
-from safevocab.chunking import Transform
-from safevocab.fused_op import FusedSafeLogProbs, raise_on_empty_support
+from safevocab.fused.checks import raise_on_empty_support
+from safevocab.fused.op import FusedSafeLogProbs
+from safevocab.fused.transform import Transform
 from safevocab.rules import SafeVocabRule, parse_rule, stat_float
 from safevocab.support import SafeSupport
 from safevocab.validation import boolean, integer, not_meta, real
@@ -279,7 +280,7 @@ def safe_log_softmax(
 
 
 # --------------------------------------------------------------------------------------------------
-# Fused version (the autograd function lives in safevocab/fused_op.py, the backends beside it)
+# Fused version (the autograd function lives in safevocab/fused/op.py, the backends in safevocab/backends/)
 
 
 def fused_safe_logprobs(

@@ -481,6 +481,9 @@ def parse_rule(spec: str | SafeVocabRule | None, engine: str | None = None) -> S
     for item in text.split(","):
         key, sep, raw = item.strip().partition("=")
         key, raw = key.strip().lower(), raw.strip()
+        for other in (";", " ", "&", "|"):  # another separator between two parts: say which one rules take
+            if other in raw and "=" in raw:
+                raise ValueError(f"rule {spec!r}: separate its parts with a comma, e.g. 'min_p=0.01,top_k=5'")
         if not sep or not raw:
             raise ValueError(f"rule item {item.strip()!r} in {spec!r}: expected key=value, e.g. 'min_p=1e-3'")
         cls = RULE_KEYS.get(key)

@@ -111,6 +111,18 @@ def broadcast(names: tuple[str, ...], *xs: torch.Tensor) -> tuple[torch.Tensor, 
         raise ValueError(f"shapes do not broadcast: {shapes}") from None
 
 
+def float_inputs(**named: TensorLike) -> tuple[torch.dtype, tuple[torch.Tensor, ...]]:
+    """Type-check float-or-tensor arguments, promote them to one dtype and device, and broadcast them.
+
+    Returns ``(dtype, tensors)`` with the tensors in the keywords' order; errors name the argument.
+    """
+    for name, value in named.items():
+        check_type(name, value)
+    values = tuple(named.values())
+    dtype, device = compute_dtype(*values), device_of(*values)
+    return dtype, broadcast(tuple(named), *(as_tensor(v, dtype, device) for v in values))
+
+
 def check_probability(name: str, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``0 <= x <= 1`` (up to rounding above 1, which is clamped away)."""
     first_bad(name, x, ~((x >= 0) & (x <= 1 + rounding_tol(dtype))), f"0 <= {name} <= 1")

@@ -7,7 +7,7 @@ Writes one results file (JSON, plus the same as Markdown beside it) with the sec
    rule and support replay (``SAFEVOCAB_TEST_DEVICE``; the Triton kernels compiled, not interpreted);
 2. **op**: ``python -m safevocab.bench`` per rule at N=16384 (``--n``), H=4096, V=151936, bf16 (``--preset gpu``), on
    each logits profile of ``--profiles`` (``synthetic``: flat N(0, 9) logits; ``lm``: a Zipf prior plus a context
-   term, kept sets of tens to hundreds of tokens, :mod:`safevocab.bench_inputs`): fused vs trl's
+   term, kept sets of tens to hundreds of tokens, :mod:`safevocab.bench.inputs`): fused vs trl's
    ``ChunkedLogProbFunction`` vs the floor, time (forward + backward), peak memory and the kept sets' median size,
    and support replay at ``|S| = 64`` (on the Triton backend, as ``fused``: the rule's fold, a gather of the ids and
    the Triton sparse backward);
@@ -132,7 +132,7 @@ def op_bench(
     variants: str = "floor,fused,fused_torch,trl,liger",
     replay: str | None = None,
 ) -> list[dict]:
-    """``python -m safevocab.bench`` per rule on ``profile`` logits (:mod:`safevocab.bench_inputs`), plus support
+    """``python -m safevocab.bench`` per rule on ``profile`` logits (:mod:`safevocab.bench.inputs`), plus support
     replay at |S| = 64; the naive materialised path (tens of GB at the GPU shape) for the unmasked and the default
     rule only."""
     size = (
@@ -525,7 +525,7 @@ def main(argv: list[str] | None = None) -> int:
         "--profiles",
         default="synthetic",
         help="','-separated logits profiles of the op and profile sections: synthetic, lm "
-        "(safevocab/bench_inputs.py; default synthetic)",
+        "(safevocab/bench/inputs.py; default synthetic)",
     )
     parser.add_argument("--profile-timeout", type=float, default=300, help="seconds for the kernel profile section")
     parser.add_argument(

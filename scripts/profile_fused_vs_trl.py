@@ -1,7 +1,7 @@
 """Per-kernel profile of ``fused_safe_logprobs`` (the default backend: Triton on CUDA) beside trl's kernel.
 
 For each rule (default ``none``, ``min_p=0.001``, ``top_k=50``, ``top_p=0.9``) and logits profile
-(:mod:`safevocab.bench_inputs`), one process times forward + backward of safevocab's fused op and of trl's
+(:mod:`safevocab.bench.inputs`), one process times forward + backward of safevocab's fused op and of trl's
 ``ChunkedLogProbFunction`` on the same inputs (mean of ``--steps`` after 2 warm-ups, interleaved), then records one
 step of each under ``torch.profiler``: the top kernels by device time (CUDA) or ops by CPU time (CPU). Writes JSON
 (``--out``) and prints the tables. On a CPU it runs at toy sizes (a check of the script).
@@ -25,7 +25,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from safevocab import fused_safe_logprobs
-from safevocab.bench_inputs import PROFILES, draw_logit_factors, kept_set_sizes, sample_targets
+from safevocab.bench.inputs import PROFILES, draw_logit_factors, kept_set_sizes, sample_targets
 
 RULES = ("none", "min_p=0.001", "top_k=50", "top_p=0.9")
 

@@ -14,7 +14,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from safevocab import fused_safe_logprobs
-from safevocab.bench import replay_support
+from safevocab.bench.inputs import replay_support
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 N, H, V = (8192, 4096, 151936) if DEVICE == "cuda" else (256, 64, 3000)

@@ -54,12 +54,23 @@ CPU_TORCH="torch==2.13.0"
 say() { printf '[setup_env] %s\n' "$*" >&2; }
 die() { say "ERROR: $*"; exit 1; }
 
-# Run a quiet pip step; on failure show the end of its log and stop.
+# Run a quiet pip step with a heartbeat (a line every 30 s naming what pip is doing: set-up took 6 silent minutes on a
+# busy machine); on failure show the end of its log and stop.
 pip_step() {
     local what="$1"; shift
     local log="${VENV}/.safevocab-pip.log"
     say "${what}"
-    if ! "${VENV}/bin/python" -m pip "$@" >"${log}" 2>&1; then
+    "${VENV}/bin/python" -m pip "$@" >"${log}" 2>&1 &
+    local pid=$! waited=0 rc=0
+    while kill -0 "${pid}" 2>/dev/null; do
+        sleep 1
+        waited=$((waited + 1))
+        if (( waited % 30 == 0 )); then
+            say "  still installing (${waited} s): $(tail -n 1 "${log}" 2>/dev/null | cut -c1-100)"
+        fi
+    done
+    wait "${pid}" || rc=$?
+    if (( rc != 0 )); then
         say "pip failed (${what}); last lines of ${log}:"
         tail -n 40 "${log}" >&2
         exit 1

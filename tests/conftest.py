@@ -57,7 +57,7 @@ settings.register_profile("dev", deadline=None, max_examples=40, suppress_health
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "dev"))
 
 # One intra-op thread unless OMP_NUM_THREADS says otherwise: what scripts/test.sh and the trainer's thread policy
-# (trl_integration/grpo/threads.py) choose for the tiny test models. With two, a bare `pytest` ran trl's stock trainer
+# (trl_integration/harness/threads.py) choose for the tiny test models. With two, a bare `pytest` ran trl's stock trainer
 # on two threads and SafeVocabGRPOTrainer on one (the policy lowers it when the trainer is built, for the rest of the
 # process), and the stock-vs-ours comparisons saw two reduction orders (weights 6.5e-5 apart, limit 1e-6).
 if not os.environ.get("OMP_NUM_THREADS"):

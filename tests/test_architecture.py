@@ -1,5 +1,5 @@
-"""Keeps docs/architecture.md true: layers, import direction, no circles, no oversized product file, the homes of
-the fused op's backends and of Triton.
+"""Keeps docs/architecture.md true: layers, import direction, no circles, no product file over the code-line cap, the
+homes of the fused op's backends and of Triton, a core root that holds what a user imports.
 
 The import graph is read from the source (``ast``: every ``import``/``from ... import`` in a module, also
 those inside functions), so a lazy import that would close a circle counts too.
@@ -20,11 +20,17 @@ ROOT = Path(__file__).resolve().parents[1]
 PRODUCT = ("safevocab", "trl_integration")
 #: Third-party packages the core must never import (it depends on torch only).
 NOT_IN_CORE = ("trl", "transformers", "accelerate", "datasets", "vllm", "peft", "trl_integration")
-MAX_LINES = 500
-#: The only core modules that import Triton (at import time): the kernel ops and the Triton backend that drives them.
-TRITON_MODULES = ("safevocab.kernels.", "safevocab.backends.triton_backend")
+#: The most lines of *code* a product file may hold: statements only. Docstrings, comments and blank lines are not
+#: counted, so documentation never competes with code for room (the 500-line cap it replaces invited compacting
+#: docstrings: three commits did so to get "back to 500").
+MAX_CODE_LINES = 350
+#: Product files allowed above it, each with its reason (path -> why); empty by design, and kept so.
+LONG_FILES: dict[str, str] = {}
+#: Where the core may import Triton (at import time), as module prefixes: the kernel ops and the Triton backend (a
+#: package) that drives them. A torch-only helper may sit there too (the selection kernel's candidate phase).
+TRITON_MODULES = ("safevocab.kernels.", "safevocab.backends.triton")
 #: The modules of ``safevocab/backends/`` that are not a backend.
-BACKEND_INFRA = ("safevocab.backends", "safevocab.backends.protocol", "safevocab.backends.registry")
+BACKEND_INFRA = ("safevocab.backends", "safevocab.backends.registry")
 
 
 def _modules() -> dict[str, Path]:
@@ -76,12 +82,16 @@ def _third_party(path: Path) -> set[str]:
 
 
 def test_every_product_module_imports():
-    for package in PRODUCT:
-        mod = importlib.import_module(package)
-        for info in pkgutil.walk_packages(mod.__path__, prefix=f"{package}."):
+    # package by package, not pkgutil.walk_packages: that imports every package to walk into it, the Triton backend too
+    pending = [importlib.import_module(package) for package in PRODUCT]
+    while pending:
+        mod = pending.pop()
+        for info in pkgutil.iter_modules(mod.__path__, prefix=f"{mod.__name__}."):
             if info.name.startswith(TRITON_MODULES) or ".__main__" in info.name:
                 continue  # they import Triton, whose kernels need its interpreter or CUDA (tests/safevocab/test_kernels.py)
-            importlib.import_module(info.name)
+            imported = importlib.import_module(info.name)
+            if info.ispkg:
+                pending.append(imported)
 
 
 def test_core_never_imports_trl_or_its_stack():
@@ -133,13 +143,58 @@ def test_core_never_imports_the_integration_layer():
             assert not [d for d in _imports(path, module, known) if d.startswith("trl_integration")], module
 
 
-def test_no_product_file_over_500_lines():
-    long = {
-        str(path.relative_to(ROOT)): n
-        for path in _modules().values()
-        if (n := len(path.read_text().splitlines())) > MAX_LINES
-    }
-    assert not long, long
+def code_lines(path: Path) -> int:
+    """Lines of ``path`` that hold code: any line with a token that is not a comment, a docstring (the string that
+    opens a module, class or function) or whitespace."""
+    import io
+    import tokenize
+
+    source = path.read_text()
+    docstrings: set[int] = set()
+    for node in ast.walk(ast.parse(source, filename=str(path))):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
+            first = node.body[0]
+            if (
+                isinstance(first, ast.Expr)
+                and isinstance(first.value, ast.Constant)
+                and isinstance(first.value.value, str)
+            ):
+                docstrings.update(range(first.lineno, first.end_lineno + 1))
+    skipped = (tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT, tokenize.ENDMARKER)
+    lines: set[int] = set()
+    for token in tokenize.generate_tokens(io.StringIO(source).readline):
+        if token.type not in skipped:
+            lines.update(line for line in range(token.start[0], token.end[0] + 1) if line not in docstrings)
+    return len(lines)
+
+
+def oversized_files(paths) -> dict[str, int]:
+    """``{path: code lines}`` of the files over :data:`MAX_CODE_LINES` and not in :data:`LONG_FILES`."""
+    found = {}
+    for path in paths:
+        name = str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
+        if name not in LONG_FILES and (n := code_lines(path)) > MAX_CODE_LINES:
+            found[name] = n
+    return found
+
+
+def test_no_product_file_over_the_code_line_cap():
+    """No product file holds more than MAX_CODE_LINES lines of code (docstrings and comments do not count), unless
+    LONG_FILES names it with a reason; and every name there still needs its exception."""
+    assert not oversized_files(_modules().values())
+    for name in LONG_FILES:
+        assert code_lines(ROOT / name) > MAX_CODE_LINES, f"{name} no longer needs its LONG_FILES entry"
+
+
+def test_the_cap_counts_code_not_documentation(tmp_path):
+    """The rule catches a deliberately oversized file, and leaves a well-documented one of the same code alone."""
+    body = "".join(f"x{i} = {i}  # a comment\n" for i in range(MAX_CODE_LINES))
+    documented = tmp_path / "documented.py"
+    documented.write_text('"""' + "A docstring line.\n" * 400 + '"""\n\n# ' + "a comment\n# " * 100 + "\n" + body)
+    oversized = tmp_path / "oversized.py"
+    oversized.write_text('"""Short."""\n' + body + "y = (\n    1,\n)\n")
+    assert code_lines(documented) == MAX_CODE_LINES and code_lines(oversized) == MAX_CODE_LINES + 3
+    assert oversized_files([documented, oversized]) == {str(oversized): MAX_CODE_LINES + 3}
 
 
 def _import_time_names(path: Path, module: str) -> set[str]:
@@ -165,7 +220,8 @@ def _import_time_names(path: Path, module: str) -> set[str]:
 
 def test_only_the_kernels_and_the_triton_backend_import_triton():
     """``import safevocab`` works without Triton: the modules that import it when imported (directly or through
-    another one) are exactly the kernel ops and the Triton backend (``TRITON_MODULES``, which the import test skips).
+    another one) are all kernel ops or modules of the Triton backend (``TRITON_MODULES``, which the import test
+    skips), the backend among them; a torch-only helper may sit beside the kernels without importing it.
     """
     core = {module: path for module, path in _modules().items() if module.split(".")[0] == "safevocab"}
     imports = {module: _import_time_names(path, module) for module, path in core.items()}
@@ -175,27 +231,33 @@ def test_only_the_kernels_and_the_triton_backend_import_triton():
         if not more:
             break
         needs_triton |= more
-    assert sorted(needs_triton) == sorted(m for m in core if m.startswith(TRITON_MODULES))
+    triton_side = {m for m in core if m.startswith(TRITON_MODULES)}
+    assert needs_triton <= triton_side, sorted(needs_triton - triton_side)
+    assert "safevocab.backends.triton" in needs_triton  # the backend, and through it every kernel op, is found
 
 
-def test_each_backend_is_one_module_in_the_registry():
-    """Every module of ``safevocab/backends/`` but the protocol and the registry is a backend the registry builds,
-    and a backend imports neither the registry nor the autograd function that drives it (nor its entry point)."""
+def test_each_backend_is_one_module_or_package_in_the_registry():
+    """Every module or package directly in ``safevocab/backends/`` but the protocol and the registry is a backend the
+    registry builds, and no module of a backend imports the registry or the autograd function that drives it (nor its
+    entry point)."""
     modules = _modules()
     known = set(modules)
-    backends = sorted(m for m in known if m.startswith("safevocab.backends.") and m not in BACKEND_INFRA)
+    # a backend is a module of safevocab/backends/, or a package there (safevocab.backends.NAME and its modules)
+    backends = sorted({".".join(m.split(".")[:3]) for m in known if m.startswith("safevocab.backends.")})
+    backends = [b for b in backends if b not in BACKEND_INFRA]
     registry = "safevocab.backends.registry"
     assert backends and set(backends) <= _imports(modules[registry], registry, known), backends
     for backend in backends:
-        imported = _imports(modules[backend], backend, known)
-        assert not imported & {registry, "safevocab.backends", "safevocab.fused_op", "safevocab.logprobs"}, backend
+        for module in sorted(m for m in known if m == backend or m.startswith(backend + ".")):
+            imported = _imports(modules[module], module, known)
+            assert not imported & {registry, "safevocab.backends", "safevocab.fused.op", "safevocab.logprobs"}, module
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # trl_integration's folders (docs/architecture.md: one job per folder, imports point down)
 
 #: The integration layer's sub-packages, bottom to top; the root modules (leaves) sit below them all.
-INTEGRATION_LAYERS = ("rollout", "grpo", "demo", "lab", "study", "commands")
+INTEGRATION_LAYERS = ("rollout", "grpo", "harness", "demo", "lab", "study", "commands")
 #: At most this many modules at trl_integration's root (the face and the leaves).
 MAX_ROOT_MODULES = 10
 

@@ -60,3 +60,37 @@ def test_no_install_line_asks_the_index_for_safevocab():
     asks = [f"{p.name}: {line.strip()}" for p in pages for line in p.read_text().splitlines()
             if re.search(r"pip install\s+['\"]?safevocab\b", line)]  # fmt: skip
     assert asks == []
+
+
+#: Modules docs/api.md renders whole: every name of their ``__all__`` is stable.
+API_WHOLE_MODULES = {"safevocab.bounds"}
+#: Internal names that must never appear on the stable page (they were rendered there before issue 55).
+INTERNAL_NAMES = ("SafeHeadState", "finite_floor", "print_order", "ShiftedLogits", "MetricRow", "SafeTokenStats")
+
+
+def _api_blocks() -> dict[str, list[str] | None]:
+    """``{module: its listed members (None: the whole module)}`` of docs/api.md's ``:::`` blocks."""
+    blocks: dict[str, list[str] | None] = {}
+    module = None
+    for line in (ROOT / "docs" / "api.md").read_text().splitlines():
+        if line.startswith("::: "):
+            module = line[4:].strip()
+            blocks[module] = None
+        elif module and (match := re.match(r"^ {8}- (\w+)$", line)):
+            blocks[module] = [*(blocks[module] or []), match.group(1)]
+    return blocks
+
+
+def test_the_api_page_renders_stable_names_only():
+    """Every module on docs/api.md lists the stable names it shows (or is whole-module stable); each listed name
+    exists; the exceptions a run raises or warns are on it; the internals are not."""
+    import importlib
+
+    blocks = _api_blocks()
+    assert {m for m, names in blocks.items() if names is None} == API_WHOLE_MODULES
+    for module, names in blocks.items():
+        for name in names or []:
+            assert hasattr(importlib.import_module(module), name), f"{module}.{name}"
+    listed = {name for names in blocks.values() for name in names or []}
+    assert {"OutOfSetWarning", "NothingToTrainError", "HardenedSafeVocabGRPOTrainer"} <= listed
+    assert not listed & set(INTERNAL_NAMES)

@@ -9,7 +9,9 @@ The package, by job (docs/architecture.md has the map):
 
 - ``grpo/``: the drop-in. :class:`SafeVocabGRPOConfig` (``grpo/config.py``: ``GRPOConfig`` + safe-vocabulary
   settings), :class:`SafeVocabGRPOTrainer` (``grpo/trainer.py``: trl's hooks), ``add_safe_lm_head`` (``grpo/head.py``)
-  and what they use: the per-batch step, its metrics, replay, length decay, checkpoints, the vLLM engine.
+  and what they use: the per-batch step, its metrics, replay, length decay, the vLLM engine.
+- ``harness/``: the run harness above the drop-in, :class:`HardenedSafeVocabGRPOTrainer` (what ``safevocab-grpo``
+  trains with): atomic checkpoints and resume checks, the CPU thread policy, reward checks, the console filter.
 - ``rollout/``: the rollout side on the ``generate`` path: log-probability recording and precision, the injected
   perturbations and the run's injected mismatch.
 - ``lab/`` (``safevocab diagnose``), ``study/`` (``safevocab study``), ``demo/`` (the bundled models and tasks) and
@@ -23,11 +25,15 @@ from __future__ import annotations
 
 import importlib
 
-__all__ = ["SafeVocabGRPOConfig", "SafeVocabGRPOTrainer", "add_safe_lm_head", "OutOfSetWarning", "NothingToTrainError"]
+__all__ = [
+    "SafeVocabGRPOConfig", "SafeVocabGRPOTrainer", "HardenedSafeVocabGRPOTrainer", "add_safe_lm_head", "OutOfSetWarning",
+    "NothingToTrainError",
+]  # fmt: skip
 
 _LAZY = {
     "SafeVocabGRPOConfig": "trl_integration.grpo.config",
     "SafeVocabGRPOTrainer": "trl_integration.grpo.trainer",
+    "HardenedSafeVocabGRPOTrainer": "trl_integration.harness.trainer",
     "add_safe_lm_head": "trl_integration.grpo.head",
     # what a run raises or warns when rollouts and the safe set disagree (docs/trl.md, "Out-of-set tokens")
     "OutOfSetWarning": "trl_integration.grpo.out_of_set_alert",

@@ -6,7 +6,7 @@ this module checks that the installed trl is in the tested range and that each n
 parameters it relies on. Outside the range, or when a name moved, the import fails with one line naming the
 supported range, instead of a step failing half way through a run.
 
-Touchpoints (each has a contract test in ``tests/trl_integration/test_trl_private.py``):
+Touchpoints (each has a contract test in ``tests/trl_integration/test_private.py``):
 
 ==========================================================  ============================================================
 private name                                                what the trainer relies on
@@ -45,15 +45,18 @@ vLLM's ``llm.llm_engine.model_config``                      the engine's ``max_l
                                                             scheduler, RNG, ``trainer_state.json``) into
                                                             ``_get_output_dir(trial)``, then rotates old checkpoints
                                                             there (``save_total_limit``)
+``transformers.trainer_pt_utils.safe_globals``              the numpy allowlist the Trainer loads ``rng_state.pth``
+                                                            with (``weights_only=True``): the harness loads the state
+                                                            files the same way first (:func:`trainer_safe_globals`)
 ``Trainer._get_output_dir``                                 the run directory of a trial; read by ``_save_checkpoint``
                                                             (transformers' and trl's) for where to write, so that
-                                                            :meth:`GRPOTrainerBridge.stock_save_checkpoint` can stage
+                                                            :meth:`CheckpointBridge.stock_save_checkpoint` can stage
                                                             a checkpoint in another folder
 ==========================================================  ============================================================
 
 The trainer subclasses :class:`GRPOTrainerBridge` and overrides its public hooks (``score_completion_tokens``,
-``generate_turn``, ``generate_and_score``, ``grpo_loss``, ``save_checkpoint``); trl's own implementations are reached
-through the ``stock_*`` methods.
+``generate_turn``, ``generate_and_score``, ``grpo_loss``); the run harness's checkpoints mix in :class:`CheckpointBridge`
+(``save_checkpoint``). trl's own implementations are reached through the ``stock_*`` methods.
 """
 
 from __future__ import annotations
@@ -63,9 +66,13 @@ from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 
 import torch
-import trl
 from packaging.version import Version
-from trl import GRPOTrainer
+
+from trl_integration.notices import quiet_trl_vllm_range_notice
+
+with quiet_trl_vllm_range_notice():  # trl's import-time "supports vLLM 0.22-0.31" notice, wrong for the pinned 0.32
+    import trl
+    from trl import GRPOTrainer
 
 __all__ = [
     "SUPPORTED_TRL",
@@ -74,10 +81,12 @@ __all__ = [
     "REQUIRED_PARAMETERS",
     "check_trl",
     "GRPOTrainerBridge",
+    "CheckpointBridge",
     "disable_gradient_checkpointing",
     "maybe_gather_lm_head_ctx",
     "mixed_precision_forward",
     "metric_store",
+    "trainer_safe_globals",
     "mark_scheduler_created",
     "check_vllm_generation",
     "iter_named_params",
@@ -227,6 +236,14 @@ def mixed_precision_forward(model: torch.nn.Module) -> Callable | None:
     return original if original is not None and "forward" in vars(model) else None
 
 
+def trainer_safe_globals() -> AbstractContextManager:
+    """transformers' allowlist for ``torch.load(weights_only=True)`` of the state files the Trainer itself loads that
+    way (numpy's RNG state in ``rng_state.pth``): ``transformers.trainer_pt_utils.safe_globals``."""
+    from transformers.trainer_pt_utils import safe_globals
+
+    return safe_globals()
+
+
 def metric_store(trainer: GRPOTrainer) -> dict:
     """trl's ``{mode: {name: [values]}}`` store of logged metrics (averaged and cleared by ``GRPOTrainer.log``)."""
     return trainer._metrics
@@ -327,10 +344,6 @@ class GRPOTrainerBridge(GRPOTrainer):
     Subclasses override the hooks; ``stock_*`` runs trl's own implementation. Each hook takes the arguments of the
     trl method it stands for (see :data:`REQUIRED_PARAMETERS`)."""
 
-    #: Where transformers' ``_save_checkpoint`` writes ``checkpoint-N`` while :meth:`stock_save_checkpoint` stages a
-    #: checkpoint (``None``: the run directory, as in transformers).
-    _checkpoint_parent: str | None = None
-
     # --- trl -> hooks -------------------------------------------------------------------------------------------
     def _get_per_token_logps_and_entropies(
         self, model, input_ids, attention_mask, logits_to_keep, batch_size=None, compute_entropy=False, **kwargs
@@ -353,14 +366,6 @@ class GRPOTrainerBridge(GRPOTrainer):
 
     def _compute_loss(self, model, inputs):
         return self.grpo_loss(model, inputs)
-
-    def _save_checkpoint(self, model, trial):
-        return self.save_checkpoint(model, trial)
-
-    def _get_output_dir(self, trial):
-        if self._checkpoint_parent is not None:
-            return self._checkpoint_parent
-        return GRPOTrainer._get_output_dir(self, trial)
 
     # --- hooks (default: trl's behaviour) -------------------------------------------------------------------------
     def score_completion_tokens(
@@ -389,10 +394,6 @@ class GRPOTrainerBridge(GRPOTrainer):
         """The loss of one micro-batch."""
         return self.stock_grpo_loss(model, inputs)
 
-    def save_checkpoint(self, model, trial) -> None:
-        """Write ``checkpoint-<global_step>`` into :meth:`checkpoint_run_dir` and rotate older ones."""
-        self.stock_save_checkpoint(model, trial)
-
     # --- trl's implementations ----------------------------------------------------------------------------------
     def stock_score_completion_tokens(
         self, model, input_ids, attention_mask, logits_to_keep, batch_size=None, compute_entropy=False, **kwargs
@@ -419,6 +420,33 @@ class GRPOTrainerBridge(GRPOTrainer):
     def stock_grpo_loss(self, model, inputs: dict) -> torch.Tensor:
         return GRPOTrainer._compute_loss(self, model, inputs)
 
+    @property
+    def metric_store(self) -> dict:
+        """trl's ``{mode: {name: [values]}}`` store of logged metrics."""
+        return metric_store(self)
+
+
+class CheckpointBridge:
+    """A mixin over a ``transformers.Trainer`` (the run harness's checkpoints): ``Trainer._save_checkpoint`` forwards to
+    the public hook :meth:`save_checkpoint`, and :meth:`stock_save_checkpoint` runs trl's (and transformers') own save,
+    optionally into another folder. Only the harness uses it: the plain trainer leaves ``_save_checkpoint`` as trl's."""
+
+    #: Where transformers' ``_save_checkpoint`` writes ``checkpoint-N`` while :meth:`stock_save_checkpoint` stages a
+    #: checkpoint (``None``: the run directory, as in transformers).
+    _checkpoint_parent: str | None = None
+
+    def _save_checkpoint(self, model, trial):
+        return self.save_checkpoint(model, trial)
+
+    def _get_output_dir(self, trial):
+        if self._checkpoint_parent is not None:
+            return self._checkpoint_parent
+        return GRPOTrainer._get_output_dir(self, trial)
+
+    def save_checkpoint(self, model, trial) -> None:
+        """Write ``checkpoint-<global_step>`` into :meth:`checkpoint_run_dir` and rotate older ones."""
+        self.stock_save_checkpoint(model, trial)
+
     def stock_save_checkpoint(self, model, trial, parent: str | None = None) -> None:
         """trl's (and transformers') checkpoint save. With ``parent``, ``checkpoint-<global_step>`` is written into
         that folder instead of the run directory, and transformers' rotation of old checkpoints (``save_total_limit``)
@@ -432,8 +460,3 @@ class GRPOTrainerBridge(GRPOTrainer):
     def checkpoint_run_dir(self, trial) -> str:
         """The folder transformers keeps checkpoints in: ``args.output_dir``, or a hyperparameter-search trial's."""
         return GRPOTrainer._get_output_dir(self, trial)
-
-    @property
-    def metric_store(self) -> dict:
-        """trl's ``{mode: {name: [values]}}`` store of logged metrics."""
-        return metric_store(self)

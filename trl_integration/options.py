@@ -21,12 +21,18 @@ from safevocab.mismatch import DEFAULT_BUCKETS
 from safevocab.surge_detector import BASELINES as LENGTH_SURGE_BASELINES
 
 __all__ = [
+    "RESUME_ALLOW_FIELD",
+    "RULE_SETTINGS",
+    "LENGTH_DECAY_SETTINGS",
+    "MODEL_SETTINGS",
+    "RESUME_REFUSED_SETTINGS",
     "OUT_OF_SET_MODES",
     "SCORING_MODES",
     "SUPPORT_SOURCES",
     "EMPTY_STEP_ACTIONS",
     "ROLLOUT_DTYPES",
     "NOISE_KINDS",
+    "MANTISSA_BITS_RANGE",
     "LENGTH_DECAY_STARTS",
     "LENGTH_SURGE_BASELINES",
     "IS_MODES",
@@ -61,7 +67,29 @@ ROLLOUT_DTYPES: dict[str, torch.dtype | None] = {
 #: (``tail_perturbation``).
 NOISE_KINDS = ("uniform", "clipped_gaussian", "lift", "tail")
 
+#: ``rollout_mantissa_bits``: the accepted numbers of kept float32 mantissa bits (float32 has 23;
+#: ``trl_integration.rollout.mantissa.round_mantissa``).
+MANTISSA_BITS_RANGE = (1, 23)
+
 #: ``length_decay_start``: hold the LR until the length surge, or halve it from the first step.
 LENGTH_DECAY_STARTS = ("on_surge", "step0")
 
 #: ``length_surge_baseline`` (``LENGTH_SURGE_BASELINES``, imported above): the surge detector's windowed median or EMA.
+
+
+# --- resuming (trl_integration.harness.resume_settings): the settings a resumed run may not change silently ---------
+#: The config field listing the settings a resumed run may change on purpose.
+RESUME_ALLOW_FIELD = "resume_allow_changed_settings"
+#: The rule's settings (the checkpoint's policy and optimizer state were trained under its rule).
+RULE_SETTINGS = ("safe_vocab_rule", "safe_vocab_effective_rule", "rule_engine")
+#: The length-decay settings (restored from ``scheduler.pt``: a new value would be silently ignored).
+LENGTH_DECAY_SETTINGS = (
+    "length_decay", "length_decay_period", "length_decay_min_lr_ratio", "length_decay_start",
+    "length_decay_max_decays", "length_decay_cooldown", "length_surge_window", "length_surge_baseline_window",
+    "length_surge_ratio", "length_surge_warmup", "length_surge_factor", "length_surge_baseline",
+    "length_surge_ema_alpha",
+)  # fmt: skip
+#: The model's identity, as ``safevocab_settings.json`` records it.
+MODEL_SETTINGS = ("model_config_class", "model_vocab_size", "model_hidden_size", "model_num_parameters")
+#: Settings a resume refuses to change unless named in ``resume_allow_changed_settings``.
+RESUME_REFUSED_SETTINGS: tuple[str, ...] = RULE_SETTINGS + LENGTH_DECAY_SETTINGS + MODEL_SETTINGS

@@ -4,7 +4,8 @@
 then: the Triton one imports Triton), why it cannot run on a device when asked for by name, and whether
 ``backend="auto"`` may take it there. The table's order is ``"auto"``'s preference: it takes the first entry that
 accepts the tensors' device (Triton for CUDA tensors when ``triton`` imports; torch, last, accepts every device).
-So a new backend is one module implementing :class:`~safevocab.backends.protocol.FusedBackend` and one entry here.
+So a new backend is one module (or package) implementing :class:`~safevocab.fused.protocol.FusedBackend` and one
+entry here.
 
 ``fused_safe_logprobs`` calls :func:`resolve_backend` on the name it was given, :func:`get_backend` on the result,
 and :func:`replay_backend` when it replays a support (both backends take one now).
@@ -18,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from safevocab import kernels
-from safevocab.backends.protocol import FusedBackend
+from safevocab.fused.protocol import FusedBackend
 
 __all__ = ["BackendEntry", "BACKENDS", "BACKEND_CHOICES", "resolve_backend", "get_backend", "replay_backend"]
 
@@ -36,7 +37,7 @@ class BackendEntry:
 
 
 def _build_triton() -> FusedBackend:
-    from safevocab.backends.triton_backend import TritonBackend  # imports Triton: only when asked for
+    from safevocab.backends.triton import TritonBackend  # imports Triton: only when asked for
 
     return TritonBackend()
 

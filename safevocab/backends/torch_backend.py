@@ -1,6 +1,6 @@
 """The torch backend of the fused op: each chunk's statistics and logits gradient with torch passes.
 
-Implements :class:`safevocab.backends.protocol.FusedBackend`. A chunk is one LM-head GEMM (``rows x H`` by
+Implements :class:`safevocab.fused.protocol.FusedBackend`. A chunk is one LM-head GEMM (``rows x H`` by
 ``H x V``: large, so the GEMM runs near its peak); its element-wise work then runs on *row blocks* of the GEMM output
 small enough to stay in cache between passes (:func:`row_blocks`), in a few fused passes on reused buffers (a fresh
 ``[rows, V]`` tensor costs page faults on every chunk).
@@ -8,8 +8,9 @@ small enough to stay in cache between passes (:func:`row_blocks`), in a few fuse
 Forward, per row block: the row maximum ``m``, ``e = exp(z - m)`` and ``log sum_V e`` (shared with the rule's
 threshold ``t``, :class:`~safevocab.rules.ShiftedLogits`), then ``S = {z >= t}``: a row block whose ``S`` is the whole
 finite vocabulary (``none``) needs nothing more; otherwise ``|S|``, ``in_safe`` and ``log sum_S e`` come from the kept
-entries (``nonzero``, ``O(|S|)`` work, also the CSR of a sparse chunk (:class:`~safevocab.chunking.SparseChunk`)) or,
-for a dense chunk, a masked sum. The entropy is ``H(pi_S) = log sum_S e - sum_S e (z - m) / sum_S e``.
+entries (``nonzero``, ``O(|S|)`` work, also the CSR of a sparse chunk,
+:class:`~safevocab.fused.row_stats.SparseChunk`) or, for a dense chunk, a masked sum. The entropy is
+``H(pi_S) = log sum_S e - sum_S e (z - m) / sum_S e``.
 
 Dense backward, per chunk: recompute the logits on the forward's own row slice (bit-identical), then per row block
 rebuild ``S = {z >= t}`` (skipped where ``t`` is at or below the block's minimum: every finite logit is kept), check it
@@ -27,22 +28,24 @@ from __future__ import annotations
 
 import torch
 
-from safevocab.chunking import (
-    ChunkLogits,
-    Coefficients,
-    RowStats,
-    SparseChunk,
-    Transform,
-    accumulate_chunk_grads,
-    chunk_slices,
-    forward_chunks_of,
-    log_normalised,
-)
+from safevocab.fused.chunking import ChunkJob, ChunkLogits
+from safevocab.fused.coefficients import Coefficients
+from safevocab.fused.grads import Grads, accumulate_chunk_grads
+from safevocab.fused.row_stats import RowStats, SparseChunk
+from safevocab.fused.transform import Transform
 from safevocab.rules import SafeVocabRule, ShiftedLogits, finite_floor
 from safevocab.support import SafeSupport
 from safevocab.threads import single_threaded
 
-__all__ = ["TorchBackend", "chunk_rows_for", "dense_backward", "full_softmax_backward", "row_blocks", "torch_forward"]
+__all__ = [
+    "TorchBackend",
+    "chunk_rows_for",
+    "dense_backward",
+    "full_softmax_backward",
+    "log_normalised",
+    "row_blocks",
+    "torch_forward",
+]
 
 #: Bytes of one fp32 row block on a CPU: the element-wise passes of a block stay in L2/L3 between them.
 ROW_BLOCK_BYTES = 4 * 2**20
@@ -98,32 +101,21 @@ def _support_keep(support: SafeSupport, rows: slice, out: torch.Tensor) -> torch
     return out
 
 
-def torch_forward(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    targets: torch.Tensor,
-    rule: SafeVocabRule,
-    transform: Transform,
-    chunk_rows: int,
-    stats: RowStats,
-    density: float | None,
-    support: SafeSupport | None = None,
-) -> list[SparseChunk]:
-    """Fill ``stats`` chunk by chunk with torch passes; return the chunks whose safe sets are stored
-    sparsely (at most ``density`` of a chunk's logits kept; ``None``: never). With a ``support``, ``S`` is
+def torch_forward(job: ChunkJob, stats: RowStats, density: float | None) -> list[SparseChunk]:
+    """Fill ``stats`` (each ``[N]``) chunk by chunk with torch passes; return the chunks whose safe sets are stored
+    sparsely (at most ``density`` of a chunk's logits kept; ``None``: never). With a ``job.support``, ``S`` is
     its ids intersected with the rule's set (``{z >= t}``, which also drops ``-inf`` logits)."""
-    n_rows, vocab = hidden.shape[0], weight.shape[0]
+    vocab = job.vocab
     sparse_chunks: list[SparseChunk] = []
-    if not n_rows:
+    if not job.n_rows:
         return sparse_chunks
-    logits_of = ChunkLogits(hidden, weight, bias, transform, min(chunk_rows, n_rows))
-    blocks = row_blocks(min(chunk_rows, n_rows), vocab, device=hidden.device)
-    scratch = _Scratch(blocks[0].stop, vocab, logits_of.buf.dtype, hidden.device)
-    for rows in chunk_slices(n_rows, chunk_rows):
-        z = logits_of(hidden[rows])
+    logits_of = ChunkLogits(job.hidden, job.weight, job.bias, job.transform, job.buffer_rows)
+    blocks = row_blocks(job.buffer_rows, vocab, device=job.hidden.device)
+    scratch = _Scratch(blocks[0].stop, vocab, logits_of.buf.dtype, job.hidden.device)
+    for rows in job.slices():
+        z = logits_of(job.hidden[rows])
         with single_threaded(z.device):  # the GEMM above keeps the caller's threads (safevocab.threads)
-            _forward_chunk(z, rows, targets, rule, stats, scratch, support, density, sparse_chunks)
+            _forward_chunk(z, rows, job.targets, job.rule, stats, scratch, job.support, density, sparse_chunks)
     return sparse_chunks
 
 
@@ -274,33 +266,25 @@ def _repair_safe_sets(z: torch.Tensor, keep_f: torch.Tensor, kept: torch.Tensor,
 
 
 def dense_backward(
-    chunks: list[slice],
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    coef: Coefficients,
-    transform: Transform,
-    chunk_rows: int,
-    grads: tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None],
-    support: SafeSupport | None = None,
-    check_sizes: bool = True,
+    job: ChunkJob, chunks: list[slice], coef: Coefficients, grads: Grads, check_sizes: bool = True
 ) -> None:
-    """The whole gradient of the given forward chunks, recomputing their logits exactly as the forward did.
+    """Add the whole gradient of the forward chunks ``chunks`` (row slices of ``job``) to ``grads``, recomputing
+    their logits exactly as the forward did (with a ``job.support``: ``S`` is its ids on the rule's set).
 
-    ``check_sizes``: compare each rebuilt set with the saved ``|S|`` (one sum over a row block's mask).
+    ``check_sizes``: compare each rebuilt set with the saved ``|S|`` (one sum over a row block's mask); default on.
     """
-    vocab = weight.shape[0]
-    logits_of = ChunkLogits(hidden, weight, bias, transform, min(chunk_rows, hidden.shape[0]))
-    blocks = row_blocks(min(chunk_rows, hidden.shape[0]), vocab, device=hidden.device)
-    scratch = _Scratch(blocks[0].stop, vocab, logits_of.buf.dtype, hidden.device)
+    vocab = job.vocab
+    logits_of = ChunkLogits(job.hidden, job.weight, job.bias, job.transform, job.buffer_rows)
+    blocks = row_blocks(job.buffer_rows, vocab, device=job.hidden.device)
+    scratch = _Scratch(blocks[0].stop, vocab, logits_of.buf.dtype, job.hidden.device)
     for rows in chunks:
-        h = hidden[rows]  # the forward's operand: same slice, same layout
+        h = job.hidden[rows]  # the forward's operand: same slice, same layout
         z = logits_of(h)
         with single_threaded(z.device):  # the GEMMs keep the caller's threads (safevocab.threads)
             for block in row_blocks(rows.stop - rows.start, vocab, device=z.device):
                 at = slice(rows.start + block.start, rows.start + block.stop)
-                _backward_block(z[block], coef, at, transform, scratch, support, check_sizes)
-        accumulate_chunk_grads(z, h, weight, rows, grads, coef.grad_shift)  # z now holds the logits gradient
+                _backward_block(z[block], coef, at, job.transform, scratch, job.support, check_sizes)
+        accumulate_chunk_grads(z, h, job.weight, rows, grads, coef.grad_shift)  # z now holds the logits gradient
 
 
 def _backward_block(z, coef: Coefficients, at: slice, transform: Transform, scratch: _Scratch, support, check_sizes):
@@ -378,9 +362,29 @@ def _set_gradient(z, m, keep_f, coef: Coefficients, at, c_safe, c_full, g_ent, s
     return per_logit.mul_(e).neg_()
 
 
+def log_normalised(
+    z: torch.Tensor, row_max: torch.Tensor, log_sum: torch.Tensor, one_pass: bool = True
+) -> torch.Tensor:
+    """``(z - m) - log_sum`` as a new ``[n, V]`` tensor (``row_max``, ``log_sum``: ``[n, 1]``), max-shifted.
+
+    The forward forms ``log_sum`` from ``fl(z - m)``; two passes reproduce that rounding exactly. With
+    ``one_pass`` (sets that hold the argmax, so ``0 <= log_sum <= log V``), ``z - fl(m + log_sum)`` is used
+    instead when forming ``m + log_sum`` rounds away less than an ulp of ``log_sum`` (ordinary temperatures):
+    one pass over ``[n, V]`` instead of two, equal to fp32 rounding. At ``|m| ~ 1e7`` (tiny temperatures)
+    ``m + log 3`` would lose the ``log 3`` that separates three tied logits, and a replayed set far below the
+    maximum (``log_sum`` very negative) needs the forward's own rounding of ``z - m``: two passes then.
+    """
+    if one_pass:
+        offset = row_max + log_sum
+        exact = ((offset - row_max) - log_sum).abs() <= torch.finfo(log_sum.dtype).eps * (1 + log_sum.abs())
+        if bool(exact.all()):
+            return z - offset
+    return (z - row_max).sub_(log_sum)
+
+
 def log_normalised_(z: torch.Tensor, row_max: torch.Tensor, log_sum: torch.Tensor) -> torch.Tensor:
     """``(z - m) - log_sum`` in place (one pass where ``m + log_sum`` rounds away less than an ulp of ``log_sum``;
-    :func:`safevocab.chunking.log_normalised`)."""
+    :func:`log_normalised`)."""
     offset = row_max + log_sum
     exact = ((offset - row_max) - log_sum).abs() <= torch.finfo(log_sum.dtype).eps * (1 + log_sum.abs())
     if bool(exact.all()):
@@ -388,25 +392,19 @@ def log_normalised_(z: torch.Tensor, row_max: torch.Tensor, log_sum: torch.Tenso
     return z.sub_(row_max).sub_(log_sum)
 
 
-def full_softmax_backward(
-    idx: torch.Tensor,
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    coef: Coefficients,
-    transform: Transform,
-    chunk_rows: int,
-    grads: tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None],
-) -> None:
-    """``-c_F pi + g_lp 1[a=y not in S]`` for the rows ``idx`` (their safe-set part comes from the sparse path).
+def full_softmax_backward(job: ChunkJob, idx: torch.Tensor, coef: Coefficients, grads: Grads) -> None:
+    """Add ``-c_F pi + g_lp 1[a=y not in S]`` for the rows ``idx`` (``[k]`` int64, ascending) to ``grads`` (their
+    safe-set part comes from the sparse path).
 
     ``pi = exp((z - m) - log sum_V exp(z - m))`` uses the forward's ``m`` and ``log sum_V``, so ``z`` must be the
     forward's logits bit for bit: each chunk holding such rows is recomputed whole, on the forward's own row slice
-    (:func:`forward_chunks_of`). Logits of another GEMM layout (e.g. ``hidden.index_select`` of the rows) may be an
-    ulp ``delta`` off, and ``exp(delta / T)`` against the forward's normaliser is unbounded at small ``T``. Only
-    the rows ``idx`` go through the element-wise pass and the gradient GEMMs."""
-    logits_of = ChunkLogits(hidden, weight, bias, transform, min(chunk_rows, hidden.shape[0]))  # the forward's buffer
-    for rows, at in forward_chunks_of(idx, hidden.shape[0], chunk_rows):
+    (:meth:`~safevocab.fused.chunking.ChunkJob.chunks_of`). Logits of another GEMM layout (e.g.
+    ``hidden.index_select`` of the rows) may be an ulp ``delta`` off, and ``exp(delta / T)`` against the forward's
+    normaliser is unbounded at small ``T``. Only the rows ``idx`` go through the element-wise pass and the gradient
+    GEMMs."""
+    hidden = job.hidden
+    logits_of = ChunkLogits(hidden, job.weight, job.bias, job.transform, job.buffer_rows)  # the forward's buffer
+    for rows, at in job.chunks_of(idx):
         z = logits_of(hidden[rows])
         if isinstance(at, slice):  # the whole chunk: its other rows have c_F = 0 and g_lp 1[y not in S] = 0
             h = hidden[rows]
@@ -415,11 +413,11 @@ def full_softmax_backward(
         grad = log_normalised(z, coef.row_max[at].unsqueeze(-1), coef.log_sum_full[at].unsqueeze(-1)).exp_()
         grad.mul_(coef.c_full[at].neg().unsqueeze(-1))
         grad.scatter_add_(-1, coef.targets[at].unsqueeze(-1), coef.g_target_out[at].unsqueeze(-1))
-        grad = transform.backward_(grad, z)
+        grad = job.transform.backward_(grad, z)
         if coef.grad_shift != 1.0:
             grad.mul_(1.0 / coef.grad_shift)
         del z
-        accumulate_chunk_grads(grad, h, weight, at, grads, coef.grad_shift)
+        accumulate_chunk_grads(grad, h, job.weight, at, grads, coef.grad_shift)
         del grad
 
 
@@ -433,15 +431,11 @@ class TorchBackend:
 
     supports_replay = True
 
-    def forward(
-        self, hidden, weight, bias, targets, rule, transform, chunk_rows, stats, sparse_max_density, support=None
-    ):
-        return torch_forward(
-            hidden, weight, bias, targets, rule, transform, chunk_rows, stats, sparse_max_density, support
-        )
+    def forward(self, job: ChunkJob, stats: RowStats, sparse_max_density: float | None) -> list[SparseChunk]:
+        return torch_forward(job, stats, sparse_max_density)
 
-    def dense_backward(self, chunks, hidden, weight, bias, coef, transform, chunk_rows, grads, rule, support=None):
-        dense_backward(chunks, hidden, weight, bias, coef, transform, chunk_rows, grads, support)
+    def dense_backward(self, job: ChunkJob, chunks: list[slice], coef: Coefficients, grads: Grads) -> None:
+        dense_backward(job, chunks, coef, grads)
 
-    def full_softmax_backward(self, idx, hidden, weight, bias, coef, transform, chunk_rows, grads, rule):
-        full_softmax_backward(idx, hidden, weight, bias, coef, transform, chunk_rows, grads)
+    def full_softmax_backward(self, job: ChunkJob, idx: torch.Tensor, coef: Coefficients, grads: Grads) -> None:
+        full_softmax_backward(job, idx, coef, grads)

@@ -11,24 +11,26 @@ style, one file per op:
   place (the two gradient GEMMs follow in torch).
 - :mod:`safevocab.kernels.common`: the logit transform both kernels apply.
 
-The per-chunk driver that calls them is :class:`safevocab.backends.triton_backend.TritonBackend`; which backend
+The per-chunk driver that calls them is :class:`safevocab.backends.triton.TritonBackend`; which backend
 runs is chosen in :mod:`safevocab.backends.registry`, from the probes of the Triton runtime defined here
 (:func:`triton_import_error`, :func:`interpreter_on`, :func:`compiled_kernels_loaded`).
 
 Thresholds: ``NoPruning``, ``MinP`` and ``MinProb`` are computed inside the forward kernel
 (:func:`kernel_threshold`). ``TopK``, ``TopP`` and their compositions (bf16/fp16/fp32 inputs) get theirs from
 :mod:`safevocab.kernels.threshold_select` (a slot-max sketch bounds the threshold from below, the few candidates above
-it are compacted and decided exactly; no sort of the vocabulary, no fp32 copy). Other rules (subclasses, fp64
-inputs) compute their per-row threshold in torch with the rule's own code, on logits transformed in torch, and the
-kernels fold the rest (logged at DEBUG level on the ``"safevocab"`` logger).
+it are compacted and decided exactly, in torch, by :mod:`safevocab.kernels.candidate_thresholds`; no sort of the
+vocabulary, no fp32 copy). Other rules (subclasses, fp64 inputs) compute their per-row threshold in torch with the
+rule's own code, on logits transformed in torch, and the kernels fold the rest (logged at DEBUG level on the
+``"safevocab"`` logger). :class:`safevocab.backends.triton.route.Route` decides which, once per call.
 
 Sparse backward (chunks whose ``S`` the forward stored, and every replayed support):
 :mod:`safevocab.kernels.kept_entries` gathers ``S``'s entries from a half-precision GEMM output with the forward's
 own transform, and :mod:`safevocab.kernels.sparse_backward` turns them into the input gradients without ``[rows, V]``.
 
 This package's ``__init__`` never imports Triton: ``safevocab`` imports (and ``backend="auto"`` works)
-without it; the op modules import it. Triton runs on CUDA; on CPU only through its interpreter
-(``TRITON_INTERPRET=1``, set before ``triton`` is first imported in the process), which the tests use.
+without it; the op modules import it (:mod:`~safevocab.kernels.candidate_thresholds`, torch only, does not). Triton
+runs on CUDA; on CPU only through its interpreter (``TRITON_INTERPRET=1``, set before ``triton`` is first imported
+in the process), which the tests use.
 """
 
 from __future__ import annotations

@@ -2,7 +2,8 @@
 
 Per row, with the forward's threshold ``t``, row maximum ``m``, ``log sum_S exp(z - m)``,
 ``log sum_V exp(z - m)``, entropy ``H`` and the per-row coefficients of
-:class:`safevocab.chunking.Coefficients` (``c_S = g_lp 1[y in S] - g_k``, ``c_F = g_lp 1[y not in S] + g_k``)::
+:class:`safevocab.fused.coefficients.Coefficients` (``c_S = g_lp 1[y in S] - g_k``,
+``c_F = g_lp 1[y not in S] + g_k``)::
 
     grad_z = g_lp 1[a=y] - pi_S (c_S + g_H (log pi_S + H)) - c_F pi
 

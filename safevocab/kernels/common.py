@@ -46,7 +46,7 @@ def transform(
 ):
     """``logit_scale``, then ``softcap * tanh(z / softcap)``, then ``/ temperature`` (the sampler's order).
 
-    Same operations, in the same order, as ``safevocab.chunking.Transform.apply_``; the identity steps
+    Same operations, in the same order, as ``safevocab.fused.transform.Transform.apply_``; the identity steps
     are compiled out. The scalars are cast to ``z``'s dtype (a caller may pass fp64 Python floats).
     ``-inf`` stays ``-inf`` through the softcap (a token of probability 0 never enters ``S``).
     """

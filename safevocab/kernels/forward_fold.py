@@ -14,7 +14,7 @@ One program per row. With ``m`` the row maximum and ``t`` the threshold (``S = {
 Every sum is a scalar, reduced once per column block (as trl's kernel does), not a ``[BLOCK]`` vector:
 fewer registers per program, more programs resident, more of the re-read row still in L2.
 
-Outputs per row, max-shifted as :class:`safevocab.chunking.RowStats` (no ``m + log sum`` is ever
+Outputs per row, max-shifted as :class:`safevocab.fused.row_stats.RowStats` (no ``m + log sum`` is ever
 formed, so huge logits lose no precision): ``threshold``, ``row_max = m``, ``log_sum_safe = log sum_S e``,
 ``log_sum_full = log sum_V e``, ``target_shift = z_y - m``, ``in_safe = z_y >= t``, ``safe_size = |S|``
 and ``entropy(pi_S) = log sum_S e - sum_S e (z - m) / sum_S e`` (the torch path's formula).

@@ -1,9 +1,9 @@
 """Sparse backward: the safe-set part of the input gradients from the stored entries of ``S``, no ``[rows, V]``.
 
 The forward stored, per row ``t`` of a sparse chunk, the entries of ``S_t`` as CSR (int32 column ``a``, fp32
-``s = z_{t,a} - m_S``; :class:`safevocab.chunking.SparseChunk`). Off ``S`` the safe-set part of the logits gradient is
-exactly 0, and on ``S`` it is formed on the fly from ``s`` and the row's coefficients
-(:class:`safevocab.chunking.Coefficients`), exactly the formula of :mod:`safevocab.kernels.backward_fold`::
+``s = z_{t,a} - m_S``; :class:`safevocab.fused.row_stats.SparseChunk`). Off ``S`` the safe-set part of the logits
+gradient is exactly 0, and on ``S`` it is formed on the fly from ``s`` and the row's coefficients
+(:class:`safevocab.fused.coefficients.Coefficients`), exactly the formula of :mod:`safevocab.kernels.backward_fold`::
 
     log pi_S = s - log sum_S exp(z - m_S)
     g_{t,a}  = g_lp 1[a = y] - pi_S (c_S + g_H (log pi_S + H))
@@ -18,8 +18,8 @@ clamped to 1) and ``logit_scale / T``. Then, in fp32 (fp64 for fp64 inputs)::
 Every output row is read once, added to in the accumulator's precision and written once: a fixed summation order
 (deterministic), no atomics, and no fp32 ``[V, H]`` buffer needed (the gradient may be the weight's own dtype): rows
 of ``dW`` outside the union of the ``S`` are not touched. ``grad_shift`` (a power of two, fp16 inputs at tiny
-temperatures, :func:`safevocab.chunking.fp16_grad_shift`): ``g`` is formed divided by it and the sums multiplied
-back, exactly as the dense path scales its GEMM products.
+temperatures, :func:`safevocab.fused.coefficients.fp16_grad_shift`): ``g`` is formed divided by it and the sums
+multiplied back, exactly as the dense path scales its GEMM products.
 """
 
 from __future__ import annotations
@@ -223,6 +223,13 @@ def _grad_weight_kernel(
             tl.store(gb_ptr + a, (old_b + tl.sum(acc_b, axis=0) * scale).to(gb_ptr.dtype.element_ty))
 
 
+def row_contiguous(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself where each row's elements are adjacent, as the kernels index them (``row * stride(0) + column``),
+    else a contiguous copy. A single column counts whatever its stride: torch calls a ``[V, 1]`` view with strides
+    ``(1, V)`` contiguous, and it is, row by row."""
+    return t if t.shape[-1] == 1 or t.stride(-1) == 1 else t.contiguous()
+
+
 def sparse_backward(
     rows: torch.Tensor,
     counts: torch.Tensor,
@@ -252,7 +259,7 @@ def sparse_backward(
         cols, shifted: ``[nnz]`` the entries row after row: int32 column, ``z - m_S`` (stats dtype).
         targets, log_sum_safe, c_safe, g_lp, g_ent, entropy, set_max: ``[N]`` per-row values indexed by the global
             row (``Coefficients``; ``g_ent``/``entropy`` ``None`` without an entropy gradient).
-        hidden, weight: ``[N, H]``, ``[V, H]``, row-contiguous.
+        hidden, weight: ``[N, H]``, ``[V, H]``, any strides (a view whose rows are not contiguous is copied).
         grad_hidden, grad_weight, grad_bias: added to (``None``: not needed), any float dtype; each touched row is
             read and written once.
         temperature, softcap, logit_scale: the transform (its chain rule).
@@ -260,7 +267,7 @@ def sparse_backward(
     """
     if rows.numel() == 0 or cols.numel() == 0:
         return
-    assert hidden.stride(1) == 1 and weight.stride(1) == 1, "hidden and weight must be row-contiguous"
+    hidden, weight = row_contiguous(hidden), row_contiguous(weight)
     n_h = hidden.shape[1]
     block_h = min(triton.next_power_of_2(n_h), MAX_BLOCK_H)
     has_ent = g_ent is not None

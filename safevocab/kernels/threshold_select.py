@@ -59,7 +59,8 @@ rule's own torch code.
 
 The masses follow ``safevocab.nucleus``: ``T`` in fp32 partials added in fp64. The kernel's and the rule's ``T`` are
 two roundings of one sum (~1e-8 relative apart): a row whose ``top_p`` or ``min_prob`` decision lies within
-``safevocab.candidate_thresholds.MASS_MARGIN`` of a boundary goes to the fallback, so the sets stay the rule's.
+``safevocab.kernels.candidate_thresholds.MASS_MARGIN`` of a boundary goes to the fallback, so the sets stay the
+rule's.
 """
 
 from __future__ import annotations
@@ -70,8 +71,8 @@ import torch
 import triton
 import triton.language as tl
 
-from safevocab.candidate_thresholds import SelectionPlan, decide_thresholds, selection_plan
 from safevocab.kernels import interpreter_on
+from safevocab.kernels.candidate_thresholds import SelectionPlan, decide_thresholds, selection_plan
 from safevocab.kernels.common import transform
 from safevocab.rules import finite_floor
 

@@ -1,13 +1,13 @@
 """Choose the fused op's backward path in tests: ``density`` 0.0 forces the dense backward (recomputation) and 1.0
 the sparse one (stored ``S``), on every backend: the torch sparse GEMMs read ``SPARSE_MAX_DENSITY``, a backend's own
-sparse backward (Triton) ``KERNEL_SPARSE_MAX_DENSITY`` (:func:`safevocab.fused_op.sparse_density`)."""
+sparse backward (Triton) ``KERNEL_SPARSE_MAX_DENSITY`` (:func:`safevocab.fused.op.sparse_density`)."""
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
 
-from safevocab import fused_op
+from safevocab.fused import op as fused_op
 
 DENSITY_NAMES = ("SPARSE_MAX_DENSITY", "KERNEL_SPARSE_MAX_DENSITY")
 

@@ -18,8 +18,8 @@ As a script (a fresh interpreter; also under ``torchrun``, one run per process):
     python tests/helpers/kill_during_save.py MODEL_DIR OUTPUT_DIR STEP POINT [--stock]
     python tests/helpers/kill_during_save.py MODEL_DIR OUTPUT_DIR --resume CHECKPOINT|latest
 
-``--stock`` trains plain ``trl.GRPOTrainer`` instead of ``SafeVocabGRPOTrainer``; ``--resume`` trains
-``SafeVocabGRPOTrainer`` from ``CHECKPOINT`` (``latest``: ``resume_from_checkpoint=True``), killing nothing.
+``--stock`` trains plain ``trl.GRPOTrainer`` instead of ``HardenedSafeVocabGRPOTrainer``; ``--resume`` trains
+``HardenedSafeVocabGRPOTrainer`` from ``CHECKPOINT`` (``latest``: ``resume_from_checkpoint=True``), killing nothing.
 """
 
 from __future__ import annotations
@@ -44,9 +44,11 @@ def make_trainer(model_dir, output_dir, *, stock: bool = False, eval_dataset=Non
         from trl import GRPOConfig, GRPOTrainer
 
         return GRPOTrainer(model=model_dir, reward_funcs=vowel_reward, args=GRPOConfig(**kwargs), **data)
-    from trl_integration import SafeVocabGRPOConfig, SafeVocabGRPOTrainer
+    from trl_integration import HardenedSafeVocabGRPOTrainer, SafeVocabGRPOConfig
 
-    return SafeVocabGRPOTrainer(model=model_dir, reward_funcs=vowel_reward, args=SafeVocabGRPOConfig(**kwargs), **data)
+    return HardenedSafeVocabGRPOTrainer(
+        model=model_dir, reward_funcs=vowel_reward, args=SafeVocabGRPOConfig(**kwargs), **data
+    )
 
 
 def install_kill(step: int, point: str) -> None:

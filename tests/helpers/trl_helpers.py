@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+os.environ.setdefault("SAFEVOCAB_EXPERIMENTAL_SILENCE", "1")  # the lab's and the study's import notice (tested apart)
 os.environ.setdefault("WANDB_DISABLED", "true")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -95,3 +96,23 @@ def grpo_kwargs(output_dir, **overrides):
     )
     kwargs.update(overrides)
     return tiny_grpo_config_kwargs(**kwargs)
+
+
+def make_trainer(model_dir, output_dir, trainer_cls=None, config_cls=None, *, reward_funcs=None, train_dataset=None,
+                 trainer_kwargs=None, **config):  # fmt: skip
+    """A trainer on the test settings (:func:`grpo_kwargs` with ``config``): ``trainer_cls(model=model_dir, ...)``
+    (default ``SafeVocabGRPOTrainer``, config ``SafeVocabGRPOConfig``; trl's ``GRPOTrainer``/``GRPOConfig`` for a stock
+    reference), the vowel reward, :func:`prompt_dataset` and the tiny tokenizer unless given; ``trainer_kwargs`` go to
+    the trainer (``rollout_perturbation=``, ...)."""
+    from trl_integration import SafeVocabGRPOConfig, SafeVocabGRPOTrainer
+
+    trainer_cls = trainer_cls or SafeVocabGRPOTrainer
+    args = (config_cls or SafeVocabGRPOConfig)(**grpo_kwargs(output_dir, **config))
+    return trainer_cls(
+        model=model_dir,
+        reward_funcs=vowel_reward if reward_funcs is None else reward_funcs,
+        args=args,
+        train_dataset=prompt_dataset() if train_dataset is None else train_dataset,
+        processing_class=build_tokenizer(),
+        **(trainer_kwargs or {}),
+    )

@@ -23,7 +23,7 @@ from safevocab import (
     safe_log_softmax,
     transform_logits,
 )
-from safevocab.chunking import ChunkLogits
+from safevocab.fused.chunking import ChunkLogits
 from safevocab.schedulers import LengthDecayLR, SurgeDetector
 
 # ---------------------------------------------------------------------------------------------- 1. backward uses the forward's S

@@ -1,7 +1,7 @@
 """safevocab.correction.importance_sampling_ratio: bounds, masks and infinite log-probabilities (issue 37, N4b).
 
 trl's own semantics (the four modes, NaN rollout log-probs give ratio 1) are pinned against trl in
-``tests/trl_integration/grpo/test_trl_safe_vocab_step.py``; these pin the inputs trl does not check.
+``tests/trl_integration/grpo/test_step.py``; these pin the inputs trl does not check.
 """
 
 from __future__ import annotations

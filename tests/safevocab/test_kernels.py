@@ -41,7 +41,7 @@ try:
     )
     forward_fold = importlib.import_module("safevocab.kernels.forward_fold")
     backward_fold = importlib.import_module("safevocab.kernels.backward_fold")
-    triton_backend = importlib.import_module("safevocab.backends.triton_backend")  # imports every kernel module
+    triton_package = importlib.import_module("safevocab.backends.triton")  # imports every kernel module
 finally:
     if _previous_interpret is None:
         os.environ.pop("TRITON_INTERPRET", None)
@@ -177,11 +177,11 @@ def test_triton_rl_gradient_dense_and_sparse(rule, transform, backward_path, mon
     hidden, weight, bias, targets = make_inputs(n=40, v=300)
     params = (hidden, weight, bias)
     sparse_calls = []
-    sparse_backward = triton_backend.triton_sparse_backward
+    sparse_backward = triton_package.sparse_backward  # (job, chunks, coef, grads)
     monkeypatch.setattr(
-        triton_backend,
-        "triton_sparse_backward",
-        lambda *a: (sparse_calls.append(1) if a[0] else None, sparse_backward(*a)),
+        triton_package,
+        "sparse_backward",
+        lambda *a: (sparse_calls.append(1) if a[1] else None, sparse_backward(*a)),
     )
     tri = run_backend("triton", rule, params, targets, **transform)
     w = torch.randn(40, generator=torch.Generator().manual_seed(3)).to(DEVICE)
@@ -467,10 +467,9 @@ def test_forward_fold_shows_a_nan_or_inf_logit_in_its_statistics(mode, monkeypat
 
 
 def _chunk_sizes(n_rows, budget, rule="none", vocab=151936, in_bytes=2):
-    from safevocab.backends.triton_backend import triton_chunk_rows
-    from safevocab.chunking import chunk_slices
+    from safevocab.fused.chunking import chunk_slices
 
-    rows = triton_chunk_rows(n_rows, vocab, parse_rule(rule), in_bytes, budget)
+    rows = triton_package.TritonBackend().rows_per_chunk(n_rows, vocab, parse_rule(rule), in_bytes, budget)
     return rows, [s.stop - s.start for s in chunk_slices(n_rows, rows)]
 
 
@@ -490,7 +489,7 @@ def test_triton_chunk_rows_are_balanced_multiples_of_128():
 
 
 def test_balanced_chunk_rows_fit_and_never_add_a_chunk():
-    from safevocab.chunking import balanced_chunk_rows, chunk_slices
+    from safevocab.fused.chunking import balanced_chunk_rows, chunk_slices
 
     for n_rows in (1, 2, 127, 128, 129, 300, 1000, 4097, 8192, 16385):
         for max_rows in (1, 3, 100, 127, 128, 129, 256, 1000, 3533, 4416, 10**6):
@@ -508,13 +507,13 @@ def test_balanced_chunk_rows_fit_and_never_add_a_chunk():
 def test_dw_side_stream_gives_the_same_gradients(dtype, monkeypatch):
     """The private ``_DW_SIDE_STREAM`` switch (dW GEMM on a side stream, issue 41) changes no gradient: the chunk
     buffer is reused only after the side stream's GEMM, and ``grad_weight`` is read after it."""
-    import safevocab.chunking as chunking
+    import safevocab.fused.grads as grads_module
 
     params = make_inputs(n=300, h=64, v=3000, dtype=dtype, bias=True)
     targets = params[3]
     runs = []
     for on in (False, True):
-        monkeypatch.setattr(chunking, "_DW_SIDE_STREAM", on)
+        monkeypatch.setattr(grads_module, "_DW_SIDE_STREAM", on)
         out = run_backend("triton", "min_p=0.01", params[:3], targets, max_chunk_bytes=64 * 3000 * 4)
         runs.append(grads_of(random_loss(out), params[:3]))
     for a, b in zip(*runs):

@@ -146,7 +146,7 @@ TRANSFORMS = [{}, {"temperature": 0.6}, {"softcap": 2.5, "logit_scale": 1.7, "te
 @pytest.fixture(params=["dense", "sparse", "auto"])
 def backward_path(request, monkeypatch):
     """Force the dense backward (density cap 0), the sparse one (cap 1) or leave the library's choice."""
-    import safevocab.fused_op as chunked
+    import safevocab.fused.op as chunked
 
     if request.param != "auto":
         monkeypatch.setattr(chunked, "SPARSE_MAX_DENSITY", 0.0 if request.param == "dense" else 1.0)
@@ -205,7 +205,7 @@ def test_half_grad_hidden_is_the_float64_gradient_rounded_once(dtype):
 def test_fp32_grad_hidden_buffer_accumulates_several_products_in_fp32():
     """Several products added into the same rows (the sparse and full-softmax parts of a row, several vocabulary
     pieces) stay in fp32 until the single rounding: each piece rounded to bf16 and summed in bf16 drifts."""
-    from safevocab.chunking import accumulate_chunk_grads
+    from safevocab.fused.grads import accumulate_chunk_grads
 
     g = torch.Generator().manual_seed(3)
     n, h, v, pieces = 16, 64, 4096, 8
@@ -226,12 +226,12 @@ def test_fp32_grad_hidden_buffer_accumulates_several_products_in_fp32():
 
 def test_dw_side_stream_switch_changes_nothing_off_cuda(monkeypatch):
     """The private dW side-stream switch (issue 41) is guarded by ``device.type == "cuda"``: on the CPU it is a no-op."""
-    import safevocab.chunking as chunking
+    import safevocab.fused.grads as grads_module
 
     hidden, weight, bias, targets = make_inputs(n=20, v=300, dtype=torch.bfloat16)
     runs = []
     for on in (False, True):
-        monkeypatch.setattr(chunking, "_DW_SIDE_STREAM", on)
+        monkeypatch.setattr(grads_module, "_DW_SIDE_STREAM", on)
         out = fused_safe_logprobs(hidden, weight, targets, "min_p=0.1", bias=bias, compute_entropy=True)
         runs.append(grads(out, (hidden, weight, bias)))
     for a, b in zip(*runs):

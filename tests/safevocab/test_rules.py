@@ -288,3 +288,10 @@ def test_integer_logits_raise_naming_the_dtype(dtype):
     for call in (MinP(0.1).threshold, TopP(0.5).keep_mask, TopK(1).threshold_and_max):
         with pytest.raises(TypeError, match=rf"^z.dtype={dtype} is not accepted: accepted a float dtype"):
             call(torch.tensor([[1, 2, 3]], dtype=dtype))
+
+
+@pytest.mark.parametrize("text", ["min_p=0.01;top_k=5", "min_p=0.01 top_k=5", "top_k=5&min_p=0.01"])
+def test_another_separator_is_answered_with_the_comma(text):
+    """Issue 53: ``min_p=0.01;top_k=5`` got "not a number" without saying how parts are separated."""
+    with pytest.raises(ValueError, match=r"separate its parts with a comma, e.g. 'min_p=0.01,top_k=5'$"):
+        parse_rule(text)

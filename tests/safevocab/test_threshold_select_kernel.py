@@ -14,11 +14,12 @@ from hypothesis import strategies as st
 
 # test_kernels imports Triton under its interpreter on CPU (or skips the module when it cannot) and brings every
 # kernel module in through the Triton backend: the same set-up, and its fixture (autouse), for these tests
-from test_kernels import DEVICE, kernel_env, triton_backend  # noqa: F401
+from test_kernels import DEVICE, kernel_env, triton_package  # noqa: F401
 
+import safevocab.backends.triton.route as triton_route
 import safevocab.kernels.threshold_select as ts
 from safevocab import fused_safe_logprobs, parse_rule
-from safevocab.candidate_thresholds import MASS_MARGIN
+from safevocab.kernels.candidate_thresholds import MASS_MARGIN
 from safevocab.rules import finite_floor
 
 TRANSFORMS = [{}, {"temperature": 0.7}, {"softcap": 2.5, "scale": 1.7, "temperature": 1.3}]
@@ -234,13 +235,13 @@ def make_inputs(n=24, h=16, v=400, dtype=torch.float32, seed=0):
 def test_fused_forward_backward_match_the_torch_backend(spec, dtype, monkeypatch):
     """The Triton backend takes the selection kernel (no fp32 ChunkLogits copy) and matches the torch backend."""
     calls = []
-    original = triton_backend.select_thresholds
-    monkeypatch.setattr(triton_backend, "select_thresholds", lambda *a, **k: calls.append(1) or original(*a, **k))
+    original = triton_route.select_thresholds
+    monkeypatch.setattr(triton_route, "select_thresholds", lambda *a, **k: calls.append(1) or original(*a, **k))
 
     def no_copy(*args, **kwargs):
         raise AssertionError("the selection path builds no fp32 ChunkLogits copy")
 
-    monkeypatch.setattr(triton_backend, "ChunkLogits", no_copy)
+    monkeypatch.setattr(triton_route, "ChunkLogits", no_copy)
     hidden, weight, targets = make_inputs(dtype=dtype)
     outs, grads = [], []
     for backend in ("triton", "torch"):
@@ -264,10 +265,11 @@ def test_fused_forward_backward_match_the_torch_backend(spec, dtype, monkeypatch
 def test_chunk_rows_count_two_bytes_a_logit_for_selection_rules(monkeypatch):
     rule = parse_rule("top_k=50,top_p=0.9")
     budget, vocab = 64 << 20, 151936
-    rows = triton_backend.triton_chunk_rows(10**6, vocab, rule, 2, budget)
+    backend = triton_package.TritonBackend()
+    rows = backend.rows_per_chunk(10**6, vocab, rule, 2, budget)
     assert rows == budget // (vocab * 2 + 4 * ts.KCAP + 32)
-    monkeypatch.setattr(triton_backend, "_KERNEL_SELECTION", False)  # the old path: fp32 copy + the rule's scratch
-    assert triton_backend.triton_chunk_rows(10**6, vocab, rule, 2, budget) < rows // 3
+    monkeypatch.setattr(triton_route, "_KERNEL_SELECTION", False)  # the old path: fp32 copy + the rule's scratch
+    assert backend.rows_per_chunk(10**6, vocab, rule, 2, budget) < rows // 3
 
 
 def test_floor_is_finite_floor_for_rows_of_few_finite_logits():

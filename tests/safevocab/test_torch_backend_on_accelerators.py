@@ -15,7 +15,7 @@ from safevocab_reference import reference
 from safevocab import SafeSupport, fused_safe_logprobs, parse_rule
 from safevocab.backends import torch_backend
 from safevocab.backends.torch_backend import ROW_BLOCK_BYTES, ROW_BLOCK_BYTES_ACCELERATOR, row_blocks
-from safevocab.chunking import accumulate_chunk_grads, gemm_operand_dtype
+from safevocab.fused.grads import accumulate_chunk_grads, gemm_operand_dtype
 
 
 @pytest.mark.parametrize("device", [None, "cpu", torch.device("cpu")])
@@ -84,10 +84,10 @@ def test_gradient_gemm_operand_dtype(grad_dtype, input_dtype, device, want):
 
 def test_accumulated_weight_gradient_takes_bf16_operands_into_fp32_on_an_accelerator(monkeypatch):
     """On a non-CPU device the fp32 logits gradient enters the weight GEMM as bf16, accumulated in fp32."""
-    from safevocab import chunking
+    from safevocab.fused import grads as grads_module
 
     seen = []
-    monkeypatch.setattr(chunking, "addmm_fp32", lambda acc, a, b: seen.append((acc.dtype, a.dtype, b.dtype)))
+    monkeypatch.setattr(grads_module, "addmm_fp32", lambda acc, a, b: seen.append((acc.dtype, a.dtype, b.dtype)))
     grad = torch.empty(4, 7, device="meta")
     h, weight = (
         torch.empty(4, 3, dtype=torch.bfloat16, device="meta"),

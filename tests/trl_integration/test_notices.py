@@ -58,3 +58,21 @@ def test_import_changes_no_process_wide_setting():
     and vLLM's logger filters as they were: only the entry points install the notice filters."""
     proc = subprocess.run([sys.executable, "-c", IMPORT_SCRIPT], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def test_importing_the_trainer_hides_trls_vllm_range_notice_and_keeps_the_callers_filters():
+    """Issue 53: from Python, trl's "supports vLLM versions from 0.22.0 to 0.31.0" notice printed four times without
+    vLLM in use. The fence imports trl with the notice ignored for that import only: no filter of ours stays behind,
+    and a later identical warning of the caller's own still shows."""
+    import subprocess
+    import sys
+
+    code = (
+        "import warnings\n"
+        "import trl_integration.grpo.trainer\n"
+        "assert not [f for f in warnings.filters if f[1] is not None and 'TRL currently' in f[1].pattern]\n"
+        "warnings.warn('TRL currently supports vLLM versions (the caller)', UserWarning)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stderr.count("TRL currently supports vLLM versions") == 1 and "(the caller)" in done.stderr

@@ -16,10 +16,12 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from collections.abc import Sequence
 
 from trl_integration.commands.errors import USAGE_ERROR, fail
+from trl_integration.experimental import SILENCE_VARIABLE
 from trl_integration.notices import filter_known_notices
 
 # The entry points' console: third-party notices that are wrong for this install are filtered (notices.py), before a
@@ -73,4 +75,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if name not in COMMANDS:
         return fail(PROG, f"unknown command {name!r}: accepted one of {', '.join(COMMANDS)}")
+    # the experimental tools' own command lines: their user asked for the tool (trl_integration.experimental)
+    os.environ.setdefault(SILENCE_VARIABLE, "1")
     return load(name).main(rest)

@@ -225,9 +225,14 @@ def _resolve_model(model: str | None) -> str:
 
         model = resolve_model_alias(model)  # an alias (smollm2-135m) becomes its folder, converted on first use
         if not Path(model).exists():
+            from trl_integration.commands.model_names import closest_alias
+            from trl_integration.demo.model_alias import MODEL_ALIASES
+
+            guess = closest_alias(model, MODEL_ALIASES)
             raise ValueError(
-                f"--model {model!r}: no such directory (pass a local folder saved with save_pretrained; "
-                "diagnose does not download)"
+                f"--model {model!r}: no such directory ({f'did you mean --model {guess}? ' if guess else ''}pass an "
+                f"alias ({', '.join(MODEL_ALIASES)}) or a local folder saved with save_pretrained; diagnose does not "
+                "download)"
             )
         return str(model)
     from trl_integration.demo.model import tiny_model_path

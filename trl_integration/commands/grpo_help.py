@@ -44,9 +44,10 @@ def _add(group, spec: FieldSpec, defaults: dict) -> None:
 
 
 def short_help(prog: str, description: str, safe_vocab: list[FieldSpec], specs: dict[str, FieldSpec],
-               defaults: dict, epilog: str) -> str:  # fmt: skip
-    """The short help text: ``safe_vocab`` (the safe-vocabulary fields, in source order), then :data:`COMMON_FLAGS`
-    (found in ``specs``, every flag's field), each with its default (``defaults`` first: the bundled job's)."""
+               defaults: dict, epilog: str, aliases: dict[str, str] | None = None) -> str:  # fmt: skip
+    """The short help text: ``--model`` and its ``aliases`` (name -> what it is), ``safe_vocab`` (the safe-vocabulary
+    fields, in source order), then :data:`COMMON_FLAGS` (found in ``specs``, every flag's field), each with its default
+    (``defaults`` first: the bundled job's)."""
     parser = argparse.ArgumentParser(
         prog=prog,
         description=description,
@@ -59,6 +60,10 @@ def short_help(prog: str, description: str, safe_vocab: list[FieldSpec], specs: 
                         "transformers' TrainingArguments, trl's ModelConfig and ScriptArguments), as trl lists them")  # fmt: skip
     parser.add_argument("--config", metavar="FILE.yaml", help="YAML file of flag values (keys: the flag names "
                         "without the dashes); flags given on the command line override it")  # fmt: skip
+    if aliases:
+        listed = "; ".join(f"{name}: {what}" for name, what in aliases.items()).replace("%", "%%")
+        parser.add_argument("--model", metavar="NAME", help=f"a model by alias, with a job sized for it ({listed}); "
+                            "anything else is --model_name_or_path (a local folder, or a Hub id)")  # fmt: skip
     group = parser.add_argument_group("safe-vocabulary flags (SafeVocabGRPOConfig)")
     for spec in safe_vocab:
         _add(group, spec, defaults)

@@ -25,9 +25,11 @@ parser is imported; the command runs them again on the parsed arguments.
 
 from __future__ import annotations
 
+import math
 import os
 import re
 
+from trl_integration.commands.model_names import check_model_name
 from trl_integration.grpo.loss_types import accepted_loss_types, loss_types_in
 
 __all__ = [
@@ -86,6 +88,7 @@ def check_before_loading(
     model = model_args.model_name_or_path
     if model:
         _check_location("--model_name_or_path", model, "a local model directory (save_pretrained) or a Hub id")
+        check_model_name(model)  # a Hub id this machine cannot have: one line now, not the Hub's retries later
     dataset = script_args.dataset_name
     if dataset:
         _check_location(
@@ -93,8 +96,8 @@ def check_before_loading(
             builtin=builtin_datasets,
         )  # fmt: skip
     temperature = training_args.temperature
-    if not temperature > 0:
-        raise ValueError(f"--temperature {temperature}: accepted > 0 (GRPO samples its completions)")
+    if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature > 0):
+        raise ValueError(f"--temperature {temperature}: accepted a finite number > 0 (GRPO samples its completions)")
     if training_args.max_steps == 0 or training_args.max_steps < -1:
         raise ValueError(
             f"--max_steps {training_args.max_steps}: accepted a positive number of steps, or -1 to train by "
@@ -112,6 +115,8 @@ def check_before_loading(
             "save_pretrained (config.json and the weights)"
         )
     output_dir = training_args.output_dir
+    if output_dir is not None and not str(output_dir).strip():  # an unset shell variable, most often
+        raise ValueError("--output_dir '': accepted a folder path (created when missing)")
     if output_dir and os.path.exists(output_dir) and not os.path.isdir(output_dir):
         raise ValueError(f"--output_dir {output_dir!r} is a file: accepted a directory (created when missing)")
 
@@ -121,10 +126,14 @@ def _check_loss_type(loss_type: str, accepted: tuple[str, ...]) -> None:
         raise ValueError(f"--loss_type {loss_type!r}: accepted one of {', '.join(accepted)} (trl's GRPOConfig)")
 
 
-def check_resume_checkpoint(checkpoint: str, allow_missing_state: bool) -> None:
+def check_resume_checkpoint(
+    checkpoint: str, allow_missing_state: bool, model: str | None = None, allowed_changes: list[str] | tuple = ()
+) -> None:
     """Raise ``ValueError`` (one line) for a ``--resume_from_checkpoint`` folder the run would refuse only once the
-    model is loaded (``grpo.checkpoints.checked_resume_checkpoint``): missing, without ``trainer_state.json``, or,
-    unless ``--resume_allow_missing_state``, without the optimizer or scheduler state (``grpo.checkpoints
+    model is loaded (``harness.checkpoint_files.checked_resume_checkpoint``; with ``model``, a local folder, also
+    ``harness.checkpoint_identity.foreign_checkpoint_problem``: another model's checkpoint by its settings file and
+    weights header, unless ``allowed_changes`` names the setting): missing, without ``trainer_state.json``, or,
+    unless ``--resume_allow_missing_state``, without the optimizer or scheduler state (``harness.checkpoint_files
     .missing_state``'s rule for them: ``optimizer.pt``, ``optimizer.bin`` or an ``optimizer*`` folder, ``scheduler.pt``;
     DeepSpeed's ``global_step*`` holds both). What depends on the run (the RNG state per process, the fp16 scaler,
     the length-decay state, whole files) is checked when the trainer resumes."""
@@ -150,6 +159,13 @@ def check_resume_checkpoint(checkpoint: str, allow_missing_state: bool) -> None:
             "learning-rate schedule (transformers loads the two only together) fresh; accepted a checkpoint that has "
             "them, or --resume_allow_missing_state true to accept that"
         )
+    if model is not None and os.path.isdir(os.path.expanduser(model)):
+        # another model's checkpoint, from the files alone: the harness's message, before the model loads
+        from trl_integration.harness.checkpoint_identity import foreign_checkpoint_problem
+
+        problem = foreign_checkpoint_problem(folder, os.path.expanduser(model), allowed_changes)
+        if problem is not None:
+            raise ValueError(problem)
 
 
 def _has_config(folder: str) -> bool:

@@ -101,6 +101,7 @@ def check_settings(settings: Settings, loss_types: tuple[str, ...], builtin_data
       one of ``loss_types``, an ``--output_dir`` that is a file), when every value they read is known;
     - ``--num_generations`` below 2 or not dividing the generation batch (``batch_errors.check_generations``;
       ``batch_size``: ``(per_device_train_batch_size's default, where it comes from)``);
+    - ``--safe_vocab_support replay`` without ``--use_vllm`` (the command has no other engine to replay);
     - a ``--resume_from_checkpoint`` folder missing, or lacking trainer, optimizer or scheduler state;
     - a local ``--dataset_name`` without a ``prompt`` column;
     - no ``--reward_funcs`` for a dataset of the user's own, a name neither known nor a dotted path, or one whose
@@ -119,9 +120,19 @@ def check_settings(settings: Settings, loss_types: tuple[str, ...], builtin_data
                              SimpleNamespace(model_name_or_path=values["model_name_or_path"]), builtin_datasets,
                              loss_types)  # fmt: skip
     check_generations(values, settings.given, batch_size, processes=int(os.environ.get("WORLD_SIZE", "1") or 1))
+    if values.get("safe_vocab_support") == "replay" and values.get("use_vllm") is not True:
+        # the command has no rollout_func: vLLM is the only engine whose kept sets it can replay
+        raise ValueError(
+            "--safe_vocab_support replay needs the engine's kept sets, which this command gets from vLLM only: "
+            "accepted with --use_vllm true, or from Python with a rollout_func returning 'sampling_mask' "
+            "(docs/trl.md#exact-support-replay)"
+        )
     checkpoint = values.get("resume_from_checkpoint")
     if isinstance(checkpoint, str):
-        check_resume_checkpoint(checkpoint, values.get("resume_allow_missing_state") is True)
+        model = values.get("model_name_or_path")
+        allowed = values.get("resume_allow_changed_settings") or []
+        check_resume_checkpoint(checkpoint, values.get("resume_allow_missing_state") is True,
+                                model if isinstance(model, str) else None, allowed if isinstance(allowed, list) else [])  # fmt: skip
     dataset = values.get("dataset_name")
     rewards = values.get("reward_funcs")
     if (

@@ -38,6 +38,18 @@ def _mean_of(history: list[dict], key: str, first: bool, n: int = 3) -> float | 
     return sum(part) / len(part)
 
 
+def _reward_noise(history: list[dict], n: int = 3) -> float | None:
+    """The standard error of one end's mean reward (:func:`_mean_of`'s ``n`` logged steps): the sample standard
+    deviation of the logged step rewards over ``sqrt(n)`` (``None`` below three points). A step's reward is the mean
+    over its few prompts' completions, so at 8 prompts a step two such means differ by chance by about this much."""
+    values = [h["reward"] for h in history if isinstance(h.get("reward"), (int, float)) and not math.isnan(h["reward"])]
+    if len(values) < 3:
+        return None
+    n = max(1, min(n, len(values) // 2))
+    mean = sum(values) / len(values)
+    return math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1) / n)
+
+
 def run_summary(trainer, accuracy_before: float | None = None, accuracy_after: float | None = None) -> dict:
     """The summary as a dict (also written to ``<output_dir>/summary.json``).
 
@@ -58,6 +70,9 @@ def run_summary(trainer, accuracy_before: float | None = None, accuracy_after: f
         "reward_points": len(history),  # logged steps with a reward: with one, first and last are the same point
         "reward_first": _mean_of(history, "reward", first=True),
         "reward_last": _mean_of(history, "reward", first=False),
+        # how much each end's mean moves by chance (its standard error), and the prompts a step averages over
+        "reward_standard_error": _reward_noise(history),
+        "prompts_per_step": _prompts_per_step(trainer.args),
         "accuracy_before": accuracy_before,
         "accuracy_after": accuracy_after,
         "metrics_last_step": {k: last.get(k) for k in SUMMARY_METRICS if k in last},
@@ -157,13 +172,28 @@ def print_run_summary(trainer, accuracy_before: float | None = None, accuracy_af
     return summary
 
 
+def _prompts_per_step(args) -> int | None:
+    """Prompts one optimisation step averages its reward over (all processes)."""
+    try:
+        rows = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size
+        return max(1, rows // args.num_generations)
+    except (AttributeError, TypeError, ZeroDivisionError):
+        return None
+
+
 def _reward_row(summary: dict, fmt) -> tuple[str, str]:
-    """``first -> last`` over the logged steps; one logged point is shown as such, not as a change of nothing."""
+    """``first -> last`` over the logged steps, with how noisy each end is (its standard error, the prompts a step
+    averages over) and where to look instead; one logged point is shown as such, not as a change of nothing."""
     if summary["reward_points"] == 0:
         return ("reward", "n/a (no step logged a reward)")
     if summary["reward_points"] == 1:
         return ("reward (one logged point)", fmt(summary["reward_last"]))
-    return ("reward, first -> last steps", f"{fmt(summary['reward_first'])} -> {fmt(summary['reward_last'])}")
+    change = f"{fmt(summary['reward_first'])} -> {fmt(summary['reward_last'])}"
+    noise, prompts = summary.get("reward_standard_error"), summary.get("prompts_per_step")
+    if noise is not None:
+        per = f" at {prompts} prompts a step" if prompts else ""
+        change += f" (each ± {noise:.2g}{per}: noisy; held-out accuracy is the measure)"
+    return ("reward, first -> last steps", change)
 
 
 def _out_of_set_totals(trainer) -> dict:

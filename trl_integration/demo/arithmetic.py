@@ -200,8 +200,7 @@ def accuracy(
         tokenizer: its tokenizer (needs a pad token).
         dataset: rows with ``prompt`` and ``answer`` (a ``datasets.Dataset`` or a list of dicts).
     """
-    import torch
-    from tqdm.auto import tqdm
+    from trl_integration.demo.evaluation import mean_reward
 
     if len(dataset) == 0:
         raise ValueError("dataset is empty")
@@ -209,37 +208,19 @@ def accuracy(
         raise ValueError(f"batch_size must be >= 1, got {batch_size!r}")
     prompts = [row["prompt"] for row in dataset]
     answers = [row["answer"] for row in dataset]
-    device = next(model.parameters()).device
-    was_training = model.training
-    model.eval()
-    generator_state = torch.random.get_rng_state()
-    if seed is not None:
-        torch.manual_seed(seed)
     if do_sample:  # the full distribution: no top-k / top-p / min-p truncation
-        sample_kwargs = dict(do_sample=True, temperature=temperature, top_k=None, top_p=None, min_p=None)
+        sampling = dict(do_sample=True, temperature=temperature, top_k=None, top_p=None, min_p=None)
     else:
-        sample_kwargs = dict(do_sample=False)
-    correct = 0.0
-    label = progress if isinstance(progress, str) else "accuracy"
-    bar = tqdm(total=len(prompts), desc=label, unit="problem", disable=not progress, dynamic_ncols=True)
-    try:
-        with torch.no_grad():
-            for start in range(0, len(prompts), batch_size):
-                batch = prompts[start : start + batch_size]
-                enc = tokenizer(batch, return_tensors="pt", padding=True, padding_side="left").to(device)
-                out = model.generate(
-                    **enc,
-                    max_new_tokens=max_new_tokens,
-                    pad_token_id=tokenizer.pad_token_id,
-                    eos_token_id=tokenizer.eos_token_id,
-                    **sample_kwargs,
-                )
-                texts = tokenizer.batch_decode(out[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
-                correct += sum(arithmetic_reward(batch, texts, answers[start : start + batch_size]))
-                bar.update(len(batch))
-    finally:
-        bar.close()
-        if seed is not None:
-            torch.random.set_rng_state(generator_state)
-        model.train(was_training)
-    return correct / len(prompts)
+        sampling = dict(do_sample=False)
+    return mean_reward(
+        model,
+        tokenizer,
+        prompts,
+        answers,
+        arithmetic_reward,
+        batch_size=batch_size,
+        max_new_tokens=max_new_tokens,
+        sampling=sampling,
+        seed=seed,
+        progress="accuracy" if progress is True else progress,
+    )

@@ -228,9 +228,8 @@ def held_out_reward(
             included), both of them, or either with ``do_sample=False``. The model is not touched then.
         TypeError: ``min_p`` or ``top_p`` is not a real number (a string, a bool).
     """
-    import torch
-
     from safevocab.validation import real
+    from trl_integration.demo.evaluation import mean_reward
 
     if len(dataset) == 0:
         raise ValueError("dataset is empty")
@@ -246,35 +245,22 @@ def held_out_reward(
     min_p = None if min_p is None else float(min_p)
     top_p = None if top_p is None else float(top_p)
     prompts, references = list(dataset["prompt"]), list(dataset["continuation"])
-    device = next(model.parameters()).device
-    was_training = model.training
-    model.eval()
-    rng_state = torch.random.get_rng_state()
     sampling = (
         dict(do_sample=True, temperature=1.0, top_k=None, top_p=top_p, min_p=min_p)
         if do_sample
         else dict(do_sample=False)
     )
-    total = 0.0
-    try:
-        torch.manual_seed(seed)
-        with torch.no_grad():
-            for start in range(0, len(prompts), batch_size):
-                batch = prompts[start : start + batch_size]
-                enc = tokenizer(batch, return_tensors="pt", padding=True, padding_side="left").to(device)
-                out = model.generate(
-                    **enc,
-                    max_new_tokens=max_new_tokens,
-                    pad_token_id=tokenizer.pad_token_id,
-                    eos_token_id=tokenizer.eos_token_id,
-                    **sampling,
-                )
-                texts = tokenizer.batch_decode(out[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
-                total += sum(freetext_reward(batch, texts, references[start : start + batch_size]))
-    finally:
-        torch.random.set_rng_state(rng_state)
-        model.train(was_training)
-    return total / len(prompts)
+    return mean_reward(
+        model,
+        tokenizer,
+        prompts,
+        references,
+        freetext_reward,
+        batch_size=batch_size,
+        max_new_tokens=max_new_tokens,
+        sampling=sampling,
+        seed=seed,
+    )
 
 
 def freetext_task():

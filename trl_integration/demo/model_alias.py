@@ -20,6 +20,7 @@ __all__ = [
     "CHAT_TASK_NUM_PROMPTS",
     "take_model_flag",
     "model_alias_path",
+    "converted_alias_path",
     "resolve_model_alias",
     "grpo_alias_defaults",
     "chat_dataset_path",
@@ -86,6 +87,15 @@ def model_alias_path(name: str, progress: bool = True) -> Path:
     if name != SMOLLM2_ALIAS:
         raise ValueError(f"--model {name}: accepted {', '.join(MODEL_ALIASES)}")
     return smollm2_model_path(progress=progress)
+
+
+def converted_alias_path(name: str) -> Path | None:
+    """The model folder of alias ``name`` if it is already converted (nothing is converted here), else ``None``: what
+    the command's early checks can read before anything loads."""
+    from trl_integration.demo.smollm2 import SMOLLM2_DIR_NAME
+
+    folder = cache_root() / SMOLLM2_DIR_NAME
+    return folder if name == SMOLLM2_ALIAS and (folder / "config.json").is_file() else None
 
 
 def resolve_model_alias(model: str) -> str:

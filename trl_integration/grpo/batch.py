@@ -221,6 +221,10 @@ class GenerationBatch:
         self._recording: tuple | None = None
         self._pending: PendingGeneration | None = None
         self._loss_forward: LossReplay | None = None
+        #: trl's own loss-only mask of the batch (tool responses), before the out-of-set masking; ``None``: none.
+        self._trl_tool_mask: torch.Tensor | None = None
+        #: The tokens the loss of the micro-batch in hand would use without the out-of-set masking (``[]`` sum).
+        self.loss_counted: torch.Tensor | None = None
 
     @staticmethod
     def of(batch: Mapping) -> GenerationBatch | None:
@@ -275,6 +279,7 @@ class GenerationBatch:
             self.regime = "stock"  # nothing to mask or measure: stay exactly trl (no key of ours)
             return self._publish(self.mode, coverage, None)
         output[HANDLE_KEY] = [BatchRow(self, i) for i in range(len(output["completion_ids"]))]
+        self._trl_tool_mask = output.get("tool_mask")  # trl's, before any step of ours replaces it
         old = output.get("old_per_token_logps")  # trl ran an old-policy pass when the batch carries it
         stats = None if old is None else old_policy_stats(captured, old)
         if stats is not None:
@@ -327,6 +332,11 @@ class GenerationBatch:
         if self.replay is not None:
             self.replay.use(None if self.supports is None else [self.supports[row.index] for row in rows])
         inputs = {key: value for key, value in inputs.items() if key != HANDLE_KEY}
+        counted = inputs["completion_mask"]
+        if self._trl_tool_mask is not None:  # trl's tool responses never count (rows in trl's shuffled order)
+            index = torch.tensor([row.index for row in rows], device=self._trl_tool_mask.device)
+            counted = counted * self._trl_tool_mask.index_select(0, index).to(counted.device)
+        self.loss_counted = counted.sum()
         if self.regime == "loss_forward":
             self._forward_first(model, inputs)
         # trl applies the importance ratio only when use_vllm. On the generate path, fold it into the

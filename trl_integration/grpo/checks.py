@@ -31,13 +31,13 @@ import warnings
 import torch
 
 from safevocab import NoPruning, parse_rule
-from safevocab.mantissa import MANTISSA_BITS_RANGE
 from safevocab.validation import integer, real
 from trl_integration.options import (
     EMPTY_STEP_ACTIONS,
     IS_MODES,
     LENGTH_DECAY_STARTS,
     LENGTH_SURGE_BASELINES,
+    MANTISSA_BITS_RANGE,
     NOISE_KINDS,
     OUT_OF_SET_MODES,
     ROLLOUT_DTYPES,
@@ -94,11 +94,7 @@ def check_safe_vocab_fields(config) -> None:
     into ``config._rule``; an empty one refused), the out-of-set mode, the rollout dtype, the mismatch buckets, the
     chunk budget, the scoring and support sources, the out-of-set alert's threshold and empty-step action, and the resume
     opt-outs."""
-    for name in ("resume_allow_missing_state", "safe_vocab_atomic_checkpoints", "safe_vocab_check_rewards"):
-        value = getattr(config, name)
-        if not isinstance(value, bool):
-            raise TypeError(f"{name} must be True or False, got {type(value).__name__}: {value!r}")
-    check_allowed_changes(config)
+    check_allowed_changes(config)  # the boolean fields were parsed first (grpo/value_checks.py)
     # The rule composes in the order of the engine that samples the rollouts (vLLM's differs from generate's).
     config._rule = check_rule_text("safe_vocab_rule", config.safe_vocab_rule, engine=config.rule_engine)
     config.safe_vocab_rule = str(config._rule)
@@ -130,7 +126,8 @@ def check_safe_vocab_fields(config) -> None:
 def check_allowed_changes(config) -> None:
     """``resume_allow_changed_settings`` as a list of the settings a resume may be told to accept (a single name is
     taken as a list of one); ``ValueError`` naming an unknown one."""
-    from trl_integration.grpo.resume_settings import ALLOW_FIELD, REFUSED_SETTINGS
+    from trl_integration.options import RESUME_ALLOW_FIELD as ALLOW_FIELD
+    from trl_integration.options import RESUME_REFUSED_SETTINGS as REFUSED_SETTINGS
 
     names = getattr(config, ALLOW_FIELD)
     names = [names] if isinstance(names, str) else list(names or [])

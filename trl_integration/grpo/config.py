@@ -27,6 +27,7 @@ from trl_integration.grpo.checks import (
 from trl_integration.grpo.field_help import fill_field_help
 from trl_integration.grpo.loss_types import check_loss_type
 from trl_integration.grpo.sampler_settings import compose_with_sampler, resolve_rollout_logprobs
+from trl_integration.grpo.value_checks import check_config_values, parse_bool_fields
 from trl_integration.options import (
     DEFAULT_BUCKETS,
     DEFAULT_MAX_CHUNK_BYTES,
@@ -101,18 +102,6 @@ class SafeVocabGRPOConfig(GRPOConfig):
             Log `safevocab/entropy_full` (the policy's full-softmax entropy, stock trl's `entropy`) and
             `safevocab/entropy_kept` (its entropy over the safe set, this trainer's `entropy`) from the loss's forward;
             the full one costs one more no-grad LM-head pass when the rule prunes (docs/metrics.md).
-        safe_vocab_print_metrics (`bool`, defaults to `False`):
-            Also print the project's metrics (`safevocab/*`, `mismatch/*`, `length_decay/*`, `lr_base`) in the
-            per-step console output. They are always in the logged history (`trainer.state.log_history`), the run
-            summary and the `report_to` integrations; the console shows the keys stock trl prints unless this is on
-            (:mod:`trl_integration.grpo.console_log`).
-        > Parameters that control torch's threads
-
-        choose_torch_threads (`bool`, defaults to `True`):
-            On CPU, choose torch's intra-op thread count when the trainer is built (one thread for a model under 1M
-            parameters or a busy machine; `OMP_NUM_THREADS` or an earlier `torch.set_num_threads` is kept), before a
-            colocated vLLM engine is built, and log one line saying which and why
-            (:mod:`trl_integration.grpo.threads`). `False` leaves torch's count as it is.
         > Parameters that control how the trainer scores
 
         safe_vocab_max_chunk_bytes (`int`, defaults to 64 MiB):
@@ -132,12 +121,16 @@ class SafeVocabGRPOConfig(GRPOConfig):
             `"rule"` recomputes each position's safe set with the rule; `"replay"` renormalises over the engine's kept
             token sets (a `rollout_func`'s `"sampling_mask"`, see docs/trl.md) & the rule; rule fallback, one warning.
         safe_vocab_out_of_set_warn_frac (`float`, defaults to `0.2`):
-            Warn in one line (`OutOfSetWarning`: the share, the rule, the sampler's settings, the fixes), once and then
-            at most every 50 steps, when more than this share of a step's completion tokens fall outside the trainer's
-            safe set (rollouts not sampled under the rule); in [0, 1], `1` never warns (docs/trl.md, out-of-set).
+            Warn (one line, `OutOfSetWarning`: the share, the rule, the sampler's settings and the fixes) when more
+            than this share of an optimisation step's completion tokens fall outside the trainer's safe set and are
+            masked out of the loss (rollouts not sampled under the rule: a `rollout_func`, tools, an external engine):
+            the first time, then at most every 50 steps. In [0, 1]; `1` never warns. See docs/trl.md, "Out-of-set
+            tokens".
         safe_vocab_empty_step (`str`, defaults to `"error"`):
-            A step whose completion tokens were all masked out of the loss: `"error"` stops the run, `"warn"` trains on.
-        > Parameters that control the mismatch lab (injected rollout mismatch, `generate` path)
+            An optimisation step whose completion tokens were all masked out of the loss (it trains nothing):
+            `"error"` stops the run (`NothingToTrainError`, naming the fixes), `"warn"` warns and trains on.
+        > Parameters that control the mismatch lab (injected rollout mismatch, `generate` path). **Experimental**, as
+        > the lab is (docs/experimental.md): these fields may change or go in any release without deprecation.
 
         rollout_logit_noise (`float`, defaults to `0.0`):
             Mismatch lab: a hard bound ε on a seeded perturbation δ (|δ_i| ≤ ε) added to the `generate`
@@ -206,25 +199,40 @@ class SafeVocabGRPOConfig(GRPOConfig):
         length_surge_ema_alpha (`float` or `None`, defaults to `None`):
             The EMA coefficient in (0, 1] with `length_surge_baseline="ema"`; unset: `2 / (baseline_window + 1)`.
 
-        > Parameters that control checkpoints
+        > Parameters of the run harness (`HardenedSafeVocabGRPOTrainer`, what `safevocab-grpo` trains with; the plain
+        > `SafeVocabGRPOTrainer` ignores them: trl's own behaviour)
 
+        safe_vocab_print_metrics (`bool`, defaults to `False`):
+            Also print the project's metrics (`safevocab/*`, `mismatch/*`, `length_decay/*`, `lr_base`) in the
+            per-step console output. They are always in the logged history (`trainer.state.log_history`), the run
+            summary and the `report_to` integrations; the console shows the keys stock trl prints unless this is on
+            (:mod:`trl_integration.harness.console_log`).
+        choose_torch_threads (`bool`, defaults to `True`):
+            On CPU, choose torch's intra-op thread count when the trainer is built (one thread for a model under 1M
+            parameters or a busy machine; `OMP_NUM_THREADS` or an earlier `torch.set_num_threads` is kept), before a
+            colocated vLLM engine is built, and log one line saying which and why
+            (:mod:`trl_integration.harness.threads`). `False` leaves torch's count as it is.
         resume_allow_missing_state (`bool`, defaults to `False`):
             Resume from a checkpoint that lacks `optimizer.pt`, `scheduler.pt` (or its length-decay state),
             `rng_state.pth` (`rng_state_<rank>.pth` per process) or `scaler.pt` (with fp16): by default such a
             checkpoint is refused, naming the missing files; with `True` it is accepted with a warning naming what
-            starts fresh (see :mod:`trl_integration.grpo.checkpoints`).
+            starts fresh (see :mod:`trl_integration.harness.checkpoints`).
         resume_allow_changed_settings (`list[str]`, defaults to `[]`):
             Settings a resume may change on purpose (stored per checkpoint in `safevocab_settings.json`): a changed
             `safe_vocab_rule`, `safe_vocab_effective_rule`, `rule_engine`, `length_decay*`/`length_surge_*` setting or
             model (`model_config_class`, `model_vocab_size`, `model_hidden_size`, `model_num_parameters`) is refused
             unless named here. A changed `learning_rate` (the new LR scales the restored schedule), schedule or
             `max_steps` is honoured with a warning; `max_steps` below the checkpoint's step is refused
-            (:mod:`trl_integration.grpo.resume_settings`).
+            (:mod:`trl_integration.harness.resume_settings`).
+        resume_verify_checksums (`bool`, defaults to `True`):
+            Verify a checkpoint's files against its `safevocab_manifest.json` (each file's size and CRC-32, written at
+            save) before resuming: a file changed since (a flipped byte, a partial copy) is refused in one line naming
+            it. `False`: resume without verifying, for checkpoints edited by hand (:mod:`trl_integration.harness.manifest`).
         safe_vocab_atomic_checkpoints (`bool`, defaults to `True`):
             Publish each checkpoint with one rename (a kill or full disk leaves it whole or absent); `False`: in place.
         safe_vocab_check_rewards (`bool`, defaults to `True`):
             Refuse, naming the function, a reward output that is not one number per completion (a string, a dict, a
-            set), infinite, or large enough to overflow trl's float32 group mean/std (:mod:`trl_integration.grpo.rewards`).
+            set), infinite, or large enough to overflow trl's float32 group mean/std (:mod:`trl_integration.harness.rewards`).
     """
 
     safe_vocab_rule: str = field(default=DEFAULT_RULE)
@@ -242,7 +250,7 @@ class SafeVocabGRPOConfig(GRPOConfig):
     safe_vocab_out_of_set_warn_frac: float = field(default=0.2)
     safe_vocab_empty_step: str = field(default="error", metadata={"choices": list(EMPTY_STEP_ACTIONS)})
 
-    # --- mismatch lab (docs/mismatch.md) ---------------------------------------------------------------
+    # --- mismatch lab (docs/mismatch.md); experimental, like trl_integration.lab ----------------------
     rollout_logit_noise: float = field(default=0.0)
     rollout_logit_noise_kind: str = field(default="uniform", metadata={"choices": list(NOISE_KINDS)})
     rollout_tail_rule: str | None = field(default=None)
@@ -264,20 +272,26 @@ class SafeVocabGRPOConfig(GRPOConfig):
     length_surge_factor: float = field(default=1.8)
     length_surge_baseline: str = field(default="median", metadata={"choices": list(LENGTH_SURGE_BASELINES)})
     length_surge_ema_alpha: float | None = field(default=None)
+
+    # --- the run harness (trl_integration.harness; the plain trainer ignores these) --------------------------------
     safe_vocab_print_metrics: bool = field(default=False)
     choose_torch_threads: bool = field(default=True)
     resume_allow_missing_state: bool = field(default=False)
     resume_allow_changed_settings: list[str] = field(default_factory=list)
+    resume_verify_checksums: bool = field(default=True)
     safe_vocab_atomic_checkpoints: bool = field(default=True)
     safe_vocab_check_rewards: bool = field(default=True)
 
     def __post_init__(self):
-        # Validate our own fields before trl's (cheap, and the errors name what the user typed).
+        # Validate our own fields before trl's (cheap, and the errors name what the user typed); booleans first,
+        # parsed as the command line parses them (a string "false" is False, never truthy).
+        parse_bool_fields(self)
         check_length_decay(self)
         check_safe_vocab_fields(self)
         rule = self._rule
         if isinstance(self.generation_kwargs, str):
             self.generation_kwargs = json.loads(self.generation_kwargs)
+        check_config_values(self)  # sampler settings, counts, reward weights, signs trl leaves unchecked
         effective = compose_with_sampler(self, rule) if self.safe_vocab_in_sampler else rule
         given = self.safe_vocab_effective_rule
         if given is not None and str(parse_rule(given, engine=self.rule_engine)) != str(effective):

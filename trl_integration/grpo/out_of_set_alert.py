@@ -9,13 +9,19 @@ trainer adds) says so:
 
 - **the share**: at each optimisation step, the share of the completion tokens of the generation batches built during
   the step (``n = completion_mask * tool_mask``, the tokens ``safevocab/out_of_set_frac`` averages over) that fall
-  outside ``S``; above ``safe_vocab_out_of_set_warn_frac`` it warns (:class:`OutOfSetWarning`, one line naming the
-  share, the rule, the sampler's settings as the trainer knows them and the fixes), the first time and then at most
-  every :data:`REPEAT_EVERY_STEPS` steps;
-- **the step that trained nothing**: an optimisation step whose micro-batches had completion tokens but no loss token
-  left after the masking (every one removed) raises :class:`NothingToTrainError`, or warns with
-  ``safe_vocab_empty_step="warn"``. A step with no completion token to begin with (trl's own masks, e.g.
-  ``mask_truncated_completions``) is trl's business and not counted.
+  outside ``S``; above ``safe_vocab_out_of_set_warn_frac`` it warns (:class:`OutOfSetWarning`: one line of about 250
+  characters naming the count, the rule, where the completions come from, only the fixes that can work there, and
+  :data:`DOCS` for the rest), the first time and then at most every :data:`REPEAT_EVERY_STEPS` steps;
+- **the step that trained nothing**: an optimisation step whose micro-batches had tokens for the loss but none left
+  after the masking (every one removed) raises :class:`NothingToTrainError`, or warns with
+  ``safe_vocab_empty_step="warn"`` (at most every :data:`REPEAT_EVERY_STEPS` steps; every such step is counted). Its
+  count is the same as the share's: the tokens the loss would have used, ``completion_mask * tool_mask`` before the
+  out-of-set masking (tool responses, which trl keeps out of the loss, are not counted). A step with no such token to
+  begin with (trl's own masks, e.g. ``mask_truncated_completions``) is trl's business and not counted.
+
+The source (:meth:`OutOfSetAlert.source`) is named as it is: a ``rollout_func``, a replaced ``generate`` (a patched or
+mocked one returning ids the model did not sample under the rule: teacher forcing, fixed ids), trl's tool loop, vLLM,
+``safe_vocab_in_sampler=False``, the mismatch lab, or the trainer's own sampler (where it is not expected).
 
 Counts are summed on the device as the batches pass (no synchronisation), then summed over processes with one gather
 at ``on_pre_optimizer_step`` (before the optimizer changes anything), which every process calls: every process takes
@@ -32,8 +38,8 @@ import torch
 from transformers import TrainerCallback
 
 __all__ = [
-    "OutOfSetAlert", "OutOfSetWarning", "NothingToTrainError", "REPEAT_EVERY_STEPS", "share_message",
-    "empty_step_message", "sampler_settings_text",
+    "OutOfSetAlert", "OutOfSetWarning", "NothingToTrainError", "REPEAT_EVERY_STEPS", "DOCS", "share_message",
+    "empty_step_message", "fixes", "sampler_settings_text",
 ]  # fmt: skip
 
 #: After the first out-of-set share warning, the next comes at least this many optimisation steps later.
@@ -60,38 +66,41 @@ def sampler_settings_text(args) -> str:
     return ", ".join(f"{key}={gk.get(key, getattr(args, key, None))!r}" for key in keys)
 
 
-def _fixes(rule: str) -> str:
+#: Where the rest is explained (forced tokens, the modes, the totals).
+DOCS = "docs/trl.md#out-of-set-tokens"
+
+#: The fixes that can work, by where the completions come from (:meth:`OutOfSetAlert.source`).
+_FIXES = {
+    "a rollout_func": "sample under the rule there, or safe_vocab_support='replay'",
+    "a replaced generate": "train on the model's own samples",
+    "trl's tool loop": "sample the model's turns under the rule",
+    "vLLM": "safe_vocab_support='replay'",
+    "generate with safe_vocab_in_sampler=False": "safe_vocab_in_sampler=True",
+    "generate with the mismatch lab's injected mismatch": "none: the lab injects it",
+    "generate": "none expected, please report it",
+}
+
+
+def fixes(source: str) -> str:
+    """The fixes that can work for completions from ``source`` (one of :data:`_FIXES`' keys), then rule ``none``."""
+    return f"{_FIXES.get(source, _FIXES['generate'])}, or safe_vocab_rule='none'"
+
+
+def share_message(step: int, out_of_set: int, counted: int, rule: str, source: str) -> str:
+    """The one-line out-of-set share warning of ``step`` (``counted``: the tokens the loss would have used)."""
     return (
-        f"fixes: generate with the rule (safe_vocab_in_sampler=True with the trainer's own sampler, or a rollout_func/"
-        f"engine sampling under {rule!r}), replay the engine's sets (safe_vocab_support='replay', a rollout_func "
-        "returning 'sampling_mask'), choose what is dropped (safe_vocab_out_of_set='mask_token' drops the tokens, "
-        "'mask_sequence' their sequences), or safe_vocab_rule='none' (no pruning, nothing masked)"
+        f"safevocab: step {step}: {out_of_set} of {counted} tokens ({out_of_set / counted:.0%}) fall outside the rule "
+        f"{rule!r} and leave the loss (from {source}); fix: {fixes(source)}; see {DOCS}"
     )
 
 
-def share_message(step: int, out_of_set: int, counted: int, rule: str, sampler: str, source: str, mode: str,
-                  threshold: float) -> str:  # fmt: skip
-    """The one-line out-of-set share warning of ``step``."""
+def empty_step_message(step: int, counted: int, rule: str, source: str, action: str) -> str:
+    """The one-line message of an optimisation step with no loss token left (``counted``: the tokens the loss would
+    have used; no masking mode helps there, so none is offered)."""
+    then = "safe_vocab_empty_step='warn' trains on" if action == "error" else f"said every {REPEAT_EVERY_STEPS} steps"
     return (
-        f"safevocab: step {step}: {out_of_set / counted:.1%} of the completion tokens ({out_of_set} of {counted}) are "
-        f"outside the trainer's safe set (rule {rule!r}) and masked out of the loss (safe_vocab_out_of_set={mode!r}): "
-        f"the rollouts were not sampled under the rule (completions from {source}; the sampler as the trainer knows "
-        f"it: {sampler}); {_fixes(rule)}; warned above safe_vocab_out_of_set_warn_frac={threshold!r}, at most every "
-        f"{REPEAT_EVERY_STEPS} steps"
-    )
-
-
-def empty_step_message(step: int, completion: int, rule: str, source: str, mode: str, action: str) -> str:
-    """The one-line message of an optimisation step with no loss token left."""
-    then = (
-        "set safe_vocab_empty_step='warn' to train on regardless"
-        if action == "error"
-        else "training goes on (safe_vocab_empty_step='warn')"
-    )
-    return (
-        f"safevocab: step {step} trains on nothing: the out-of-set masking (safe_vocab_out_of_set={mode!r}) removed "
-        f"all {completion} completion tokens from the loss (rule {rule!r}; completions from {source}): no parameter "
-        f"learns from this step; {_fixes(rule)}; {then}"
+        f"safevocab: step {step} trains on nothing: all {counted} tokens fall outside the rule {rule!r} (from "
+        f"{source}); fix: {fixes(source)}; {then}; see {DOCS}"
     )
 
 
@@ -115,6 +124,7 @@ class OutOfSetAlert(TrainerCallback):
         self.steps_trained_nothing = 0
         self._pending: torch.Tensor | None = None  # int64 [4] on the batches' device, since the last step
         self._last_warned_step: int | None = None
+        self._last_empty_warned_step: int | None = None
 
     # ---- counting (called by the trainer, per batch) ------------------------------------------------------------
     def observe_generation(self, metric_inputs) -> None:
@@ -130,14 +140,16 @@ class OutOfSetAlert(TrainerCallback):
         """A generation batch's (or micro-batch's) :class:`~trl_integration.grpo.step.StepResult`, as applied."""
         self.observe_generation(result.metric_inputs)
 
-    def observe_loss(self, inputs: dict) -> None:
-        """Count a training micro-batch's completion tokens and the loss tokens left after the out-of-set masking."""
+    def observe_loss(self, inputs: dict, counted: torch.Tensor | None = None) -> None:
+        """Count a training micro-batch's tokens the loss would have used (``counted``: ``completion_mask`` times trl's
+        own ``tool_mask``, before the out-of-set masking; default the completion mask) and the loss tokens left after
+        the out-of-set masking."""
         if not self.trainer.model.training:
             return
         completion = inputs["completion_mask"]
         tool_mask = inputs.get("tool_mask")
         loss = completion if tool_mask is None else completion * tool_mask
-        self._add(_COMPLETION, completion.sum(), loss.sum())
+        self._add(_COMPLETION, completion.sum() if counted is None else counted, loss.sum())
 
     def _add(self, first: int, a: torch.Tensor, b: torch.Tensor) -> None:
         if self._pending is None:
@@ -167,10 +179,7 @@ class OutOfSetAlert(TrainerCallback):
         if counted and out_of_set / counted > threshold and due:
             self._last_warned_step = step
             if accelerator.is_main_process:
-                message = share_message(
-                    step, out_of_set, counted, str(args.effective_rule), sampler_settings_text(args), self._source(),
-                    args.safe_vocab_out_of_set, threshold,
-                )  # fmt: skip
+                message = share_message(step, out_of_set, counted, str(args.effective_rule), self.source())
                 warnings.warn(message, OutOfSetWarning, stacklevel=1)
         if completion > 0 and loss == 0:
             self.steps_trained_nothing += 1
@@ -180,26 +189,41 @@ class OutOfSetAlert(TrainerCallback):
     def _empty_step(self, step: int, completion: int) -> None:
         args = self.trainer.args
         action = args.safe_vocab_empty_step
-        message = empty_step_message(
-            step, completion, str(args.effective_rule), self._source(), args.safe_vocab_out_of_set, action
-        )
+        message = empty_step_message(step, completion, str(args.effective_rule), self.source(), action)
         if action == "error":
             raise NothingToTrainError(message)
-        if self.trainer.accelerator.is_main_process:
+        due = self._last_empty_warned_step is None or step - self._last_empty_warned_step >= REPEAT_EVERY_STEPS
+        if due and self.trainer.accelerator.is_main_process:  # counted every step, said at most every N steps
+            self._last_empty_warned_step = step
             warnings.warn(message, OutOfSetWarning, stacklevel=1)
 
-    def _source(self) -> str:
-        """Where the completions come from, as the trainer knows it."""
+    def source(self) -> str:
+        """Where the completions come from, as the trainer knows it (a key of the fixes)."""
         trainer = self.trainer
         if getattr(trainer, "rollout_func", None) is not None:
             return "a rollout_func"
+        if _generate_replaced(trainer):
+            return "a replaced generate"
         if getattr(trainer, "tools", None) or getattr(trainer, "environments", None):
-            return "trl's tool/environment loop"
+            return "trl's tool loop"
         if getattr(trainer, "use_vllm", False):
             return "vLLM"
         args = trainer.args
         if not args.safe_vocab_in_sampler:
             return "generate with safe_vocab_in_sampler=False"
         if args.rollout_logit_noise > 0 or args.rollout_perturbation or args.rollout_mantissa_bits is not None:
-            return "generate with the mismatch lab's injected rollout mismatch"
-        return "generate (replaced or patched?)"
+            return "generate with the mismatch lab's injected mismatch"
+        return "generate"
+
+
+def _generate_replaced(trainer) -> bool:
+    """Whether the policy's ``generate`` is not transformers' (an instance attribute, as ``unittest.mock.patch.object``
+    sets, or a class attribute from elsewhere): its completions were not sampled by the model under the rule."""
+    model = trainer.model
+    unwrap = getattr(getattr(trainer, "accelerator", None), "unwrap_model", None)
+    if unwrap is not None:
+        model = unwrap(model)
+    if "generate" in vars(model):
+        return True
+    generate = getattr(type(model), "generate", None)
+    return generate is not None and not getattr(generate, "__module__", "transformers").startswith("transformers")

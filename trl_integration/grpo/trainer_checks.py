@@ -88,7 +88,8 @@ def check_chat_template(processing_class: Any, dataset: Any, tokenizer_of: str =
 
 def check_train_dataset(dataset: Any, environments: bool = False) -> None:
     """Raise ``ValueError`` (one line) when trl cannot train on ``dataset``: no rows, no ``prompt`` column (naming the
-    columns it has), or an empty prompt (an empty string or an empty list of messages; naming the first such row).
+    columns it has), a prompt that is not a string or a list of messages (an int, ``None``), or an empty prompt (an
+    empty string or an empty list of messages); naming the first such row.
     ``None`` (no dataset) and datasets without a length or columns (an ``IterableDataset``: its first row only) are
     checked as far as they can be without reading them whole. With ``environments`` (trl's ``environment_factory``,
     whose ``reset()`` may supply the prompt) only the rows are required."""
@@ -111,6 +112,9 @@ def check_train_dataset(dataset: Any, environments: bool = False) -> None:
         return
     prompts = dataset["prompt"] if sized and hasattr(dataset, "column_names") else [first_example(dataset)["prompt"]]
     for index, prompt in enumerate(prompts):
+        if not isinstance(prompt, (str, list)):  # an int or None reached the tokenizer, whose message named no row
+            raise ValueError(f"train_dataset row {index}: column 'prompt' holds {type(prompt).__name__} {prompt!r}: "
+                             "accepted a string, or a list of chat messages")  # fmt: skip
         if isinstance(prompt, (str, list)) and len(prompt) == 0:
             raise ValueError(f"train_dataset row {index}: prompt={prompt!r} is empty: accepted a non-empty prompt "
                              "(text, or a list of messages); drop or fill the empty rows "

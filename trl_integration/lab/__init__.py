@@ -13,9 +13,11 @@
 The command is ``safevocab diagnose`` (:mod:`trl_integration.commands.diagnose`); see ``docs/mismatch.md``.
 
 **Experimental** (as ``trl.experimental``): this module's names may change or go in any release without
-deprecation; the stable API is listed in ``docs/api.md``.
+deprecation; the stable API is listed in ``docs/api.md``. Importing it warns once
+(:mod:`trl_integration.experimental`; ``SAFEVOCAB_EXPERIMENTAL_SILENCE=1`` silences it).
 """
 
+from trl_integration.experimental import warn_experimental
 from trl_integration.lab.engine import BOUND_TOLERANCE, DiagnoseResult, run_diagnose
 from trl_integration.lab.inputs import DEFAULT_TEXTS, DTYPES, default_texts, parse_compare, stdlib_texts
 from trl_integration.lab.report import summary_rows, summary_table, write_outputs
@@ -36,3 +38,5 @@ __all__ = [
     "tail_mismatch",
     "write_outputs",
 ]
+
+warn_experimental("trl_integration.lab")  # once, at import (trl_integration.experimental)

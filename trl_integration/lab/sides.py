@@ -3,7 +3,7 @@
 
 Weights are cast per side from one load and copied only when they change, so the caller's model is never modified;
 buffers (e.g. RoPE's float32 ``inv_freq``) keep their dtype, as ``from_pretrained(..., dtype=...)`` leaves them.
-Rounding to ``k`` mantissa bits (:func:`safevocab.mantissa.round_mantissa`) is what a training run with
+Rounding to ``k`` mantissa bits (:func:`trl_integration.rollout.mantissa.round_mantissa`) is what a training run with
 ``rollout_mantissa_bits=k`` samples with: the rounded weights of the current policy.
 """
 
@@ -13,14 +13,15 @@ import copy
 
 import torch
 
-from safevocab.mantissa import MANTISSA_BITS_RANGE, round_mantissa
+from trl_integration.options import MANTISSA_BITS_RANGE
+from trl_integration.rollout.mantissa import round_mantissa
 
 __all__ = ["check_mantissa_bits", "model_in", "rollout_side"]
 
 
 def check_mantissa_bits(mantissa_bits: int | None, rollout_dtype: torch.dtype) -> None:
     """``ValueError`` (one line) unless ``mantissa_bits`` is ``None`` or an integer in ``[1, 23]`` and the rollout
-    dtype is one :func:`~safevocab.mantissa.round_mantissa` rounds (float32, bfloat16, float16)."""
+    dtype is one :func:`~trl_integration.rollout.mantissa.round_mantissa` rounds (float32, bfloat16, float16)."""
     if mantissa_bits is None:
         return
     lo, hi = MANTISSA_BITS_RANGE

@@ -8,7 +8,7 @@ Three sources, each acting on the rollout only (the trainer scores with its own,
 - ``rollout_perturbation``: a user's ``LogitsProcessor``, made by a factory ``factory(seed: int)`` (named
   ``"module:function"`` in the config, or given to the trainer as the factory or the processor itself);
 - ``rollout_mantissa_bits``: the rollout samples with the current weights rounded to ``k`` mantissa bits
-  (:func:`rounded_weights`, :func:`safevocab.mantissa.round_mantissa`): the rollout policy ``mu`` is the trained
+  (:func:`rounded_weights`, :func:`trl_integration.rollout.mantissa.round_mantissa`): the rollout policy ``mu`` is the trained
   policy at lower precision, so the mismatch follows the weights as they train, as a bf16/fp8 engine's does.
 
 The processors run in that order, before the rollout log-prob recorder and the temperature/top-k/top-p/min-p
@@ -26,8 +26,8 @@ from typing import Any
 import torch
 from transformers import LogitsProcessor
 
-from safevocab.mantissa import round_mantissa
 from trl_integration.plugins import load_callable
+from trl_integration.rollout.mantissa import round_mantissa
 from trl_integration.rollout.perturbations import LogitNoiseProcessor
 
 __all__ = ["RolloutMismatch", "rounded_weights", "make_perturbation"]

@@ -15,9 +15,11 @@
 The command line is :mod:`trl_integration.commands.study`. See ``docs/results.md``.
 
 **Experimental** (as ``trl.experimental``): this module's names may change or go in any release without
-deprecation; the stable API is listed in ``docs/api.md``.
+deprecation; the stable API is listed in ``docs/api.md``. Importing it warns once
+(:mod:`trl_integration.experimental`; ``SAFEVOCAB_EXPERIMENTAL_SILENCE=1`` silences it).
 """
 
+from trl_integration.experimental import warn_experimental
 from trl_integration.study.aggregate import summarize
 from trl_integration.study.arms import ARM_DESCRIPTIONS, ARM_NAMES, DEFAULT_ARMS, StudySettings, arm_overrides
 from trl_integration.study.plots import PLOTS, plot_specs
@@ -45,3 +47,5 @@ __all__ = [
     "render_report",
     "write_report",
 ]
+
+warn_experimental("trl_integration.study")  # once, at import (trl_integration.experimental)

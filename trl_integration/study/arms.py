@@ -38,9 +38,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from safevocab.mantissa import MANTISSA_BITS_RANGE
 from trl_integration.demo.config import TINY_GRPO_DEFAULTS, tiny_grpo_config_kwargs
-from trl_integration.options import NOISE_KINDS, ROLLOUT_DTYPES
+from trl_integration.options import MANTISSA_BITS_RANGE, NOISE_KINDS, ROLLOUT_DTYPES
 from trl_integration.plugins import split_spec
 
 __all__ = [

@@ -1,6 +1,6 @@
 """Running a study: every (arm, seed) trained in-process, one after the other, with held-out evaluations.
 
-Each run builds a ``SafeVocabGRPOTrainer`` on the arm's config (:mod:`trl_integration.study.arms`) with the task's
+Each run builds a ``HardenedSafeVocabGRPOTrainer`` (the command's trainer) on the arm's config (:mod:`trl_integration.study.arms`) with the task's
 data and reward (:class:`~trl_integration.task.StudyTask`), evaluates the task's held-out metric on its fixed
 held-out set before training and every ``eval_every`` steps, or at ``eval_steps``, once or once per evaluation seed,
 on the full distribution and optionally on the DVP rule's support (:mod:`trl_integration.study.evaluation`,
@@ -164,11 +164,11 @@ def _run_one(
         from transformers import PrinterCallback
 
         from trl_integration.grpo.config import SafeVocabGRPOConfig
-        from trl_integration.grpo.trainer import SafeVocabGRPOTrainer
+        from trl_integration.harness.trainer import HardenedSafeVocabGRPOTrainer
 
         with tempfile.TemporaryDirectory(prefix="safevocab-study-") as tmp:
             config = SafeVocabGRPOConfig(**{**shared_config(settings, seed, tmp), **overrides})
-            trainer = SafeVocabGRPOTrainer(
+            trainer = HardenedSafeVocabGRPOTrainer(
                 model=model_path, reward_funcs=list(task.reward_funcs), args=config, train_dataset=train_dataset
             )
             trainer.remove_callback(PrinterCallback)  # the study prints a progress bar, not every log line

@@ -5,7 +5,7 @@ Before issue 32's trainer side (commit 5c9e98c), ``length_decay=True`` replaced 
 without a base schedule (the constant one). The run here is that code's own: the commit's files (``git archive``; the
 repository and its worktrees are left alone), the tiny test model of ``tests/helpers/trl_helpers.py``,
 ``length_decay_start="step0"`` with period 1 and floor 0.1 (the LR halves every step, so the schedule's position shows
-in every LR), 4 steps, checkpoints every 2. ``tests/trl_integration/grpo/test_trl_length_decay.py`` resumes today's trainer from this
+in every LR), 4 steps, checkpoints every 2. ``tests/trl_integration/grpo/test_length_decay.py`` resumes today's trainer from this
 state and checks that it continues the run as that code did. Rerun (from the repository root; it needs git and takes
 about a minute; the record it writes is equal, as torch.load reads it, to the one committed):
 

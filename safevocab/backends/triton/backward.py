@@ -1,0 +1,149 @@
+"""The Triton backend's backward: dense chunks, the full-softmax part of sparse ones, and the stored sets' part.
+
+- :func:`dense_backward`: ``safevocab.backends.torch_backend.dense_backward`` with the logits gradient formed by
+  :func:`~safevocab.kernels.backward_fold.backward_fold`, each chunk recomputed on the forward's row slice through the
+  call's route (:meth:`~safevocab.backends.triton.route.Route.chunk_logits`), so the saved thresholds select the same
+  ``S``;
+- :func:`full_softmax_backward`: ``-c_F pi + g_lp 1[a=y not in S]`` of the rows of sparse chunks that need it,
+  ``pi`` normalised with the forward's statistics on the forward's logits, bit for bit;
+- :func:`sparse_backward`: the safe-set part of every stored chunk at once, by
+  :func:`safevocab.kernels.sparse_backward.sparse_backward` (any input dtype).
+
+The logits gradient is written over the GEMM output, in the inputs' dtype, and the gradient GEMMs
+(:func:`~safevocab.fused.grads.accumulate_chunk_grads`) accumulate the weight gradient in fp32 (for bf16/fp16 inputs
+the per-logit gradient is rounded to the inputs' dtype first, as trl's Triton path does; the torch backend keeps it in
+fp32 for that GEMM). All three run inside :class:`~safevocab.backends.triton.TritonBackend`'s device guard.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from safevocab.backends.triton.route import Route
+from safevocab.fused.chunking import ChunkJob
+from safevocab.fused.coefficients import Coefficients
+from safevocab.fused.grads import Grads, accumulate_chunk_grads
+from safevocab.fused.row_stats import SparseChunk
+from safevocab.kernels.backward_fold import backward_fold
+from safevocab.kernels.sparse_backward import sparse_backward as kernel_sparse_backward
+
+__all__ = ["dense_backward", "full_softmax_backward", "sparse_backward"]
+
+
+def dense_backward(job: ChunkJob, route: Route, chunks: list[slice], coef: Coefficients, grads: Grads) -> None:
+    """``safevocab.backends.torch_backend.dense_backward`` with the logits gradient formed by the Triton kernel: the
+    whole gradient of the forward chunks ``chunks`` (row slices of ``job``) added to ``grads``.
+
+    Recomputes each chunk's logits exactly as the forward did (same row slice, same GEMM into a buffer of
+    the same shape, same transform path: ``route``'s), so the saved thresholds select the same ``S``.
+    """
+    logits_of = route.chunk_logits(job)
+    has_ent = coef.g_ent is not None
+    transform = job.transform
+    for rows in chunks:
+        h = job.hidden[rows]
+        z, out = logits_of(h)
+        backward_fold(
+            z,
+            out,
+            coef.targets[rows].contiguous(),
+            coef.threshold[rows],
+            coef.row_max[rows],
+            coef.log_sum_safe[rows],
+            coef.log_sum_full[rows],
+            coef.c_safe[rows],
+            coef.c_full[rows],
+            coef.g_lp[rows],
+            coef.g_ent[rows] if has_ent else None,
+            coef.entropy[rows] if has_ent else None,
+            temperature=transform.temperature,
+            softcap=transform.softcap,
+            logit_scale=transform.logit_scale,
+            transform_in_kernel=route.transform_in_kernel,
+            grad_shift=coef.grad_shift,
+        )
+        # out: the logits gradient, in the inputs' dtype
+        accumulate_chunk_grads(out, h, job.weight, rows, grads, coef.grad_shift)
+        del z, out
+
+
+def full_softmax_backward(job: ChunkJob, route: Route, idx: torch.Tensor, coef: Coefficients, grads: Grads) -> None:
+    """The full-softmax part ``-c_F pi + g_lp 1[a=y not in S]`` of the rows ``idx`` (``[k]`` int64, ascending rows of
+    sparse chunks), added to ``grads``.
+
+    ``pi`` is normalised with the forward's ``m`` and ``log sum_V``, so the logits must be the forward's bit for
+    bit: each chunk holding such rows is recomputed whole on the forward's row slice, through the forward's logits
+    path (same GEMM into a buffer of the same shape, same in-kernel or torch transform: ``route``'s); only the rows
+    ``idx`` are folded and enter the gradient GEMMs. (Another GEMM layout, e.g. ``hidden.index_select`` of the rows,
+    may put a logit an ulp ``delta`` off, a factor ``exp(delta / T)`` against the forward's normaliser.) It then also
+    cancels exactly against the stored safe-set part where ``S`` is the whole vocabulary."""
+    logits_of = route.chunk_logits(job)
+    hidden, transform = job.hidden, job.transform
+    # Half inputs: this part is written in fp32 and its GEMMs accumulate fp32 operands, so that it meets the stored
+    # safe-set part (fp32 too) before anything is rounded; the sum is rounded once, on return. Rounded to bf16 apart,
+    # -c_F pi and c_S pi_S (which cancel where S holds nearly all the mass: a log_kept_mass gradient) left an error
+    # of eps_bf16 * p per logit where the exact gradient is 0 (issue 57, T1).
+    half = hidden.dtype in (torch.bfloat16, torch.float16)
+    for rows, at in job.chunks_of(idx):
+        z, out = logits_of(hidden[rows])
+        if isinstance(at, slice):  # the whole chunk: its other rows have c_F = 0 and g_lp 1[y not in S] = 0
+            h = hidden[rows]
+        else:  # the forward's logits of the chosen rows (a row-contiguous copy)
+            z, h = z.index_select(0, at - rows.start), hidden.index_select(0, at)
+            out = z if out.dtype == z.dtype else torch.empty(z.shape, device=z.device, dtype=out.dtype)
+        if half:
+            out = z if z.dtype == torch.float32 else torch.empty(z.shape, device=z.device, dtype=torch.float32)
+        pick = lambda t, at=at: t[at]  # noqa: E731
+        backward_fold(
+            z,
+            out,
+            pick(coef.targets).contiguous(),
+            pick(coef.threshold),
+            pick(coef.row_max),
+            pick(coef.log_sum_safe),
+            pick(coef.log_sum_full),
+            torch.zeros(z.shape[0], device=z.device, dtype=coef.c_full.dtype),
+            pick(coef.c_full),
+            pick(coef.g_target_out),
+            None,
+            None,
+            temperature=transform.temperature,
+            softcap=transform.softcap,
+            logit_scale=transform.logit_scale,
+            transform_in_kernel=route.transform_in_kernel,
+            grad_shift=coef.grad_shift,
+        )
+        accumulate_chunk_grads(out, h, job.weight, at, grads, coef.grad_shift, keep_fp32=half)
+        del z, out
+
+
+def sparse_backward(job: ChunkJob, chunks: list[SparseChunk], coef: Coefficients, grads: Grads) -> None:
+    """The safe-set part of the gradient of every stored chunk at once, added to ``grads``, by
+    :func:`safevocab.kernels.sparse_backward.sparse_backward`: ``dX`` row by row, ``dW``/``db`` per distinct kept id
+    over all chunks (each touched row of the gradients written once; no fp32 ``[V, H]`` buffer needed)."""
+    if not chunks:
+        return
+    hidden, weight, transform = job.hidden, job.weight, job.transform
+    device = hidden.device
+    rows = torch.cat([torch.arange(c.start, c.start + c.counts.numel(), device=device) for c in chunks])
+    has_ent = coef.g_ent is not None
+    kernel_sparse_backward(
+        rows,
+        torch.cat([c.counts for c in chunks]).to(torch.int64),
+        torch.cat([c.cols for c in chunks]),
+        torch.cat([c.shifted for c in chunks]),
+        coef.targets.contiguous(),
+        coef.log_sum_safe,
+        coef.c_safe,
+        coef.g_lp,
+        coef.g_ent if has_ent else None,
+        coef.entropy if has_ent else None,
+        coef.set_max.contiguous(),
+        hidden,
+        weight,
+        *grads,
+        temperature=transform.temperature,
+        softcap=transform.softcap,
+        logit_scale=transform.logit_scale,
+        grad_shift=coef.grad_shift,
+    )

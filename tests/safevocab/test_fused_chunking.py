@@ -1,0 +1,36 @@
+"""``safevocab.fused.chunking``: the chunk job every per-chunk call of a backend reads, and the chunks it cuts the rows
+into (the same row slices in forward and backward)."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from safevocab import parse_rule
+from safevocab.fused.chunking import ChunkJob, chunk_slices, forward_chunks_of
+from safevocab.fused.transform import Transform
+
+
+def _job(n_rows: int, chunk_rows: int) -> ChunkJob:
+    hidden, weight = torch.zeros(n_rows, 3), torch.zeros(7, 3)
+    targets = torch.zeros(n_rows, dtype=torch.int64)
+    return ChunkJob(hidden, weight, None, targets, parse_rule("top_k=2"), Transform(1.0, None, 1.0), chunk_rows)
+
+
+@pytest.mark.parametrize("n_rows, chunk_rows", [(0, 4), (1, 4), (10, 4), (12, 4), (3, 10)])
+def test_a_job_cuts_its_rows_as_the_chunk_functions_do(n_rows, chunk_rows):
+    job = _job(n_rows, chunk_rows)
+    assert (job.n_rows, job.vocab, job.support) == (n_rows, 7, None)  # no replayed support by default
+    assert job.buffer_rows == min(chunk_rows, n_rows)
+    assert job.slices() == chunk_slices(n_rows, chunk_rows)
+    idx = torch.arange(0, n_rows, 3)
+    got, want = job.chunks_of(idx), forward_chunks_of(idx, n_rows, chunk_rows)
+    assert [rows for rows, _ in got] == [rows for rows, _ in want]
+    for (_, at), (_, expected) in zip(got, want, strict=True):
+        assert at == expected if isinstance(expected, slice) else torch.equal(at, expected)
+
+
+def test_a_job_is_frozen():
+    job = _job(5, 2)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        job.chunk_rows = 3

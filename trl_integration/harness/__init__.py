@@ -1,0 +1,23 @@
+"""The run harness of ``safevocab-grpo``, above the drop-in trainer (``trl_integration.grpo``).
+
+:class:`HardenedSafeVocabGRPOTrainer` is ``SafeVocabGRPOTrainer`` plus what a long unattended run needs and a drop-in
+for trl's ``GRPOTrainer`` should not impose: atomic checkpoints and resume checks, the CPU thread policy, reward checks
+and a console that prints trl's keys (:mod:`trl_integration.harness.trainer` lists each module). A Python user opts in
+by building it instead of ``SafeVocabGRPOTrainer``.
+
+Imported lazily: the command's early checks read :mod:`~trl_integration.harness.checkpoint_identity` without trl.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+__all__ = ["HardenedSafeVocabGRPOTrainer"]
+
+
+def __getattr__(name: str):
+    if name != "HardenedSafeVocabGRPOTrainer":
+        raise AttributeError(f"module 'trl_integration.harness' has no attribute {name!r}")
+    value = importlib.import_module("trl_integration.harness.trainer").HardenedSafeVocabGRPOTrainer
+    globals()[name] = value
+    return value
