@@ -75,11 +75,15 @@ class SafeHeadState:
 
     Replay (``safe_vocab_support="replay"``): ``supports`` holds one replayed
     :class:`~safevocab.SafeSupport` per sequence of the scoring call; each forward (one chunk of trl's batching
-    loop, chunks in order) takes the next ``batch`` of them (:meth:`take_supports`).
+    loop, chunks in order) takes the next ``batch`` of them (:meth:`take_supports`). ``support_only``: a replayed set
+    is the whole safe set, not intersected with the rule's set on the same logits; for an engine that sampled a
+    distribution the trainer's logits do not show (a grammar, ``vllm_structured_outputs_regex``), whose kept set the
+    rule's set on the unconstrained logits need not even meet.
     """
 
     compute_entropy: bool = True
     full_entropy: bool = False
+    support_only: bool = False
     records: list | None = field(default=None)
     supports: list | None = field(default=None)
     _cursor: int = 0
@@ -216,7 +220,7 @@ def add_safe_lm_head(
                 scored_hidden,
                 head_weight,
                 labels[mask],
-                rule,
+                NoPruning() if support is not None and state.support_only else rule,
                 **transform,
                 compute_entropy=state.compute_entropy,
                 max_chunk_bytes=max_chunk_bytes,

@@ -35,6 +35,7 @@ from trl_integration.grpo.metric_queue import MetricQueue, QueuedMetrics, queue_
 from trl_integration.grpo.out_of_set_alert import OutOfSetAlert
 from trl_integration.grpo.replay import SupportReplay
 from trl_integration.grpo.step import ROLLOUT_LOGPROBS_FRAC, SafeTokenStats
+from trl_integration.grpo.structured_outputs import grammar_active, warn_grammar_without_replay
 from trl_integration.grpo.trainer_checks import check_built_trainer, check_tokenizer
 from trl_integration.grpo.vllm_engine import (
     check_engine_settings,
@@ -143,7 +144,11 @@ class SafeVocabGRPOTrainer(QueuedMetrics, GRPOTrainerBridge):
         self._stock_head = isinstance(self.safe_vocab_rule, NoPruning) and self._replay is None
         base = self.model.get_base_model() if is_peft_model(self.model) else self.model
         self._vocab_size = int(base.get_output_embeddings().weight.shape[0])
-        self._safe_head = SafeHeadState(full_entropy=bool(args.log_entropy_metrics))  # policy's and reference's heads
+        # policy's and reference's heads; under a grammar the replayed set is the whole safe set (structured_outputs)
+        self._safe_head = SafeHeadState(
+            full_entropy=bool(args.log_entropy_metrics),
+            support_only=self._replay is not None and grammar_active(args),
+        )
         #: The loss forward's entropies, full and over S (log_entropy_metrics; docs/metrics.md).
         self._entropies = EntropyCapture() if args.log_entropy_metrics else None
         if not self._stock_head:
@@ -152,6 +157,7 @@ class SafeVocabGRPOTrainer(QueuedMetrics, GRPOTrainerBridge):
                 add_safe_lm_head(target, self.safe_vocab_rule, self.temperature, args.cast_lm_head_to_fp32,
                                  self._safe_head, args.safe_vocab_max_chunk_bytes)  # fmt: skip
         if self.use_vllm:
+            warn_grammar_without_replay(args, replay=self._replay is not None)
             use_cpu_weight_sync(self.vllm_generation)
             require_processed_logprobs(self)
             if self._replay is not None and self.rollout_func is None:  # the engine's kept sets, from trl's own path
