@@ -23,6 +23,7 @@ import struct
 from pathlib import Path
 from typing import Any
 
+from trl_integration.harness.manifest import read_harness_json
 from trl_integration.options import MODEL_SETTINGS, RESUME_ALLOW_FIELD
 
 __all__ = [
@@ -47,17 +48,8 @@ def read_settings(folder: str | os.PathLike) -> dict[str, Any] | None:
     Raises:
         ValueError: one line naming the file when it is not the JSON the harness writes.
     """
-    path = Path(folder, SETTINGS_NAME)
-    if not path.is_file():
-        return None
-    try:
-        settings = json.loads(path.read_text(encoding="utf-8"))["settings"]
-        if not isinstance(settings, dict):
-            raise TypeError
-    except (ValueError, KeyError, TypeError, OSError):
-        raise ValueError(f"{path} is not a settings file of safevocab (expected {{'format': 1, 'settings': {{...}}}}): "
-                         "restore it, or delete it to resume without checking the settings") from None  # fmt: skip
-    return settings
+    what = "a settings file of safevocab (expected {'format': 1, 'settings': {...}})"
+    return read_harness_json(Path(folder, SETTINGS_NAME), "settings", what, "checking the settings")
 
 
 def refused_settings_message(checkpoint: str, refused: list[tuple[str, Any, Any]], why: str) -> str:

@@ -21,7 +21,7 @@ import os
 import zlib
 from pathlib import Path
 
-__all__ = ["MANIFEST_NAME", "file_crc32", "write_manifest", "read_manifest", "manifest_problem"]
+__all__ = ["MANIFEST_NAME", "file_crc32", "write_manifest", "read_manifest", "manifest_problem", "read_harness_json"]
 
 #: The manifest's file name, beside ``trainer_state.json``.
 MANIFEST_NAME = "safevocab_manifest.json"
@@ -60,17 +60,25 @@ def read_manifest(folder: str | os.PathLike) -> dict[str, dict] | None:
     Raises:
         ValueError: one line naming the manifest when it does not parse.
     """
-    path = Path(folder, MANIFEST_NAME)
+    return read_harness_json(Path(folder, MANIFEST_NAME), "files", "a manifest of safevocab",
+                             "verifying the checkpoint's files")  # fmt: skip
+
+
+def read_harness_json(path: Path, key: str, what: str, skipped: str) -> dict | None:
+    """The dict under ``key`` of a JSON file the harness wrote into a checkpoint; ``None`` when there is no file.
+
+    Raises:
+        ValueError: one line naming the file (``what`` it should be) and what deleting it skips (``skipped``).
+    """
     if not path.is_file():
         return None
     try:
-        files = json.loads(path.read_text(encoding="utf-8"))["files"]
-        if not isinstance(files, dict):
+        value = json.loads(path.read_text(encoding="utf-8"))[key]
+        if not isinstance(value, dict):
             raise TypeError
     except (ValueError, KeyError, TypeError, OSError):
-        raise ValueError(f"{path} is not a manifest of safevocab: restore it, or delete it to resume without "
-                         "verifying the checkpoint's files") from None  # fmt: skip
-    return files
+        raise ValueError(f"{path} is not {what}: restore it, or delete it to resume without {skipped}") from None
+    return value
 
 
 def manifest_problem(folder: str | os.PathLike) -> str | None:
