@@ -6,6 +6,7 @@ import torch
 from trl import GRPOConfig, GRPOTrainer
 from trl_helpers import build_model, build_tokenizer, grpo_kwargs, prompt_dataset, vowel_reward
 
+from safevocab.threads import set_intra_op_threads
 from trl_integration import HardenedSafeVocabGRPOTrainer, SafeVocabGRPOConfig, SafeVocabGRPOTrainer
 from trl_integration.grpo.out_of_set_alert import OutOfSetAlert
 from trl_integration.harness import threads
@@ -25,14 +26,15 @@ def test_the_drop_in_keeps_trls_train_checkpoint_save_callbacks_rewards_and_thre
     monkeypatch.setattr(threads, "_torch_default_threads", lambda: 3)
     before = torch.get_num_threads()
     try:
-        torch.set_num_threads(3)
+        # torch's own setter: a vLLM engine built earlier in this worker leaves torch.set_num_threads a no-op
+        set_intra_op_threads(3)
         stock = build(GRPOTrainer, GRPOConfig, tmp_path / "stock")
         plain = build(SafeVocabGRPOTrainer, SafeVocabGRPOConfig, tmp_path / "plain")
         assert torch.get_num_threads() == 3  # the drop-in left torch's count alone
         hardened = build(HardenedSafeVocabGRPOTrainer, SafeVocabGRPOConfig, tmp_path / "hardened")
         assert torch.get_num_threads() == 1  # the harness chose one thread for a model this small
     finally:
-        torch.set_num_threads(before)
+        set_intra_op_threads(before)
     assert SafeVocabGRPOTrainer.train is GRPOTrainer.train
     assert SafeVocabGRPOTrainer._save_checkpoint is GRPOTrainer._save_checkpoint
     trls = [type(c) for c in stock.callback_handler.callbacks]
