@@ -56,7 +56,7 @@ from transformers.utils import (
 )
 
 from trl_integration.grpo.length_decay import uses_detector
-from trl_integration.harness.manifest import manifest_problem
+from trl_integration.harness.manifest import MANIFEST_NAME, manifest_problem
 from trl_integration.harness.resume_settings import trainer_state_problem, weights_loaded_elsewhere, weights_problem
 from trl_integration.harness.state_files import state_problem
 
@@ -336,4 +336,11 @@ def checked_resume_checkpoint(trainer, resume_from_checkpoint):
                 f"resume_from_checkpoint={checkpoint!r}: {problem}; restore the file (a backup, the run that wrote it), "
                 "or set resume_verify_checksums=False (--resume_verify_checksums false) if it was changed on purpose"
             )
+    elif main and os.path.isfile(os.path.join(checkpoint, MANIFEST_NAME)):
+        warnings.warn(
+            f"resuming from {checkpoint} without verifying its files against {MANIFEST_NAME} "
+            "(resume_verify_checksums=False)",
+            UserWarning,
+            stacklevel=3,
+        )
     return checkpoint
