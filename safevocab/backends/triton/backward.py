@@ -90,9 +90,9 @@ def full_softmax_backward(job: ChunkJob, route: Route, idx: torch.Tensor, coef: 
             h = hidden[rows]
         else:  # the forward's logits of the chosen rows (a row-contiguous copy)
             z, h = z.index_select(0, at - rows.start), hidden.index_select(0, at)
-            out = z if out.dtype == z.dtype else torch.empty(z.shape, device=z.device, dtype=out.dtype)
-        if half:
-            out = z if z.dtype == torch.float32 else torch.empty(z.shape, device=z.device, dtype=torch.float32)
+        out_dtype = torch.float32 if half else out.dtype
+        if half or not isinstance(at, slice):  # a destination of the chosen rows' shape, in the gradient's dtype
+            out = z if z.dtype == out_dtype else torch.empty(z.shape, device=z.device, dtype=out_dtype)
         pick = lambda t, at=at: t[at]  # noqa: E731
         backward_fold(
             z,
