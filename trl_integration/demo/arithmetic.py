@@ -223,4 +223,5 @@ def accuracy(
         sampling=sampling,
         seed=seed,
         progress="accuracy" if progress is True else progress,
+        unit="problem",
     )

@@ -26,6 +26,7 @@ def mean_reward(
     sampling: dict[str, Any],
     seed: int | None,
     progress: bool | str = False,
+    unit: str = "prompt",
 ) -> float:
     """Mean of ``reward(prompts, completions, targets)`` over ``prompts``.
 
@@ -35,7 +36,8 @@ def mean_reward(
         reward: ``(prompts, completions, targets) -> rewards`` for one batch.
         sampling: keyword arguments of ``model.generate`` that choose the decoding (``do_sample``, ...).
         seed: seeds torch's global RNG for the evaluation (restored afterwards); ``None`` leaves it alone.
-        progress: a tqdm bar over the prompts on stderr, labelled with ``progress`` when it is a string.
+        progress: a tqdm bar over the prompts on stderr, labelled with ``progress`` when it is a string, counting
+            ``unit`` (default "prompt").
     """
     import torch
     from tqdm.auto import tqdm
@@ -45,7 +47,7 @@ def mean_reward(
     model.eval()
     rng_state = torch.random.get_rng_state()
     label = progress if isinstance(progress, str) else "evaluation"
-    bar = tqdm(total=len(prompts), desc=label, unit="prompt", disable=not progress, dynamic_ncols=True)
+    bar = tqdm(total=len(prompts), desc=label, unit=unit, disable=not progress, dynamic_ncols=True)
     total = 0.0
     try:
         if seed is not None:
