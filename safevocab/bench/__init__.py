@@ -29,11 +29,10 @@ are ratios from one run on one machine; tests never assert them.
 The package, one idea a module:
 
 - :mod:`safevocab.bench.run`: :func:`run`, the benchmark's driver (one worker, or the matrix of rules and thread
-  counts), and :func:`show_progress`;
+  counts), the table of one run, and :func:`show_progress`;
 - :mod:`safevocab.bench.cli`: the flags (:func:`make_parser`) and the ``--preset`` values;
 - :mod:`safevocab.bench.variants`: each variant's step on the process's one set of inputs;
 - :mod:`safevocab.bench.worker`: the worker subprocess, which measures the steps round-robin;
-- :mod:`safevocab.bench.report`: the table of one run;
 - :mod:`safevocab.bench.matrix`: several rules and thread counts in one run (``--rules``, ``--threads``,
   ``--busy-cores``);
 - :mod:`safevocab.bench.inputs`: the inputs, in two logit profiles (``--logits-profile``);
@@ -50,24 +49,7 @@ deprecation; the stable API is listed in ``docs/api.md``.
 """
 
 from safevocab.bench.cli import PRESETS, make_parser
-from safevocab.bench.inputs import PROFILES, draw_logit_factors, kept_set_sizes, replay_support, sample_targets
-from safevocab.bench.measure import peak_bytes, timed
 from safevocab.bench.run import PROGRESS_LOGGERS, run, show_progress
 from safevocab.bench.variants import DEFAULT_VARIANTS, VARIANTS
 
-__all__ = [
-    "DEFAULT_VARIANTS",
-    "PRESETS",
-    "PROFILES",
-    "PROGRESS_LOGGERS",
-    "VARIANTS",
-    "draw_logit_factors",
-    "kept_set_sizes",
-    "make_parser",
-    "peak_bytes",
-    "replay_support",
-    "run",
-    "sample_targets",
-    "show_progress",
-    "timed",
-]
+__all__ = ["DEFAULT_VARIANTS", "PRESETS", "PROGRESS_LOGGERS", "VARIANTS", "make_parser", "run", "show_progress"]

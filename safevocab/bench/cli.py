@@ -9,6 +9,7 @@ import torch
 
 from safevocab.bench.inputs import PROFILES
 from safevocab.bench.variants import DEFAULT_VARIANTS, DTYPES, VARIANTS
+from safevocab.logprobs import DEFAULT_MAX_CHUNK_BYTES
 
 __all__ = ["DESCRIPTION", "PRESETS", "make_parser", "parse_args"]
 
@@ -44,9 +45,8 @@ def make_parser(prog: str = "python -m safevocab.bench") -> argparse.ArgumentPar
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument(
         "--max-chunk-bytes",
-        dest="max_chunk_bytes",
         type=int,
-        default=None,
+        default=DEFAULT_MAX_CHUNK_BYTES,
         help="fused chunk budget in bytes (default: the library default)",
     )
     p.add_argument(
@@ -70,7 +70,6 @@ def make_parser(prog: str = "python -m safevocab.bench") -> argparse.ArgumentPar
     )
     p.add_argument(
         "--liger-seq-len",
-        dest="liger_seq_len",
         type=int,
         default=1024,
         help="sequence length T of the `liger` variant's [N / T, T] batch, default 1024",
@@ -89,7 +88,6 @@ def make_parser(prog: str = "python -m safevocab.bench") -> argparse.ArgumentPar
     )
     p.add_argument(
         "--busy-cores",
-        dest="busy_cores",
         type=int,
         default=0,
         help="spinning processes (one busy core each) that run during the measurement, default 0",
@@ -101,7 +99,6 @@ def make_parser(prog: str = "python -m safevocab.bench") -> argparse.ArgumentPar
     )
     p.add_argument(
         "--logits-profile",
-        dest="logits_profile",
         choices=PROFILES,
         default="synthetic",
         help="synthetic: N(0, 9) logits (flat, kept sets of 1-4 %% of V); lm: a Zipf prior plus a context "

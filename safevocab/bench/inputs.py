@@ -22,6 +22,9 @@ from __future__ import annotations
 
 import torch
 
+from safevocab.rules import parse_rule
+from safevocab.support import SafeSupport
+
 __all__ = [
     "PROFILES",
     "LM_PRIOR_EXPONENT",
@@ -66,8 +69,6 @@ def draw_logit_factors(
 def sample_targets(hidden: torch.Tensor, weight: torch.Tensor, rule: str, gen: torch.Generator) -> torch.Tensor:
     """Targets drawn from the pruned policy, as RL rollouts sampled with the same rule are: Gumbel-max on the
     kept logits (``argmax(z + G)`` with ``G = -log(-log U)`` is a draw from ``softmax(z)``), on the inputs' device."""
-    from safevocab.rules import parse_rule
-
     keep_rule = parse_rule(rule)
     out = []
     for h in hidden.split(256):
@@ -81,9 +82,6 @@ def sample_targets(hidden: torch.Tensor, weight: torch.Tensor, rule: str, gen: t
 @torch.no_grad()
 def replay_support(hidden: torch.Tensor, weight: torch.Tensor, rule: str):
     """The sets ``rule`` keeps on these logits, as a :class:`~safevocab.support.SafeSupport` (``fused_replay``)."""
-    from safevocab.rules import parse_rule
-    from safevocab.support import SafeSupport
-
     keep_rule = parse_rule(rule)
     ids, sizes = [], []
     for h in hidden.split(256):
@@ -97,8 +95,6 @@ def replay_support(hidden: torch.Tensor, weight: torch.Tensor, rule: str):
 @torch.no_grad()
 def kept_set_sizes(hidden: torch.Tensor, weight: torch.Tensor, rule: str, rows: int = 1024) -> dict[str, float]:
     """Median, 99th percentile and mean of ``|S|`` under ``rule`` over the first ``rows`` rows (fp32 logits)."""
-    from safevocab.rules import parse_rule
-
     keep_rule = parse_rule(rule)
     sizes = torch.cat([keep_rule.keep_mask((h @ weight.t()).float()).sum(-1) for h in hidden[:rows].split(256)])
     sizes = sizes.float().cpu()

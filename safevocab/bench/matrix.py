@@ -13,8 +13,6 @@ the same conditions: ``fused / floor`` and ``fused / trl`` per rule.
 from __future__ import annotations
 
 import argparse
-import copy
-import json
 import logging
 import os
 import subprocess
@@ -22,6 +20,9 @@ import sys
 from collections.abc import Callable
 
 import torch
+
+from safevocab.bench.variants import make_step, trl_available
+from safevocab.bench.worker import measure_steps, run_worker
 
 __all__ = ["run_matrix", "measure_matrix", "format_matrix"]
 
@@ -31,26 +32,16 @@ logger = logging.getLogger(__name__)
 
 
 def _rule_args(args: argparse.Namespace, rule: str) -> argparse.Namespace:
-    rule_args = copy.copy(args)
-    rule_args.rule = rule
-    return rule_args
+    return argparse.Namespace(**vars(args) | {"rule": rule})
 
 
-Step = Callable[[], None]
-
-
-def measure_matrix(
-    args: argparse.Namespace,
-    make_step: Callable[[str, argparse.Namespace, torch.device], Step],
-    measure_steps: Callable[[dict[str, Callable[[], Step]], argparse.Namespace], dict[str, dict]],
-    with_trl: bool,
-) -> dict[str, dict]:
-    """Runs in the worker: floor, trl and one ``fused`` per rule (``fused[RULE]``), memory then timed round-robin
-    (``make_step``: :func:`safevocab.bench.variants.make_step`; ``measure_steps``:
-    :func:`safevocab.bench.worker.measure_steps`; :func:`safevocab.bench.run.run` calls this)."""
+def measure_matrix(args: argparse.Namespace) -> dict[str, dict]:
+    """Runs in the worker (:func:`safevocab.bench.run.run` calls this): floor, trl (when ``--variants`` holds it and
+    it imports here) and one ``fused`` per rule (``fused[RULE]``), memory then timed round-robin
+    (:func:`safevocab.bench.worker.measure_steps`)."""
     device = torch.device(args.device)
-    factories: dict[str, Callable[[], Step]] = {"floor": lambda: make_step("floor", args, device)}
-    if with_trl:
+    factories: dict[str, Callable[[], Callable[[], None]]] = {"floor": lambda: make_step("floor", args, device)}
+    if "trl" in args.variants.split(",") and trl_available():
         factories["trl"] = lambda: make_step("trl", args, device)
     for rule in split_rules(args.rules):
         factories[f"fused[{rule}]"] = lambda rule=rule: make_step("fused", _rule_args(args, rule), device)
@@ -66,27 +57,19 @@ def split_rules(spec: str) -> list[str]:
     return [r.strip() for r in spec.split(";") if r.strip()]
 
 
-def _spinners(count: int) -> list[subprocess.Popen]:
-    return [subprocess.Popen([sys.executable, "-c", _SPIN]) for _ in range(count)]
-
-
 def run_matrix(args: argparse.Namespace, argv: list[str]) -> dict[str, dict]:
     """One worker per thread count (each under ``--busy-cores`` spinning processes); results keyed by thread count."""
     results: dict[str, dict] = {}
     for threads in [int(t) for t in str(args.threads).split(",")]:
         env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
-        cmd = [sys.executable, "-m", "safevocab.bench", *argv, "--_worker", "matrix", "--_threads", str(threads)]
         logger.info("measuring %r at %d thread(s), %d busy core(s) ...", args.rules, threads, args.busy_cores)
-        spinning = _spinners(args.busy_cores)
+        spinning = [subprocess.Popen([sys.executable, "-c", _SPIN]) for _ in range(args.busy_cores)]
         try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+            results[str(threads)] = run_worker(["matrix"], [*argv, "--_threads", str(threads)], env)
         finally:
             for spinner in spinning:
                 spinner.kill()
                 spinner.wait()
-        if proc.returncode != 0:
-            raise RuntimeError(f"benchmark worker failed:\n{proc.stderr[-4000:]}")
-        results[str(threads)] = json.loads(proc.stdout.strip().splitlines()[-1])
     return results
 
 
@@ -114,11 +97,8 @@ def format_matrix(args: argparse.Namespace, results: dict[str, dict], load: tupl
                 lines.append(f"| {name} | failed: {r['error']} | | | |")
                 continue
             vs_trl = f"{r['seconds'] / trl['seconds']:.2f}" if trl and "error" not in trl else "n/a"
-            label = (
-                name[len("fused[") : -1]
-                if name.startswith("fused[")
-                else "replay of " + name[len("fused_replay[") : -1]
-            )
+            variant, _, rule = name[:-1].partition("[")  # fused[RULE] or fused_replay[RULE]
+            label = rule if variant == "fused" else f"replay of {rule}"
             lines.append(
                 f"| `{label}` | {r['seconds']:.3f} | {r['seconds'] / floor['seconds']:.2f} | {vs_trl} | "
                 f"{r['peak_bytes'] / 2**20:.0f} |"

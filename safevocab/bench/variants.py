@@ -9,6 +9,7 @@ they import here).
 from __future__ import annotations
 
 import argparse
+import importlib
 from collections.abc import Callable
 
 import torch
@@ -80,29 +81,16 @@ def make_step(variant: str, args: argparse.Namespace, device: torch.device) -> C
             grad_logits.t() @ h
 
         return step
-    if variant in ("fused", "fused_torch"):
-        backend = args.backend if variant == "fused" else "torch"
+    if variant in ("fused", "fused_torch", "fused_replay"):
+        backend = "torch" if variant == "fused_torch" else args.backend
+        replay = variant == "fused_replay"
+        # fused_replay: the rule's own sets (built once, outside the timing) replayed as an engine's kept ids, no rule
+        support = replay_support(hidden.detach(), weight.detach(), args.rule) if replay else None
+        rule = None if replay else args.rule
 
         def step() -> None:
             out = fused_safe_logprobs(
-                hidden, weight, targets, args.rule, max_chunk_bytes=args.max_chunk_bytes, backend=backend
-            ).logprobs
-            out.backward(grad_out)
-
-        return step
-    if variant == "fused_replay":
-        # The engine's kept ids replayed (here: the rule's own sets, built once outside the timing) with no rule.
-        support = replay_support(hidden.detach(), weight.detach(), args.rule)
-
-        def step() -> None:
-            out = fused_safe_logprobs(
-                hidden,
-                weight,
-                targets,
-                None,
-                max_chunk_bytes=args.max_chunk_bytes,
-                support=support,
-                backend=args.backend,
+                hidden, weight, targets, rule, max_chunk_bytes=args.max_chunk_bytes, support=support, backend=backend
             ).logprobs
             out.backward(grad_out)
 
@@ -153,26 +141,23 @@ def _liger_step(args: argparse.Namespace, hidden: torch.Tensor, weight: torch.Te
 
 
 def _trl_function():
-    import importlib
-
     return importlib.import_module("trl.kernels").ChunkedLogProbFunction
+
+
+def _imports(load: Callable[[], object]) -> bool:
+    """Whether ``load()`` runs: the comparison's package imports here."""
+    try:
+        load()
+    except Exception:  # the package missing or broken: the comparison is skipped, and the table says so
+        return False
+    return True
 
 
 def trl_available() -> bool:
     """Whether trl's ``ChunkedLogProbFunction`` imports here (the ``trl`` variant)."""
-    try:
-        _trl_function()
-    except Exception:  # trl missing or broken: the comparison is skipped, and the table says so
-        return False
-    return True
+    return _imports(_trl_function)
 
 
 def liger_available() -> bool:
     """Whether Liger-Kernel's chunked losses import here (the ``liger`` variant)."""
-    try:
-        import importlib
-
-        importlib.import_module("liger_kernel.chunked_loss")
-    except Exception:  # liger_kernel missing or broken: the comparison is skipped, and the table says so
-        return False
-    return True
+    return _imports(lambda: importlib.import_module("liger_kernel.chunked_loss"))

@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import statistics
 import subprocess
 import sys
@@ -63,10 +62,11 @@ def measure_steps(factories: dict[str, Callable[[], Callable[[], None]]], args: 
     return results
 
 
-def run_worker(variants: list[str], argv: list[str]) -> dict[str, dict]:
-    """Measure ``variants`` in one fresh subprocess (the inputs of earlier runs never count)."""
+def run_worker(variants: list[str], argv: list[str], env: dict[str, str] | None = None) -> dict[str, dict]:
+    """Measure ``variants`` (``["matrix"]``: :func:`safevocab.bench.matrix.measure_matrix`) in one fresh subprocess
+    (the inputs of earlier runs never count), under ``env`` (default: this process's environment)."""
     cmd = [sys.executable, "-m", "safevocab.bench", *argv, "--_worker", ",".join(variants)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=os.environ.copy())
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if proc.returncode != 0:
         raise RuntimeError(f"benchmark worker failed:\n{proc.stderr[-4000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])

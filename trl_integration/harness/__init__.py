@@ -8,16 +8,12 @@ by building it instead of ``SafeVocabGRPOTrainer``.
 Imported lazily: the command's early checks read :mod:`~trl_integration.harness.checkpoint_identity` without trl.
 """
 
-from __future__ import annotations
-
-import importlib
-
 __all__ = ["HardenedSafeVocabGRPOTrainer"]
 
 
 def __getattr__(name: str):
     if name != "HardenedSafeVocabGRPOTrainer":
         raise AttributeError(f"module 'trl_integration.harness' has no attribute {name!r}")
-    value = importlib.import_module("trl_integration.harness.trainer").HardenedSafeVocabGRPOTrainer
-    globals()[name] = value
-    return value
+    from trl_integration.harness.trainer import HardenedSafeVocabGRPOTrainer
+
+    return HardenedSafeVocabGRPOTrainer

@@ -22,6 +22,20 @@ refused in one line naming the missing files; ``resume_allow_missing_state=True`
 what starts fresh. Under DeepSpeed, ``scheduler.pt`` is required only with ``length_decay`` (DeepSpeed's own
 schedulers are saved in ``global_step*``).
 
+**Resume state read the safe way** (:func:`state_problem`), before the Trainer reads it, so that a file that cannot be
+used is named. transformers loads ``optimizer.pt``, ``scheduler.pt``, ``scaler.pt`` and the RNG states deep inside
+``train``, and a file that is not what it expects fails there without naming it: a hand-edited ``optimizer.pt`` holding
+``{}`` gave ``KeyError: 'param_groups'``, a ``scheduler.pt`` holding ``[1, 2]`` a raw message, and a planted malicious
+pickle torch's ``UnpicklingError``, which names no file and suggests ``weights_only=False`` (issue 57). Each present
+file is loaded first as the Trainer will, with ``torch.load(weights_only=True)`` and the Trainer's own allowlist
+(numpy's RNG state; memory-mapped: the tensors are not read), and its structure checked:
+
+- ``optimizer.pt``: a dict with ``state`` and ``param_groups`` (``torch.optim.Optimizer.state_dict()``);
+- ``scheduler.pt``, ``scaler.pt``, ``rng_state*.pth``: a dict.
+
+A file torch refuses to load safely is named with what torch found (for example an unsupported global such as
+``posix.system``) and the safe advice: restore the file from the run that wrote it; nothing in it was executed.
+
 **What it must match** (:mod:`~trl_integration.harness.resume_settings`): a valid ``global_step``, the model's weight
 names and shapes, ``max_steps`` >= its step, and its stored settings (``resume_allow_changed_settings``).
 
@@ -37,6 +51,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import re
 import warnings
 import zipfile
@@ -58,7 +73,6 @@ from transformers.utils import (
 from trl_integration.grpo.length_decay import uses_detector
 from trl_integration.harness.manifest import MANIFEST_NAME, manifest_problem
 from trl_integration.harness.resume_settings import trainer_state_problem, weights_loaded_elsewhere, weights_problem
-from trl_integration.harness.state_files import state_problem
 
 __all__ = [
     "STAGING_PREFIX",
@@ -70,6 +84,8 @@ __all__ = [
     "what_starts_fresh",
     "length_decay_base_problem",
     "checked_resume_checkpoint",
+    "STATE_FILES",
+    "state_problem",
 ]
 
 #: Prefix of the folder a checkpoint is written in before it is complete (``_incomplete-checkpoint-N``).
@@ -83,13 +99,15 @@ _CHECKPOINT = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")
 _WEIGHTS = (SAFE_WEIGHTS_NAME, ADAPTER_SAFE_WEIGHTS_NAME, WEIGHTS_NAME, ADAPTER_WEIGHTS_NAME)
 _TORCH_SUFFIXES = (".pt", ".pth", ".bin")
 
+#: The resume state files checked here (``rng_state_<r>.pth`` of a multi-process run too).
+STATE_FILES = (OPTIMIZER_NAME, SCHEDULER_NAME, SCALER_NAME, "rng_state.pth")
+
+_RNG = re.compile(r"^rng_state(_\d+)?\.pth$")
+_TORCH_ADVICE = re.compile(r"Weights only load failed\..*?Do it only if you got the file from a trusted source\.", re.S)
+
 # What starts fresh when a file is missing (for the warning of resume_allow_missing_state=True).
 _OPTIMIZER_RESET = "the optimizer state and the learning-rate schedule (transformers loads the two only together)"
-_RESET = {
-    "rng": "the random-number generators",
-    SCALER_NAME: "the fp16 loss scale",
-    "length_decay": "the length-decay state (trigger step and surge detector)",
-}
+_LENGTH_DECAY_RESET = "the length-decay state (trigger step and surge detector)"
 
 
 def checkpoint_problem(folder: str | os.PathLike) -> str | None:
@@ -177,6 +195,45 @@ def find_resume_checkpoint(run_dir: str | os.PathLike) -> tuple[str | None, list
     return None, skipped
 
 
+def _what_torch_found(err: Exception) -> str:
+    """torch's reason without its advice to load with ``weights_only=False`` (which would run the file's code)."""
+    text = _TORCH_ADVICE.sub("", str(err))
+    text = text.split("Check the documentation of torch.load")[0]
+    return " ".join(text.split()) or type(err).__name__
+
+
+def _structure_problem(name: str, value: object) -> str | None:
+    if not isinstance(value, dict):
+        return f"{name} holds a {type(value).__name__}, not the dict the Trainer saves"
+    if name == OPTIMIZER_NAME:
+        missing = [key for key in ("state", "param_groups") if key not in value]
+        if missing:
+            return f"{name} lacks {', '.join(map(repr, missing))}: it is not an optimizer's state_dict()"
+    return None
+
+
+def state_problem(folder: str | os.PathLike) -> str | None:
+    """Why a resume state file of ``folder`` cannot be used (see the module docstring), or ``None``."""
+    folder = Path(folder)
+    names = sorted(p.name for p in folder.iterdir() if p.is_file() and (p.name in STATE_FILES or _RNG.match(p.name)))
+    from trl_integration._private import trainer_safe_globals
+
+    for name in names:
+        try:
+            with trainer_safe_globals():  # what the Trainer allows in these files (numpy's RNG state), no more
+                value = torch.load(folder / name, map_location="cpu", weights_only=True, mmap=True)
+        except pickle.UnpicklingError as err:
+            return (f"{name} cannot be loaded safely ({_what_torch_found(err)}): it holds objects other than tensors "
+                    "and plain containers, which loading would run as code; nothing was run. Restore the file from the "
+                    "run that wrote it, or resume from another checkpoint")  # fmt: skip
+        except (RuntimeError, OSError, EOFError, ValueError) as err:
+            return f"{name} is not a file torch.save wrote ({_what_torch_found(err)}): restore it, or resume from another checkpoint"
+        problem = _structure_problem(name, value)
+        if problem is not None:
+            return problem + ": restore it, or resume from another checkpoint"
+    return None
+
+
 def missing_state(
     folder: str | os.PathLike,
     *,
@@ -205,8 +262,10 @@ def missing_state(
     if SCHEDULER_NAME not in names:
         if length_decay or not deepspeed:
             missing.append(SCHEDULER_NAME)
-    elif length_decay and not _has_length_decay_state(folder / SCHEDULER_NAME, surge_detector):
-        missing.append(f"the length-decay state in {SCHEDULER_NAME}")
+    elif length_decay:
+        state = _length_decay_state(folder / SCHEDULER_NAME)  # the trigger step, and the detector's state when used
+        if state is None or (surge_detector and "detector" not in state):
+            missing.append(f"the length-decay state in {SCHEDULER_NAME}")
     rng = ["rng_state.pth"] if world_size <= 1 else [f"rng_state_{r}.pth" for r in range(world_size)]
     missing += [name for name in rng if name not in names]
     if scaler and SCALER_NAME not in names:
@@ -221,12 +280,6 @@ def _length_decay_state(path: Path) -> dict | None:
     except Exception:  # noqa: BLE001 - any scheduler state torch cannot read safely is not the length-decay one
         return None
     return state if isinstance(state, dict) and "trigger_step" in state else None
-
-
-def _has_length_decay_state(path: Path, surge_detector: bool) -> bool:
-    """Whether a ``scheduler.pt`` holds ``LengthDecayLR``'s trigger step (and its detector's state)."""
-    state = _length_decay_state(path)
-    return state is not None and (not surge_detector or "detector" in state)
 
 
 def length_decay_base_problem(folder: str | os.PathLike, lr_scheduler_type: str) -> str | None:
@@ -252,13 +305,13 @@ def what_starts_fresh(missing: list[str], length_decay: bool = False) -> str:
     """The state the Trainer starts fresh when it resumes without ``missing`` (names from :func:`missing_state`)."""
     parts = []
     if OPTIMIZER_NAME in missing or SCHEDULER_NAME in missing:
-        parts.append(_OPTIMIZER_RESET + (", and with it " + _RESET["length_decay"] if length_decay else ""))
+        parts.append(_OPTIMIZER_RESET + (", and with it " + _LENGTH_DECAY_RESET if length_decay else ""))
     elif any(name.startswith("the length-decay state") for name in missing):
-        parts.append(_RESET["length_decay"])
+        parts.append(_LENGTH_DECAY_RESET)
     if any(name.startswith("rng_state") for name in missing):
-        parts.append(_RESET["rng"])
+        parts.append("the random-number generators")
     if SCALER_NAME in missing:
-        parts.append(_RESET[SCALER_NAME])
+        parts.append("the fp16 loss scale")
     return "; ".join(parts)
 
 
@@ -282,11 +335,7 @@ def checked_resume_checkpoint(trainer, resume_from_checkpoint):
             passed = f" (passed over: {'; '.join(skipped)})" if skipped else ""
             raise ValueError(f"resume_from_checkpoint=True: no complete checkpoint in {args.output_dir}{passed}")
         if skipped and main:
-            warnings.warn(
-                f"resume_from_checkpoint=True: skipped incomplete {'; '.join(skipped)}; resuming from {checkpoint}",
-                UserWarning,
-                stacklevel=3,
-            )
+            _warn(f"resume_from_checkpoint=True: skipped incomplete {'; '.join(skipped)}; resuming from {checkpoint}")
     else:
         checkpoint = os.fspath(resume_from_checkpoint)
         problem = checkpoint_problem(checkpoint)
@@ -322,11 +371,9 @@ def checked_resume_checkpoint(trainer, resume_from_checkpoint):
             "resume_allow_missing_state=True (--resume_allow_missing_state true) to accept that"
         )
     if missing and main:
-        warnings.warn(
+        _warn(
             f"resuming from {checkpoint} without {', '.join(missing)} (resume_allow_missing_state=True): "
-            f"{what_starts_fresh(missing, length_decay)} start fresh",
-            UserWarning,
-            stacklevel=3,
+            f"{what_starts_fresh(missing, length_decay)} start fresh"
         )
     if getattr(args, "resume_verify_checksums", True):
         problem = manifest_problem(checkpoint)  # a flipped byte since the save, once the
@@ -337,10 +384,13 @@ def checked_resume_checkpoint(trainer, resume_from_checkpoint):
                 "or set resume_verify_checksums=False (--resume_verify_checksums false) if it was changed on purpose"
             )
     elif main and os.path.isfile(os.path.join(checkpoint, MANIFEST_NAME)):
-        warnings.warn(
+        _warn(
             f"resuming from {checkpoint} without verifying its files against {MANIFEST_NAME} "
-            "(resume_verify_checksums=False)",
-            UserWarning,
-            stacklevel=3,
+            "(resume_verify_checksums=False)"
         )
     return checkpoint
+
+
+def _warn(message: str) -> None:
+    """One warning of :func:`checked_resume_checkpoint`, attributed to the caller of ``train``."""
+    warnings.warn(message, UserWarning, stacklevel=4)

@@ -11,8 +11,11 @@ before the new one is complete. At any moment the run directory holds the comple
 it. Staging names start with ``_``: transformers' checkpoint globs (``checkpoint-*``) never see them and its Hub upload
 skips them. A killed save's staging folder is ignored by resuming (named in its warning) and deleted by the next save.
 
-**Disk full**: one ``OSError`` naming ENOSPC and the folder (:mod:`~trl_integration.harness.disk_full`); the staging
-folder is deleted. Each save also writes ``safevocab_settings.json`` (:mod:`trl_integration.harness.resume_settings`)
+**Disk full** (:func:`no_space_error`). A full disk surfaces from a save as ``OSError: [Errno 28] No space left on
+device`` from Python's writers, or as torch's zip writer's ``RuntimeError: [enforce fail at inline_container.cc:...]
+... file write failed`` (or ``unexpected pos``), which names neither the cause nor the folder; either becomes one
+``OSError`` (errno ENOSPC) naming the checkpoint, the folder and the space left there, and the staging folder is
+deleted. Each save also writes ``safevocab_settings.json`` (:mod:`trl_integration.harness.resume_settings`)
 and, last, ``safevocab_manifest.json`` (:mod:`trl_integration.harness.manifest`: every file's size and CRC-32).
 ``args.safe_vocab_atomic_checkpoints=False`` saves in place, as transformers does (the resume checks stay).
 
@@ -22,6 +25,7 @@ What a complete checkpoint is, and what a resume checks before it loads one, is
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 
@@ -30,11 +34,10 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
 from trl_integration._private import CheckpointBridge
 from trl_integration.harness.checkpoint_files import REPLACED_PREFIX, STAGING_PREFIX, checked_resume_checkpoint
-from trl_integration.harness.disk_full import no_space_error
 from trl_integration.harness.manifest import write_manifest
 from trl_integration.harness.resume_settings import check_settings, checkpoint_step, write_settings
 
-__all__ = ["AtomicCheckpoints", "save_staged", "save_in_place", "publish", "remove_leftovers"]
+__all__ = ["AtomicCheckpoints", "save_staged", "save_in_place", "publish", "remove_leftovers", "no_space_error"]
 
 
 class AtomicCheckpoints(CheckpointBridge):
@@ -138,6 +141,30 @@ def remove_leftovers(run_dir: str) -> None:
     for entry in os.scandir(run_dir):
         if entry.is_dir() and entry.name.startswith((STAGING_PREFIX, REPLACED_PREFIX)):
             shutil.rmtree(entry.path, ignore_errors=True)
+
+
+def no_space_error(error: BaseException, name: str, folder: str, removed: bool = True) -> OSError | None:
+    """The one-line ``OSError`` (ENOSPC) for a save of checkpoint ``name`` into ``folder`` that ``error`` ended for want
+    of disk space, or ``None`` when ``error`` is not about space (see the module docstring). ``removed``: the partial
+    checkpoint was deleted (the atomic save's staging folder), else it stays as transformers left it."""
+    text = str(error)
+    if isinstance(error, OSError) and error.errno == errno.ENOSPC or "No space left on device" in text:
+        cause = "no space left on device (ENOSPC)"
+    elif isinstance(error, RuntimeError) and "inline_container.cc" in text:
+        cause = f"torch's writer failed ({text.splitlines()[0][:80]}), most often no space left on device (ENOSPC)"
+    else:
+        return None
+    try:
+        free = f"{shutil.disk_usage(os.path.dirname(folder) or '.').free / 2**20:.1f} MiB left there"
+    except OSError:
+        free = "space left unknown"
+    return OSError(
+        errno.ENOSPC,
+        f"saving {name} failed in {folder}: {cause}; {free}; "
+        + ("the partial checkpoint was removed, " if removed else "")
+        + "the newest complete checkpoint is unchanged: free disk space (or save_total_limit / --output_dir on a "
+        "larger disk)",
+    )
 
 
 def _settle_best_checkpoint(trainer, run_dir: str, staged: str) -> None:

@@ -36,22 +36,23 @@ def console_keys(logs: dict, hidden: tuple[str, ...] = PROJECT_PREFIXES) -> dict
     return {key: value for key, value in logs.items() if not key.removeprefix("eval_").startswith(hidden)}
 
 
-class _QuietProgress(ProgressCallback):
-    def __init__(self, max_str_len: int, hidden: tuple[str, ...]):
-        super().__init__(max_str_len=max_str_len)
+class _QuietConsole:
+    """A console callback (mixed in before transformers' own) that prints the logs without the ``hidden`` keys."""
+
+    def __init__(self, hidden: tuple[str, ...], **kwargs):
+        super().__init__(**kwargs)
         self.hidden = hidden
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         return super().on_log(args, state, control, logs=console_keys(logs or {}, self.hidden), **kwargs)
 
 
-class _QuietPrinter(PrinterCallback):
-    def __init__(self, hidden: tuple[str, ...]):
-        super().__init__()
-        self.hidden = hidden
+class _QuietProgress(_QuietConsole, ProgressCallback):
+    """``ProgressCallback`` (above the progress bar) without the hidden keys."""
 
-    def on_log(self, args, state, control, logs=None, **kwargs):
-        return super().on_log(args, state, control, logs=console_keys(logs or {}, self.hidden), **kwargs)
+
+class _QuietPrinter(_QuietConsole, PrinterCallback):
+    """``PrinterCallback`` (with ``disable_tqdm``) without the hidden keys."""
 
 
 def quiet_console(trainer) -> bool:
@@ -64,7 +65,7 @@ def quiet_console(trainer) -> bool:
     callbacks = trainer.callback_handler.callbacks
     for index, callback in enumerate(callbacks):
         if type(callback) is ProgressCallback:
-            callbacks[index] = _QuietProgress(callback.max_str_len, hidden)
+            callbacks[index] = _QuietProgress(hidden, max_str_len=callback.max_str_len)
         elif type(callback) is PrinterCallback:
             callbacks[index] = _QuietPrinter(hidden)
         else:

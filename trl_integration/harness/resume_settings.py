@@ -53,22 +53,12 @@ from trl_integration.harness.checkpoint_identity import (
     shape_problems,
     stored_shapes,
 )
-from trl_integration.options import (
-    LENGTH_DECAY_SETTINGS,
-    MODEL_SETTINGS,
-    RESUME_ALLOW_FIELD,
-    RESUME_REFUSED_SETTINGS,
-    RULE_SETTINGS,
-)
+from trl_integration.options import LENGTH_DECAY_SETTINGS, RESUME_ALLOW_FIELD, RESUME_REFUSED_SETTINGS, RULE_SETTINGS
 
 __all__ = [
-    "SETTINGS_NAME",
-    "ALLOW_FIELD",
-    "REFUSED_SETTINGS",
     "HONOURED_SETTINGS",
     "run_settings",
     "write_settings",
-    "read_settings",
     "trainer_state_problem",
     "weights_problem",
     "check_settings",
@@ -77,20 +67,12 @@ __all__ = [
     "weights_loaded_elsewhere",
 ]
 
-#: The config field listing the settings a resumed run may change on purpose.
-ALLOW_FIELD = RESUME_ALLOW_FIELD
 _SCHEDULE = ("learning_rate", "lr_scheduler_type", "lr_scheduler_kwargs", "warmup_steps", "warmup_ratio", "max_steps")
 
-#: Settings a resume refuses to change unless named in ``resume_allow_changed_settings``.
-REFUSED_SETTINGS: tuple[str, ...] = RESUME_REFUSED_SETTINGS
-#: Settings a resume honours when they change (with one warning).
+#: Settings a resume honours when they change (with one warning). Those it refuses to change unless named in
+#: ``resume_allow_changed_settings`` (:data:`~trl_integration.options.RESUME_ALLOW_FIELD`) are
+#: :data:`~trl_integration.options.RESUME_REFUSED_SETTINGS`.
 HONOURED_SETTINGS: tuple[str, ...] = _SCHEDULE
-
-_WHY = {
-    **dict.fromkeys(RULE_SETTINGS, WHY_REFUSED["rule"]),
-    **dict.fromkeys(LENGTH_DECAY_SETTINGS, WHY_REFUSED["length_decay"]),
-    **dict.fromkeys(MODEL_SETTINGS, WHY_REFUSED["model"]),
-}
 
 
 def _plain(value: Any) -> Any:
@@ -102,8 +84,7 @@ def _plain(value: Any) -> Any:
 def run_settings(trainer) -> dict[str, Any]:
     """The settings of ``trainer``'s run that a resumed run must agree with (see the module docstring)."""
     args, model = trainer.args, trainer.accelerator.unwrap_model(trainer.model)
-    settings = {name: getattr(args, name, None) for name in ("safe_vocab_rule", "safe_vocab_effective_rule")}
-    settings["rule_engine"] = getattr(args, "rule_engine", None)
+    settings = {name: getattr(args, name, None) for name in RULE_SETTINGS}
     settings.update({name: getattr(args, name) for name in _SCHEDULE if hasattr(args, name)})
     settings.update({name: getattr(args, name, None) for name in LENGTH_DECAY_SETTINGS})
     config = getattr(model, "config", None)
@@ -206,9 +187,7 @@ def _changed(stored: dict, current: dict) -> list[tuple[str, Any, Any]]:
         if name == "max_steps" and constant:
             continue  # the constant schedule does not depend on it
         old = stored[name]
-        if old != new and not (
-            isinstance(old, (int, float)) and isinstance(new, (int, float)) and float(old) == float(new)
-        ):
+        if old != new:  # numbers by value: a stored 2 and a new 2.0 are the same setting
             changes.append((name, old, new))
     return changes
 
@@ -235,18 +214,20 @@ def check_settings(trainer, checkpoint: str, global_step: int) -> ResumedLearnin
                           "release): its rule, learning-rate schedule and model cannot be checked against this run's",
                           UserWarning, stacklevel=4)  # fmt: skip
         return None
-    allowed = set(getattr(args, ALLOW_FIELD, None) or ())
+    allowed = set(getattr(args, RESUME_ALLOW_FIELD, None) or ())
     changes = _changed(stored, run_settings(trainer))
-    refused = [c for c in changes if c[0] in REFUSED_SETTINGS and c[0] not in allowed]
+    refused = [c for c in changes if c[0] in RESUME_REFUSED_SETTINGS and c[0] not in allowed]
     if refused:
-        raise ValueError(refused_settings_message(checkpoint, refused, _WHY[refused[0][0]]))
-    honoured = [c for c in changes if c[0] not in REFUSED_SETTINGS]
-    accepted = [c for c in changes if c[0] in REFUSED_SETTINGS]
+        first = refused[0][0]  # the reason given is the first refused setting's group's
+        group = "rule" if first in RULE_SETTINGS else "length_decay" if first in LENGTH_DECAY_SETTINGS else "model"
+        raise ValueError(refused_settings_message(checkpoint, refused, WHY_REFUSED[group]))
+    honoured = [c for c in changes if c[0] not in RESUME_REFUSED_SETTINGS]
+    accepted = [c for c in changes if c[0] in RESUME_REFUSED_SETTINGS]
     if (honoured or accepted) and main:
         listed = ", ".join(f"{name} {old!r} -> {new!r}" for name, old, new in honoured + accepted)
         how = (" (honoured: the schedule is rebuilt from this run's settings at the checkpoint's step, and a new "
                "learning_rate scales the restored LRs)") if honoured else ""  # fmt: skip
-        note = f"; {ALLOW_FIELD} accepts {[c[0] for c in accepted]}" if accepted else ""
+        note = f"; {RESUME_ALLOW_FIELD} accepts {[c[0] for c in accepted]}" if accepted else ""
         warnings.warn(
             f"resuming from {checkpoint} with changed settings: {listed}{how}{note}", UserWarning, stacklevel=4
         )

@@ -37,6 +37,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+import psutil  # an accelerate dependency
 import torch
 from transformers.utils import logging
 
@@ -107,13 +108,7 @@ def choose_threads(
 
 def _torch_default_threads() -> int:
     """Torch's start-up count without a thread variable: its physical-core count (``os.cpu_count`` if unknown)."""
-    try:
-        import psutil  # an accelerate dependency
-
-        physical = psutil.cpu_count(logical=False)
-    except ImportError:  # pragma: no cover - psutil comes with accelerate
-        physical = None
-    return physical or os.cpu_count() or 1
+    return psutil.cpu_count(logical=False) or os.cpu_count() or 1
 
 
 def _usable_cores() -> int:
@@ -195,10 +190,8 @@ class TrainerThreads:
         """Once the trainer is built: choose (if no engine was built) and check the count in force is the one
         chosen; one that changed meanwhile is set again, with a warning naming both."""
         self.choose()
-        if self.choice is None:
-            return
         found = torch.get_num_threads()
-        if found == self.choice.threads:
+        if self.choice is None or found == self.choice.threads:
             return
         in_force = set_intra_op_threads(self.choice.threads)
         if self.trainer.accelerator.is_main_process:
