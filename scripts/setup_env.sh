@@ -61,12 +61,14 @@ pip_step() {
     local log="${VENV}/.safevocab-pip.log"
     say "${what}"
     "${VENV}/bin/python" -m pip "$@" >"${log}" 2>&1 &
-    local pid=$! waited=0 rc=0
+    local pid=$! ticks=0 rc=0
+    # Five looks a second: a pip step that has nothing to do ends at once, not a whole second later (the suite's
+    # tests of this script run it a dozen times).
     while kill -0 "${pid}" 2>/dev/null; do
-        sleep 1
-        waited=$((waited + 1))
-        if (( waited % 30 == 0 )); then
-            say "  still installing (${waited} s): $(tail -n 1 "${log}" 2>/dev/null | cut -c1-100)"
+        sleep 0.2
+        ticks=$((ticks + 1))
+        if (( ticks % 150 == 0 )); then
+            say "  still installing ($((ticks / 5)) s): $(tail -n 1 "${log}" 2>/dev/null | cut -c1-100)"
         fi
     done
     wait "${pid}" || rc=$?

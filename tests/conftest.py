@@ -114,3 +114,49 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.path.is_relative_to(TRL_TESTS):
             item.add_marker(pytest.mark.filterwarnings("ignore:`gradient_checkpointing` is deprecated:FutureWarning"))
+
+
+def pytest_collection_finish(session):
+    """Freeze what the imports made (torch, trl, transformers, vLLM and every test module: millions of objects) out of
+    the garbage collector's reach. accelerate ends every ``Trainer.train`` with a full ``gc.collect()``
+    (``free_memory``), which otherwise walks them all: 0.45 s a training, 12.4 of the 13.8 s of
+    ``test_conformance.py::test_loss_types`` (cProfile). Objects the tests create are collected as before."""
+    import gc
+
+    gc.collect()
+    gc.freeze()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_full_collection_at_the_end_of_each_training():
+    """Without an accelerator, accelerate's ``release_memory`` (``Trainer.train``'s last step) has no device cache
+    to empty, only its full ``gc.collect()``: 0.4-1 s a training in a worker that has run hundreds of tests, for the
+    suite's hundreds of trainings. The tests skip that collection (Python's own collector still runs, and a test
+    that needs one calls ``gc.collect()`` itself); with an accelerator, accelerate's function is left as it is."""
+    from accelerate.utils import memory
+
+    if torch.cuda.is_available():
+        yield
+        return
+    clear_device_cache = memory.clear_device_cache
+    memory.clear_device_cache = lambda garbage_collection=False: clear_device_cache(False)
+    yield
+    memory.clear_device_cache = clear_device_cache
+
+
+@pytest.fixture(scope="session", autouse=True)
+def eager_vllm_engines():
+    """The colocated engines trl builds in the tests run eagerly (``enforce_eager=True`` unless a test passes it):
+    vLLM's graph compilation makes the same model's code faster, and costs more than it saves on a tiny model and a few
+    steps (test_vllm_engine.py: 60 CPU-seconds with a cold compile cache, 41 warm, 28 eager). The compiled engine that
+    trl builds by default is what the slow tier's command test runs (``test_the_colocate_command_ends_without_a_
+    traceback``, in a process of its own) and docs/vllm.md's example."""
+    if importlib.util.find_spec("vllm") is None or importlib.util.find_spec("trl") is None:
+        yield
+        return
+    import trl.generation.vllm_generation as vllm_generation
+
+    build = vllm_generation.LLM
+    vllm_generation.LLM = lambda *args, **kwargs: build(*args, **{"enforce_eager": True, **kwargs})
+    yield
+    vllm_generation.LLM = build

@@ -59,6 +59,10 @@ if not ON_CUDA and kernels.compiled_kernels_loaded():
     )
 
 import out_of_set_cases  # noqa: E402
+from triton_interpreter import skip_nested_patching  # noqa: E402
+
+if not ON_CUDA and os.environ.get("SAFEVOCAB_TEST_TRITON_PATCHING") != "every-call":
+    skip_nested_patching()  # a fifth of the interpreter's time; SAFEVOCAB_TEST_TRITON_PATCHING=every-call: Triton's own
 from backward_path import set_sparse_max_density  # noqa: E402
 
 from safevocab import fused_safe_logprobs, parse_rule  # noqa: E402
@@ -576,6 +580,28 @@ def test_backend_errors_through_the_public_api(monkeypatch):
     assert torch.isfinite(out.logprobs).all()
 
 
+@pytest.mark.skipif(ON_CUDA, reason="the interpreter's shortcut (tests/helpers/triton_interpreter.py) is CPU-only")
+@pytest.mark.parametrize("rule", ["top_k=20,top_p=0.9,min_p=0.02", "none"])
+def test_the_interpreters_shortcut_changes_no_bit(rule, monkeypatch):
+    """The kernels under Triton's interpreter give the same bits, forward and backward, with the nested-call patching
+    skipped (how this suite runs them) and with Triton's own patching at every call."""
+    from triton.runtime import interpreter
+
+    params_and_targets = make_inputs(n=20, v=150, seed=3)
+    params, targets = params_and_targets[:3], params_and_targets[3]
+
+    def outputs_and_grads():
+        out = run_backend("triton", parse_rule(rule), params, targets, **FULL_TRANSFORM)
+        return [out.logprobs, out.log_kept_mass, out.entropy, *grads_of(random_loss(out), params)]
+
+    shortcut = outputs_and_grads()
+    assert getattr(interpreter._patch_lang, "_safevocab_skips_nested", False)
+    monkeypatch.setattr(interpreter, "_patch_lang", interpreter._patch_lang.__wrapped__)
+    monkeypatch.setattr(interpreter.GridExecutor, "__call__", interpreter.GridExecutor.__call__.__wrapped__)
+    for a, b in zip(shortcut, outputs_and_grads(), strict=True):
+        assert torch.equal(a, b)
+
+
 def test_safevocab_imports_and_runs_without_triton():
     """``import safevocab`` never imports triton; with triton unimportable, auto runs and triton raises."""
     code = """
@@ -651,9 +677,9 @@ def test_triton_fp16_gradients_are_finite_wherever_the_true_ones_fit(temperature
 from hypothesis import HealthCheck  # noqa: E402
 from test_reference_fuzz import check_fused, fuzz_settings, head_inputs, rule_parts, transforms  # noqa: E402
 
-#: Examples of the Triton property: a few hundred in the fast suite (the interpreter is ~50x slower than torch on
+#: Examples of the Triton property: a hundred in the fast suite (the interpreter is ~50x slower than torch on
 #: CPU), thousands in CI's slow phase (``_ci``), 20,000 on demand (``_20k``, marker ``fuzz20k``).
-TRITON_EXAMPLES = int(os.environ.get("SAFEVOCAB_FUZZ_EXAMPLES_TRITON", "200"))
+TRITON_EXAMPLES = int(os.environ.get("SAFEVOCAB_FUZZ_EXAMPLES_TRITON", "100"))
 TRITON_EXAMPLES_CI = int(os.environ.get("SAFEVOCAB_FUZZ_EXAMPLES_TRITON_CI", "2000"))
 
 

@@ -359,28 +359,55 @@ def test_the_trainer_refuses_chat_prompts_without_a_template_when_built(tmp_path
 
 _HEAVY = ("transformers.training_args", "peft", "vllm", "trl.trainer.grpo_trainer", "trl.trainer.grpo_config")
 
+#: (id, argv, exit code) of the mistakes (and ``--help``) the command answers before the training stack is imported.
+MISTAKES = [
+    ("typo", ["--safe_vocab_rul", "x"], 2), ("help", ["--help"], 0), ("rule", ["--safe_vocab_rule", "min_p=2"], 2),
+    ("int", ["--max_steps", "abc"], 2), ("mode", ["--safe_vocab_support", "engine"], 2),
+    ("yaml key", ["--config", "TYPO_YAML"], 2),
+    # issues 37 (N7) and 38 (point 5)
+    ("generations 0", ["--num_generations", "0"], 2), ("generations 7", ["--num_generations", "7"], 2),
+    ("loss type", ["--loss_type", "grpoo"], 2), ("repeated yaml key", ["--config", "REPEATED_YAML"], 2),
+    ("yaml seed 1.5", ["--config", "SEED_YAML"], 2), ("missing config", ["--config", "/nonexistent.yaml"], 2),
+    ("missing checkpoint", ["--resume_from_checkpoint", "/nonexistent"], 2), ("output dir a file", ["--output_dir", "A_FILE"], 2),
+    ("no prompt column", ["--model_name_or_path", TINY, "--dataset_name", "NO_PROMPT", "--reward_funcs", "accuracy_reward"], 2),
+    ("missing reward module", ["--model_name_or_path", TINY, "--dataset_name", "synthetic", "--reward_funcs", "nosuch_module_x.f"], 2),
+]  # fmt: skip
 
-@pytest.mark.parametrize(
-    "argv, code",
-    [(["--safe_vocab_rul", "x"], 2), (["--help"], 0), (["--safe_vocab_rule", "min_p=2"], 2),
-     (["--max_steps", "abc"], 2), (["--safe_vocab_support", "engine"], 2), (["--config", "TYPO_YAML"], 2),
-     # issues 37 (N7) and 38 (point 5)
-     (["--num_generations", "0"], 2), (["--num_generations", "7"], 2), (["--loss_type", "grpoo"], 2),
-     (["--config", "REPEATED_YAML"], 2), (["--config", "SEED_YAML"], 2), (["--config", "/nonexistent.yaml"], 2),
-     (["--resume_from_checkpoint", "/nonexistent"], 2), (["--output_dir", "A_FILE"], 2),
-     (["--model_name_or_path", TINY, "--dataset_name", "NO_PROMPT", "--reward_funcs", "accuracy_reward"], 2),
-     (["--model_name_or_path", TINY, "--dataset_name", "synthetic", "--reward_funcs", "nosuch_module_x.f"], 2)],
-    ids=["typo", "help", "rule", "int", "mode", "yaml key", "generations 0", "generations 7", "loss type",
-         "repeated yaml key", "yaml seed 1.5", "missing config", "missing checkpoint", "output dir a file",
-         "no prompt column", "missing reward module"],
-)  # fmt: skip
-def test_mistakes_and_help_answer_before_the_training_stack_is_imported(argv, code, tmp_path):
-    """Issue 31: a typo answered in seconds: transformers' TrainingArguments (which imports peft), trl's trainer and
-    vLLM are not imported by then (a fresh interpreter, as a user runs the command). Issues 37 and 38: so are the
-    cheap mistakes that reached the full parse or the model load before."""
+#: Runs each case's ``main`` in turn in one fresh interpreter, as a user's shell would run each command: its exit code,
+#: everything it wrote to stderr (Python's and the file descriptor's), and the heavy modules that it imported.
+_MISTAKES_DRIVER = f"""
+import contextlib, io, json, os, sys, tempfile
+from trl_integration.commands.grpo import main
+results = []
+for argv in json.loads(sys.argv[1]):
+    imported_before = {{m for m in {_HEAVY!r} if m in sys.modules}}
+    python_err, fd_err = io.StringIO(), tempfile.TemporaryFile(mode="w+")
+    saved = os.dup(2)
+    os.dup2(fd_err.fileno(), 2)
+    code = 0
+    try:
+        with contextlib.redirect_stderr(python_err), contextlib.redirect_stdout(io.StringIO()):
+            main(argv)
+    except SystemExit as exit:
+        code = exit.code
+    finally:
+        os.dup2(saved, 2)
+    fd_err.seek(0)
+    imported = sorted(m for m in {_HEAVY!r} if m in sys.modules and m not in imported_before)
+    results.append(dict(code=code, stderr=python_err.getvalue() + fd_err.read(), imported=imported))
+print(json.dumps(results))
+"""
+
+
+@pytest.fixture(scope="module")
+def mistakes_answered(tmp_path_factory):
+    """Each of :data:`MISTAKES` run by the command, all in one fresh interpreter (one start-up, not sixteen: none
+    of them imports the stack, and each case is charged with what it imports itself)."""
+    import json
     import subprocess
     import sys
 
+    tmp_path = tmp_path_factory.mktemp("mistakes")
     no_prompt = tmp_path / "no_prompt.jsonl"
     no_prompt.write_text('{"text": "hi"}\n')
     (tmp_path / "a_file").write_text("")
@@ -393,18 +420,26 @@ def test_mistakes_and_help_answer_before_the_training_stack_is_imported(argv, co
         "A_FILE": tmp_path / "a_file",
         "NO_PROMPT": no_prompt,
     }
-    argv = [str(files.get(a, a)) for a in argv]
-    argv += [] if "--output_dir" in argv else ["--output_dir", str(tmp_path)]
-    script = (
-        "import sys\nfrom trl_integration.commands.grpo import main\ntry:\n    main(sys.argv[1:])\n"
-        "except SystemExit as exit:\n    code = exit.code\n"
-        f"print('IMPORTED', [m for m in {_HEAVY!r} if m in sys.modules], code)\n"
-    )
-    proc = subprocess.run([sys.executable, "-c", script, *argv], capture_output=True, text=True, timeout=300)
-    assert f"IMPORTED [] {code}" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-2000:]
+    argvs = []
+    for _name, argv, _code in MISTAKES:
+        argv = [str(files.get(a, a)) for a in argv]
+        argvs.append(argv + ([] if "--output_dir" in argv else ["--output_dir", str(tmp_path)]))
+    proc = subprocess.run([sys.executable, "-c", _MISTAKES_DRIVER, json.dumps(argvs)], capture_output=True,
+                          text=True, timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return dict(zip((name for name, _, _ in MISTAKES), json.loads(proc.stdout.splitlines()[-1]), strict=True))
+
+
+@pytest.mark.parametrize("name, code", [(name, code) for name, _, code in MISTAKES], ids=[m[0] for m in MISTAKES])
+def test_mistakes_and_help_answer_before_the_training_stack_is_imported(mistakes_answered, name, code):
+    """Issue 31: a typo answered in seconds: transformers' TrainingArguments (which imports peft), trl's trainer and
+    vLLM are not imported by then (a fresh interpreter, as a user runs the command). Issues 37 and 38: so are the
+    cheap mistakes that reached the full parse or the model load before."""
+    answer = mistakes_answered[name]
+    assert (answer["imported"], answer["code"]) == ([], code), answer
     if code == 2:
-        lines = [line for line in proc.stderr.splitlines() if line.strip()]
-        assert len(lines) == 1 and lines[0].startswith("safevocab-grpo: error: "), proc.stderr
+        lines = [line for line in answer["stderr"].splitlines() if line.strip()]
+        assert len(lines) == 1 and lines[0].startswith("safevocab-grpo: error: "), answer["stderr"]
 
 
 def test_short_help_lists_the_safe_vocabulary_flags_first_and_help_all_every_flag(capsys):

@@ -449,6 +449,10 @@ def single_process_run(tmp_path_factory):
     return out
 
 
+# Slow tier (issue 53: a suite at half the CPU): two launches of trl's stack. In the fast suite the pieces are
+# test_reduce_gathered_equals_the_whole_batch (the metric reduction) and the real two-process launch is
+# tests/trl_integration/commands/test_launch.py::test_two_processes_train_as_one_group.
+@pytest.mark.slow
 def test_two_processes_log_what_one_process_logs(single_process_run, tmp_path):
     """2 gloo processes (accelerate launch) x 4 completions vs 1 process x 8, same prompts and row-seeded sampling:
     every safevocab/, mismatch/ and sampling/ metric, the rewards, lengths, loss and grad norm agree step by step,
@@ -490,6 +494,9 @@ def test_two_processes_log_what_one_process_logs(single_process_run, tmp_path):
     assert len({lr for _, lr in surge["lr_trace"]}) > 1  # ... and the LR decayed after it
 
 
+# Slow tier (issue 53): a two-process launch; the fast suite keeps the sharded head's gather hook in one process
+# (test_weight_gather_hook_reenters_the_gather_in_backward).
+@pytest.mark.slow
 def test_fsdp2_sharded_head_matches_the_unsharded_model(tmp_path):
     """torch FSDP2 (fully_shard) on 2 gloo CPU processes: the safe head's log-probabilities and every parameter's
     gradient equal the unsharded model's, with the LM head in the root group (plain tensor, FSDP's hooks) and in

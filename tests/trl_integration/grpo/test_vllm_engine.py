@@ -516,6 +516,9 @@ def test_rule_mode_does_not_see_the_engines_perturbed_sets(engines, tmp_path):
     assert gap > 1e-2, gap
 
 
+# Slow tier (issue 53): a command process that builds its own engine (~21 CPU-seconds); the fast suite keeps the
+# colocate path in-process (test_colocate_trains_and_the_engine_gets_the_new_weights).
+@pytest.mark.slow
 def test_the_colocate_command_ends_without_a_traceback(tmp_path):
     """`safevocab-grpo --use_vllm --vllm_mode colocate` (docs/vllm.md's command): rc 0, and no traceback after the
     summary. vLLM tore its engine down from a finalizer at exit, after Trainer.end() had destroyed the process group:

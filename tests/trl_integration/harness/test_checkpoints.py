@@ -33,7 +33,9 @@ POINTS = {
     "trainer_state.json:after": "checkpoint-2",  # every file written, not yet published
     "published": "checkpoint-3",  # renamed into place, before the rotation and the clean-up
 }
-DEFAULT_POINTS = ("optimizer.pt:half", "trainer_state.json:after", "published")
+# The fast suite kills at one point of each outcome (issue 53): a half-written file (resumes from checkpoint-2) and a
+# published checkpoint (resumes from checkpoint-3); the other four points, in the slow tier, end like the first.
+DEFAULT_POINTS = ("optimizer.pt:half", "published")
 
 
 def kill_in_fresh_interpreter(model_dir, output_dir, point, stock=False) -> int:
