@@ -10,7 +10,14 @@ task's: the bundled tiny model for ``--task arithmetic``) in float32 and writes 
    ``"tail"``, the figure ``tail_mismatch.png``, and the first rows of the printed summary (``--no_tail`` skips it);
 2. the **teacher-forced comparison** (:func:`~trl_integration.lab.run_diagnose`) of the inputs (``--input FILE``, one
    text per line, and/or ``--prompts TEXT ...``; by default problems of the bundled arithmetic task with their
-   answers) against the exact bound: the rest of ``summary.json`` and two more PNG figures.
+   answers) against the exact bound: the rest of ``summary.json`` and two more PNG figures;
+3. the **batch-shape control** (:func:`~trl_integration.lab.batch_shape.batch_shape_control`; ``--no_batch_shape``
+   skips it): the training side scores the same tokens again, each sequence alone (micro-batch 1) against all of
+   them in one padded batch, and that batch against one packed row where the model isolates packed sequences, with
+   the comparison's metrics per pair (k3, the shares of ratios outside ``[0.9, 1.1]`` and ``[0.8, 1.25]``, the
+   per-bucket gaps and their shares below the rule's cut): ``summary.json``'s ``"batch_shape"``, the figure
+   ``batch_shape.png`` and the last rows of the printed summary. The part of the engine mismatch the trainer shows
+   against itself.
 
 The rollout side differs from the training side by any of: its dtype (``--compare``), its weights rounded to
 ``--rollout_mantissa_bits`` mantissa bits, an injected perturbation ``--noise EPS`` of kind ``--noise_kind``
@@ -168,6 +175,17 @@ def make_parser(prog: str = PROG) -> argparse.ArgumentParser:
         "--tail_samples", type=int, default=4, help="tail diagnostic: continuations per prompt (default: %(default)s)"
     )
     d.add_argument("--no_tail", action="store_true", help="skip the tail diagnostic")
+    d.add_argument(
+        "--no_batch_shape",
+        action="store_true",
+        help="skip the batch-shape control: the training side scores the same tokens again, each sequence alone "
+        "(micro-batch 1) vs all N in one padded batch, and padded vs packed into one row (where the model isolates "
+        "packed sequences; else skipped with the reason); per pair A vs B, log r = log pi_A - log pi_B: k3 = mean(r - "
+        "log r - 1), the shares of r outside [0.9, 1.1] and [0.8, 1.25], mean |log r| per bucket of pi_A, and the "
+        "shares of them on tokens outside --rule's set. On by default: three training-side forwards over the scored "
+        "tokens, little next to the tail diagnostic's sampling; N: the first sequences that fit in --batch_size x "
+        "--max_length padded tokens",
+    )
     d.add_argument("--batch_size", type=int, default=16, help="texts per forward pass (default: %(default)s)")
     d.add_argument(
         "--max_length", type=int, default=512, help="truncate texts to this many tokens (default: %(default)s)"
@@ -316,6 +334,12 @@ def run_parsed(args: argparse.Namespace, prog: str = PROG) -> int:
             num_samples=args.num_samples,
             progress=not args.quiet,
         )
+        from trl_integration.lab.batch_shape import batch_shape_control
+
+        result.summary["batch_shape"] = None if args.no_batch_shape else batch_shape_control(
+            model, result.sequences, dtype=compare[0], temperature=args.temperature, rule=rule, buckets=args.buckets,
+            max_tokens=args.batch_size * args.max_length, pad_token_id=tokenizer.pad_token_id or 0,
+        )  # fmt: skip
     except ValueError as err:
         return fail(prog, str(err))
     result.summary["model"] = model_path

@@ -7,6 +7,10 @@
   probability bucket on sampled tokens), the lab's first output;
 - :mod:`~trl_integration.lab.engine`: ``run_diagnose``, the scoring and its summary (``DiagnoseResult``);
 - :mod:`~trl_integration.lab.kept_sets`: the kept sets' size and pruned mass per side, and their disagreement;
+- :mod:`~trl_integration.lab.bands`: the shares of importance ratios outside ``[0.9, 1.1]`` and ``[0.8, 1.25]``, and
+  the shares of the gap below the rule's cut;
+- :mod:`~trl_integration.lab.batch_shape`: ``batch_shape_control``, the training side against itself under two batch
+  shapes (micro-batch 1 vs N, padded vs packed);
 - :mod:`~trl_integration.lab.report`: ``summary.json`` (``write_outputs``) and the console table (``summary_table``);
 - :mod:`~trl_integration.lab.figures`: the three PNG figures.
 

@@ -17,6 +17,8 @@ and the size of the logit perturbation at that position, ``eps_t = (max_i delta_
   (`safevocab.bounds.logprob_mismatch_bound`) for the reference ``eps``: ``eps`` if given, else the
   injected ``noise`` when it is the only source of mismatch (then it must be 100%), else ``eps_max``;
 - mean ``|log r|`` and signed ``log r`` by training-probability bucket;
+- ``frac_ratio_outside_0.9_1.1`` and ``frac_ratio_outside_0.8_1.25``: the shares of the importance ratios
+  ``r = pi / mu`` outside ``[0.9, 1.1]`` and ``[0.8, 1.25]`` (:mod:`trl_integration.lab.bands`);
 - with a ``rule``: how often the two sides pick different safe sets, how much the renormalised
   ``log pi_S`` shrinks the mismatch on the tokens both sides keep, and where the k3 estimate of ``KL(mu || pi)``
   lies: ``k3_share_outside``, the share of the summed per-token k3 terms ``r - log r - 1`` (``r = pi / mu``)
@@ -24,7 +26,9 @@ and the size of the logit perturbation at that position, ``eps_t = (max_i delta_
   the loss), and ``k3_removable``, ``1 - sum_kept k3(log pi_S - log mu_S) / sum_all k3(log pi - log mu)``: the share
   of the k3 sum that masking those tokens and renormalising both sides over their sets removes; and ``kept_sets``:
   each side's kept-set size and pruned mass per position (median, p90, p99, max) and the share of positions where
-  the two sides' sets differ (:mod:`trl_integration.lab.kept_sets`);
+  the two sides' sets differ (:mod:`trl_integration.lab.kept_sets`); and the shares of ``sum |log r|``, of the
+  out-of-band ratios and of each bucket's gap carried by the tokens outside the training side's safe set
+  (``abs_diff_share_outside``, ``ratio_outside_0.9_1.1_share_outside``, ... :func:`~trl_integration.lab.bands.cut_shares`);
 - verl's sequence statistics (k3 KL, chi², log-ppl gap) with each text as a sequence.
 
 The command ``safevocab diagnose`` (:mod:`trl_integration.commands.diagnose`) runs it on texts or prompts; with
@@ -57,6 +61,7 @@ from safevocab.mismatch import (
 from safevocab.mismatch.formulas import k3_terms
 from safevocab.rules import NoPruning, parse_rule
 from trl_integration.grpo.config import DEFAULT_RULE
+from trl_integration.lab.bands import cut_shares, ratio_band_fracs
 from trl_integration.lab.kept_sets import KEPT_SET_COLUMNS, kept_set_stats
 from trl_integration.lab.sides import check_mantissa_bits, model_in, rollout_side
 from trl_integration.options import NOISE_KINDS
@@ -79,10 +84,14 @@ class DiagnoseResult:
             with a rule also ``kept`` (both sides keep the token), ``same_set``, ``pruned_log_r`` and
             ``in_train_set`` (the training side keeps it), and each side's kept-set size and log kept mass
             (:data:`~trl_integration.lab.kept_sets.KEPT_SET_COLUMNS`, summarised in ``summary["rule"]["kept_sets"]``).
+        sequences: per scored sequence, in the order of ``tokens``: its token ids without padding (1-D int64, CPU)
+            and which of its next-token targets ``ids[1:]`` were scored (1-D bool, one shorter): what the
+            batch-shape control (:mod:`trl_integration.lab.batch_shape`) scores again.
     """
 
     summary: dict
     tokens: dict[str, torch.Tensor] = field(default_factory=dict)
+    sequences: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
 
 
 def _forward_logits(model, ids: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
@@ -221,6 +230,7 @@ def run_diagnose(
         for k in ("kept", "same_set", "pruned_log_r", "jaccard", "train_logp_s", "train_in_set", *KEPT_SET_COLUMNS):
             cols[k] = []
     n_seq = 0
+    sequences: list[tuple[torch.Tensor, torch.Tensor]] = []
     chunk_elems = 2**22  # float64 elements per chunk of [positions, V]
     batches = list(_batches(len(texts), batch_size))
     bar = tqdm(total=len(batches), desc="scoring", unit="batch", disable=not progress or len(batches) < 2)
@@ -254,6 +264,8 @@ def run_diagnose(
         logits_a = _forward_logits(model_a, ids, attn)[:, :-1]
         logits_b = logits_a if same_engine else _forward_logits(model_b, ids, attn)[:, :-1]
         targets = ids[:, 1:]
+        for i, real in enumerate(attn.bool()):  # the real tokens are contiguous (right or left padding)
+            sequences.append((ids[i][real].cpu(), counted[i][real[:-1] & real[1:]].cpu()))
         rows = torch.arange(ids.shape[0], device=ids.device).unsqueeze(1).expand_as(targets)
         za_all, zb_all, y_all, seq_all = logits_a[counted], logits_b[counted], targets[counted], rows[counted]
         vocab = za_all.shape[-1]
@@ -367,6 +379,7 @@ def run_diagnose(
         "bound_tolerance": BOUND_TOLERANCE,
         "abs_diff_mean": float(log_r.abs().mean()),
         "abs_diff_max": float(log_r.abs().max()),
+        **ratio_band_fracs(log_r),
         "bound_tightness_median": float(tightness.median()),
         "sequence_metrics": seq_metrics,
         "buckets": bucket_rows,
@@ -402,6 +415,7 @@ def run_diagnose(
             "frac_within_pruned_bound": _mean((pruned.abs() <= pruned_bound + BOUND_TOLERANCE).double(), both),
             "k3_share_outside": _ratio(float(k3_all[~tok["train_in_set"]].sum()), k3_total),
             "k3_removable": _ratio(k3_total - float(k3_terms(pruned[kept]).sum()), k3_total),
+            **cut_shares(log_r, ~tok["train_in_set"], p, buckets),
             "bucket_abs_diff_mean_kept_pruned": [
                 _mean(pruned.abs(), kept & (p >= r["lo"]) & ((p < r["hi"]) if r["hi"] < 1 else (p <= 2.0)))
                 for r in bucket_rows
@@ -415,7 +429,7 @@ def run_diagnose(
         tokens.update(
             kept=kept, same_set=same, pruned_log_r=pruned, in_train_set=tok["train_in_set"], **kept_set_tokens
         )
-    return DiagnoseResult(summary=summary, tokens=tokens)
+    return DiagnoseResult(summary=summary, tokens=tokens, sequences=sequences)
 
 
 def _num(x) -> float | None:

@@ -1,5 +1,6 @@
 """Outputs of the mismatch lab: ``summary.json``, the figures, and the summary table that ``safevocab diagnose``
-prints on the console (the tail diagnostic first, when the summary has one). This module prints nothing itself."""
+prints on the console (the tail diagnostic first, when the summary has one; the batch-shape control last, when it
+has one). This module prints nothing itself."""
 
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ def write_outputs(
     result: DiagnoseResult, output_dir: str | os.PathLike, plots: bool = True, max_points: int = 20000
 ) -> list[Path]:
     """Write ``summary.json`` and (``plots=True``) ``tail_mismatch.png`` (when ``result.summary`` has the tail
-    diagnostic, ``"tail"``), ``mismatch_vs_p.png`` and ``bucket_means.png``.
+    diagnostic, ``"tail"``), ``mismatch_vs_p.png``, ``bucket_means.png`` and ``batch_shape.png`` (when it has the
+    batch-shape control, ``"batch_shape"``: :func:`~trl_integration.lab.batch_shape.plot_batch_shape`).
 
     Args:
         result: the `DiagnoseResult` to write.
@@ -36,6 +38,9 @@ def write_outputs(
         files.append(out / "tail_mismatch.png")
     if plots:
         files += [out / "mismatch_vs_p.png", out / "bucket_means.png"]
+    control = plots and bool(result.summary.get("batch_shape"))
+    if control:
+        files.append(out / "batch_shape.png")
     result.summary["files"] = [f.name for f in files]
     files[0].write_text(json.dumps(result.summary, indent=2, allow_nan=False) + "\n", encoding="utf-8")
     if plots:
@@ -45,11 +50,19 @@ def write_outputs(
             plot_tail_mismatch(result.summary, out / "tail_mismatch.png")
         plot_mismatch_vs_p(result, out / "mismatch_vs_p.png", max_points)
         plot_bucket_means(result, out / "bucket_means.png")
+    if control:
+        from trl_integration.lab.batch_shape import plot_batch_shape
+
+        plot_batch_shape(result.summary, out / "batch_shape.png")
     return files
 
 
 def _pct(x: float | None) -> str:
     return "-" if x is None else f"{x * 100:.1f}%"
+
+
+def _pct2(x: float | None) -> str:
+    return "-" if x is None else f"{x * 100:.2f}%"
 
 
 def _fmt(x: float | None) -> str:
@@ -114,6 +127,11 @@ def summary_rows(summary: dict, files: list[Path]) -> list[tuple[str, str]]:
         ),
         ("|Δ log p| mean / max", f"{summary['abs_diff_mean']:.3g} / {summary['abs_diff_max']:.3g}"),
         (
+            "ratio π/μ outside",
+            f"[0.9, 1.1]: {_pct2(summary.get('frac_ratio_outside_0.9_1.1'))}, "
+            f"[0.8, 1.25]: {_pct2(summary.get('frac_ratio_outside_0.8_1.25'))} of the tokens",
+        ),
+        (
             "k3 KL / chi2 token",
             f"{summary['sequence_metrics']['k3_kl']:.3g} / {summary['sequence_metrics']['chi2_token']:.3g}",
         ),
@@ -143,6 +161,15 @@ def summary_rows(summary: dict, files: list[Path]) -> list[tuple[str, str]]:
                 "renormalising",
             ),
         ]
+        inner, outer = rule.get("ratio_outside_0.9_1.1_share_outside"), rule.get("ratio_outside_0.8_1.25_share_outside")
+        lines.append((
+            "  ratios below the cut",
+            f"{_pct(inner)} / {_pct(outer)} of the ratios outside [0.9, 1.1] / [0.8, 1.25] are tokens outside the "
+            "training set" if inner is not None else "no ratio outside [0.9, 1.1]",
+        ))  # fmt: skip
+    from trl_integration.lab.batch_shape import batch_shape_rows
+
+    lines += batch_shape_rows(summary)
     lines.append(("wrote", ", ".join(str(f) for f in files)))
     return lines
 

@@ -69,8 +69,10 @@ def test_noise_summary_and_plots(model_dir, texts_file, tmp_path):
     rule = s["rule"]
     assert rule["rule"] == "min_p=0.05" and 0 < rule["kept_frac"] <= 1 and 0 <= rule["set_differ_frac"] <= 1
     assert rule["frac_within_pruned_bound"] == 1.0
-    # issue 19: the tail diagnostic's figure comes first (tests/trl_integration/lab/test_tail.py)
-    assert s["files"] == ["summary.json", "tail_mismatch.png", "mismatch_vs_p.png", "bucket_means.png"]
+    # issue 19: the tail diagnostic's figure comes first (tests/trl_integration/lab/test_tail.py); issue 54: the
+    # batch-shape control's last (tests/trl_integration/lab/test_batch_shape.py)
+    figures = ["tail_mismatch.png", "mismatch_vs_p.png", "bucket_means.png", "batch_shape.png"]
+    assert s["files"] == ["summary.json", *figures]
     import matplotlib.image
 
     for name in ("mismatch_vs_p.png", "bucket_means.png"):
