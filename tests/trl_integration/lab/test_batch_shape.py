@@ -23,22 +23,9 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
 @pytest.fixture(scope="module")
-def tiny():
-    from trl_integration.demo.model import tiny_model_path
-
-    try:
-        path = tiny_model_path()
-    except FileNotFoundError:
-        pytest.skip("the bundled tiny model is not built in this checkout")
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval(), AutoTokenizer.from_pretrained(path)
-
-
-@pytest.fixture(scope="module")
-def scored(tiny):
+def scored(bundled_tiny):
     """The tokens of 12 arithmetic texts, as the comparison scored them (float32 on both sides, no rule)."""
-    model, tokenizer = tiny
+    model, tokenizer = bundled_tiny
     return run_diagnose(model, tokenizer, default_texts(12), compare=(torch.float32, torch.float32), rule="none",
                         progress=False)  # fmt: skip
 
@@ -127,8 +114,8 @@ def test_pair_metrics_match_hand_computed_values():
     assert shape_pair(logp_a, logp_b)["rule"] is None
 
 
-def test_identical_shapes_give_exactly_zero(tiny, scored):
-    model, _ = tiny
+def test_identical_shapes_give_exactly_zero(bundled_tiny, scored):
+    model, _ = bundled_tiny
     invariant = batch_shape_control(RowByRow(model), scored.sequences, rule="min_p=0.001")
     single = batch_shape_control(model, scored.sequences[:1], rule="min_p=0.001")  # N = 1: the same shapes
     assert invariant["n_tokens"] == scored.summary["n_tokens"] and single["n_sequences"] == 1
@@ -144,8 +131,8 @@ def test_identical_shapes_give_exactly_zero(tiny, scored):
             assert rule["k3_share_outside"] is None and rule["abs_diff_share_outside"] is None  # nothing to share
 
 
-def test_a_batch_dependent_kernel_is_measured_exactly(tiny, scored):
-    model, _ = tiny
+def test_a_batch_dependent_kernel_is_measured_exactly(bundled_tiny, scored):
+    model, _ = bundled_tiny
     control = batch_shape_control(BatchDependent(model), scored.sequences, rule="min_p=0.001")
     # expected: log softmax(z) - log softmax(z + delta on even ids), z the model's own logits of each sequence
     expected = []
@@ -168,8 +155,8 @@ def test_a_batch_dependent_kernel_is_measured_exactly(tiny, scored):
         assert 0.0 < pair["frac_ratio_outside_0.9_1.1"] and pair["rule"]["k3_share_outside"] is not None
 
 
-def test_unisolated_packing_is_skipped_with_its_reason_and_the_batch_is_capped(tiny, scored):
-    model, _ = tiny
+def test_unisolated_packing_is_skipped_with_its_reason_and_the_batch_is_capped(bundled_tiny, scored):
+    model, _ = bundled_tiny
     control = batch_shape_control(CacheOn(model), scored.sequences, max_tokens=40)
     assert "does not isolate packed sequences" in control["padded_vs_packed"]["skipped"]
     assert control["micro_batch_1_vs_n"]["skipped"] is None
@@ -186,8 +173,8 @@ def test_unisolated_packing_is_skipped_with_its_reason_and_the_batch_is_capped(t
         batch_shape_control(model, scored.sequences, max_tokens=0)
 
 
-def test_sampled_tokens_are_the_ones_rescored(tiny):
-    model, tokenizer = tiny
+def test_sampled_tokens_are_the_ones_rescored(bundled_tiny):
+    model, tokenizer = bundled_tiny
     prompts = list(default_texts(3))
     res = run_diagnose(model, tokenizer, prompts, compare=(torch.float32, torch.float32), rule="none",
                        max_new_tokens=4, num_samples=2, progress=False)  # fmt: skip
@@ -196,8 +183,8 @@ def test_sampled_tokens_are_the_ones_rescored(tiny):
     torch.testing.assert_close(logp, res.tokens["train_logp"], atol=1e-5, rtol=0)
 
 
-def test_engine_reports_the_bands_and_their_share_below_the_cut(tiny):
-    model, tokenizer = tiny
+def test_engine_reports_the_bands_and_their_share_below_the_cut(bundled_tiny):
+    model, tokenizer = bundled_tiny
     res = run_diagnose(model, tokenizer, default_texts(16), compare=(torch.float32, torch.float32), noise=0.3,
                        rule="min_p=0.05", progress=False)  # fmt: skip
     s, log_r, outside = res.summary, res.tokens["log_r"], ~res.tokens["in_train_set"]
@@ -212,7 +199,7 @@ def test_engine_reports_the_bands_and_their_share_below_the_cut(tiny):
     assert s["rule"]["abs_diff_share_outside"] == pytest.approx(float(gap[outside].sum() / gap.sum()), rel=1e-12)
 
 
-def test_command_line(tiny, tmp_path, capsys):
+def test_command_line(bundled_tiny, tmp_path, capsys):
     out = tmp_path / "on"
     assert main(["diagnose", "--no_tail", "--rule", "min_p=0.01", "--output_dir", str(out)]) == 0
     printed = capsys.readouterr().out

@@ -18,19 +18,6 @@ MIN_P = 0.05
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
-@pytest.fixture(scope="module")
-def tiny():
-    from trl_integration.demo.model import tiny_model_path
-
-    try:
-        path = tiny_model_path()
-    except FileNotFoundError:
-        pytest.skip("the bundled tiny model is not built in this checkout")
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval(), AutoTokenizer.from_pretrained(path)
-
-
 def direct_kept_sets(model, tokenizer, texts, dtype):
     """Per scored position: min_p's kept-set size and pruned mass on ``model`` in ``dtype`` (float64 softmax)."""
     side = model_in(model, dtype, {})  # the lab's cast of the weights (buffers such as RoPE's keep float32)
@@ -45,8 +32,8 @@ def direct_kept_sets(model, tokenizer, texts, dtype):
     return torch.cat(sizes), torch.cat(masses)
 
 
-def test_kept_set_sizes_and_pruned_mass_match_the_rule_on_each_side(tiny):
-    model, tokenizer = tiny
+def test_kept_set_sizes_and_pruned_mass_match_the_rule_on_each_side(bundled_tiny):
+    model, tokenizer = bundled_tiny
     texts = default_texts(6)
     res = run_diagnose(model, tokenizer, texts, rule=f"min_p={MIN_P}", batch_size=1, progress=False)
     stats = res.summary["rule"]["kept_sets"]
@@ -75,7 +62,7 @@ def test_kept_set_stats_quantiles_and_errors():
         kept_set_stats(size[:99], size, log_kept, log_kept, torch.zeros(100, dtype=torch.bool))
 
 
-def test_the_command_writes_prints_and_plots_them(tiny, tmp_path, capsys):
+def test_the_command_writes_prints_and_plots_them(bundled_tiny, tmp_path, capsys):
     rc = main(["diagnose", "--rule", f"min_p={MIN_P}", "--no_tail", "--output_dir", str(tmp_path)])
     assert rc == 0
     summary = json.loads((tmp_path / "summary.json").read_text())
