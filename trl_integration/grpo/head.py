@@ -77,8 +77,9 @@ class SafeHeadState:
     :class:`~safevocab.SafeSupport` per sequence of the scoring call; each forward (one chunk of trl's batching
     loop, chunks in order) takes the next ``batch`` of them (:meth:`take_supports`). ``support_only``: a replayed set
     is the whole safe set, not intersected with the rule's set on the same logits; for an engine that sampled a
-    distribution the trainer's logits do not show (a grammar, ``vllm_structured_outputs_regex``), whose kept set the
-    rule's set on the unconstrained logits need not even meet.
+    distribution the trainer's logits do not show (a grammar, ``vllm_structured_outputs_regex``; a penalty, bias or
+    ban of vLLM's, :mod:`~trl_integration.grpo.generation_settings`), whose kept set the rule's set on the unshaped
+    logits need not even meet.
     """
 
     compute_entropy: bool = True

@@ -12,27 +12,42 @@ not even meet ``R``. So:
   from; a token the grammar forces alone (``|R| = 1``) has ``log pi_R = 0`` and no gradient, as it had no choice;
 - with ``safe_vocab_support="rule"`` the run warns once at start (:func:`warn_grammar_without_replay`), naming the
   setting that makes it exact.
+
+trl also builds the grammar from ``generation_kwargs["structured_outputs"]`` (a dict of vLLM's
+``StructuredOutputsParams``, e.g. ``{"regex": ...}``; the regex flag takes precedence): the same holds for it.
 """
 
 from __future__ import annotations
 
 import warnings
 
-__all__ = ["grammar_active", "warn_grammar_without_replay"]
+__all__ = ["grammar_setting", "grammar_active", "warn_grammar_without_replay"]
+
+
+def grammar_setting(args) -> str | None:
+    """``name=value`` of the setting that puts the engine under a grammar (trl's ``vllm_structured_outputs_regex``,
+    or ``generation_kwargs["structured_outputs"]``), or ``None``."""
+    if not getattr(args, "use_vllm", False):
+        return None
+    if getattr(args, "vllm_structured_outputs_regex", None):
+        return f"vllm_structured_outputs_regex={args.vllm_structured_outputs_regex!r}"
+    kwargs = getattr(args, "generation_kwargs", None)
+    grammar = kwargs.get("structured_outputs") if isinstance(kwargs, dict) else None
+    return f"generation_kwargs['structured_outputs']={grammar!r}" if grammar else None
 
 
 def grammar_active(args) -> bool:
-    """Whether the engine samples under a grammar (trl's ``vllm_structured_outputs_regex``)."""
-    return bool(getattr(args, "use_vllm", False) and getattr(args, "vllm_structured_outputs_regex", None))
+    """Whether the engine samples under a grammar (:func:`grammar_setting`)."""
+    return grammar_setting(args) is not None
 
 
 def warn_grammar_without_replay(args, replay: bool) -> None:
     """One line at start when a grammar is active and the trainer's sets are the rule's (not the engine's)."""
     if grammar_active(args) and not replay:
         warnings.warn(
-            f"vllm_structured_outputs_regex={args.vllm_structured_outputs_regex!r} with safe_vocab_support='rule': the "
-            "rule's sets ignore the grammar, so tokens it forces fall outside them and leave the loss; set "
-            "safe_vocab_support='replay' to train on the engine's own sets (docs/trl.md, Structured outputs)",
+            f"{grammar_setting(args)} with safe_vocab_support='rule': the rule's sets ignore the grammar, so tokens it "
+            "forces fall outside them and leave the loss; set safe_vocab_support='replay' to train on the engine's own "
+            "sets (docs/trl.md, Structured outputs)",
             UserWarning,
             stacklevel=3,
         )

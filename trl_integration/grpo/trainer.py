@@ -29,13 +29,15 @@ from trl_integration._private import (
 from trl_integration.grpo.batch import BatchSettings, GenerationBatch
 from trl_integration.grpo.config import SafeVocabGRPOConfig
 from trl_integration.grpo.entropy_metrics import EntropyCapture
+from trl_integration.grpo.generation_settings import engine_sets_only, warn_reshaping_settings
 from trl_integration.grpo.head import SafeHeadState, add_safe_lm_head
 from trl_integration.grpo.length_decay import LengthDecayCallback, length_decay_scheduler, wraps_base_schedule
 from trl_integration.grpo.metric_queue import MetricQueue, QueuedMetrics, queue_capacity
 from trl_integration.grpo.out_of_set_alert import OutOfSetAlert
 from trl_integration.grpo.replay import SupportReplay
 from trl_integration.grpo.step import ROLLOUT_LOGPROBS_FRAC, SafeTokenStats
-from trl_integration.grpo.structured_outputs import grammar_active, warn_grammar_without_replay
+from trl_integration.grpo.structured_outputs import warn_grammar_without_replay
+from trl_integration.grpo.tied_adapters import warn_tied_adapter
 from trl_integration.grpo.trainer_checks import check_built_trainer, check_tokenizer
 from trl_integration.grpo.vllm_engine import (
     check_engine_settings,
@@ -144,10 +146,11 @@ class SafeVocabGRPOTrainer(QueuedMetrics, GRPOTrainerBridge):
         self._stock_head = isinstance(self.safe_vocab_rule, NoPruning) and self._replay is None
         base = self.model.get_base_model() if is_peft_model(self.model) else self.model
         self._vocab_size = int(base.get_output_embeddings().weight.shape[0])
-        # policy's and reference's heads; under a grammar the replayed set is the whole safe set (structured_outputs)
+        # policy's and reference's heads; under a grammar or a reshaping vLLM setting the replayed set is the whole
+        # safe set (structured_outputs, generation_settings)
         self._safe_head = SafeHeadState(
             full_entropy=bool(args.log_entropy_metrics),
-            support_only=self._replay is not None and grammar_active(args),
+            support_only=self._replay is not None and engine_sets_only(args),
         )
         #: The loss forward's entropies, full and over S (log_entropy_metrics; docs/metrics.md).
         self._entropies = EntropyCapture() if args.log_entropy_metrics else None
@@ -158,10 +161,12 @@ class SafeVocabGRPOTrainer(QueuedMetrics, GRPOTrainerBridge):
                                  self._safe_head, args.safe_vocab_max_chunk_bytes)  # fmt: skip
         if self.use_vllm:
             warn_grammar_without_replay(args, replay=self._replay is not None)
+            warn_tied_adapter(self.model)  # a PEFT adapter a tied engine cannot hold (modules_to_save, embedding LoRA)
             use_cpu_weight_sync(self.vllm_generation)
             require_processed_logprobs(self)
             if self._replay is not None and self.rollout_func is None:  # the engine's kept sets, from trl's own path
                 self._replay.fallback_reason = replay_from_engine(self, self._replay)
+        warn_reshaping_settings(args, self._replay, self.rollout_func)  # penalties, biases, bans: one line each
         #: What every generation batch does (GenerationBatch), from the config and trl's switches, built once.
         self._batch_settings = BatchSettings.from_config(
             args, use_vllm=self.use_vllm, stock_head=self._stock_head,
