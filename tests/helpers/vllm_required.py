@@ -4,6 +4,7 @@ the run instead, so a broken install cannot pass as skipped tests."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 
@@ -48,3 +49,30 @@ def release_vllm_process_state() -> None:
                 setattr(parallel_state, name, None)
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
+
+
+@contextlib.contextmanager
+def shared_engines():
+    """While open, trl's ``LLM(...)`` returns the engine already built for the same checkpoint and dtype (a module's
+    trainers share one real engine, each pushing its own weights into it); yields the ``{(model, dtype): engine}``
+    dict, released on exit."""
+    import gc
+
+    import trl.generation.vllm_generation as vllm_generation
+
+    built: dict[tuple, object] = {}
+    build = vllm_generation.LLM
+
+    def shared(*args, **kwargs):
+        key = (kwargs.get("model"), str(kwargs.get("dtype", "auto")))
+        if key not in built:
+            built[key] = build(*args, **kwargs)
+        return built[key]
+
+    vllm_generation.LLM = shared
+    try:
+        yield built
+    finally:
+        vllm_generation.LLM = build
+        built.clear()
+        gc.collect()

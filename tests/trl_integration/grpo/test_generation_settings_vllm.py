@@ -14,12 +14,11 @@ its sampled tokens fell out of set (1.3 left too few, some draws none, to tell t
 
 from __future__ import annotations
 
-import gc
 import os
 import warnings
 
 import pytest
-from vllm_required import require_vllm
+from vllm_required import require_vllm, shared_engines
 
 require_vllm(module_level=True)
 
@@ -36,23 +35,8 @@ REPLAY_MAX_SHARE = 0.01
 @pytest.fixture(scope="module")
 def engine():
     """One real engine for the module's trainers (the same checkpoint and dtype)."""
-    import trl.generation.vllm_generation as vllm_generation
-
-    built: dict = {}
-    build = vllm_generation.LLM
-
-    def shared(*args, **kwargs):
-        key = (kwargs.get("model"), str(kwargs.get("dtype", "auto")))
-        if key not in built:
-            built[key] = build(*args, **kwargs)
-        return built[key]
-
-    patch = pytest.MonkeyPatch()
-    patch.setattr(vllm_generation, "LLM", shared)
-    yield built
-    patch.undo()
-    built.clear()
-    gc.collect()
+    with shared_engines() as built:
+        yield built
 
 
 def _train(tmp_path, support: str, **setting) -> tuple[SafeVocabGRPOTrainer, list[str]]:

@@ -14,13 +14,12 @@ in CI) a missing vLLM fails the run instead.
 from __future__ import annotations
 
 import copy
-import gc
 import os
 import warnings
 
 import pytest
 import torch
-from vllm_required import require_vllm
+from vllm_required import require_vllm, shared_engines
 
 peft = pytest.importorskip("peft", reason="peft is in the test extra; install safevocab[test]")
 
@@ -69,23 +68,8 @@ def engines():
     """Trainers of the same checkpoint share one real engine (trl's ``LLM(...)`` returns the one built); each pushes
     its own weights into it before it samples."""
     require_vllm()
-    import trl.generation.vllm_generation as vllm_generation
-
-    built: dict[tuple, object] = {}
-    build = vllm_generation.LLM
-
-    def shared(*args, **kwargs):
-        key = (kwargs.get("model"), str(kwargs.get("dtype", "auto")))
-        if key not in built:
-            built[key] = build(*args, **kwargs)
-        return built[key]
-
-    patch = pytest.MonkeyPatch()
-    patch.setattr(vllm_generation, "LLM", shared)
-    yield built
-    patch.undo()
-    built.clear()
-    gc.collect()
+    with shared_engines() as built:
+        yield built
 
 
 def _trainer(path: str, tmp_path, **lora):

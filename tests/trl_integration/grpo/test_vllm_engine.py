@@ -12,13 +12,12 @@ missing vLLM fails the run instead.
 
 from __future__ import annotations
 
-import gc
 import os
 import warnings
 
 import pytest
 import torch
-from vllm_required import require_vllm
+from vllm_required import require_vllm, shared_engines
 
 require_vllm(module_level=True)
 
@@ -38,23 +37,8 @@ PROMPTS = ["37+48=", "5-71=", "4+7=", "587-926=", "12+9=", "300-1=", "8-9=", "65
 @pytest.fixture(scope="module")
 def engines():
     """Trainers of the same (checkpoint, dtype) share one real engine: trl's ``LLM(...)`` returns the one built."""
-    import trl.generation.vllm_generation as vllm_generation
-
-    built: dict[tuple, object] = {}
-    build = vllm_generation.LLM
-
-    def shared(*args, **kwargs):
-        key = (kwargs.get("model"), str(kwargs.get("dtype", "auto")))
-        if key not in built:
-            built[key] = build(*args, **kwargs)
-        return built[key]
-
-    patch = pytest.MonkeyPatch()
-    patch.setattr(vllm_generation, "LLM", shared)
-    yield built
-    patch.undo()
-    built.clear()
-    gc.collect()
+    with shared_engines() as built:
+        yield built
 
 
 def _train(tmp_path, model_path: str | None = None, rollout_func=None, **overrides) -> SafeVocabGRPOTrainer:
