@@ -70,9 +70,21 @@ def shared_engines():
         return built[key]
 
     vllm_generation.LLM = shared
+    # A free port for this worker's rendezvous (trl keeps a MASTER_PORT already set; tests/conftest.py puts the
+    # variable back after the module): two pytest-xdist workers building engines at once otherwise both reached
+    # torch's default 29500 (EADDRINUSE in test_lora_vllm_sync.py beside test_vllm_engine.py).
+    os.environ.setdefault("MASTER_PORT", str(_free_port()))
     try:
         yield built
     finally:
         vllm_generation.LLM = build
         built.clear()
         gc.collect()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
