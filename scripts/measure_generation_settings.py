@@ -26,6 +26,7 @@ per-step figures. ``--replay_intersect`` adds a column: replay with the engine's
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -73,6 +74,13 @@ def settings(ids: dict[str, int], eos: int) -> dict[str, dict]:
             "generate": gk(bad_words_ids=[[ids["ban"]]]),
         },  # fmt: skip
         "min_tokens / min_new_tokens=8": {"vllm": gk(min_tokens=8), "generate": gk(min_new_tokens=8)},
+        # min_length counts the (left-padded) prompt: the prompt's length + 8 is min_new_tokens=8 again.
+        f"min_length={ids['prompt_len'] + 8} (prompt + 8)": {
+            "vllm": None,
+            "generate": gk(min_length=ids["prompt_len"] + 8),
+        },  # fmt: skip
+        # Refused by vLLM at the first rollout unless the engine has a reasoning config (trl's has none).
+        "thinking_token_budget=4": {"vllm": gk(thinking_token_budget=4), "generate": None},
         "allowed_token_ids (ids < 8192)": {
             "vllm": gk(allowed_token_ids=list(range(min(8192, ids["vocab"])))),
             "generate": None,
@@ -89,6 +97,10 @@ def settings(ids: dict[str, int], eos: int) -> dict[str, dict]:
         "forced_eos_token_id": {"vllm": None, "generate": gk(forced_eos_token_id=eos)},
         "guidance_scale=1.5": {"vllm": None, "generate": gk(guidance_scale=1.5)},
         "typical_p=0.9": {"vllm": None, "generate": gk(typical_p=0.9)},
+        "epsilon_cutoff=0.05": {"vllm": None, "generate": gk(epsilon_cutoff=0.05)},
+        "eta_cutoff=0.05": {"vllm": None, "generate": gk(eta_cutoff=0.05)},
+        "top_h=0.4": {"vllm": None, "generate": gk(top_h=0.4)},
+        "watermarking_config={'bias': 2.0}": {"vllm": None, "generate": gk(watermarking_config={"bias": 2.0})},
         "do_sample=False (greedy)": {"vllm": None, "generate": gk(do_sample=False)},
         "temperature=0.7 (generation_kwargs)": {"vllm": gk(temperature=0.7), "generate": gk(temperature=0.7)},
         "top_p=0.9 (generation_kwargs)": {"vllm": gk(top_p=0.9), "generate": gk(top_p=0.9)},
@@ -126,7 +138,19 @@ def token_ids(model: str, path: str) -> tuple[dict, int]:
         ids[role] = encoded[0]
     ids["word_text"] = TOKENS[model]["word"]
     ids["vocab"] = len(tokenizer)
+    ids["prompt_len"] = prompt_length(model, tokenizer)
     return ids, tokenizer.eos_token_id
+
+
+def prompt_length(model: str, tokenizer) -> int:
+    """The longest prompt of the first 64 training examples, in tokens, as trl tokenizes it (the chat template with
+    the generation prompt for SmolLM2; the plain text for the tiny model)."""
+    _, _, dataset, _ = model_and_task(model)
+    prompts = dataset.select(range(64))["prompt"]
+    if model == TINY:
+        return max(len(tokenizer(text)["input_ids"]) for text in prompts)
+    encode = functools.partial(tokenizer.apply_chat_template, add_generation_prompt=True, tokenize=True)
+    return max(len(encode(messages)["input_ids"]) for messages in prompts)
 
 
 def share_engines():

@@ -48,6 +48,7 @@ __all__ = [
     "reshaping_settings",
     "engine_sets_only",
     "warn_reshaping_settings",
+    "refuse_settings_trls_engine_lacks",
 ]
 
 #: vLLM ``SamplingParams`` fields applied to the logits before the sampler's temperature and truncation, with the
@@ -135,6 +136,23 @@ def engine_sets_only(args) -> bool:
     return grammar_active(args) or bool(getattr(args, "use_vllm", False) and reshaping_settings(args))
 
 
+def refuse_settings_trls_engine_lacks(args) -> None:
+    """Refuse at start what vLLM would refuse at the first rollout: ``thinking_token_budget`` needs the engine's
+    ``reasoning_config`` (its think-start and think-end token ids), and trl builds its engine without one (colocate's
+    ``LLM(...)`` as ``trl vllm-serve``), on any model (vLLM 0.32: ``VLLMValidationError: thinking_token_budget is set
+    but reasoning_config is not configured``).
+
+    Raises:
+        ValueError: one line naming the setting.
+    """
+    for _, name, value in active_settings(args, {"thinking_token_budget": VLLM_RESHAPING["thinking_token_budget"]}):
+        raise ValueError(
+            f"{name}={_short(value)} needs vLLM's reasoning_config (think-start/think-end token ids), which trl's "
+            f"engine is built without (colocate and trl vllm-serve alike): vLLM would refuse it at the first rollout; "
+            f"accepted: None ({_DOCS})"
+        )
+
+
 def warn_reshaping_settings(args, replay=None, rollout_func=None) -> list[str]:
     """One line at start for each reshaping setting whose sampled tokens can fall outside the trainer's sets, and
     for each vLLM-only key the ``generate`` path ignores; returns the lines.
@@ -148,6 +166,8 @@ def warn_reshaping_settings(args, replay=None, rollout_func=None) -> list[str]:
     if rollout_func is not None:
         return []
     use_vllm = bool(getattr(args, "use_vllm", False))
+    if use_vllm:
+        refuse_settings_trls_engine_lacks(args)
     lines = []
     if not use_vllm:
         for key, name, value in active_settings(args, {key: VLLM_RESHAPING[key] for key in VLLM_ONLY}):

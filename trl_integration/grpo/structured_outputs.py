@@ -9,7 +9,10 @@ not even meet ``R``. So:
 
 - with ``safe_vocab_support="replay"`` the trainer renormalises over exactly the replayed ``R``
   (``SafeHeadState.support_only``: ``R`` is not intersected with ``S``), which is the distribution the engine sampled
-  from; a token the grammar forces alone (``|R| = 1``) has ``log pi_R = 0`` and no gradient, as it had no choice;
+  from; a token the grammar forces alone (``|R| = 1``) has ``log pi_R = 0`` and no gradient, as it had no choice.
+  The engine's processed log-probability of it is 0 too, so its importance ratio is 1 and its ``k3`` term and
+  entropy 0; it stays in the loss mask (trl's token count) and in every metric's mean with those values, as the
+  rule's own singletons do, and ``safevocab/singleton_frac`` counts it (docs/trl.md, Structured outputs);
 - with ``safe_vocab_support="rule"`` the run warns once at start (:func:`warn_grammar_without_replay`), naming the
   setting that makes it exact.
 

@@ -139,7 +139,11 @@ def test_rule_none_prunes_nothing_and_prints_nothing(tmp_path):
     assert _start_lines(tmp_path, safe_vocab_rule="none", generation_kwargs={"no_repeat_ngram_size": 2}) == []
 
 
-@pytest.mark.parametrize("key", sorted(VLLM_ON))
+#: vLLM settings refused at start: trl's engine lacks what they need (thinking_token_budget: a reasoning_config).
+REFUSED_ON_VLLM = ("thinking_token_budget",)
+
+
+@pytest.mark.parametrize("key", sorted(set(VLLM_ON) - set(REFUSED_ON_VLLM)))
 def test_a_reshaping_vllm_setting_prints_one_line_unless_replayed(tmp_path, key):
     args = _config(tmp_path, use_vllm=True, generation_kwargs={key: VLLM_ON[key]})
     lines = _lines(args)
@@ -151,6 +155,19 @@ def test_a_reshaping_vllm_setting_prints_one_line_unless_replayed(tmp_path, key)
     cannot.fallback_reason = "no top_k"
     lines = _lines(args, replay=cannot)
     assert len(lines) == 1 and "cannot read this engine's sets" in lines[0]
+
+
+@pytest.mark.parametrize("key", REFUSED_ON_VLLM)
+def test_a_setting_trls_engine_cannot_honour_is_refused_at_start_in_one_line(tmp_path, key):
+    """vLLM refuses thinking_token_budget at the first rollout (no reasoning_config in trl's engine): refused when the
+    trainer is built instead, replayed or not, in one line naming the setting."""
+    for replay in (None, SupportReplay()):
+        args = _config(tmp_path, use_vllm=True, generation_kwargs={key: VLLM_ON[key]})
+        with pytest.raises(
+            ValueError, match=rf"^generation_kwargs\[{key!r}\]=\S+ needs vLLM's reasoning_config"
+        ) as err:
+            warn_reshaping_settings(args, replay)
+        assert "\n" not in str(err.value) and len(str(err.value)) <= MAX_LINE
 
 
 @pytest.mark.parametrize("key", VLLM_ONLY_KEYS)

@@ -72,26 +72,24 @@ def engines():
         yield built
 
 
-def _trainer(path: str, tmp_path, **lora):
+def _trainer(path: str, tmp_path, config: dict | None = None, **lora):
+    """A trainer with a LoRA adapter (``lora``: ``peft.LoraConfig`` fields) and a colocated engine; ``config``
+    overrides the run's settings."""
     from trl_integration import SafeVocabGRPOTrainer
     from trl_integration.demo import arithmetic_reward, make_dataset, tiny_grpo_config
 
     lora = copy.deepcopy(lora)  # PEFT edits the lists it is given (modules_to_save with ensure_weight_tying)
-    config = peft.LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, task_type="CAUSAL_LM", **lora)
+    adapter = peft.LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, task_type="CAUSAL_LM", **lora)
+    settings = dict(
+        output_dir=str(tmp_path), use_vllm=True, vllm_mode="colocate", vllm_gpu_memory_utilization=0.1,
+        per_device_train_batch_size=8, num_generations=8, safe_vocab_rule="min_p=0.1",
+    )  # fmt: skip
     return SafeVocabGRPOTrainer(
         model=path,
         reward_funcs=arithmetic_reward,
-        args=tiny_grpo_config(
-            output_dir=str(tmp_path),
-            use_vllm=True,
-            vllm_mode="colocate",
-            vllm_gpu_memory_utilization=0.1,
-            per_device_train_batch_size=8,
-            num_generations=8,
-            safe_vocab_rule="min_p=0.1",
-        ),  # fmt: skip
+        args=tiny_grpo_config(**{**settings, **(config or {})}),
         train_dataset=make_dataset(8, seed=0, split="train"),
-        peft_config=config,
+        peft_config=adapter,
     )
 
 
@@ -195,3 +193,21 @@ def test_no_warning_without_peft_or_with_an_untied_checkpoint(models):
     assert tied_adapter_issue(adapted("tied", **tying)) is None
     assert "modules_to_save=['embed_tokens']" in tied_adapter_issue(adapted("tied", modules_to_save=["embed_tokens"]))
     assert "input embeddings" in tied_adapter_issue(adapted("tied", target_modules=[*PROJECTIONS, "embed_tokens"]))
+
+
+@pytest.mark.parametrize("heads", ["tied", "untied"])
+def test_lora_training_keeps_every_sampled_token_and_the_engines_log_probs(engines, models, tmp_path, heads):
+    """Three GRPO steps with a LoRA adapter made non-zero first (each step syncs the merged weights; the tied copy's
+    rewards can all be equal, which trains nothing): no sampled token falls outside the trainer's sets (the engine
+    samples from the model the trainer scores), and on the last step the engine's log-probabilities of the loss tokens
+    are the trainer's within 1e-4 nats (fp32)."""
+    config = dict(max_steps=3, logging_steps=1, learning_rate=1e-2, vllm_importance_sampling_mode="token_truncate")
+    trainer = _trainer(models[heads], tmp_path, config=config, target_modules=PROJECTIONS)
+    _perturb(trainer.model)
+    trainer.train()
+    alert = trainer.out_of_set_alert
+    assert alert.counted_tokens > 50 and alert.out_of_set_share == 0.0, alert.out_of_set_share
+    record = trainer.last_generation
+    loss = record["loss_mask"].bool()
+    gap = (record["train_logps"][loss] - record["rollout_logps"][loss]).abs().max().item()
+    assert gap <= FP32_TOL, f"{heads}: engine vs trainer max |delta log p| {gap:.3g} after training"
