@@ -10,7 +10,10 @@ page), and is skipped with that reason: ``<!-- skip: needs a GPU -->`` (run wher
 ``<!-- skip: <why> -->`` (never run). A reproducer of another package's bug carries
 ``<!-- raises: <Exception line> -->``: it runs in a process of its own (it may set process-wide state) and passes
 when that process ends with the documented exception, so the page's claim is checked, and the test fails the day
-the bug is fixed. Keep such marks rare: every mark is listed in the test report.
+the bug is fixed. Such a block is in the slow tier (its process builds what it needs from nothing, a vLLM engine for
+the one there is: ~12 CPU-seconds); a fast test guards the same bug in-process (the vLLM one:
+``tests/trl_integration/grpo/test_vllm_engine.py::test_trl_stock_sync_still_fails_on_vllm_cpu``). Keep such marks
+rare: every mark is listed in the test report.
 """
 
 from __future__ import annotations
@@ -122,7 +125,9 @@ def _run_expecting(block: Block, workdir: Path) -> None:
     )
 
 
-@pytest.mark.parametrize("block", BLOCKS, ids=[b.id for b in BLOCKS])
+@pytest.mark.parametrize(
+    "block", [pytest.param(b, marks=pytest.mark.slow) if b.raises else b for b in BLOCKS], ids=[b.id for b in BLOCKS]
+)
 def test_python_block_runs(block: Block, tmp_path_factory, monkeypatch):
     reason = _skip_reason(block)
     if reason is not None:
