@@ -23,9 +23,11 @@ vocabulary, no fp32 copy). Other rules (subclasses, fp64 inputs) compute their p
 rule's own code, on logits transformed in torch, and the kernels fold the rest (logged at DEBUG level on the
 ``"safevocab"`` logger). :class:`safevocab.backends.triton.route.Route` decides which, once per call.
 
-Sparse backward (chunks whose ``S`` the forward stored, and every replayed support):
-:mod:`safevocab.kernels.kept_entries` gathers ``S``'s entries from a half-precision GEMM output with the forward's
-own transform, and :mod:`safevocab.kernels.sparse_backward` turns them into the input gradients without ``[rows, V]``.
+Sparse backward (chunks whose ``S`` the forward stored, and every replayed support): the forward fold's last pass
+writes ``S``'s entries into a bounded pool that :mod:`safevocab.kernels.kept_entries` puts in CSR order (it also
+gathers a replayed support's logits with the forward's own transform, and keeps the separate compaction as the
+fallback of an overflowing pool), and :mod:`safevocab.kernels.sparse_backward` turns them into the input gradients
+without ``[rows, V]``.
 
 This package's ``__init__`` never imports Triton: ``safevocab`` imports (and ``backend="auto"`` works)
 without it; the op modules import it (:mod:`~safevocab.kernels.candidate_thresholds`, torch only, does not). Triton

@@ -8,8 +8,12 @@ One program per row. With ``m`` the row maximum and ``t`` the threshold (``S = {
 - ``MinP``/``MinProb`` (their threshold depends on ``m``): pass 1 finds ``m`` (for ``MinProb`` a second pass
   ``logsumexp`` over ``V``), then the last pass: ``e = exp(z - m)`` summed over ``V`` and over ``S``,
   ``sum_S e (z - m)`` for the entropy, ``|S|``;
-- either way the transformed logits may be written back over the chunk in the last pass (fp32/fp64 inputs,
-  for the sparse backward's copy of ``S``).
+- either way the last pass may also append ``S``'s entries ``(column, z)`` to a bounded pool
+  (:class:`safevocab.kernels.kept_entries.KeptPool`, ``kept_capacity``): one atomic add on the pool's counter reserves
+  a block's places, an int32 scan inside the block gives each entry's, a block that keeps nothing writes nothing. The
+  sparse backward's entries then cost no second read of the chunk (:func:`~safevocab.kernels.kept_entries.pack_kept`
+  puts them in CSR order), and they are the very ``z`` the pass compared with ``t``, so they count ``|S|`` exactly;
+- the transformed logits may be written back over the chunk in the last pass (fp32/fp64 inputs, ``store_z``).
 
 Every sum is a scalar, reduced once per column block (as trl's kernel does), not a ``[BLOCK]`` vector:
 fewer registers per program, more programs resident, more of the re-read row still in L2.
@@ -33,6 +37,7 @@ import triton.language as tl
 
 from safevocab.kernels import MODE_GIVEN, MODE_MIN_P, MODE_MIN_PROB, MODE_NONE, interpreter_on
 from safevocab.kernels.common import transform
+from safevocab.kernels.kept_entries import KeptPool, append_kept
 from safevocab.rules import finite_floor
 
 #: Whether these kernels were defined under Triton's interpreter (``TRITON_INTERPRET=1`` at import).
@@ -59,6 +64,12 @@ def _forward_fold_kernel(
     entropy_ptr,
     in_safe_ptr,
     safe_size_ptr,
+    kept_cols_ptr,  # KEEP: the KeptPool's tensors (unused otherwise)
+    kept_values_ptr,
+    kept_counter_ptr,
+    kept_start_ptr,
+    kept_count_ptr,
+    kept_capacity,
     n_cols,
     log_param,  # log rho (MinP) or log tau (MinProb)
     scale,
@@ -70,6 +81,7 @@ def _forward_fold_kernel(
     HAS_TEMPERATURE: tl.constexpr,
     HAS_ENTROPY: tl.constexpr,
     STORE_Z: tl.constexpr,
+    KEEP: tl.constexpr,  # append S's entries to the pool in the last pass
     FLOOR: tl.constexpr,  # the most negative finite number of the statistics dtype
     BLOCK: tl.constexpr,
 ):
@@ -77,6 +89,8 @@ def _forward_fold_kernel(
     acc = log_sum_safe_ptr.dtype.element_ty  # fp32, or fp64 for fp64 inputs
     row_ptr = z_ptr + row * z_stride
     cols = tl.arange(0, BLOCK)
+    slots = row * tl.cdiv(n_cols, BLOCK)  # this row's first entry of the pool's [rows, blocks] table
+    full = tl.zeros((), tl.int32)  # KEEP: whether this program has seen the pool overflow (it then stops reserving)
     # The target logit, read before any STORE_Z write (same transform as the row, so the same value)
     z_y = tl.load(row_ptr + tl.load(targets_ptr + row)).to(acc)
     z_y = transform(z_y, scale, softcap, temperature, HAS_SCALE, HAS_SOFTCAP, HAS_TEMPERATURE)
@@ -112,6 +126,10 @@ def _forward_fold_kernel(
                 u_safe += tl.sum(e * tl.where(kept, x, 0.0), axis=0)  # no 0 * -inf outside S
             s_full = alpha * s_full + tl.sum(e, axis=0)
             n_kept += tl.sum(kept.to(tl.int32), axis=0)
+            if KEEP:
+                slot = slots + start // BLOCK
+                full = append_kept(kept, offs, z, slot, full, kept_cols_ptr, kept_values_ptr, kept_counter_ptr,
+                                   kept_start_ptr, kept_count_ptr, kept_capacity)  # fmt: skip
             m = m_new
         t = tl.minimum(floor, m)
         tl.store(threshold_ptr + row, t)
@@ -167,6 +185,10 @@ def _forward_fold_kernel(
                 # xlogy(e, e) = e (z - m) on S; dropped entries (z may be -inf) contribute 0 * 0
                 u_safe += tl.sum(e_safe * (tl.where(kept, z, m) - m), axis=0)
             n_kept += tl.sum(kept.to(tl.int32), axis=0)
+            if KEEP:
+                slot = slots + start // BLOCK
+                full = append_kept(kept, offs, z, slot, full, kept_cols_ptr, kept_values_ptr, kept_counter_ptr,
+                                   kept_start_ptr, kept_count_ptr, kept_capacity)  # fmt: skip
 
     log_s_safe = tl.log(s_safe)
     tl.store(log_sum_safe_ptr + row, log_s_safe)
@@ -200,8 +222,11 @@ def forward_fold(
     softcap: float | None = None,
     temperature: float = 1.0,
     store_z: bool = False,
-) -> None:
-    """Fold the chunk ``z`` ``[n, V]`` (row-contiguous) into the per-row outputs (each ``[n]``, written).
+    kept_capacity: int | None = None,
+) -> KeptPool | None:
+    """Fold the chunk ``z`` ``[n, V]`` (row-contiguous) into the per-row outputs (each ``[n]``, written); with
+    ``kept_capacity``, also return ``S``'s entries in a :class:`~safevocab.kernels.kept_entries.KeptPool` of that
+    many entries (else ``None``).
 
     Args:
         z: GEMM output in the inputs' dtype (raw logits; transformed in the kernel), or, with
@@ -213,12 +238,24 @@ def forward_fold(
         mode, log_param: from :func:`safevocab.kernels.kernel_threshold` (or ``MODE_GIVEN``).
         scale, softcap, temperature: the logit transform applied in the kernel (identity for ``MODE_GIVEN``).
         store_z: write the transformed logits back over ``z`` (``z`` must then be fp32/fp64).
+        kept_capacity: the pool's size in entries: the last pass appends every kept ``(column, z)`` while they fit,
+            and the pool's counter counts them all (more than ``kept_capacity``: an overflow, the rest unwritten).
     """
     n, n_cols = z.shape
-    if n == 0:
-        return
-    assert z.stride(1) == 1, "the chunk must be row-contiguous"
     block = _block(n_cols)
+    pool = None
+    if kept_capacity is not None:
+        pool = KeptPool.empty(n, n_cols, block, kept_capacity, log_sum_safe.dtype, z.device)
+    if n == 0:
+        return pool
+    assert z.stride(1) == 1, "the chunk must be row-contiguous"
+    # without a pool the kernel never touches these arguments (KEEP is off): any tensors will do
+    spare = log_sum_full
+    kept_args = (
+        (pool.cols, pool.values, pool.counter, pool.block_start, pool.block_count, pool.capacity)
+        if pool is not None
+        else (spare, spare, spare, spare, spare, 0)
+    )
     _forward_fold_kernel[(n,)](
         z,
         z.stride(0),
@@ -231,6 +268,7 @@ def forward_fold(
         entropy if entropy is not None else log_sum_full,  # unused without HAS_ENTROPY
         in_safe,
         safe_size,
+        *kept_args,
         n_cols,
         float(log_param),
         float(scale),
@@ -242,7 +280,9 @@ def forward_fold(
         HAS_TEMPERATURE=temperature != 1.0,
         HAS_ENTROPY=entropy is not None,
         STORE_Z=store_z,
+        KEEP=pool is not None,
         FLOOR=finite_floor(log_sum_safe.dtype),
         BLOCK=block,
         num_warps=8 if block >= 2048 else 4,
     )
+    return pool

@@ -1,18 +1,27 @@
-"""Kept entries: a chunk's logits at chosen places, transformed exactly as the forward kernel transforms them.
+"""Kept entries: ``S``'s entries ``(column, z - m)`` of a chunk, for the sparse backward.
 
 The sparse backward (:mod:`safevocab.kernels.sparse_backward`) needs ``S``'s entries (column, ``z - m``) with ``z``
-the transformed logit the forward compared with ``t``. When the forward kernel transformed a half-precision GEMM
-output itself, nothing holds those fp32 values; the kernels here recompute them from the GEMM output with the same
-helper (:func:`safevocab.kernels.common.transform`, the same fp32 operations in the same order):
+the transformed logit the forward compared with ``t``, as CSR: row after row, columns ascending.
 
-- :func:`compact_kept`: one program per row walks its columns, keeps ``z >= t`` and writes the kept entries
-  compacted, in column order, at the row's CSR offset (``tl.cumsum`` of the keep mask gives each entry's place). Its
-  count is checked against the forward's ``|S|``: a mismatch (a compiler that rounded the transform differently)
-  returns ``None`` and the chunk takes the dense backward.
+- :class:`KeptPool` and :func:`pack_kept` (the forward's way): the fold's last pass
+  (:func:`safevocab.kernels.forward_fold.forward_fold` with ``kept_capacity``) appends each column block's kept
+  entries ``(column, z)`` to a bounded pool, at a place it reserves with one atomic add on an int32 counter (a block
+  that keeps nothing reserves and writes nothing), and records the block's place and count in a ``[rows, blocks]``
+  table; :func:`pack_kept` then copies them into CSR order, subtracting ``m``: work in the kept entries only, no second
+  read of ``[rows, V]``. The values are the fold's own (the very ``z`` it compared with ``t``, in the statistics dtype),
+  so the entries and ``|S|`` cannot disagree; the pool's order (the atomics') never reaches the result.
+- :func:`compact_kept` (the fallback, and the reference in the tests): one program per row walks the chunk's columns
+  again, keeps ``z >= t`` (the GEMM output transformed with the forward's helper,
+  :func:`safevocab.kernels.common.transform`: the same fp32 operations in the same order) and writes the kept entries
+  compacted at the row's CSR offset (``tl.cumsum`` of the keep mask gives each entry's place). Its count is checked
+  against the forward's ``|S|``: a mismatch (a compiler that rounded the transform differently) returns ``None``.
+  The forward uses it only where the pool was too small (counted and logged by its caller).
 - :func:`gather_logits`: the transformed logits at given ``(row, column)`` pairs (replayed supports, targets).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -27,6 +36,116 @@ INTERPRETED = interpreter_on()
 MAX_BLOCK = 2048
 #: Entries per program of :func:`gather_logits`.
 GATHER_BLOCK = 1024
+#: Column blocks (entries of the pool's table) per program of :func:`pack_kept`, and entries of each copied a step.
+PACK_SLOTS, PACK_BLOCK = 32, 64
+#: Most entries a :class:`KeptPool` holds, as a fraction of its chunk's logits, whatever the gate allows: at 8 bytes an
+#: entry, a quarter of a bf16 chunk's own size. It binds only where the gate is raised above it (tests, a sweep that
+#: forces the sparse backward); a chunk whose kept entries overflow it is compacted again by :func:`compact_kept`.
+POOL_MAX_DENSITY = 1.0 / 16
+
+
+@dataclass
+class KeptPool:
+    """Where the fold's last pass writes a chunk's kept entries, in column blocks (module docstring).
+
+    Attributes:
+        cols: ``[capacity]`` int32 columns of the kept entries, block after block in the order the blocks reserved
+            their places.
+        values: ``[capacity]`` the kept logits ``z`` (transformed, the statistics dtype), beside ``cols``.
+        counter: ``[1]`` int32 (int64 for chunks of ``2^31`` logits or more): entries reserved so far; past
+            ``capacity`` exactly when the kept entries overflow the pool (then not exact: a program stops reserving
+            after its first overflow, and the entries past ``capacity`` are not written).
+        block_start, block_count: ``[rows, blocks]`` each block's first place in the pool (the counter's dtype) and
+            its number of kept entries (int32; 0: nothing written, ``block_start`` then meaningless).
+        block: the fold's column block (columns per entry of the table).
+    """
+
+    cols: torch.Tensor
+    values: torch.Tensor
+    counter: torch.Tensor
+    block_start: torch.Tensor
+    block_count: torch.Tensor
+    block: int
+
+    @classmethod
+    def empty(cls, n: int, n_cols: int, block: int, capacity: int, dtype: torch.dtype, device) -> KeptPool:
+        """A pool of ``capacity`` entries (values in ``dtype``) for ``n`` rows of ``n_cols`` columns folded ``block``
+        columns at a time; the counter at 0."""
+        index = torch.int32 if n * n_cols < 2**31 else torch.int64
+        blocks = triton.cdiv(max(n_cols, 1), block)
+        return cls(
+            cols=torch.empty(capacity, device=device, dtype=torch.int32),
+            values=torch.empty(capacity, device=device, dtype=dtype),
+            counter=torch.zeros(1, device=device, dtype=index),
+            block_start=torch.empty(n, blocks, device=device, dtype=index),
+            block_count=torch.empty(n, blocks, device=device, dtype=torch.int32),
+            block=block,
+        )
+
+    @property
+    def capacity(self) -> int:
+        return self.cols.numel()
+
+    def row_counts(self) -> torch.Tensor:
+        """``[rows]`` int64: each row's kept entries, as the fold counted them (written or not, exact)."""
+        return self.block_count.sum(1, dtype=torch.int64)
+
+
+@triton.jit
+def append_kept(kept, offs, z, slot, full, cols_ptr, values_ptr, counter_ptr, start_ptr, count_ptr, capacity):
+    """One column block of the fold's last pass: append the kept ``(offs, z)`` to the pool and record the block's
+    place and count at ``slot`` of the table; returns ``full``, updated: whether this program has seen the pool
+    overflow.
+
+    A block that keeps nothing touches neither the counter nor the pool. Once a program has seen an overflow it
+    reserves no more places (the chunk cannot be stored from this pool: a dense chunk, ``none``, costs one atomic add a
+    program, not one a block) and the counter, already past ``capacity``, stays past it; the table's counts stay
+    exact."""
+    keep = kept.to(tl.int32)
+    n = tl.sum(keep, axis=0)
+    start = tl.zeros((), counter_ptr.dtype.element_ty)
+    if (n > 0) & (full == 0):
+        start = tl.atomic_add(counter_ptr, n.to(counter_ptr.dtype.element_ty))
+        if start < capacity:
+            place = start + tl.cumsum(keep, axis=0) - 1  # int32 scan inside the block, in column order
+            write = kept & (place < capacity)  # never past the pool, whatever the count
+            tl.store(cols_ptr + place, offs.to(tl.int32), mask=write)
+            tl.store(values_ptr + place, z.to(values_ptr.dtype.element_ty), mask=write)
+    tl.store(start_ptr + slot, start)
+    tl.store(count_ptr + slot, n)
+    return full | ((n > 0) & (start + n > capacity)).to(tl.int32)
+
+
+@triton.jit
+def _pack_kept_kernel(
+    cols_ptr,
+    values_ptr,
+    start_ptr,
+    count_ptr,
+    dest_ptr,  # [rows * blocks] int64: each block's place in the CSR outputs (exclusive scan of the counts)
+    row_max_ptr,
+    cols_out_ptr,
+    shifted_out_ptr,
+    n_slots,
+    n_blocks,
+    SLOTS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """``SLOTS`` entries of the ``[rows, blocks]`` table per program, ``[SLOTS, BLOCK]`` entries a step: each column
+    block's entries copied from the pool to their CSR place, ``z - m`` formed on the way."""
+    slot = tl.program_id(0).to(tl.int64) * SLOTS + tl.arange(0, SLOTS)
+    live = slot < n_slots
+    n = tl.load(count_ptr + slot, mask=live, other=0)
+    src = tl.load(start_ptr + slot, mask=live & (n > 0), other=0).to(tl.int64)
+    dst = tl.load(dest_ptr + slot, mask=live & (n > 0), other=0)
+    m = tl.load(row_max_ptr + slot // n_blocks, mask=live & (n > 0), other=0.0)
+    for e in range(0, tl.max(n, axis=0), BLOCK):  # blocks that kept nothing cost nothing past these loads
+        o = e + tl.arange(0, BLOCK)
+        mask = o[None, :] < n[:, None]
+        c = tl.load(cols_ptr + src[:, None] + o[None, :], mask=mask)
+        z = tl.load(values_ptr + src[:, None] + o[None, :], mask=mask)
+        tl.store(cols_out_ptr + dst[:, None] + o[None, :], c, mask=mask)
+        tl.store(shifted_out_ptr + dst[:, None] + o[None, :], z - m[:, None], mask=mask)
 
 
 @triton.jit
@@ -151,6 +270,39 @@ def compact_kept(
     if not torch.equal(counts, safe_size.to(torch.int64)):
         return None
     return cols, shifted
+
+
+def pack_kept(pool: KeptPool, row_max: torch.Tensor, nnz: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The pool's entries as CSR values: ``(counts int64 [n], cols int32 [nnz], z - m [nnz])``, row after row, columns
+    ascending: what :func:`compact_kept` gives, bit for bit (the same ``z`` in the statistics dtype, the same ``z - m``).
+
+    Args:
+        pool: filled by the fold's last pass, without overflow (``nnz <= pool.capacity``).
+        row_max: ``[n]`` the fold's ``m``.
+        nnz: the pool's counter (the caller has read it: it sizes the outputs).
+    """
+    assert nnz <= pool.capacity, "the pool overflowed: compact the chunk again (compact_kept)"
+    n, n_blocks = pool.block_count.shape
+    counts = pool.block_count.flatten().to(torch.int64)
+    dest = torch.cumsum(counts, 0) - counts
+    cols = torch.empty(nnz, device=row_max.device, dtype=torch.int32)
+    shifted = torch.empty(nnz, device=row_max.device, dtype=row_max.dtype)
+    if n and nnz:
+        _pack_kept_kernel[(triton.cdiv(n * n_blocks, PACK_SLOTS),)](
+            pool.cols,
+            pool.values,
+            pool.block_start,
+            pool.block_count,
+            dest,
+            row_max,
+            cols,
+            shifted,
+            n * n_blocks,
+            n_blocks,
+            SLOTS=PACK_SLOTS,
+            BLOCK=PACK_BLOCK,
+        )
+    return counts.view(n, n_blocks).sum(1), cols, shifted
 
 
 def gather_logits(

@@ -320,7 +320,8 @@ def sparse_backward(
     group_cols, group_sizes = torch.unique_consecutive(sorted_cols, return_counts=True)
     group_offsets = torch.zeros(group_cols.numel() + 1, device=cols.device, dtype=torch.int64)
     torch.cumsum(group_sizes, 0, out=group_offsets[1:])
-    entry_rows = torch.repeat_interleave(rows, counts).index_select(0, order)
+    # output_size: the entries' count is known here, so no read of the device for it
+    entry_rows = torch.repeat_interleave(rows, counts, output_size=cols.numel()).index_select(0, order)
     if grad_weight is not None:
         assert grad_weight.stride(1) == 1
     _grad_weight_kernel[(group_cols.numel(), h_blocks if grad_weight is not None else 1)](

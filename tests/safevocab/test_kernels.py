@@ -175,8 +175,8 @@ def test_triton_matches_torch_fp32(rule, transform):
 def test_triton_rl_gradient_dense_and_sparse(rule, transform, backward_path, monkeypatch):
     """The RL loss (out-of-set tokens masked, entropy bonus): gradient confined to S.
 
-    With ``sparse``, fp32 chunks store ``S`` from the logits the forward kernel wrote back (transformed
-    in the kernel, or in torch for top-k/top-p) and the Triton sparse backward runs on them.
+    With ``sparse``, fp32 chunks store ``S`` from the entries the fold's last pass wrote (the logits it compared
+    with ``t``, transformed in the kernel; test_kept_entries_kernel.py) and the Triton sparse backward runs on them.
     """
     hidden, weight, bias, targets = make_inputs(n=40, v=300)
     params = (hidden, weight, bias)

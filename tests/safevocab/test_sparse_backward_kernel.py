@@ -319,12 +319,16 @@ def test_triton_backend_stores_s_only_below_its_crossover(top_k, sparse, sparse_
 def test_a_chunk_that_falls_back_to_the_dense_backward_is_counted(sparse_calls, monkeypatch, caplog):
     """Reliability IV point 6: a chunk whose kept entries do not count the fold's ``|S|`` takes the dense backward
     (the same gradient), counted in ``DENSE_FALLBACKS`` and logged with its rows and the reason: a warning the first
-    time, debug records after; it was silent."""
+    time, debug records after; it was silent. Since issue 56 the fold writes the entries itself; only a chunk whose
+    pool overflows is compacted again from its logits (test_kept_entries_kernel.py), and that count may disagree."""
     import logging
 
     import safevocab.backends.triton.forward as triton_forward
+    from safevocab.kernels import kept_entries
 
-    monkeypatch.setattr(triton_forward, "compact_kept", lambda *args, **kwargs: None)  # every count disagrees
+    monkeypatch.setattr(kept_entries, "POOL_MAX_DENSITY", 0.0)
+    monkeypatch.setattr(triton_forward, "POOL_ROW_ENTRIES", 1)  # a pool of one entry a row: every chunk overflows
+    monkeypatch.setattr(triton_forward, "compact_kept", lambda *args, **kwargs: None)  # and its compaction disagrees
     monkeypatch.setitem(triton_forward.DENSE_FALLBACKS, "chunks", 0)
     hidden, weight, bias, targets = make_inputs(n=6, h=4, v=4096, seed=2)
     params = (hidden, weight, bias)
@@ -612,7 +616,8 @@ def test_sparse_kernel_writes_each_weight_row_once(monkeypatch):
 
 def test_compact_kept_entries_of_a_half_chunk(monkeypatch):
     """S's entries of a bf16 GEMM output, transformed as the forward kernel does, compacted across several column
-    blocks in column order; a count that differs from the forward's |S| gives None (the chunk then goes dense)."""
+    blocks in column order; a count that differs from the forward's |S| gives None (the chunk then goes dense). The
+    forward's fallback where the fold's pool overflows; the fold's own entries: test_kept_entries_kernel.py."""
     from safevocab.kernels import kept_entries
 
     monkeypatch.setattr(kept_entries, "MAX_BLOCK", 16)

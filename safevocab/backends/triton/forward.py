@@ -3,9 +3,15 @@ sparse backward; and the forward of a replayed support.
 
 :func:`forward_chunks` computes each chunk's logits on the call's route
 (:class:`~safevocab.backends.triton.route.Route`: the raw GEMM output, or the torch-transformed copy), its thresholds
-and the fold of
-:func:`~safevocab.kernels.forward_fold.forward_fold`, and stores a chunk's ``S`` as CSR when it is small enough
-(:func:`~safevocab.kernels.kept_entries.compact_kept`, from the very logits the kernel compared with ``t``).
+and the fold of :func:`~safevocab.kernels.forward_fold.forward_fold`, and stores a chunk's ``S`` as CSR when it is
+small enough. The fold's last pass writes ``S``'s entries itself, into a bounded pool
+(:class:`~safevocab.kernels.kept_entries.KeptPool`, sized by the gate), and
+:func:`~safevocab.kernels.kept_entries.pack_kept` puts them in CSR order: no second pass over the chunk, on every
+route (``TopK``/``TopP`` too: their fold is the single pass that compares each logit with ``t``). One read of the
+device per call decides which chunks are stored (their kept counts against the gate): a pool sized by the gate cannot
+overflow. Only where a pool is smaller than its gate (the gate raised above ``kept_entries.POOL_MAX_DENSITY``) is the
+chunk decided at once, and if its pool overflowed, compacted again from its logits
+(:func:`~safevocab.kernels.kept_entries.compact_kept`), counted in :data:`REREAD_FALLBACKS` and logged.
 
 :func:`replay_forward` is the forward of a replayed ``support``: the rule's fold on the same logits path, then ``S``'s
 own statistics from the given ids' logits, gathered and transformed as the kernel transforms them
@@ -18,6 +24,7 @@ device).
 from __future__ import annotations
 
 import logging
+import math
 
 import torch
 
@@ -25,11 +32,12 @@ from safevocab.backends.triton.route import TORCH, Route
 from safevocab.fused.chunking import ChunkJob
 from safevocab.fused.row_stats import RowStats, SparseChunk
 from safevocab.fused.transform import Transform
-from safevocab.kernels.kept_entries import compact_kept, gather_logits
+from safevocab.kernels import kept_entries
+from safevocab.kernels.kept_entries import KeptPool, compact_kept, gather_logits, pack_kept
 from safevocab.rules import SafeVocabRule
 from safevocab.support import SafeSupport
 
-__all__ = ["DENSE_FALLBACKS", "forward_chunks", "replay_forward"]
+__all__ = ["DENSE_FALLBACKS", "REREAD_FALLBACKS", "forward_chunks", "replay_forward"]
 
 logger = logging.getLogger("safevocab")
 
@@ -37,6 +45,14 @@ logger = logging.getLogger("safevocab")
 #: backward instead, because a row's kept-entry count differed from the fold's ``|S|`` (same gradient, dense cost:
 #: 30-40 ms a chunk on a GPU). The first one is a warning, later ones debug records; never silent.
 DENSE_FALLBACKS = {"chunks": 0}
+#: Chunks (in this process) whose kept entries the fold's pool did not hold (more than its capacity: only where the
+#: gate is raised above ``kept_entries.POOL_MAX_DENSITY``) or that disagreed with ``|S|`` (never seen: the pool holds
+#: the fold's own comparisons), so that the separate compaction read the chunk's logits again
+#: (:func:`~safevocab.kernels.kept_entries.compact_kept`: the same entries, one more pass). Logged as
+#: ``DENSE_FALLBACKS``.
+REREAD_FALLBACKS = {"chunks": 0}
+#: Entries a row of a kept-entry pool may take at least (``_pool_limit``: small vocabularies).
+POOL_ROW_ENTRIES = 1024
 
 
 def forward_chunks(job: ChunkJob, route: Route, stats: RowStats, sparse_max_density: float | None) -> list[SparseChunk]:
@@ -58,24 +74,61 @@ def forward_chunks(job: ChunkJob, route: Route, stats: RowStats, sparse_max_dens
         _log_torch_threshold(job.rule)
     logits_of = route.chunk_logits(job)
     transform = job.transform
-    identity = transform.logit_scale == 1.0 and transform.softcap is None and transform.temperature == 1.0
     store_sparse_ok = sparse_max_density is not None and sparse_max_density > 0
+    pending: list[tuple[slice, KeptPool, int]] = []  # chunks whose pool holds whatever the gate lets through
     for rows in job.slices():
         n = rows.stop - rows.start
         out = stats.rows(rows)
         z, _ = logits_of(job.hidden[rows])  # the GEMM output; on the torch route transformed, fp32 (fp64 for fp64)
-        # the sparse path reads the kept logits back: transformed ones, written by the kernel (fp32/fp64)
-        store_z = route.transform_in_kernel and store_sparse_ok and not identity and not _is_half(z)
-        route.fold(z, targets[rows], out, transform, store_z=store_z)
-        if store_sparse_ok and int(out["safe_size"].sum()) <= sparse_max_density * n * job.vocab:
-            raw = route.transform_in_kernel and _is_half(z)  # the GEMM output, untransformed
-            chunk = _sparse_chunk(z, rows.start, out, transform, raw=raw)
+        # the gate: at most this many kept logits in the chunk; every row keeps at least one, so below n it never
+        # passes and the fold writes no entries
+        gate = math.floor(sparse_max_density * n * job.vocab) if store_sparse_ok else -1
+        capacity = min(gate, _pool_limit(n, job.vocab)) if gate >= n else None
+        pool = route.fold(z, targets[rows], out, transform, kept_capacity=capacity)
+        if pool is not None and pool.capacity < gate:
+            # the pool may overflow below the gate: decide now, while the chunk's logits are at hand for the fallback
+            # (z: the GEMM output where the kernels transform it; the fallback's compaction transforms it again)
+            chunk = _stored_chunk(z, rows, out, pool, gate, transform, raw=route.transform_in_kernel)
             if chunk is not None:
                 sparse_chunks.append(chunk)
-            else:
-                _count_dense_fallback(rows)
+        elif pool is not None:
+            pending.append((rows, pool, gate))
         del z
-    return sparse_chunks
+    sparse_chunks += _store_pending(pending, stats)
+    return sorted(sparse_chunks, key=lambda chunk: chunk.start)  # the chunks' order: the sparse backward's sums
+
+
+def _store_pending(pending: list[tuple[slice, KeptPool, int]], stats: RowStats) -> list[SparseChunk]:
+    """The chunks of ``pending`` (``(rows, pool, gate)``, pools as large as their gate) that keep at most ``gate``
+    logits, packed from their pools, decided with one read of the device for the whole call.
+
+    Such a pool cannot overflow below the gate, and its row counts are sums of the same comparisons as ``|S|``: the
+    checks read here (kept logits, non-finite row maxima, the pool's count against ``|S|``'s) can only send a chunk to
+    the dense backward for being too dense, or because the fused op will raise on a non-finite row; a disagreement
+    (never seen: it would take a kernel that counts one comparison two ways) also goes dense, counted and logged (the
+    chunk's logits are gone, so it cannot be compacted again)."""
+    if not pending:
+        return []
+    checks = []
+    for rows, pool, _ in pending:
+        safe_size, finite = stats.safe_size[rows], torch.isfinite(stats.row_max[rows])
+        disagree = ((pool.row_counts() != safe_size) & finite).sum() + (pool.counter[0] != safe_size.sum())
+        checks.append(torch.stack([safe_size.sum(), (~finite).sum(), disagree]))
+    stored = []
+    for (rows, pool, gate), (kept, n_non_finite, n_disagree) in zip(pending, torch.stack(checks).tolist()):
+        if kept > gate or n_non_finite:
+            continue
+        if n_disagree:
+            _count_dense_fallback(rows)
+            continue
+        stored.append(SparseChunk(rows.start, *pack_kept(pool, stats.row_max[rows], kept)))
+    return stored
+
+
+def _pool_limit(n: int, vocab: int) -> int:
+    """Entries of a chunk's kept-entry pool at most: ``POOL_MAX_DENSITY`` of its logits, or 1024 a row if that is more
+    (small vocabularies)."""
+    return max(math.floor(kept_entries.POOL_MAX_DENSITY * n * vocab), min(vocab, POOL_ROW_ENTRIES) * n)
 
 
 def _log_torch_threshold(rule: SafeVocabRule) -> None:
@@ -91,7 +144,7 @@ def _count_dense_fallback(rows: slice) -> None:
     log = logger.warning if DENSE_FALLBACKS["chunks"] == 1 else logger.debug
     log(
         "fused_safe_logprobs(backend='triton'): rows %d-%d take the dense backward, not the sparse one: a row's kept "
-        "entries, compacted from the chunk's logits, do not count the fold's |S| (same gradient, a dense chunk's cost; "
+        "entries do not count the fold's |S| (same gradient, a dense chunk's cost; "
         "%d such chunk(s) so far, safevocab.backends.triton.forward.DENSE_FALLBACKS)",
         rows.start,
         rows.stop - 1,
@@ -99,29 +152,64 @@ def _count_dense_fallback(rows: slice) -> None:
     )
 
 
-def _is_half(z: torch.Tensor) -> bool:
-    return z.dtype not in (torch.float32, torch.float64)
+def _count_reread(rows: slice, why: str) -> None:
+    REREAD_FALLBACKS["chunks"] += 1
+    log = logger.warning if REREAD_FALLBACKS["chunks"] == 1 else logger.debug
+    log(
+        "fused_safe_logprobs(backend='triton'): rows %d-%d: the fold's kept entries %s, so the chunk's logits are "
+        "read again to compact them (the same entries, one more pass over the chunk; %d such chunk(s) so far, "
+        "safevocab.backends.triton.forward.REREAD_FALLBACKS)",
+        rows.start,
+        rows.stop - 1,
+        why,
+        REREAD_FALLBACKS["chunks"],
+    )
 
 
-def _sparse_chunk(
-    z: torch.Tensor, start: int, out: dict[str, torch.Tensor], transform: Transform, raw: bool
+def _stored_chunk(
+    z: torch.Tensor,
+    rows: slice,
+    out: dict[str, torch.Tensor],
+    pool: KeptPool,
+    gate: int,
+    transform: Transform,
+    raw: bool,
 ) -> SparseChunk | None:
-    """A forward chunk's ``S`` as CSR, from the logits the forward kernel compared with ``t`` (the same ``S``, bit for
-    bit), compacted by :func:`~safevocab.kernels.kept_entries.compact_kept` (no ``[rows, V]`` mask). ``raw``: ``z`` is
-    the half-precision GEMM output the kernel transformed itself, transformed again there with the same code;
-    otherwise ``z`` holds the transformed fp32/fp64 logits (written back by the kernel, or the torch copy). ``None``
-    when a row's count differs from the forward's ``|S|``: the chunk then takes the dense backward."""
+    """A forward chunk's ``S`` as CSR when it keeps at most ``gate`` logits (else ``None``: the dense backward), from
+    the entries the fold's last pass wrote into ``pool`` (:func:`~safevocab.kernels.kept_entries.pack_kept`: the very
+    ``z`` the fold compared with ``t``, so the same ``S``, bit for bit, with no second read of the chunk).
+
+    One read of the device for the chunk decides: its kept count against the gate, the pool's count against its
+    capacity, and rows whose pool count differs from ``|S|``. Where the pool overflowed or disagreed, the chunk's
+    logits are compacted again (:func:`~safevocab.kernels.kept_entries.compact_kept`; ``raw``: ``z`` is the GEMM
+    output the fold transformed itself, transformed again there with the same code) and, should that count disagree
+    too, the chunk takes the dense backward; both fallbacks are counted and logged. A chunk with a non-finite row
+    maximum is not stored: the fused op raises on it."""
+    safe_size, row_max = out["safe_size"], out["row_max"]
+    finite = torch.isfinite(row_max)
+    disagree = (pool.row_counts() != safe_size) & finite  # an all -inf row's |S| is V (the op raises on it)
+    checks = torch.stack([safe_size.sum(), pool.counter[0].to(torch.int64), disagree.sum(), (~finite).sum()])
+    kept, written, n_disagree, n_non_finite = checks.tolist()  # the chunk's one synchronisation
+    if kept > gate or n_non_finite:
+        return None
+    if written <= pool.capacity and not n_disagree:
+        return SparseChunk(rows.start, *pack_kept(pool, row_max, written))
+    why = f"overflow its pool ({written} > {pool.capacity})" if written > pool.capacity else "disagree with |S|"
+    _count_reread(rows, why)
     entries = compact_kept(
         z,
         out["threshold"],
-        out["row_max"],
-        out["safe_size"],
+        row_max,
+        safe_size,
         transform.logit_scale,
         transform.softcap,
         transform.temperature,
         apply_transform=raw,
     )
-    return None if entries is None else SparseChunk(start, out["safe_size"].clone(), *entries)
+    if entries is None:
+        _count_dense_fallback(rows)
+        return None
+    return SparseChunk(rows.start, safe_size.clone(), *entries)
 
 
 def replay_forward(job: ChunkJob, route: Route, stats: RowStats) -> list[SparseChunk]:

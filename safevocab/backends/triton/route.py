@@ -30,6 +30,7 @@ from safevocab.fused.chunking import ChunkJob, ChunkLogits, balanced_chunk_rows
 from safevocab.fused.transform import Transform
 from safevocab.kernels import MODE_GIVEN, kernel_threshold
 from safevocab.kernels.forward_fold import forward_fold
+from safevocab.kernels.kept_entries import KeptPool
 from safevocab.kernels.threshold_select import KCAP, SelectionPlan, select_thresholds, selection_plan
 from safevocab.rules import SafeVocabRule
 
@@ -120,8 +121,12 @@ class Route:
         out: dict[str, torch.Tensor | None],
         transform: Transform,
         store_z: bool = False,
-    ) -> None:
-        """One chunk's thresholds on this route, then the forward kernel's fold of its row statistics.
+        kept_capacity: int | None = None,
+    ) -> KeptPool | None:
+        """One chunk's thresholds on this route, then the forward kernel's fold of its row statistics; with
+        ``kept_capacity``, the fold's last pass also writes ``S``'s entries, returned in a
+        :class:`~safevocab.kernels.kept_entries.KeptPool` of that many entries (every route: the fold is the pass
+        that compares each logit with ``t``, and its one pass over the chunk on the selection and torch routes).
 
         Args:
             z: ``[n, V]``, the chunk's logits from :meth:`chunk_logits` (the raw GEMM output where
@@ -132,21 +137,23 @@ class Route:
             store_z: write the transformed logits back over ``z`` (fp32/fp64 ``z`` on the in-kernel and selection
                 routes, for a sparse chunk's entries); default ``False``. The torch route's ``z`` is transformed
                 already.
+            kept_capacity: the pool's size in entries (``None``: no pool; default).
         """
+        keep = dict(store_z=store_z, kept_capacity=kept_capacity)
         if self.kind == SELECTION:
             # thresholds from the raw chunk (threshold_select: no sort of V, no fp32 copy), then the fold
             # with the same in-kernel transform
             kw = _kernel_transform(transform)
             select_thresholds(z, self.plan, out["threshold"], out["row_max"], **kw)
-            forward_fold(z, targets, mode=MODE_GIVEN, store_z=store_z, **kw, **out)
-        elif self.kind == TORCH:  # z: the torch-transformed copy; the rule's own threshold
+            return forward_fold(z, targets, mode=MODE_GIVEN, **keep, **kw, **out)
+        if self.kind == TORCH:  # z: the torch-transformed copy; the rule's own threshold
             t, z_max = self.rule.threshold_and_max(z)
             out["threshold"].copy_(t.squeeze(-1))
             out["row_max"].copy_(z_max.squeeze(-1))
-            forward_fold(z, targets, mode=MODE_GIVEN, **out)
-        else:  # z: the GEMM output; the kernel transforms it and computes the threshold itself
-            kw = _kernel_transform(transform)
-            forward_fold(z, targets, mode=self.mode, log_param=self.log_param, store_z=store_z, **kw, **out)
+            return forward_fold(z, targets, mode=MODE_GIVEN, kept_capacity=kept_capacity, **out)
+        # z: the GEMM output; the kernel transforms it and computes the threshold itself
+        kw = _kernel_transform(transform)
+        return forward_fold(z, targets, mode=self.mode, log_param=self.log_param, **keep, **kw, **out)
 
 
 def _kernel_transform(transform: Transform) -> dict[str, float | None]:
