@@ -18,6 +18,11 @@ task's: the bundled tiny model for ``--task arithmetic``) in float32 and writes 
    per-bucket gaps and their shares below the rule's cut): ``summary.json``'s ``"batch_shape"``, the figure
    ``batch_shape.png`` and the last rows of the printed summary. The part of the engine mismatch the trainer shows
    against itself.
+4. the **precision arms** (:func:`~trl_integration.lab.precision_arms.run_precision_arms`; ``--precision_arms ARM
+   ...``, off by default): the training side scores the same tokens in bf16, fp16, fp32 and bf16 with an fp32 LM head
+   (trl's ``cast_lm_head_to_fp32``), each against the rollout side and against itself (the batch-shape control's
+   pairs), with its scoring seconds: ``summary.json``'s ``"precision_arms"``, the figure ``precision_arms.png`` and a
+   printed row per arm. The cost of each precision beside its benefit.
 
 The rollout side differs from the training side by any of: its dtype (``--compare``), its weights rounded to
 ``--rollout_mantissa_bits`` mantissa bits, an injected perturbation ``--noise EPS`` of kind ``--noise_kind``
@@ -30,6 +35,7 @@ Examples::
     safevocab diagnose --noise 1 --noise_kind lift --output_dir diag-lift
     safevocab diagnose --task freetext --noise 1 --noise_kind tail --rule min_p=0.01 --max_new_tokens 32
     safevocab diagnose --rollout_mantissa_bits 3 --output_dir diag-3bits
+    safevocab diagnose --compare bf16:bf16 --precision_arms all --output_dir diag-arms
     safevocab diagnose --model ./my-model --input texts.txt --noise 0.05 --noise_kind uniform --rule min_p=0.01
     safevocab diagnose --prompts "Once upon a time" --max_new_tokens 64 --num_samples 8
 """
@@ -186,6 +192,20 @@ def make_parser(prog: str = PROG) -> argparse.ArgumentParser:
         "tokens, little next to the tail diagnostic's sampling; N: the first sequences that fit in --batch_size x "
         "--max_length padded tokens",
     )
+    d.add_argument(
+        "--precision_arms",
+        nargs="+",
+        default=None,
+        metavar="ARM",
+        help="precision arms (off by default): the training side scores the same tokens again in each ARM of bf16, "
+        "fp16, fp32, bf16+fp32_head (bf16 with the LM head as trl's cast_lm_head_to_fp32: linear(h.float(), "
+        "W.float())), or all for the four; per arm, log r = log pi_arm - log mu against the rollout side "
+        "(vs_rollout) and the batch-shape control's pairs in the arm (vs_itself), each with k3 = mean(r - log r - 1), "
+        "the shares of r outside [0.9, 1.1] and [0.8, 1.25], mean |log r| per bucket of pi_arm and the shares below "
+        "--rule's cut; seconds = wall time of the arm's scoring forwards (time.perf_counter around each padded batch "
+        "of --batch_size, after one untimed warm-up). summary.json's precision_arms, keyed by arm; "
+        "precision_arms.png",
+    )
     d.add_argument("--batch_size", type=int, default=16, help="texts per forward pass (default: %(default)s)")
     d.add_argument(
         "--max_length", type=int, default=512, help="truncate texts to this many tokens (default: %(default)s)"
@@ -270,6 +290,7 @@ def run_parsed(args: argparse.Namespace, prog: str = PROG) -> int:
     from trl_integration.demo.model import is_tiny_model
     from trl_integration.lab import parse_compare, run_diagnose, summary_table, tail_mismatch, write_outputs
     from trl_integration.lab.kept_sets import kept_set_lines, plot_kept_sets
+    from trl_integration.lab.precision_arms import parse_precision_arms, run_precision_arms
     from trl_integration.lab.sides import check_mantissa_bits
     from trl_integration.study.tasks import load_task
 
@@ -283,6 +304,7 @@ def run_parsed(args: argparse.Namespace, prog: str = PROG) -> int:
         if min(args.tail_prompts, args.tail_new_tokens, args.tail_samples, args.tail_prompt_tokens) < 1:
             raise ValueError("--tail_prompts, --tail_new_tokens, --tail_samples and --tail_prompt_tokens must be >= 1")
         check_mantissa_bits(args.rollout_mantissa_bits, compare[1])
+        arms = parse_precision_arms(args.precision_arms)
         rule = parse_rule(args.rule)
         if args.noise > 0 and args.noise_kind == "tail" and isinstance(rule, NoPruning):
             raise ValueError(
@@ -340,6 +362,11 @@ def run_parsed(args: argparse.Namespace, prog: str = PROG) -> int:
             model, result.sequences, dtype=compare[0], temperature=args.temperature, rule=rule, buckets=args.buckets,
             max_tokens=args.batch_size * args.max_length, pad_token_id=tokenizer.pad_token_id or 0,
         )  # fmt: skip
+        result.summary["precision_arms"] = run_precision_arms(
+            model, result.sequences, result.tokens["rollout_logp"], arms=arms, temperature=args.temperature,
+            rule=rule, buckets=args.buckets, batch_size=args.batch_size, max_tokens=args.batch_size * args.max_length,
+            pad_token_id=tokenizer.pad_token_id or 0,
+        ) if arms else None  # fmt: skip
     except ValueError as err:
         return fail(prog, str(err))
     result.summary["model"] = model_path

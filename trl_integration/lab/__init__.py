@@ -11,6 +11,8 @@
   the shares of the gap below the rule's cut;
 - :mod:`~trl_integration.lab.batch_shape`: ``batch_shape_control``, the training side against itself under two batch
   shapes (micro-batch 1 vs N, padded vs packed);
+- :mod:`~trl_integration.lab.precision_arms`: ``run_precision_arms``, the training side scoring the same tokens in
+  bf16, fp16, fp32 and bf16 with an fp32 LM head, each against the rollout side and against itself, with its time;
 - :mod:`~trl_integration.lab.report`: ``summary.json`` (``write_outputs``) and the console table (``summary_table``);
 - :mod:`~trl_integration.lab.figures`: the three PNG figures.
 
@@ -24,6 +26,7 @@ deprecation; the stable API is listed in ``docs/api.md``. Importing it warns onc
 from trl_integration.experimental import warn_experimental
 from trl_integration.lab.engine import BOUND_TOLERANCE, DiagnoseResult, run_diagnose
 from trl_integration.lab.inputs import DEFAULT_TEXTS, DTYPES, default_texts, parse_compare, stdlib_texts
+from trl_integration.lab.precision_arms import PRECISION_ARMS, parse_precision_arms, run_precision_arms
 from trl_integration.lab.report import summary_rows, summary_table, write_outputs
 from trl_integration.lab.tail import tail_buckets, tail_mismatch
 
@@ -31,10 +34,13 @@ __all__ = [
     "BOUND_TOLERANCE",
     "DEFAULT_TEXTS",
     "DTYPES",
+    "PRECISION_ARMS",
     "DiagnoseResult",
     "default_texts",
     "parse_compare",
+    "parse_precision_arms",
     "run_diagnose",
+    "run_precision_arms",
     "stdlib_texts",
     "summary_rows",
     "summary_table",

@@ -1,6 +1,6 @@
 """Outputs of the mismatch lab: ``summary.json``, the figures, and the summary table that ``safevocab diagnose``
-prints on the console (the tail diagnostic first, when the summary has one; the batch-shape control last, when it
-has one). This module prints nothing itself."""
+prints on the console (the tail diagnostic first, when the summary has one; then the batch-shape control and the
+precision arms, when it has them). This module prints nothing itself."""
 
 from __future__ import annotations
 
@@ -18,8 +18,10 @@ def write_outputs(
     result: DiagnoseResult, output_dir: str | os.PathLike, plots: bool = True, max_points: int = 20000
 ) -> list[Path]:
     """Write ``summary.json`` and (``plots=True``) ``tail_mismatch.png`` (when ``result.summary`` has the tail
-    diagnostic, ``"tail"``), ``mismatch_vs_p.png``, ``bucket_means.png`` and ``batch_shape.png`` (when it has the
-    batch-shape control, ``"batch_shape"``: :func:`~trl_integration.lab.batch_shape.plot_batch_shape`).
+    diagnostic, ``"tail"``), ``mismatch_vs_p.png``, ``bucket_means.png``, ``batch_shape.png`` (when it has the
+    batch-shape control, ``"batch_shape"``: :func:`~trl_integration.lab.batch_shape.plot_batch_shape`) and
+    ``precision_arms.png`` (when it has the precision arms, ``"precision_arms"``:
+    :func:`~trl_integration.lab.precision_arms.plot_precision_arms`).
 
     Args:
         result: the `DiagnoseResult` to write.
@@ -41,6 +43,9 @@ def write_outputs(
     control = plots and bool(result.summary.get("batch_shape"))
     if control:
         files.append(out / "batch_shape.png")
+    arms = plots and bool(result.summary.get("precision_arms"))
+    if arms:
+        files.append(out / "precision_arms.png")
     result.summary["files"] = [f.name for f in files]
     files[0].write_text(json.dumps(result.summary, indent=2, allow_nan=False) + "\n", encoding="utf-8")
     if plots:
@@ -54,6 +59,10 @@ def write_outputs(
         from trl_integration.lab.batch_shape import plot_batch_shape
 
         plot_batch_shape(result.summary, out / "batch_shape.png")
+    if arms:
+        from trl_integration.lab.precision_arms import plot_precision_arms
+
+        plot_precision_arms(result.summary, out / "precision_arms.png")
     return files
 
 
@@ -170,6 +179,9 @@ def summary_rows(summary: dict, files: list[Path]) -> list[tuple[str, str]]:
     from trl_integration.lab.batch_shape import batch_shape_rows
 
     lines += batch_shape_rows(summary)
+    from trl_integration.lab.precision_arms import precision_arm_rows
+
+    lines += precision_arm_rows(summary)
     lines.append(("wrote", ", ".join(str(f) for f in files)))
     return lines
 
