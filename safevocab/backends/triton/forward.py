@@ -139,30 +139,38 @@ def _log_torch_threshold(rule: SafeVocabRule) -> None:
     )
 
 
-def _count_dense_fallback(rows: slice) -> None:
-    DENSE_FALLBACKS["chunks"] += 1
-    log = logger.warning if DENSE_FALLBACKS["chunks"] == 1 else logger.debug
+def _count_fallback(counter: dict[str, int], name: str, rows: slice, what: str) -> None:
+    """Count a chunk that left the fast path in ``counter`` and log it: a warning the first time, debug after."""
+    counter["chunks"] += 1
+    log = logger.warning if counter["chunks"] == 1 else logger.debug
     log(
-        "fused_safe_logprobs(backend='triton'): rows %d-%d take the dense backward, not the sparse one: a row's kept "
-        "entries do not count the fold's |S| (same gradient, a dense chunk's cost; "
-        "%d such chunk(s) so far, safevocab.backends.triton.forward.DENSE_FALLBACKS)",
+        "fused_safe_logprobs(backend='triton'): rows %d-%d %s (%d such chunk(s) so far, "
+        "safevocab.backends.triton.forward.%s)",
         rows.start,
         rows.stop - 1,
-        DENSE_FALLBACKS["chunks"],
+        what,
+        counter["chunks"],
+        name,
+    )
+
+
+def _count_dense_fallback(rows: slice) -> None:
+    _count_fallback(
+        DENSE_FALLBACKS,
+        "DENSE_FALLBACKS",
+        rows,
+        "take the dense backward, not the sparse one: a row's kept entries do not count the fold's |S| (same gradient, "
+        "a dense chunk's cost)",
     )
 
 
 def _count_reread(rows: slice, why: str) -> None:
-    REREAD_FALLBACKS["chunks"] += 1
-    log = logger.warning if REREAD_FALLBACKS["chunks"] == 1 else logger.debug
-    log(
-        "fused_safe_logprobs(backend='triton'): rows %d-%d: the fold's kept entries %s, so the chunk's logits are "
-        "read again to compact them (the same entries, one more pass over the chunk; %d such chunk(s) so far, "
-        "safevocab.backends.triton.forward.REREAD_FALLBACKS)",
-        rows.start,
-        rows.stop - 1,
-        why,
-        REREAD_FALLBACKS["chunks"],
+    _count_fallback(
+        REREAD_FALLBACKS,
+        "REREAD_FALLBACKS",
+        rows,
+        f"the fold's kept entries {why}, so the chunk's logits are read again to compact them (the same entries, one "
+        "more pass over the chunk)",
     )
 
 

@@ -12,6 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from batch_dependent_model import BatchDependent
 
 from safevocab.mismatch.formulas import k3_terms
 from trl_integration.commands import main
@@ -50,24 +51,6 @@ class RowByRow(torch.nn.Module):
                 out[b, idx[s:e]] = self.inner(input_ids=ids, attention_mask=torch.ones_like(ids), position_ids=pos,
                                               use_cache=False).logits[0]  # fmt: skip
         return SimpleNamespace(logits=out)
-
-
-class BatchDependent(torch.nn.Module):
-    """A batch-dependent kernel, forced: with more than one row per call, every even token id's logit gains
-    ``DELTA``; a call of one row (micro-batch 1, the packed row) is the model's own."""
-
-    DELTA = 0.3
-
-    def __init__(self, inner):
-        super().__init__()
-        self.inner, self.config = inner, inner.config
-
-    def forward(self, input_ids, **kwargs):
-        logits = self.inner(input_ids=input_ids, **kwargs).logits
-        if input_ids.shape[0] > 1:
-            logits = logits.clone()
-            logits[..., ::2] += self.DELTA
-        return SimpleNamespace(logits=logits)
 
 
 class CacheOn(torch.nn.Module):

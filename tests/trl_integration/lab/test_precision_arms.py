@@ -11,6 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from batch_dependent_model import BatchDependent
 
 from safevocab.mismatch.formulas import k3_terms
 from trl_integration.commands import main
@@ -59,23 +60,6 @@ class RowByRow(torch.nn.Module):
                 row[idx[s:e]] = logits
             rows.append(row)
         return SimpleNamespace(logits=torch.stack(rows))
-
-
-class BatchDependent(torch.nn.Module):
-    """A forced batch-dependent kernel: with more than one row per call, every even token id's logit gains DELTA."""
-
-    DELTA = 0.3
-
-    def __init__(self, inner):
-        super().__init__()
-        self.inner, self.config = inner, inner.config
-
-    def forward(self, input_ids, **kwargs):
-        logits = self.inner(input_ids=input_ids, **kwargs).logits
-        if input_ids.shape[0] > 1:
-            logits = logits.clone()
-            logits[..., ::2] += self.DELTA
-        return SimpleNamespace(logits=logits)
 
 
 def test_arms_against_the_rollout_and_themselves(bundled_tiny, scored):
