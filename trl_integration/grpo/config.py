@@ -25,6 +25,7 @@ from trl_integration.grpo.checks import (
     warn_on_sampler_rule_mismatch,
 )
 from trl_integration.grpo.field_help import fill_field_help
+from trl_integration.grpo.generation_settings import refuse_settings_trls_engine_lacks
 from trl_integration.grpo.loss_types import check_loss_type
 from trl_integration.grpo.sampler_settings import compose_with_sampler, resolve_rollout_logprobs
 from trl_integration.grpo.value_checks import check_config_values, parse_bool_fields
@@ -292,6 +293,8 @@ class SafeVocabGRPOConfig(GRPOConfig):
         if isinstance(self.generation_kwargs, str):
             self.generation_kwargs = json.loads(self.generation_kwargs)
         check_config_values(self)  # sampler settings, counts, reward weights, signs trl leaves unchecked
+        if self.use_vllm:  # before anything loads: vLLM would refuse it only at the first rollout
+            refuse_settings_trls_engine_lacks(self)
         effective = compose_with_sampler(self, rule) if self.safe_vocab_in_sampler else rule
         given = self.safe_vocab_effective_rule
         if given is not None and str(parse_rule(given, engine=self.rule_engine)) != str(effective):

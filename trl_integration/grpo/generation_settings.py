@@ -149,7 +149,7 @@ def refuse_settings_trls_engine_lacks(args) -> None:
         raise ValueError(
             f"{name}={_short(value)} needs vLLM's reasoning_config (think-start/think-end token ids), which trl's "
             f"engine is built without (colocate and trl vllm-serve alike): vLLM would refuse it at the first rollout; "
-            f"accepted: None ({_DOCS})"
+            f"accepted: unset (None) ({_DOCS})"
         )
 
 

@@ -72,7 +72,8 @@ Sequences = Sequence[tuple[torch.Tensor, torch.Tensor]]
 
 
 def parse_precision_arms(values: Sequence[str] | str | None) -> tuple[str, ...]:
-    """The arms of ``--precision_arms`` (``"all"``: the four), in the order given, each once; ``()`` for ``None``.
+    """The arms of ``--precision_arms`` (``"all"``: the four), in the order given, each once (an arm ``all`` already
+    names counts once; a value given twice is refused); ``()`` for ``None``.
 
     Raises:
         ValueError: one line naming ``--precision_arms``, the value and the accepted values.
@@ -81,11 +82,15 @@ def parse_precision_arms(values: Sequence[str] | str | None) -> tuple[str, ...]:
         return ()
     values = [values] if isinstance(values, str) else list(values)
     arms: list[str] = []
-    for value in values:
+    for position, value in enumerate(values):
         if value not in (*PRECISION_ARMS, "all"):
             raise ValueError(
                 f"--precision_arms {value!r} is not accepted: accepted one or more of {', '.join(PRECISION_ARMS)}, "
                 "or all"
+            )
+        if value in values[:position]:
+            raise ValueError(
+                f"--precision_arms {value!r} is given twice: accepted each of {', '.join(PRECISION_ARMS)} once, or all"
             )
         arms += [arm for arm in (PRECISION_ARMS if value == "all" else (value,)) if arm not in arms]
     if not arms:

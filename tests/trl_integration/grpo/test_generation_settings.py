@@ -10,6 +10,7 @@ come from the trainer, not from the function alone); the vLLM path's lines from 
 from __future__ import annotations
 
 import warnings
+from types import SimpleNamespace
 
 import pytest
 
@@ -160,14 +161,17 @@ def test_a_reshaping_vllm_setting_prints_one_line_unless_replayed(tmp_path, key)
 @pytest.mark.parametrize("key", REFUSED_ON_VLLM)
 def test_a_setting_trls_engine_cannot_honour_is_refused_at_start_in_one_line(tmp_path, key):
     """vLLM refuses thinking_token_budget at the first rollout (no reasoning_config in trl's engine): refused when the
-    trainer is built instead, replayed or not, in one line naming the setting."""
-    for replay in (None, SupportReplay()):
-        args = _config(tmp_path, use_vllm=True, generation_kwargs={key: VLLM_ON[key]})
-        with pytest.raises(
-            ValueError, match=rf"^generation_kwargs\[{key!r}\]=\S+ needs vLLM's reasoning_config"
-        ) as err:
-            warn_reshaping_settings(args, replay)
+    config is built instead (the command line's early checks: before the model or the engine loads), replayed or not,
+    in one line naming the setting; the generate path, which ignores the key, is not refused."""
+    pattern = rf"^generation_kwargs\[{key!r}\]=\S+ needs vLLM's reasoning_config"
+    for support in ("rule", "replay"):
+        with pytest.raises(ValueError, match=pattern) as err:
+            tiny_grpo_config(output_dir=str(tmp_path), use_vllm=True, safe_vocab_rule="top_k=20",
+                             safe_vocab_support=support, generation_kwargs={key: VLLM_ON[key]})  # fmt: skip
         assert "\n" not in str(err.value) and len(str(err.value)) <= MAX_LINE
+    args = _config(tmp_path, generation_kwargs={key: VLLM_ON[key]})  # generate path: named as ignored, not refused
+    with pytest.raises(ValueError, match=pattern):
+        warn_reshaping_settings(SimpleNamespace(**{**vars(args), "use_vllm": True}), None)
 
 
 @pytest.mark.parametrize("key", VLLM_ONLY_KEYS)

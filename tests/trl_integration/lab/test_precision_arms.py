@@ -127,7 +127,9 @@ def test_self_comparison_is_zero_when_bit_identical_and_measures_a_batch_depende
 def test_arm_errors(bundled_tiny, scored):
     model, _ = bundled_tiny
     assert parse_precision_arms(["all"]) == PRECISION_ARMS and parse_precision_arms(None) == ()
-    assert parse_precision_arms(["fp32", "bf16", "fp32"]) == ("fp32", "bf16")
+    assert parse_precision_arms(["all", "fp32"]) == PRECISION_ARMS  # an arm "all" names counts once
+    with pytest.raises(ValueError, match=r"^--precision_arms 'fp32' is given twice: accepted each of bf16, .* once"):
+        parse_precision_arms(["fp32", "bf16", "fp32"])  # a typo's duplicate is refused, not silently dropped
     with pytest.raises(ValueError) as err:
         parse_precision_arms(["bf16", "fp8"])
     message = str(err.value)
