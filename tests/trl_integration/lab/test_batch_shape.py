@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from batch_dependent_model import BatchDependent
+from batch_dependent_model import BatchDependent, expected_log_ratios
 
 from safevocab.mismatch.formulas import k3_terms
 from trl_integration.commands import main
@@ -117,16 +117,7 @@ def test_identical_shapes_give_exactly_zero(bundled_tiny, scored):
 def test_a_batch_dependent_kernel_is_measured_exactly(bundled_tiny, scored):
     model, _ = bundled_tiny
     control = batch_shape_control(BatchDependent(model), scored.sequences, rule="min_p=0.001")
-    # expected: log softmax(z) - log softmax(z + delta on even ids), z the model's own logits of each sequence
-    expected = []
-    for ids, counted in scored.sequences:
-        with torch.no_grad():
-            z = model(ids[None]).logits[0, :-1][counted].double()
-        lifted = z.clone()
-        lifted[:, ::2] += BatchDependent.DELTA
-        y = ids[1:][counted][:, None]
-        expected.append((z.log_softmax(-1).gather(-1, y) - lifted.log_softmax(-1).gather(-1, y))[:, 0])
-    log_r = torch.cat(expected)
+    log_r = expected_log_ratios(model, scored.sequences)  # micro-batch 1 minus the batch of N
     assert log_r.abs().min() > 0 and outside_band(log_r, 0.9, 1.1).any()
     for key, sign in (("micro_batch_1_vs_n", 1.0), ("padded_vs_packed", -1.0)):  # the batch of N: first, then second
         pair = control[key]

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from batch_dependent_model import BatchDependent
+from batch_dependent_model import BatchDependent, expected_log_ratios
 
 from safevocab.mismatch.formulas import k3_terms
 from trl_integration.commands import main
@@ -108,15 +108,7 @@ def test_self_comparison_is_zero_when_bit_identical_and_measures_a_batch_depende
             assert pair["skipped"] is None and pair["frac_identical"] == 1.0, (arm, key)
             assert pair["k3_kl"] == pair["abs_diff_max"] == pair["frac_ratio_outside_0.9_1.1"] == 0.0, (arm, key)
     forced = run_precision_arms(BatchDependent(model), scored.sequences, rollout, arms=["fp32"])["fp32"]
-    expected = []  # micro-batch 1 (the model's own) minus the batch of N (+DELTA on even ids)
-    for ids, counted in scored.sequences:
-        with torch.no_grad():
-            z = model(ids[None]).logits[0, :-1][counted].double()
-        lifted = z.clone()
-        lifted[:, ::2] += BatchDependent.DELTA
-        y = ids[1:][counted][:, None]
-        expected.append((z.log_softmax(-1).gather(-1, y) - lifted.log_softmax(-1).gather(-1, y))[:, 0])
-    log_r = torch.cat(expected)
+    log_r = expected_log_ratios(model, scored.sequences)  # micro-batch 1 minus the batch of N
     pair = forced["vs_itself"]["micro_batch_1_vs_n"]
     assert pair["frac_identical"] == 0.0 and pair["frac_ratio_outside_0.9_1.1"] > 0
     assert pair["k3_kl"] == pytest.approx(float(k3_terms(log_r).mean()), rel=1e-3)
