@@ -32,6 +32,7 @@ import os
 import sys
 import time
 import warnings
+from contextlib import nullcontext
 from pathlib import Path
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -153,23 +154,6 @@ def prompt_length(model: str, tokenizer) -> int:
     return max(len(encode(messages)["input_ids"]) for messages in prompts)
 
 
-def share_engines():
-    """trl's ``LLM(...)`` returns the engine already built for the same checkpoint and dtype."""
-    import trl.generation.vllm_generation as vllm_generation
-
-    built: dict = {}
-    build = vllm_generation.LLM
-
-    def shared(*args, **kwargs):
-        key = (kwargs.get("model"), str(kwargs.get("dtype", "auto")))
-        if key not in built:
-            built[key] = build(*args, **kwargs)
-        return built[key]
-
-    vllm_generation.LLM = shared
-    return built
-
-
 def run(model: str, column: str, overrides: dict, rule: str, steps: int, output_dir: str) -> dict:
     from trl_integration import SafeVocabGRPOConfig, SafeVocabGRPOTrainer
 
@@ -228,6 +212,32 @@ def cell(record: dict | None) -> str:
     return text + (f", {len(record['start_lines'])} start line(s)" if record["start_lines"] else "")
 
 
+def measure_table(args, columns: list[str], rule: str, out: Path, ids: dict, eos: int) -> dict[str, dict]:
+    """Every setting's row (a run per column), written to ``out/results.json`` after each row."""
+    table: dict[str, dict] = {}
+    results_file = out / "results.json"
+    out.mkdir(parents=True, exist_ok=True)
+    for label, paths in settings(ids, eos).items():
+        if args.only and not any(word in label for word in args.only):
+            continue
+        row = {}
+        for column in columns:
+            overrides = paths["generate" if column == "generate" else "vllm"]
+            if overrides is None:
+                row[column] = None
+                continue
+            run_dir = str(out / label.replace(" ", "_").replace("/", "-") / column.replace(" ", "_"))
+            try:
+                row[column] = run(args.model, column, overrides, rule, args.steps, run_dir)
+            except Exception as error:  # noqa: BLE001 (a setting the engine refuses is a result too)
+                row[column] = {"error": f"{type(error).__name__}: {error}".replace("\n", " ")}
+            print(f"[{label} | {column}] {cell(row[column])}", flush=True)
+        table[label] = row
+        meta = {"model": args.model, "rule": rule, "steps": args.steps, "tokens": TOKENS[args.model], "ids": ids}
+        results_file.write_text(json.dumps({"meta": meta, "table": table}, indent=1, default=str))
+    return table
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", choices=MODELS, default=SMOLLM2, help="smollm2-135m (default) or the tiny model")
@@ -251,29 +261,15 @@ def main(argv: list[str] | None = None) -> dict:
     if args.replay_intersect and "vllm" in args.paths:
         columns.insert(2, INTERSECT)
     columns = args.columns or columns
-    if any(c.startswith("vllm") for c in columns):
-        share_engines()
-    table: dict[str, dict] = {}
-    results_file = out / "results.json"
-    out.mkdir(parents=True, exist_ok=True)
-    for label, paths in settings(ids, eos).items():
-        if args.only and not any(word in label for word in args.only):
-            continue
-        row = {}
-        for column in columns:
-            overrides = paths["generate" if column == "generate" else "vllm"]
-            if overrides is None:
-                row[column] = None
-                continue
-            run_dir = str(out / label.replace(" ", "_").replace("/", "-") / column.replace(" ", "_"))
-            try:
-                row[column] = run(args.model, column, overrides, rule, args.steps, run_dir)
-            except Exception as error:  # noqa: BLE001 (a setting the engine refuses is a result too)
-                row[column] = {"error": f"{type(error).__name__}: {error}".replace("\n", " ")}
-            print(f"[{label} | {column}] {cell(row[column])}", flush=True)
-        table[label] = row
-        meta = {"model": args.model, "rule": rule, "steps": args.steps, "tokens": TOKENS[args.model], "ids": ids}
-        results_file.write_text(json.dumps({"meta": meta, "table": table}, indent=1, default=str))
+    # One engine per checkpoint and dtype for every vLLM run (trl's LLM(...) returns the one already built).
+    from trl_integration._private import wrapped_engine_builder
+    from trl_integration.grpo.vllm_engine import reusing_engines
+
+    engines = (
+        wrapped_engine_builder(reusing_engines({})) if any(c.startswith("vllm") for c in columns) else nullcontext()
+    )
+    with engines:
+        table = measure_table(args, columns, rule, out, ids, eos)
     print(f"\nout-of-set share of sampled completion tokens ({args.model}, rule {rule!r}, {args.steps} steps a run)")
     print("| setting | " + " | ".join(columns) + " |")
     print("|---|" + "---|" * len(columns))

@@ -58,26 +58,18 @@ def shared_engines():
     dict, released on exit."""
     import gc
 
-    import trl.generation.vllm_generation as vllm_generation
+    from trl_integration._private import wrapped_engine_builder
+    from trl_integration.grpo.vllm_engine import reusing_engines
 
     built: dict[tuple, object] = {}
-    build = vllm_generation.LLM
-
-    def shared(*args, **kwargs):
-        key = (kwargs.get("model"), str(kwargs.get("dtype", "auto")))
-        if key not in built:
-            built[key] = build(*args, **kwargs)
-        return built[key]
-
-    vllm_generation.LLM = shared
     # A free port for this worker's rendezvous (trl keeps a MASTER_PORT already set; tests/conftest.py puts the
     # variable back after the module): two pytest-xdist workers building engines at once otherwise both reached
     # torch's default 29500 (EADDRINUSE in test_lora_vllm_sync.py beside test_vllm_engine.py).
     os.environ.setdefault("MASTER_PORT", str(_free_port()))
     try:
-        yield built
+        with wrapped_engine_builder(reusing_engines(built)):
+            yield built
     finally:
-        vllm_generation.LLM = build
         built.clear()
         gc.collect()
 

@@ -42,7 +42,7 @@ complete, and trl's parameter iterator may release or unmerge (PEFT) a tensor on
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -63,6 +63,7 @@ __all__ = [
     "engine_kwargs_for", "engine_runs_on_cpu", "colocated_model_runner", "reload_engine_weights",
     "check_vllm_server_device", "check_engine_head_size", "check_engine_settings", "use_cpu_weight_sync", "shut_down_colocated_engine", "colocated_engine_dtype",
     "require_processed_logprobs", "ratio_left_to_the_trainer", "replay_from_engine", "DEFAULT_MAX_LOGPROBS",
+    "reusing_engines",
 ]  # fmt: skip
 
 #: vLLM's default ``max_logprobs`` (``--max-logprobs``): the most top log-probabilities it returns per token.
@@ -70,6 +71,24 @@ DEFAULT_MAX_LOGPROBS = 20
 
 #: vLLM's logger of the layerwise reload, which warns for layers that hold buffers only (e.g. rotary caches).
 _RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
+
+
+def reusing_engines(built: dict) -> Callable[[Callable], Callable]:
+    """A wrap for :func:`trl_integration._private.wrapped_engine_builder`: trl's ``LLM(...)`` returns the engine it
+    already built for the same checkpoint and dtype, kept in ``built`` (``{(model, dtype): engine}``), so several
+    trainers in one process share one engine, each pushing its own weights into it (the real-engine tests, the
+    measurement scripts)."""
+
+    def wrap(build: Callable) -> Callable:
+        def shared(*args, **kwargs):
+            key = (kwargs.get("model"), str(kwargs.get("dtype", "auto")))
+            if key not in built:
+                built[key] = build(*args, **kwargs)
+            return built[key]
+
+        return shared
+
+    return wrap
 
 
 def engine_kwargs_for(model_name_or_path: str, sampling_masks: bool = False) -> dict:
