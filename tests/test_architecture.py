@@ -287,6 +287,38 @@ def test_integration_folders_import_only_down():
     assert not upward, "imports up or sideways between trl_integration's folders:\n" + "\n".join(sorted(upward))
 
 
+#: What the config may not reach, lazily or not: the modules implementing its settings (the trainer and the drop-in's
+#: step, head, replay and engine; the rollout side, the harness, the commands, the lab and the study).
+CONFIG_MUST_NOT_REACH = tuple(
+    f"trl_integration.{name}"
+    for name in (
+        "grpo.trainer", "grpo.step", "grpo.head", "grpo.replay", "grpo.vllm_engine", "grpo.batch", "grpo.metric_rows",
+        "grpo.entropy_metrics", "rollout", "harness", "commands", "lab", "study", "demo",
+    )
+)  # fmt: skip
+
+
+def _reached_from(start: str, graph: dict[str, set[str]]) -> set[str]:
+    seen, pending = set(), [start]
+    while pending:
+        for dep in graph[pending.pop()] - seen:
+            seen.add(dep)
+            pending.append(dep)
+    return seen
+
+
+def test_the_config_is_a_leaf():
+    """The config reads what it accepts from ``options`` and its checks; it imports (through any chain, a lazy import
+    inside a function included) none of the modules implementing its settings: they import the config, not the
+    other way round. From the source, so it needs no interpreter importing trl."""
+    modules = _modules()
+    known = set(modules)
+    graph = {m: _imports(p, m, known) for m, p in modules.items()}
+    reached = _reached_from("trl_integration.grpo.config", graph)
+    assert any(m.startswith("trl_integration.grpo.") for m in reached)  # the graph is read: its checks are there
+    assert not sorted(m for m in reached if m.startswith(CONFIG_MUST_NOT_REACH))
+
+
 def test_integration_root_is_small_and_has_every_folder_in_a_layer():
     package = ROOT / "trl_integration"
     root_modules = sorted(p.name for p in package.glob("*.py"))

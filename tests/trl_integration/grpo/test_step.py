@@ -304,12 +304,3 @@ def _modules_after_import(module: str) -> set[str]:
 def test_the_step_module_imports_neither_trl_nor_transformers():
     loaded = _modules_after_import("trl_integration.grpo.step")
     assert "trl" not in loaded and "transformers" not in loaded
-
-
-def test_the_config_is_a_leaf():
-    loaded = _modules_after_import("trl_integration.grpo.config")
-    implementations = {
-        f"trl_integration.{name}"
-        for name in ("trainer", "rollout", "lm_head", "metrics", "callbacks", "safe_vocab_step", "cli")
-    }
-    assert not loaded & implementations
