@@ -22,7 +22,9 @@ probability 0 and is never in ``S``, with or without softcap. A NaN or ``+inf`` 
 every logit is ``-inf``, NaN/inf in ``hidden`` or ``weight``, NaN/``+inf`` in ``bias``, and a
 temperature or GEMM that overflows raise a one-line ``ValueError`` naming the argument. Cheap checks
 (``bias``, the scalars) run before any work; the others are read off the row statistics the op
-computes anyway (a non-finite row maximum or ``log sum_V exp(z - m)``), so they cost no extra pass.
+computes anyway (a non-finite row maximum or ``log sum_V exp(z - m)``), so they cost no extra pass. The fused op
+reads the checks of device values (``bias`` values, the target ids' range) with those statistics, in its forward's one
+host read (:class:`~safevocab.fused.row_stats.CallReads`), and raises the same errors in the same order.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ import torch
 from safevocab.backends.registry import get_backend, replay_backend, resolve_backend
 from safevocab.fused.checks import raise_on_empty_support
 from safevocab.fused.op import FusedSafeLogProbs
+from safevocab.fused.row_stats import CallReads
 from safevocab.fused.transform import Transform
 from safevocab.rules import SafeVocabRule, parse_rule, stat_float
 from safevocab.support import SafeSupport
@@ -74,7 +77,8 @@ class SafeLogProbs:
 
 
 # --------------------------------------------------------------------------------------------------
-# Validation shared by both entry points: every check runs before any work (docs/guide.md, "Non-finite input").
+# Validation shared by both entry points: every check runs before any work (docs/guide.md, "Non-finite input"), except
+# the fused op's checks of device values, read with its own at the end of its forward.
 
 
 def _check_transform(temperature: object, softcap: object, logit_scale: object) -> tuple[float, float | None, float]:
@@ -87,7 +91,10 @@ def _check_transform(temperature: object, softcap: object, logit_scale: object) 
     )
 
 
-def _check_targets(targets: torch.Tensor, expected_shape: torch.Size, vocab_size: int, shape_name: str) -> None:
+def _check_targets(
+    targets: torch.Tensor, expected_shape: torch.Size, vocab_size: int, shape_name: str, reads: CallReads | None = None
+) -> None:
+    """Type and shape now; the ids' range now, or, with ``reads``, queued there (read with the fused op's checks)."""
     if not isinstance(targets, torch.Tensor):
         raise TypeError(f"targets must be a torch.Tensor of token ids, got {type(targets).__name__}")
     if targets.dtype not in (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8):
@@ -95,11 +102,19 @@ def _check_targets(targets: torch.Tensor, expected_shape: torch.Size, vocab_size
     not_meta("targets", targets)
     if targets.shape != expected_shape:
         raise ValueError(f"targets.shape={tuple(targets.shape)} does not match {shape_name}={tuple(expected_shape)}")
-    if targets.numel() > 0:
-        lo, hi = int(targets.min()), int(targets.max())
-        if lo < 0 or hi >= vocab_size:
-            bad = lo if lo < 0 else hi
-            raise ValueError(f"targets contain token id {bad}: accepted 0 <= id < vocab_size={vocab_size}")
+    if targets.numel() == 0:
+        return
+    extremes = torch.stack([targets.min(), targets.max()]).long()
+    if reads is not None:
+        reads.add("targets", extremes, lambda ids: _check_target_range(*ids, vocab_size))
+    else:
+        _check_target_range(*extremes.tolist(), vocab_size)  # host sync: the materialised path's own check
+
+
+def _check_target_range(lo: int, hi: int, vocab_size: int) -> None:
+    if lo < 0 or hi >= vocab_size:
+        bad = lo if lo < 0 else hi
+        raise ValueError(f"targets contain token id {bad}: accepted 0 <= id < vocab_size={vocab_size}")
 
 
 def _check_float(name: str, x: object) -> None:
@@ -110,10 +125,14 @@ def _check_float(name: str, x: object) -> None:
     not_meta(name, x)
 
 
-def _check_bias_values(bias: torch.Tensor) -> None:
-    """``-inf`` entries are allowed (tokens of probability 0); NaN and ``+inf`` are not. ``[V]``: cheap."""
+def _check_bias_values(bias: torch.Tensor, reads: CallReads | None = None) -> None:
+    """``-inf`` entries are allowed (tokens of probability 0); NaN and ``+inf`` are not. ``[V]``: cheap. With
+    ``reads``, the flag is queued there (read with the fused op's checks) and this runs again, reading, if it is set."""
     bad = torch.isnan(bias) | (bias == math.inf)
-    if bool(bad.any()):
+    if reads is not None:
+        reads.add("bias", bad.any(), lambda flag: flag[0] and _check_bias_values(bias))
+        return
+    if bool(bad.any()):  # host sync: on the error path only (the fused op reads the flag with its checks)
         index = int(bad.nonzero()[0])
         raise ValueError(
             f"bias has value {bias[index].item()!r} at token {index}: accepted finite values or -inf (a banned token)"
@@ -157,7 +176,17 @@ def _check_support(support: object, n_targets: int, vocab_size: int, device: tor
         return
     if not isinstance(support, SafeSupport):
         raise TypeError(f"support must be a safevocab.SafeSupport or None, got {type(support).__name__}")
+    # host sync: the ids are checked before any backend indexes a row with them (the torch backend's mask would raise
+    # IndexError first)
     support.check(vocab_size, n_targets)
+
+
+def _on_device(support: SafeSupport, device: torch.device) -> SafeSupport:
+    """``support`` on ``device``: itself when it is there (``SafeSupport.to`` builds a new one, validated again: host
+    reads of the device)."""
+    if support.token_ids.device == device and support.offsets.device == device:
+        return support
+    return support.to(device)  # host sync: a support moved to the device is validated again there
 
 
 # --------------------------------------------------------------------------------------------------
@@ -358,12 +387,15 @@ def fused_safe_logprobs(
     if hidden.device != weight.device:
         raise ValueError(f"hidden is on {hidden.device} but weight is on {weight.device}")
     vocab = weight.shape[0]
+    # the checks of values on the device (bias values, target ids) are read with the op's own, at the end of its
+    # forward: one host read per call (docs/performance.md, "Host synchronisation")
+    reads = CallReads()
     if bias is not None:
         _check_float("bias", bias)
         if bias.shape != (vocab,):
             raise ValueError(f"bias.shape={tuple(bias.shape)}: expected [V]=({vocab},)")
-        _check_bias_values(bias)
-    _check_targets(targets, hidden.shape[:-1], vocab, "hidden.shape[:-1]")
+        _check_bias_values(bias, reads)
+    _check_targets(targets, hidden.shape[:-1], vocab, "hidden.shape[:-1]", reads)
     temperature, softcap, logit_scale = _check_transform(temperature, softcap, logit_scale)
     compute_entropy = boolean("compute_entropy", compute_entropy)
     max_chunk_bytes = integer("max_chunk_bytes", max_chunk_bytes, lambda x: x > 0, "an integer > 0")
@@ -376,7 +408,9 @@ def fused_safe_logprobs(
 
     out_shape = targets.shape
     hidden2d = hidden.reshape(-1, hidden.shape[-1])
-    flat_targets = targets.reshape(-1).long()
+    # clamped: the ids are checked only at the end of the forward, and no kernel may read past a row before that (the
+    # op raises on any id out of range; valid ids are unchanged)
+    flat_targets = targets.reshape(-1).long().clamp(0, vocab - 1)
     if bias is not None:
         bias = bias.to(hidden.dtype)
     transform = Transform(temperature, softcap, logit_scale)
@@ -392,7 +426,8 @@ def fused_safe_logprobs(
         chunk_rows,
         backend_impl,
         weight_gather,
-        None if support is None else support.to(hidden.device),
+        None if support is None else _on_device(support, hidden.device),
+        reads,
     )
     return SafeLogProbs(
         logprobs=logprobs.reshape(out_shape),

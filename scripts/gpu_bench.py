@@ -19,10 +19,32 @@ Writes one results file (JSON, plus the same as Markdown beside it) with the sec
 5. **pairs**: the same two trainers interleaved step by step in one process (``scripts/grpo_pairs.py``,
    ``--grpo-pairs`` pairs): the median per-pair ratio and its 95 % interval.
 
-Usage (the GPU machine has no trl/datasets: carry their wheels, see ``scripts/gpu_bench.sh``)::
+The device plan of 2026-11-28 (``../shared/GPU_DESIGN.md``; ``scripts/gpu_plan.py``, in this process, at N = 8192,
+H = 4096, V = 151936, bf16, 1 GiB chunks; every fused row records which backward ran and the forward's fallbacks):
+
+6. **gate**: flat logits, ``min_p=0.001``, ``top_p=0.9``, ``top_k=50`` (``--gate-rules``) with the gate's backward,
+   then dense, per-id and union forced, beside the floor, trl and Liger;
+7. **topk_sweep**: ``top_k`` 64-512 (``--topk``) on both profiles, each backward forced;
+8. **lm_table**: LM-like logits, ``min_p=0.01``, ``top_k=50``, ``top_p=0.9``, ``none`` and the replay of 64 ids beside
+   the floor, trl and Liger (Liger's Hopper per-token kernel where this device and wheel have it, else its Triton
+   fused linear cross-entropy; the row names which);
+9. **compact**: the kept-entry micro-benchmark (the fold with and without its pool, packing, the re-reading
+   compaction at column blocks 1024-8192);
+10. **trace**: torch.profiler traces of ``min_p=0.01`` (LM) and ``none``, with the GPU's idle gaps inside one call.
+
+For the kernels' own tests on the device: ``--sections correctness --tests kernels --workers 8`` (the kernel test
+files with pytest-xdist, ``TRITON_INTERPRET`` unset: compiled). Sections run in the order given; past ``--budget_s``
+(default 570 s for the whole call; a later ``correctness`` keeps its time box, at most half the budget) the remaining
+rows and sections are skipped and say so. A section that records nothing (or a fused row that does not say which
+backward ran) is reported under ``problems`` and the script exits 1.
+
+Usage (the GPU machine has no trl/datasets/hypothesis/xdist: carry their wheels, see ``scripts/gpu_bench.sh``)::
 
     bash scripts/gpu_bench.sh                      # on a CUDA machine: the issue-41 measurement, under 9 minutes
     bash scripts/gpu_bench.sh --small --out /tmp/gpu_results.json   # CPU, small shapes: tests the script
+    bash scripts/gpu_bench.sh --sections gate,topk_sweep,lm_table,compact,trace,correctness --tests kernels \
+        --workers 8 --correctness-timeout 300 --budget_s 540 --out plan.json   # the device plan: one 9.5-min call
+    python scripts/gpu_bench.py --small --sections gate,topk_sweep,lm_table,compact,trace --out /tmp/plan.json
 
 This is tooling, not product code: it drives the public API and the test suite.
 """
@@ -32,12 +54,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+import gpu_plan  # scripts/gpu_plan.py: the device plan's sections (this script's folder is on sys.path)
 
 ROOT = Path(__file__).resolve().parents[1]
 RULES = ("none", "min_p=0.001", "min_prob=0.001", "top_k=50", "top_p=0.9", "top_k=50,min_p=0.01")
@@ -47,32 +72,64 @@ TEST_FILES = (
     "tests/safevocab/test_support.py",
     "tests/safevocab/test_kernels.py",
 )
+#: ``--tests kernels``: the Triton kernels' test files (the union backward's where present).
+KERNEL_TEST_FILES = tuple(
+    path
+    for path in (
+        "tests/safevocab/test_kernels.py",
+        "tests/safevocab/test_sparse_backward_kernel.py",
+        "tests/safevocab/test_threshold_select_kernel.py",
+        "tests/safevocab/test_kept_entries_kernel.py",
+        "tests/safevocab/test_union_backward_kernel.py",
+    )
+    if (ROOT / path).exists()
+)
+#: ``TRITON_INTERPRET`` as this process found it: the plan's sections set it for a CPU run, the subprocesses of the
+#: other sections get it back as it was.
+_INHERITED_INTERPRET = os.environ.get("TRITON_INTERPRET")
 
 
-def _run(cmd: list[str], env: dict[str, str] | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
-    """``cmd`` in the repository root; past ``timeout`` it is stopped and returns code 124 with what it printed
-    (one slow section must not lose the others' results)."""
-    full_env = {**os.environ, **(env or {})}
+def _run(
+    cmd: list[str], env: dict[str, str] | None = None, timeout: float = 600, unset: tuple[str, ...] = ()
+) -> subprocess.CompletedProcess:
+    """``cmd`` in the repository root, with ``env`` added and ``unset`` removed; past ``timeout`` it is stopped (with
+    every process it started: pytest-xdist's workers) and returns code 124 with what it printed (one slow section must
+    not lose the others' results)."""
+    full_env = dict(os.environ)
+    full_env.pop("TRITON_INTERPRET", None)
+    if _INHERITED_INTERPRET is not None:
+        full_env["TRITON_INTERPRET"] = _INHERITED_INTERPRET
+    full_env.update(env or {})
+    for name in unset:
+        full_env.pop(name, None)
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)  # fmt: skip
     try:
-        return subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired as err:
-        text = lambda b: b.decode(errors="replace") if isinstance(b, bytes) else (b or "")  # noqa: E731
-        return subprocess.CompletedProcess(
-            cmd, 124, text(err.stdout), text(err.stderr) + f"\n[timed out after {timeout} s]"
-        )
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # its own process group: the command and what it started
+        stdout, stderr = proc.communicate()
+        return subprocess.CompletedProcess(cmd, 124, stdout, stderr + f"\n[timed out after {timeout} s]")
+    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
 
 
 def environment() -> dict:
+    import platform
+    from importlib.metadata import version
+
     import torch
 
-    info = {"torch": torch.__version__, "cuda": torch.cuda.is_available()}
+    info = {"torch": torch.__version__, "cuda": torch.cuda.is_available(), "python": platform.python_version()}
     if torch.cuda.is_available():
-        info["device"] = torch.cuda.get_device_name(0)
-    for name in ("triton", "trl", "transformers"):
+        props = torch.cuda.get_device_properties(0)
+        info.update(device=torch.cuda.get_device_name(0), capability=list(torch.cuda.get_device_capability(0)),
+                    sm_count=props.multi_processor_count, cuda_runtime=torch.version.cuda)  # fmt: skip
+    for name in ("triton", "trl", "transformers", "liger-kernel"):
         try:
-            info[name] = __import__(name).__version__
+            info[name] = version(name)
         except Exception as err:  # absent on the machine: say so in the results
             info[name] = f"absent ({type(err).__name__})"
+    info["TRITON_INTERPRET"] = os.environ.get("TRITON_INTERPRET")
     return info
 
 
@@ -83,9 +140,23 @@ def correctness(
     log: Path,
     examples: int | None = None,
     files: tuple[str, ...] = TEST_FILES,
+    workers: int = 0,
 ) -> dict:
     """The reference tests on ``device``; returns pytest's closing line and return code (full output in ``log``).
-    ``examples``: fuzz examples per property (default 200 with ``--small``, else 500)."""
+    ``examples``: fuzz examples per property (default 200 with ``--small``, else 500). ``workers``: pytest-xdist
+    processes (``-n``; 0: none). On CUDA the Triton kernels run compiled (``TRITON_INTERPRET`` unset); without a CUDA
+    device (and without ``--small``) skipped, with a note."""
+    import torch
+
+    files = tuple(f for name in files for f in (KERNEL_TEST_FILES if name == "kernels" else (name,)))
+    if device == "cuda" and not torch.cuda.is_available():
+        note = "no CUDA device: these tests run compiled on a GPU only (CPU CI runs them under the interpreter)"
+        return {"skipped": note, "files": list(files)}
+    xdist = []
+    if workers > 0:
+        import importlib.util
+
+        xdist = ["-n", str(workers)] if importlib.util.find_spec("xdist") else []
     examples = str(examples or (200 if small else 500))
     env = {
         "SAFEVOCAB_TEST_DEVICE": device,
@@ -106,20 +177,27 @@ def correctness(
             "not slow",
             "-p",
             "no:cacheprovider",
+            *xdist,
             *files,
         ],
         env,
         timeout,
+        unset=("TRITON_INTERPRET",) if device == "cuda" else (),
     )
     log.write_text(proc.stdout + "\n--- stderr ---\n" + proc.stderr)
     lines = [line for line in proc.stdout.splitlines() if " passed" in line or " failed" in line]
     failed = [line for line in proc.stdout.splitlines() if line.startswith(("FAILED", "ERROR"))]
-    return {
+    out = {
         "returncode": proc.returncode,
         "summary": lines[-1] if lines else proc.stdout[-500:],
         "failed": failed[:50],
         "seconds": round(time.perf_counter() - started, 1),
+        "timeout_s": round(timeout),
+        "files": list(files),
     }
+    if workers > 0:
+        out["workers"] = workers if xdist else "0 (pytest-xdist not installed: one process)"
+    return out
 
 
 def op_bench(
@@ -431,13 +509,14 @@ def markdown(results: dict) -> str:
         json.dumps(results["environment"], indent=1),
         "```",
         "",
-        f"Correctness: `{results['correctness'].get('summary', 'skipped')}`",
+        f"Command: `{results.get('command', '')}`",
+        "",
+        f"Correctness: `{results['correctness'].get('summary', results['correctness'].get('skipped', 'skipped'))}`",
         "",
         *[f"- {line}" for line in results["correctness"].get("failed", [])],
-        "",
-        "| rule | variant | time (s) | peak (MiB) | / floor | / trl |",
-        "|---|---|---:|---:|---:|---:|",
     ]
+    if results.get("op"):
+        lines += ["", "| rule | variant | time (s) | peak (MiB) | / floor | / trl |", "|---|---|---:|---:|---:|---:|"]
     for row in results.get("op", []):
         if "error" in row:
             lines.append(f"| {row['rule']} | error | {row['error'][:80]} | | | |")
@@ -491,10 +570,15 @@ def markdown(results: dict) -> str:
             f"{pairs['safevocab_median_seconds']} s); goal <= 1.03 at the upper end: "
             f"{'met' if pairs['overhead_goal_met'] else 'not met'}"
         )
+    lines += gpu_plan.markdown(results)
+    for name, note in results.get("skipped", {}).items():
+        lines.append(f"- {name}: skipped, {note}")
+    for name, problems in results.get("problems", {}).items():
+        lines += [f"- PROBLEM {name}: {problem}" for problem in problems]
     return "\n".join(lines) + "\n"
 
 
-SECTIONS = ("correctness", "op", "profile", "grpo", "pairs")
+SECTIONS = ("correctness", "op", "profile", "grpo", "pairs", *gpu_plan.PLAN_SECTIONS)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -509,6 +593,30 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--skip", default="", help="comma list of sections to leave out of --sections")
     parser.add_argument("--correctness-timeout", type=float, default=600, help="seconds for the reference tests")
+    parser.add_argument(
+        "--workers", type=int, default=0, help="correctness section: pytest-xdist processes (-n; default 0: none)"
+    )
+    parser.add_argument(
+        "--budget_s",
+        "--budget-s",
+        dest="budget_s",
+        type=float,
+        default=570,
+        help="wall-clock seconds for the whole call: past them the remaining rows and sections are skipped, and "
+        "say so (default %(default)s: one 9.5-minute device call; 0: no limit)",
+    )
+    parser.add_argument(
+        "--gate-rules", default=";".join(gpu_plan.GATE_RULES),
+        help="';'-separated rules of the gate section (default: %(default)s)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--topk", default=None, help="comma list of top_k values of the topk_sweep section (default 64,128,256,512; "
+        "--small: 4,16)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--lm-table-rules", default=";".join(gpu_plan.LM_RULES),
+        help="';'-separated rules of the lm_table section (default: %(default)s; plus the replay of top_k=64)",
+    )  # fmt: skip
     parser.add_argument(
         "--fuzz-examples",
         type=int,
@@ -543,7 +651,11 @@ def main(argv: list[str] | None = None) -> int:
         help="pairs section: interleaved stock/SafeVocab step pairs (default 30)",
     )
     parser.add_argument(
-        "--n", type=int, default=None, help="tokens for the op benchmark (default: the gpu preset's 16384)"
+        "--n",
+        type=int,
+        default=None,
+        help="tokens for the op benchmark (default: the gpu preset's 16384) and the plan's sections (default 8192; "
+        "--small: 16)",
     )
     parser.add_argument("--rules", default=None, help="';'-separated rules for the op benchmark (default: all)")
     parser.add_argument(
@@ -557,7 +669,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--tests",
         default=",".join(TEST_FILES),
-        help="comma list of test files of the correctness section (default: %(default)s)",
+        help="comma list of test files of the correctness section; 'kernels': the Triton kernels' test files "
+        f"({','.join(KERNEL_TEST_FILES)}) (default: %(default)s)",
     )
     parser.add_argument("--no-naive", action="store_true", help="leave out the materialised path (tens of GB, slow)")
     parser.add_argument(
@@ -582,14 +695,32 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)  # before minutes of measurement, not after
     rules = tuple(args.rules.split(";")) if args.rules else RULES
+    if args.small and set(chosen) & set(gpu_plan.PLAN_SECTIONS):
+        # the plan's sections run the Triton kernels in this process: on a CPU only under the interpreter, which
+        # Triton reads when it is first imported (the other sections' subprocesses get the variable as it was)
+        os.environ["TRITON_INTERPRET"] = "1"
+    started = time.time()
+    budget_end = started + args.budget_s if args.budget_s > 0 else float("inf")
+
+    def left() -> float:
+        return budget_end - time.time()
+
+    def plan(name: str) -> gpu_plan.Plan:
+        # rows stop where a later correctness section's time box (at most half the budget) begins
+        later = chosen[chosen.index(name) + 1 :]
+        reserve = min(args.correctness_timeout, args.budget_s / 2) if "correctness" in later else 0.0
+        return gpu_plan.make_plan(args.small, args.n, budget_end - reserve, out)
+
+    topk = tuple(int(k) for k in args.topk.split(",")) if args.topk else ((4, 16) if args.small else gpu_plan.TOPK)
     runs = {
         "correctness": lambda: correctness(
             device,
             args.small,
-            args.correctness_timeout,
+            max(1.0, min(args.correctness_timeout, left() - 5)),
             out.with_suffix(".pytest.log"),
             args.fuzz_examples,
             tuple(filter(None, args.tests.split(","))),
+            args.workers,
         ),
         "op": lambda: [
             row
@@ -614,20 +745,37 @@ def main(argv: list[str] | None = None) -> int:
             else grpo(args.small, args.grpo_steps)
         ),
         "pairs": lambda: grpo_pairs(args.small, args.grpo_pairs),
+        "gate": lambda: gpu_plan.gate(plan("gate"), tuple(filter(None, args.gate_rules.split(";")))),
+        "topk_sweep": lambda: gpu_plan.topk_sweep(plan("topk_sweep"), topk),
+        "lm_table": lambda: gpu_plan.lm_table(plan("lm_table"), tuple(filter(None, args.lm_table_rules.split(";")))),
+        "compact": lambda: gpu_plan.compact(plan("compact")),
+        "trace": lambda: gpu_plan.trace(plan("trace")),
     }
-    results: dict = {"environment": environment(), "small": args.small, "correctness": {}, "sections": chosen}
-    started = time.perf_counter()
-    for name in SECTIONS:
-        if name not in chosen:
+    results: dict = {
+        "environment": environment(),
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "small": args.small,
+        "budget_s": args.budget_s,
+        "correctness": {},
+        "sections": chosen,
+    }
+    for name in chosen:
+        if left() <= 0:
+            results.setdefault("skipped", {})[name] = f"--budget_s {args.budget_s:g} s spent before it started"
+            print(f"[gpu_bench] {name}: skipped, the budget is spent", file=sys.stderr, flush=True)
             continue
-        print(f"[gpu_bench] {name} ... ({time.perf_counter() - started:.0f} s so far)", file=sys.stderr, flush=True)
+        print(f"[gpu_bench] {name} ... ({time.time() - started:.0f} s so far)", file=sys.stderr, flush=True)
         results[name] = runs[name]()
+        problems = gpu_plan.section_problems(name, results[name])
+        if problems:
+            results.setdefault("problems", {})[name] = problems
+            print(f"[gpu_bench] {name}: " + "; ".join(problems), file=sys.stderr, flush=True)
         out.write_text(json.dumps(results, indent=2))  # what is done so far is never lost
-    results["seconds"] = round(time.perf_counter() - started, 1)
+    results["seconds"] = round(time.time() - started, 1)
     out.write_text(json.dumps(results, indent=2))
     out.with_suffix(".md").write_text(markdown(results))
     print(markdown(results))
-    return 0
+    return 1 if results.get("problems") else 0
 
 
 if __name__ == "__main__":

@@ -47,6 +47,10 @@ by ``2^k`` (exact): finite gradients wherever the true ones fit fp16. ``k = 0`` 
 
 Non-finite input is detected from the row statistics (a non-finite ``m`` or ``log sum_V``) and raised as a
 one-line ``ValueError`` naming the argument (:func:`safevocab.fused.checks.raise_on_non_finite_rows`).
+
+Host synchronisation: the forward reads the device once, at its end (:class:`~safevocab.fused.row_stats.CallReads`):
+the caller's input checks, the non-finite flags and, on the Triton backend, which chunks are stored, together
+(the selection route also reads each chunk's fallback rows; docs/performance.md, "Host synchronisation").
 """
 
 from __future__ import annotations
@@ -55,11 +59,11 @@ import contextlib
 
 import torch
 
-from safevocab.fused.checks import raise_on_empty_support, raise_on_non_finite_rows
+from safevocab.fused.checks import non_finite_flags, raise_on_empty_support, raise_on_non_finite_rows
 from safevocab.fused.chunking import ChunkJob
 from safevocab.fused.coefficients import Coefficients, fp16_grad_shift
 from safevocab.fused.protocol import FusedBackend
-from safevocab.fused.row_stats import RowStats
+from safevocab.fused.row_stats import CallReads, RowStats
 from safevocab.fused.sparse_backward import sparse_backward
 from safevocab.fused.transform import Transform
 from safevocab.rules import SafeVocabRule
@@ -96,22 +100,36 @@ class FusedSafeLogProbs(torch.autograd.Function):
         backend: FusedBackend,  # the per-chunk implementation (safevocab.backends.registry.get_backend)
         weight_gather=None,  # sharded-weight hook: zero-arg factory of a context manager, or None
         support: SafeSupport | None = None,  # replayed kept ids per row (backends with supports_replay)
+        reads: CallReads | None = None,  # the caller's checks, read with the op's (fused_safe_logprobs' input checks)
     ):
         ctx.set_materialize_grads(False)
         ctx.weight_gather = weight_gather
         n_rows = hidden.shape[0]
         stat_dtype = torch.float64 if hidden.dtype == torch.float64 else torch.float32
-        stats = RowStats.empty(n_rows, hidden.device, stat_dtype, compute_entropy, replay=support is not None)
+        stats = RowStats.empty(
+            n_rows, hidden.device, stat_dtype, compute_entropy, replay=support is not None, reads=reads
+        )
         density = sparse_density(hidden.dtype, backend)
         # A -inf weight entry times positive hidden values gives a -inf logit, which reads as a banned token and
         # leaves every row statistic finite: the weight's extremes (one read in its own dtype, no [V, H] temporary,
-        # checked at the statistics' sync; NaN propagates through them) show it
+        # checked with the statistics; NaN propagates through them) show it
         weight_range = torch.stack(torch.aminmax(weight))
+        # the call's checks, formed once the kernels have written the statistics and read with the caller's and the
+        # backend's values: one host read per call (a backend that stores chunks reads them in its forward)
+        stats.reads.add(
+            "non-finite",
+            lambda: non_finite_flags(stats, weight_range),
+            lambda flags: raise_on_non_finite_rows(stats, hidden, weight, bias, transform, flags=flags),
+        )
+        if support is not None:
+            stats.reads.add(
+                "empty support",
+                lambda: (stats.safe_size == 0).any(),
+                lambda flag: raise_on_empty_support(stats.safe_size, rule, bool(flag[0])),
+            )
         job = ChunkJob(hidden, weight, bias, targets, rule, transform, chunk_rows, support)
         sparse_chunks = backend.forward(job, stats, density)
-        raise_on_non_finite_rows(stats, hidden, weight, bias, transform, weight_range)
-        if support is not None:
-            raise_on_empty_support(stats.safe_size, rule)
+        stats.reads.check()  # in order: the caller's input checks, non-finite input, an empty replayed row
         if support is None:
             set_max, target_shift_safe, log_kept = (
                 stats.row_max,
@@ -150,7 +168,7 @@ class FusedSafeLogProbs(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_logprobs, grad_log_kept, grad_entropy, _grad_in_safe, _grad_safe_size):  # type: ignore[override]
         if grad_logprobs is None and grad_log_kept is None and grad_entropy is None:
-            return (None,) * 11
+            return (None,) * 12
         # ---- sharded-weight hook: the backward re-reads the weight (sparse GEMMs and the dense
         # recomputation), so a weight gathered only for the forward (DeepSpeed ZeRO-3) is gathered again here.
         gather = contextlib.nullcontext() if ctx.weight_gather is None else ctx.weight_gather()
@@ -250,6 +268,7 @@ class FusedSafeLogProbs(torch.autograd.Function):
             None,  # backend
             None,  # weight_gather
             None,  # support
+            None,  # reads
         )
 
 

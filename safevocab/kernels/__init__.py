@@ -26,8 +26,9 @@ rule's own code, on logits transformed in torch, and the kernels fold the rest (
 Sparse backward (chunks whose ``S`` the forward stored, and every replayed support): the forward fold's last pass
 writes ``S``'s entries into a bounded pool that :mod:`safevocab.kernels.kept_entries` puts in CSR order (it also
 gathers a replayed support's logits with the forward's own transform, and keeps the separate compaction as the
-fallback of an overflowing pool), and :mod:`safevocab.kernels.sparse_backward` turns them into the input gradients
-without ``[rows, V]``.
+fallback of an overflowing pool), and :mod:`safevocab.kernels.sparse_backward` (per kept id) or
+:mod:`safevocab.kernels.union_backward` (two GEMMs over the union of a chunk's kept ids) turns them into the input
+gradients without ``[rows, V]``.
 
 This package's ``__init__`` never imports Triton: ``safevocab`` imports (and ``backend="auto"`` works)
 without it; the op modules import it (:mod:`~safevocab.kernels.candidate_thresholds`, torch only, does not). Triton
@@ -55,6 +56,7 @@ _KERNEL_MODULES = (
     "safevocab.kernels.backward_fold",
     "safevocab.kernels.threshold_select",
     "safevocab.kernels.sparse_backward",
+    "safevocab.kernels.union_backward",
     "safevocab.kernels.kept_entries",
 )
 

@@ -112,9 +112,11 @@ def decide_thresholds(
     """
     n = cand.shape[0]
     device = cand.device
-    neg_inf = torch.tensor(-math.inf, device=device)
+    neg_inf = -math.inf
     bad = (count > kcap) | ~torch.isfinite(m) | ~torch.isfinite(total)
-    width = int(count.clamp(max=kcap).max()) if n else 0
+    # the candidate buffer's whole width, not the largest count (a read of the device): the columns past a row's count
+    # are -inf, of no mass and never counted, so every decision is the same
+    width = kcap if n else 0
     cols = torch.arange(width, device=device)
     valid = cols < count.clamp(max=kcap).unsqueeze(-1)
     vals = torch.where(valid, cand[:, :width], neg_inf).sort(dim=-1, descending=True).values
@@ -129,7 +131,7 @@ def decide_thresholds(
         if t is None:
             kept_mask, kept_count, kept_complete = None, n_valid, complete
         else:
-            kept_mask = vals >= t.unsqueeze(-1)
+            kept_mask = (vals >= t.unsqueeze(-1)) & valid_sorted  # a -inf t keeps the candidates, not the padding
             kept_count = kept_mask.sum(-1)
             kept_complete = complete | (known & (t >= floor))
         stage_t, stage_known = [], []

@@ -20,6 +20,11 @@ Every output row is read once, added to in the accumulator's precision and writt
 of ``dW`` outside the union of the ``S`` are not touched. ``grad_shift`` (a power of two, fp16 inputs at tiny
 temperatures, :func:`safevocab.fused.coefficients.fp16_grad_shift`): ``g`` is formed divided by it and the sums
 multiplied back, exactly as the dense path scales its GEMM products.
+
+These are the per-id kernels, one of the stored sets' three backwards: beside them the two GEMMs over each chunk's
+union of kept ids (:mod:`safevocab.kernels.union_backward`, which forms ``g`` with :func:`_entry_grad` too) and the
+dense recomputation; :mod:`safevocab.backends.triton.sparse_gate` chooses once per call. Given the call's distinct ids
+(``kept_ids``, found by the caller without reading the device) the grouping by id reads nothing either.
 """
 
 from __future__ import annotations
@@ -251,6 +256,7 @@ def sparse_backward(
     softcap: float | None,
     logit_scale: float,
     grad_shift: float = 1.0,
+    kept_ids: torch.Tensor | None = None,
 ) -> None:
     """Add the safe-set part of the gradients of the stored rows ``rows`` to ``grad_hidden``/``grad_weight``/``grad_bias``.
 
@@ -264,6 +270,9 @@ def sparse_backward(
             read and written once.
         temperature, softcap, logit_scale: the transform (its chain rule).
         grad_shift: ``Coefficients.grad_shift``.
+        kept_ids: the distinct ids of ``cols``, ascending (``[U]`` int64), when the caller has them
+            (:func:`safevocab.kernels.union_backward.union_ids`): no read of the device here; default ``None``: found
+            here (one read, for their count).
     """
     if rows.numel() == 0 or cols.numel() == 0:
         return
@@ -317,9 +326,14 @@ def sparse_backward(
     # dW: the entries grouped by vocabulary id (a stable sort keeps each group's rows ascending)
     order = torch.sort(cols, stable=True).indices
     sorted_cols = cols.index_select(0, order)
-    group_cols, group_sizes = torch.unique_consecutive(sorted_cols, return_counts=True)
-    group_offsets = torch.zeros(group_cols.numel() + 1, device=cols.device, dtype=torch.int64)
-    torch.cumsum(group_sizes, 0, out=group_offsets[1:])
+    if kept_ids is None:
+        group_cols, group_sizes = torch.unique_consecutive(sorted_cols, return_counts=True)
+        group_offsets = torch.zeros(group_cols.numel() + 1, device=cols.device, dtype=torch.int64)
+        torch.cumsum(group_sizes, 0, out=group_offsets[1:])
+    else:  # each id's first entry in the sorted order, then the end
+        group_cols = kept_ids
+        group_offsets = torch.full((group_cols.numel() + 1,), cols.numel(), device=cols.device, dtype=torch.int64)
+        group_offsets[:-1] = torch.searchsorted(sorted_cols, group_cols.to(sorted_cols.dtype))
     # output_size: the entries' count is known here, so no read of the device for it
     entry_rows = torch.repeat_interleave(rows, counts, output_size=cols.numel()).index_select(0, order)
     if grad_weight is not None:

@@ -57,6 +57,10 @@ candidates where it decides ``t``), a non-finite ``m`` or ``T``, or where the fl
 ``q T_prev`` by rounding, are transformed in the kernel into fp32 (only those rows, in batches) and given to the
 rule's own torch code.
 
+**Host reads.** One per chunk: the fallback's rows (they run the rule's torch code before the fold reads the
+thresholds). The refinement runs on the rows flagged on the device (one program a row, the others exit at once) and
+the candidate phase works on the buffer's whole width (``KCAP`` columns), so neither reads the device.
+
 The masses follow ``safevocab.nucleus``: ``T`` in fp32 partials added in fp64. The kernel's and the rule's ``T`` are
 two roundings of one sum (~1e-8 relative apart): a row whose ``top_p`` or ``min_prob`` decision lies within
 ``safevocab.kernels.candidate_thresholds.MASS_MARGIN`` of a boundary goes to the fallback, so the sets stay the
@@ -137,13 +141,13 @@ def _select_kernel(
     GROUP: tl.constexpr,  # columns per fp32 partial sum of T (64, as nucleus.row_sum64)
     MARGIN: tl.constexpr,
     FLAT: tl.constexpr,
-    GIVEN_C: tl.constexpr,  # recompaction: rows_ptr names the rows, c is read from floor_ptr
-    rows_ptr,
+    GIVEN_C: tl.constexpr,  # recompaction: only the rows flagged in active_ptr, c is read from floor_ptr
+    active_ptr,
 ):
+    row = tl.program_id(0).to(tl.int64)
+    live = tl.full((), 1, tl.int8)
     if GIVEN_C:
-        row = tl.load(rows_ptr + tl.program_id(0)).to(tl.int64)
-    else:
-        row = tl.program_id(0).to(tl.int64)
+        live = tl.load(active_ptr + row).to(tl.int8)
     row_ptr = z_ptr + row * z_stride
     cols = tl.arange(0, BLOCK)
     neg_inf = float("-inf")
@@ -208,10 +212,10 @@ def _select_kernel(
         tl.store(total_ptr + row, total)
         tl.store(floor_ptr + row, c)
 
-    # PASS B: compact the candidates z >= c
+    # PASS B: compact the candidates z >= c (a recompaction: of the flagged rows only; the others exit here)
     base = tl.zeros((), tl.int32)
     out_ptr = cand_ptr + row * kcap
-    for start in range(0, n_cols, BLOCK):
+    for start in range(0, tl.where(live != 0, n_cols, 0), BLOCK):
         offs = start + cols
         mask = offs < n_cols
         z = tl.load(row_ptr + offs, mask=mask, other=0.0).to(tl.float32)
@@ -222,7 +226,7 @@ def _select_kernel(
             pos = base + tl.cumsum(cand, axis=0) - 1
             tl.store(out_ptr + pos, z, mask=(cand > 0) & (pos < kcap))
             base += n_cand
-    tl.store(count_ptr + row, base)
+    tl.store(count_ptr + row, base, mask=live != 0)
 
 
 @triton.jit
@@ -236,7 +240,7 @@ def _from_key(key):
 def _refine_kernel(
     z_ptr,
     z_stride,
-    rows_ptr,  # the overflowing rows
+    active_ptr,  # [n]: nonzero for the rows to refine (overflowing, finite m and T); the others exit at once
     n_cols,
     scale,
     softcap,
@@ -265,8 +269,10 @@ def _refine_kernel(
     spread over the bracket ``[lo, hi]`` of ordered keys; a pivot that some floor part certifies (``top_k``:
     ``>= k`` logits at or above it; ``top_p``: mass at or above it ``>= q T (1 + margin)``; ``min_p``/``min_prob``:
     not above ``m + log rho``/``m + log tau``) is still ``<= t`` and becomes ``lo``; one that none certifies bounds
-    ``hi``. Stops when ``#{z >= lo} <= kcap`` or after ``max_passes``."""
-    row = tl.load(rows_ptr + tl.program_id(0)).to(tl.int64)
+    ``hi``. Stops when ``#{z >= lo} <= kcap`` or after ``max_passes``. One program per row of the chunk, the rows not
+    flagged in ``active_ptr`` untouched."""
+    row = tl.program_id(0).to(tl.int64)
+    live = tl.load(active_ptr + row) != 0
     row_ptr = z_ptr + row * z_stride
     cols = tl.arange(0, BLOCK)
     piv_ids = tl.arange(0, 4)
@@ -277,7 +283,7 @@ def _refine_kernel(
     hi = _ordered_key(m)
     count = tl.load(count_ptr + row)
     passes = tl.zeros((), tl.int32)
-    while (passes < max_passes) & (count > kcap) & (lo < hi):
+    while live & (passes < max_passes) & (count > kcap) & (lo < hi):
         step = (hi - lo) // 5
         keys = lo + tl.maximum(step, 1) * (piv_ids + 1).to(tl.int64)
         keys = tl.minimum(keys, hi)
@@ -309,8 +315,8 @@ def _refine_kernel(
         hi = tl.minimum(hi, tl.min(tl.where(ok, hi, keys - 1), axis=0))
         lo = best
         passes += 1
-    tl.store(floor_ptr + row, _from_key(lo))
-    tl.store(count_ptr + row, count)
+    tl.store(floor_ptr + row, _from_key(lo), mask=live)
+    tl.store(count_ptr + row, count, mask=live)
 
 
 @triton.jit
@@ -426,20 +432,22 @@ def select_thresholds(
     uses = dict(USE_K="top_k" in floors, USE_P="top_p" in floors)
     uses.update(USE_MIN_P="min_p" in floors, USE_MIN_PROB="min_prob" in floors)
     select = dict(cand_ptr=cand, FLOOR=finite_floor(torch.float32), GROUP=64, FLAT=_FLAT_FACTOR)
-    _select_kernel[(n,)](**common, **select, **uses, GIVEN_C=False, rows_ptr=count)
-    overflow = ((count > kcap) & torch.isfinite(row_max) & torch.isfinite(total)).nonzero().squeeze(-1)
-    if overflow.numel() and refine_passes > 0:
-        # FALLBACK, first step: pivot refinement of the floor (GPU_DESIGN.md 3.2), then the candidates again
-        rows = overflow.to(torch.int32)
-        _refine_kernel[(rows.numel(),)](**common, **uses, rows_ptr=rows, max_passes=refine_passes)
+    _select_kernel[(n,)](**common, **select, **uses, GIVEN_C=False, active_ptr=count)
+    if refine_passes > 0:
+        # FALLBACK, first step: pivot refinement of the floor (GPU_DESIGN.md 3.2), then the candidates again, of the
+        # overflowing rows, flagged on the device (one program a row; the others exit at once: no read of the device)
+        overflow = ((count > kcap) & torch.isfinite(row_max) & torch.isfinite(total)).to(torch.int8)
+        _refine_kernel[(n,)](**common, **uses, active_ptr=overflow, max_passes=refine_passes)
         off = dict.fromkeys(uses, False)
-        _select_kernel[(rows.numel(),)](**common, **select, **off, GIVEN_C=True, rows_ptr=rows)
+        _select_kernel[(n,)](**common, **select, **off, GIVEN_C=True, active_ptr=overflow)
     t, bad = decide_thresholds(stages, cand, count, floor, row_max, total, kcap)
     threshold.copy_(t)
+    # host sync: the chunk's one read, its fallback rows (the rule's torch code runs on those rows only, and they must
+    # be known before the fold reads the thresholds; the chunk's logits are gone after it)
     bad = bad.nonzero().squeeze(-1)
     # fallback rows in batches whose fp32 copy and the rule's scratch (~16 B a logit) stay near the raw chunk's size,
     # which is all the chunk sizing (triton_chunk_rows) budgets for
-    for part in bad.split(max(1, n * z.element_size() // 16)):
+    for part in bad.split(max(1, n * z.element_size() // 16)) if bad.numel() else ():
         exact = transformed_rows(z, part, scale, softcap, temperature)
         t_bad, m_bad = plan.rule.threshold_and_max(exact)
         threshold.index_copy_(0, part, t_bad.squeeze(-1))

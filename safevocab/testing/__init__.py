@@ -23,6 +23,9 @@ Assertions (raise ``AssertionError`` with the worst position and value):
 - :func:`assert_mismatch_within_bound`: every kept token's log-probability gap between two sets of logits
   is within :func:`safevocab.bounds.logprob_mismatch_bound`.
 - :func:`assert_sequence_bias_within`: sequence-level ``TV(P, Q)`` / ``KL(Q || P)`` from kept masses.
+
+Host synchronisations: :class:`safevocab.testing.host_syncs.HostSyncs` counts the calls in safevocab's own code that
+read the device (on CPU too; on CUDA with ``torch.cuda.set_sync_debug_mode`` as well). Import it from its module.
 """
 
 from safevocab.testing.assertions import (

@@ -24,6 +24,7 @@ import safevocab.backends.triton.backward as triton_backward
 import safevocab.backends.triton.forward as triton_forward
 import safevocab.backends.triton.route as triton_route
 from safevocab import fused_safe_logprobs, parse_rule
+from safevocab.backends.triton import sparse_gate
 from safevocab.fused.transform import Transform
 from safevocab.kernels import forward_fold, kept_entries
 from safevocab.kernels.threshold_select import transformed_rows
@@ -186,6 +187,8 @@ class _NoCompaction:
 
 @pytest.fixture
 def sparse_calls(monkeypatch):
+    """Counts the per-id sparse kernels' calls (forced: ``sparse_gate.FORCE``) and the stored rows of each."""
+    monkeypatch.setattr(sparse_gate, "FORCE", sparse_gate.PER_ID)
     calls = []
     kernel = triton_backward.kernel_sparse_backward
     monkeypatch.setattr(

@@ -34,6 +34,7 @@ from test_reference_fuzz import check_fused, fuzz_settings, head_inputs, rule_pa
 import safevocab.backends.triton.backward as triton_backward
 import safevocab.fused.op as fused_op
 from safevocab import SafeSupport, fused_safe_logprobs
+from safevocab.backends.triton import sparse_gate
 from safevocab.kernels import sparse_backward as sparse_kernel
 
 # ---------------------------------------------------------------------------------------------- the kernel alone
@@ -192,7 +193,10 @@ def test_sparse_kernel_property(seed, n_rows, vocab, h):
 
 @pytest.fixture
 def sparse_calls(monkeypatch):
-    """Counts the Triton sparse backward's calls with stored chunks, and the dtype of the weight gradient it wrote."""
+    """Counts the Triton sparse backward's calls with stored chunks, and the dtype of the weight gradient it wrote.
+    The per-id kernels forced (``sparse_gate.FORCE``): these tests are theirs; the union GEMMs, the dense backward of
+    stored chunks and the gate choosing between them: test_union_backward_kernel.py."""
+    monkeypatch.setattr(sparse_gate, "FORCE", sparse_gate.PER_ID)
     calls = []
     kernel = triton_backward.kernel_sparse_backward
 

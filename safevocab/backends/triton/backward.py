@@ -6,8 +6,11 @@
   ``S``;
 - :func:`full_softmax_backward`: ``-c_F pi + g_lp 1[a=y not in S]`` of the rows of sparse chunks that need it,
   ``pi`` normalised with the forward's statistics on the forward's logits, bit for bit;
-- :func:`sparse_backward`: the safe-set part of every stored chunk at once, by
-  :func:`safevocab.kernels.sparse_backward.sparse_backward` (any input dtype).
+- :func:`sparse_backward`: the safe-set part of every stored chunk (any input dtype), by the backward
+  :mod:`safevocab.backends.triton.sparse_gate` chooses once per call from the kept counts and the unions ``U`` of the
+  chunks' kept ids: the per-id kernels (:mod:`safevocab.kernels.sparse_backward`), two GEMMs over ``U``
+  (:mod:`safevocab.kernels.union_backward`: ``dX += G_U W[U]``, ``dW[U] += G_U^T h``) or the dense backward of those
+  chunks.
 
 The logits gradient is written over the GEMM output, in the inputs' dtype, and the gradient GEMMs
 (:func:`~safevocab.fused.grads.accumulate_chunk_grads`) accumulate the weight gradient in fp32 (for bf16/fp16 inputs
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import torch
 
+from safevocab.backends.triton import sparse_gate
 from safevocab.backends.triton.route import Route
 from safevocab.fused.chunking import ChunkJob
 from safevocab.fused.coefficients import Coefficients
@@ -26,6 +30,8 @@ from safevocab.fused.grads import Grads, accumulate_chunk_grads
 from safevocab.fused.row_stats import SparseChunk
 from safevocab.kernels.backward_fold import backward_fold
 from safevocab.kernels.sparse_backward import sparse_backward as kernel_sparse_backward
+from safevocab.kernels.union_backward import UnionChunk, kept_ranks, union_ids
+from safevocab.kernels.union_backward import union_backward as kernel_union_backward
 
 __all__ = ["dense_backward", "full_softmax_backward", "sparse_backward"]
 
@@ -118,20 +124,38 @@ def full_softmax_backward(job: ChunkJob, route: Route, idx: torch.Tensor, coef: 
 
 
 def sparse_backward(job: ChunkJob, chunks: list[SparseChunk], coef: Coefficients, grads: Grads) -> None:
-    """The safe-set part of the gradient of every stored chunk at once, added to ``grads``, by
-    :func:`safevocab.kernels.sparse_backward.sparse_backward`: ``dX`` row by row, ``dW``/``db`` per distinct kept id
-    over all chunks (each touched row of the gradients written once; no fp32 ``[V, H]`` buffer needed)."""
+    """The safe-set part of the gradient of every stored chunk, added to ``grads``, by the backward
+    :func:`safevocab.backends.triton.sparse_gate.choose` picks for the call: the per-id kernels
+    (:func:`safevocab.kernels.sparse_backward.sparse_backward`, all chunks at once), the union GEMMs
+    (:func:`safevocab.kernels.union_backward.union_backward`, chunk by chunk) or the dense backward of those chunks
+    (:func:`dense_backward`). Each touched row of the gradients is written once per call by the first two (no fp32
+    ``[V, H]`` buffer needed); the dense one accumulates in fp32 buffers and adds them once.
+
+    One read of the device per call: every chunk's ``|U|`` (the union's shape and the gate) and whether a stored row's
+    gradient leaves ``S`` (the dense backward would add that part a second time; the union GEMMs then keep ``G_U`` in
+    fp32)."""
     if not chunks:
         return
     hidden, weight, transform = job.hidden, job.weight, job.transform
-    device = hidden.device
-    rows = torch.cat([torch.arange(c.start, c.start + c.counts.numel(), device=device) for c in chunks])
+    slices = [slice(c.start, c.start + c.counts.numel()) for c in chunks]
+    ranks = kept_ranks([c.cols for c in chunks], job.vocab)
+    leaves = torch.cat([(coef.c_full[r] != 0) | (coef.g_target_out[r] != 0) for r in slices]).any()
+    # host sync: the call's one read (every chunk's |U| and the call's, for G_U's shape and the gate; whether a row
+    # leaves S), not one per chunk; the per-id kernels then read nothing either (they get U's ids)
+    *sizes, call_size, leaving = torch.cat([ranks[:, -1].long(), leaves.long().view(1)]).tolist()
+    backward = sparse_gate.choose(
+        sum(c.cols.numel() for c in chunks),
+        sum(c.counts.numel() * size for c, size in zip(chunks, sizes)),
+        max(sizes),
+        job.vocab,
+        dense_allowed=job.support is None and not leaving,
+    )
+    sparse_gate.TAKEN[backward] += 1
+    if backward == sparse_gate.DENSE:
+        _dense_stored_chunks(job, slices, coef, grads)
+        return
     has_ent = coef.g_ent is not None
-    kernel_sparse_backward(
-        rows,
-        torch.cat([c.counts for c in chunks]).to(torch.int64),
-        torch.cat([c.cols for c in chunks]),
-        torch.cat([c.shifted for c in chunks]),
+    coefficients = (
         coef.targets.contiguous(),
         coef.log_sum_safe,
         coef.c_safe,
@@ -139,11 +163,57 @@ def sparse_backward(job: ChunkJob, chunks: list[SparseChunk], coef: Coefficients
         coef.g_ent if has_ent else None,
         coef.entropy if has_ent else None,
         coef.set_max.contiguous(),
-        hidden,
-        weight,
-        *grads,
+    )
+    scalars = dict(
         temperature=transform.temperature,
         softcap=transform.softcap,
         logit_scale=transform.logit_scale,
         grad_shift=coef.grad_shift,
     )
+    if backward == sparse_gate.UNION:
+        on_cpu = hidden.device.type == "cpu"
+        kernel_union_backward(
+            [UnionChunk(c.start, c.counts, c.cols, c.shifted, size) for c, size in zip(chunks, sizes)],
+            ranks,
+            call_size,
+            *coefficients,
+            hidden,
+            weight,
+            *grads,
+            **scalars,
+            half_operands=not leaving and (not on_cpu or _HALF_OPERANDS_ON_CPU),
+        )
+        return
+    device = hidden.device
+    kernel_sparse_backward(
+        torch.cat([torch.arange(r.start, r.stop, device=device) for r in slices]),
+        torch.cat([c.counts for c in chunks]).to(torch.int64),
+        torch.cat([c.cols for c in chunks]),
+        torch.cat([c.shifted for c in chunks]),
+        *coefficients,
+        hidden,
+        weight,
+        *grads,
+        **scalars,
+        kept_ids=union_ids(ranks[-1], call_size),
+    )
+
+
+#: Whether the union GEMMs take ``G_U`` in the inputs' half dtype on a CPU too (where no stored row's gradient leaves
+#: ``S``), as they do on an accelerator (tensor cores). Off: a CPU has no tensor cores to gain, and its GEMMs then keep
+#: fp32 operands; tests switch it on to run the accelerator's rounding under the interpreter.
+_HALF_OPERANDS_ON_CPU = False
+
+
+def _dense_stored_chunks(job: ChunkJob, slices: list[slice], coef: Coefficients, grads: Grads) -> None:
+    """The dense backward of stored chunks (none of whose rows has a full-softmax part, so it forms exactly their
+    safe-set part), into fp32 accumulators where ``grads`` has none (the fused op hands the weight's own dtype to a
+    sparse-only backward), added once at the end."""
+    stat = coef.log_sum_safe.dtype
+    accs = tuple(
+        g if g is None or g.dtype == stat else torch.zeros(g.shape, device=g.device, dtype=stat) for g in grads
+    )
+    dense_backward(job, Route.of(job.rule, job.hidden.element_size()), slices, coef, accs)
+    for grad, acc in zip(grads, accs):
+        if acc is not grad:
+            grad.add_(acc)  # computed in fp32, rounded once

@@ -8,14 +8,16 @@ small enough. The fold's last pass writes ``S``'s entries itself, into a bounded
 (:class:`~safevocab.kernels.kept_entries.KeptPool`, sized by the gate), and
 :func:`~safevocab.kernels.kept_entries.pack_kept` puts them in CSR order: no second pass over the chunk, on every
 route (``TopK``/``TopP`` too: their fold is the single pass that compares each logit with ``t``). One read of the
-device per call decides which chunks are stored (their kept counts against the gate): a pool sized by the gate cannot
-overflow. Only where a pool is smaller than its gate (the gate raised above ``kept_entries.POOL_MAX_DENSITY``) is the
-chunk decided at once, and if its pool overflowed, compacted again from its logits
-(:func:`~safevocab.kernels.kept_entries.compact_kept`), counted in :data:`REREAD_FALLBACKS` and logged.
+device per call decides which chunks are stored (their kept counts against the gate), the fused op's checks with it
+(:class:`~safevocab.fused.row_stats.CallReads`): a pool sized by the gate cannot overflow. Only where a pool is smaller
+than its gate (the gate raised above ``kept_entries.POOL_MAX_DENSITY``) is the chunk decided at once, and if its pool
+overflowed, compacted again from its logits (:func:`~safevocab.kernels.kept_entries.compact_kept`), counted in
+:data:`REREAD_FALLBACKS` and logged.
 
 :func:`replay_forward` is the forward of a replayed ``support``: the rule's fold on the same logits path, then ``S``'s
 own statistics from the given ids' logits, gathered and transformed as the kernel transforms them
-(:func:`~safevocab.kernels.kept_entries.gather_logits`); every chunk is stored, so the backward is the sparse one.
+(:func:`~safevocab.kernels.kept_entries.gather_logits`); every chunk is stored, so the backward is the sparse one. It
+reads the device twice a call (where each chunk's entries start; each chunk's kept count, with the op's checks).
 
 Both run inside :class:`~safevocab.backends.triton.TritonBackend`'s device guard (Triton launches on the current CUDA
 device).
@@ -35,7 +37,6 @@ from safevocab.fused.transform import Transform
 from safevocab.kernels import kept_entries
 from safevocab.kernels.kept_entries import KeptPool, compact_kept, gather_logits, pack_kept
 from safevocab.rules import SafeVocabRule
-from safevocab.support import SafeSupport
 
 __all__ = ["DENSE_FALLBACKS", "REREAD_FALLBACKS", "forward_chunks", "replay_forward"]
 
@@ -109,13 +110,14 @@ def _store_pending(pending: list[tuple[slice, KeptPool, int]], stats: RowStats) 
     chunk's logits are gone, so it cannot be compacted again)."""
     if not pending:
         return []
-    checks = []
     for rows, pool, _ in pending:
         safe_size, finite = stats.safe_size[rows], torch.isfinite(stats.row_max[rows])
         disagree = ((pool.row_counts() != safe_size) & finite).sum() + (pool.counter[0] != safe_size.sum())
-        checks.append(torch.stack([safe_size.sum(), (~finite).sum(), disagree]))
+        stats.reads.add(_chunk_key(rows), torch.stack([safe_size.sum(), (~finite).sum(), disagree]))
+    values = stats.reads.read()  # the call's one read, the fused op's checks with it
     stored = []
-    for (rows, pool, gate), (kept, n_non_finite, n_disagree) in zip(pending, torch.stack(checks).tolist()):
+    for rows, pool, gate in pending:
+        kept, n_non_finite, n_disagree = values[_chunk_key(rows)]
         if kept > gate or n_non_finite:
             continue
         if n_disagree:
@@ -123,6 +125,11 @@ def _store_pending(pending: list[tuple[slice, KeptPool, int]], stats: RowStats) 
             continue
         stored.append(SparseChunk(rows.start, *pack_kept(pool, stats.row_max[rows], kept)))
     return stored
+
+
+def _chunk_key(rows: slice) -> str:
+    """A chunk's name among the call's reads (:class:`~safevocab.fused.row_stats.CallReads`)."""
+    return f"triton chunk {rows.start}"
 
 
 def _pool_limit(n: int, vocab: int) -> int:
@@ -197,7 +204,9 @@ def _stored_chunk(
     finite = torch.isfinite(row_max)
     disagree = (pool.row_counts() != safe_size) & finite  # an all -inf row's |S| is V (the op raises on it)
     checks = torch.stack([safe_size.sum(), pool.counter[0].to(torch.int64), disagree.sum(), (~finite).sum()])
-    kept, written, n_disagree, n_non_finite = checks.tolist()  # the chunk's one synchronisation
+    # host sync: the chunk's one read, only where the gate is raised above the pool's limit (tests, sweeps): an
+    # overflowing pool is compacted again from the chunk's logits, which the next chunk overwrites
+    kept, written, n_disagree, n_non_finite = checks.tolist()
     if kept > gate or n_non_finite:
         return None
     if written <= pool.capacity and not n_disagree:
@@ -231,35 +240,51 @@ def replay_forward(job: ChunkJob, route: Route, stats: RowStats) -> list[SparseC
     formed from them in ``O(|S|)`` work: its shift ``m_S`` (maximum; ``-inf`` for a row that keeps nothing, which
     ``FusedSafeLogProbs`` then refuses), ``log sum_S exp(z - m_S)`` and the entropy summed in float64, ``|S|``,
     ``in_safe`` and ``z_y - m_S``. Ids may come in any order. Every chunk's ``S`` is stored (8 bytes an entry, no more
-    than the support itself takes), so the backward is the sparse one."""
-    sparse_chunks: list[SparseChunk] = []
+    than the support itself takes), so the backward is the sparse one. The statistics are formed over every entry of
+    the support (those outside ``S`` as ``-inf`` or 0), and the entries in ``S`` kept once the call's one read has
+    given their count (:func:`_compacted`): no read a chunk."""
     if job.n_rows == 0:
-        return sparse_chunks
+        return []
     targets = job.targets.contiguous()
     logits_of = route.chunk_logits(job)
-    for rows in job.slices():
+    support, slices = job.support, job.slices()
+    # host sync: where each chunk's entries start in the support (their count sizes the chunk's gather), one read
+    bounds = torch.cat([support.offsets[:: job.chunk_rows], support.offsets[-1:]]).tolist()
+    pending = []
+    for i, rows in enumerate(slices):
         z, _ = logits_of(job.hidden[rows])
         out = stats.rows(rows)
         # z: the GEMM output (the rule's thresholds from it, as forward_chunks computes them), or the torch copy
         route.fold(z, targets[rows], out, job.transform)
         raw = route.transform_in_kernel  # z is the GEMM output, which the gather transforms
-        sparse_chunks.append(_replayed_chunk(z, rows, targets, job.support, stats, job.transform, raw))
+        lo, hi = bounds[i], bounds[i + 1]
+        sizes = support.offsets[rows.start : rows.stop + 1].diff()
+        local = torch.arange(rows.stop - rows.start, device=z.device)
+        local_row = torch.repeat_interleave(local, sizes, output_size=hi - lo)
+        counts, keep, ids, shifted = _replayed_rows(
+            z, rows, local_row, support.token_ids[lo:hi], targets, stats, job.transform, raw
+        )
+        stats.reads.add(_chunk_key(rows), counts.sum())
+        pending.append((rows.start, counts, keep, ids, shifted))
         del z
-    return sparse_chunks
+    values = stats.reads.read()  # the call's one read: each chunk's kept count, the fused op's checks with it
+    return [_compacted(*chunk, values[_chunk_key(rows)][0]) for rows, chunk in zip(slices, pending)]
 
 
-def _replayed_chunk(
+def _replayed_rows(
     z: torch.Tensor,
     rows: slice,
+    local_row: torch.Tensor,
+    ids: torch.Tensor,
     targets: torch.Tensor,
-    support: SafeSupport,
     stats: RowStats,
     transform: Transform,
     apply_transform: bool,
-) -> SparseChunk:
-    """``S``'s statistics of the rows ``rows`` (overwriting the rule fold's) and its entries ``(column, z - m_S)``."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``S``'s statistics of the rows ``rows`` (overwriting the rule fold's), from the support's entries ``(local_row,
+    ids)`` of those rows, with no read of the device: ``(|S| [n], keep, ids, z - m_S)``, the last three over every
+    entry (:func:`_compacted` keeps the entries in ``S`` once their count is read)."""
     n = rows.stop - rows.start
-    local_row, ids = support.rows(rows)
     stat = stats.row_max.dtype
     local = torch.arange(n, device=z.device)
     values = gather_logits(
@@ -274,20 +299,30 @@ def _replayed_chunk(
     )
     z_ids, z_y = values[: ids.numel()], values[ids.numel() :]
     keep = z_ids >= stats.threshold[rows].index_select(0, local_row)  # the rule's set; drops -inf logits
-    row, col, kept = local_row[keep], ids[keep], z_ids[keep]
-    m_s = torch.full((n,), -torch.inf, dtype=stat, device=z.device).scatter_reduce_(0, row, kept, reduce="amax")
-    shifted = kept - m_s.index_select(0, row)
-    e = shifted.exp().to(torch.float64)
-    total = torch.zeros(n, dtype=torch.float64, device=z.device).index_add_(0, row, e)
+    # every entry, those outside S as -inf (maximum) or 0 (sums): S's values, summed in the same order
+    m_s = torch.full((n,), -torch.inf, dtype=stat, device=z.device)
+    m_s.scatter_reduce_(0, local_row, torch.where(keep, z_ids, -torch.inf), reduce="amax")
+    shifted = z_ids - m_s.index_select(0, local_row)
+    e = torch.where(keep, shifted.exp().to(torch.float64), 0.0)
+    total = torch.zeros(n, dtype=torch.float64, device=z.device).index_add_(0, local_row, e)
     stats.set_max[rows] = m_s
     stats.log_sum_safe[rows] = total.log()
     if stats.entropy is not None:
-        weighted = torch.zeros_like(total).index_add_(0, row, e * shifted.to(torch.float64))
+        weighted = torch.where(keep, e * shifted.to(torch.float64), 0.0)
+        weighted = torch.zeros_like(total).index_add_(0, local_row, weighted)
         stats.entropy[rows] = (total.log() - weighted / total).to(stat)
-    counts = torch.bincount(row, minlength=n)
+    counts = torch.zeros(n, dtype=torch.int64, device=z.device).index_add_(0, local_row, keep.to(torch.int64))
     stats.safe_size[rows] = counts
-    in_safe = torch.zeros(n, dtype=torch.bool, device=z.device)
-    in_safe[row[col == targets[rows].index_select(0, row)]] = True
-    stats.in_safe[rows] = in_safe
+    hit = keep & (ids == targets[rows].index_select(0, local_row))
+    stats.in_safe[rows] = torch.zeros(n, dtype=torch.int64, device=z.device).index_add_(0, local_row, hit.long()) > 0
     stats.target_shift_safe[rows] = z_y - m_s
-    return SparseChunk(rows.start, counts, col.to(torch.int32), shifted)
+    return counts, keep, ids, shifted
+
+
+def _compacted(
+    start: int, counts: torch.Tensor, keep: torch.Tensor, ids: torch.Tensor, shifted: torch.Tensor, kept: int
+) -> SparseChunk:
+    """The chunk's ``S`` as CSR: the entries with ``keep`` (``kept`` of them, read) in the support's order, which a
+    stable sort of the flags puts first, with no further read of the device."""
+    order = torch.sort((~keep).to(torch.uint8), stable=True).indices[:kept]
+    return SparseChunk(start, counts, ids.index_select(0, order).to(torch.int32), shifted.index_select(0, order))
