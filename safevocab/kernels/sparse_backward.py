@@ -75,6 +75,46 @@ def _entry_grad(
 
 
 @triton.jit
+def _row_entries_grad(
+    cols_ptr,
+    shifted_ptr,
+    e,
+    e_mask,
+    target,
+    log_sum_safe,
+    c_safe,
+    g_lp,
+    g_ent,
+    entropy,
+    set_max,
+    tanh_of_z,
+    grad_scale,
+    HAS_ENTROPY_GRAD: tl.constexpr,
+    SOFTCAP_GRAD: tl.constexpr,
+    SCALE_GRAD: tl.constexpr,
+):
+    """A block ``e`` of one row's stored entries: their columns (int64) and logits gradients (:func:`_entry_grad`)."""
+    a = tl.load(cols_ptr + e, mask=e_mask, other=0).to(tl.int64)
+    shifted = tl.load(shifted_ptr + e, mask=e_mask, other=0.0)
+    grad = _entry_grad(
+        shifted,
+        a == target,
+        log_sum_safe,
+        c_safe,
+        g_lp,
+        g_ent,
+        entropy,
+        set_max,
+        tanh_of_z,
+        grad_scale,
+        HAS_ENTROPY_GRAD,
+        SOFTCAP_GRAD,
+        SCALE_GRAD,
+    )
+    return a, grad
+
+
+@triton.jit
 def _grad_hidden_kernel(
     rows_ptr,  # [R] int64: the global row of each stored row
     offsets_ptr,  # [R + 1] int64: its entries
@@ -119,11 +159,12 @@ def _grad_hidden_kernel(
     for e0 in range(start, end, BLOCK_E):
         e = e0 + tl.arange(0, BLOCK_E)
         e_mask = e < end
-        a = tl.load(cols_ptr + e, mask=e_mask, other=0).to(tl.int64)
-        shifted = tl.load(shifted_ptr + e, mask=e_mask, other=0.0)
-        grad = _entry_grad(
-            shifted,
-            a == target,
+        a, grad = _row_entries_grad(
+            cols_ptr,
+            shifted_ptr,
+            e,
+            e_mask,
+            target,
             log_sum_safe,
             c_safe,
             g_lp,

@@ -45,7 +45,7 @@ import triton.language as tl
 
 from safevocab.fused.grads import addmm_fp32
 from safevocab.kernels import interpreter_on
-from safevocab.kernels.sparse_backward import _entry_grad, row_contiguous
+from safevocab.kernels.sparse_backward import _row_entries_grad, row_contiguous
 
 __all__ = ["BLOCK_ENTRIES", "UnionChunk", "kept_ranks", "union_backward", "union_ids"]
 
@@ -92,11 +92,12 @@ def _scatter_grad_kernel(
     for e0 in range(start, end, BLOCK_E):
         e = e0 + tl.arange(0, BLOCK_E)
         e_mask = e < end
-        a = tl.load(cols_ptr + e, mask=e_mask, other=0).to(tl.int64)
-        shifted = tl.load(shifted_ptr + e, mask=e_mask, other=0.0)
-        grad = _entry_grad(
-            shifted,
-            a == target,
+        a, grad = _row_entries_grad(
+            cols_ptr,
+            shifted_ptr,
+            e,
+            e_mask,
+            target,
             log_sum_safe,
             c_safe,
             g_lp,
