@@ -22,8 +22,10 @@ Backward forms ``grad_z = g_lp 1[a=y] - pi_S (c_S + g_H (log pi_S + H)) - c_F pi
     ``S`` itself as CSR (int32 column, fp32 ``z - m``: 8 bytes per kept logit), and backward runs two sparse
     GEMMs whose cost scales with ``|S|``: no recomputation at all
     (:func:`safevocab.fused.sparse_backward.sparse_backward`), or the backend's own
-    ``sparse_backward`` when it has one (the Triton backend: :mod:`safevocab.kernels.sparse_backward`, any input
-    dtype; :func:`sparse_density`).
+    ``sparse_backward`` when it has one (the Triton backend, any input dtype: per kept id,
+    :mod:`safevocab.kernels.sparse_backward`, or two GEMMs over the union of a chunk's kept ids,
+    :mod:`safevocab.kernels.union_backward`, or the dense backward over the stored chunks, chosen once per call by
+    :mod:`safevocab.backends.triton.sparse_gate`; :func:`sparse_density`).
   - **dense** (chunks with large safe sets; half-precision inputs on the torch backend): the backend recomputes the
     chunk's logits with the *same call on the same operands* as the forward (the same row slice of ``hidden``, the
     same buffer shape: BLAS results depend on layout and alignment, and a boundary token one ulp off would
