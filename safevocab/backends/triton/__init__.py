@@ -91,5 +91,6 @@ class TritonBackend:
     def sparse_backward(self, job: ChunkJob, chunks: list[SparseChunk], coef: Coefficients, grads: Grads) -> None:
         """The safe-set part of the stored chunks' gradient in Triton (any input dtype), used by ``FusedSafeLogProbs``
         instead of its torch sparse GEMMs; with it the forward stores ``S`` for bf16/fp16 inputs too."""
+        route = _route(job)
         with _device_guard(job.hidden.device):
-            sparse_backward(job, chunks, coef, grads)
+            sparse_backward(job, route, chunks, coef, grads)

@@ -123,7 +123,7 @@ def full_softmax_backward(job: ChunkJob, route: Route, idx: torch.Tensor, coef: 
         del z, out
 
 
-def sparse_backward(job: ChunkJob, chunks: list[SparseChunk], coef: Coefficients, grads: Grads) -> None:
+def sparse_backward(job: ChunkJob, route: Route, chunks: list[SparseChunk], coef: Coefficients, grads: Grads) -> None:
     """The safe-set part of the gradient of every stored chunk, added to ``grads``, by the backward
     :func:`safevocab.backends.triton.sparse_gate.choose` picks for the call: the per-id kernels
     (:func:`safevocab.kernels.sparse_backward.sparse_backward`, all chunks at once), the union GEMMs
@@ -152,7 +152,7 @@ def sparse_backward(job: ChunkJob, chunks: list[SparseChunk], coef: Coefficients
     )
     sparse_gate.TAKEN[backward] += 1
     if backward == sparse_gate.DENSE:
-        _dense_stored_chunks(job, slices, coef, grads)
+        _dense_stored_chunks(job, route, slices, coef, grads)
         return
     has_ent = coef.g_ent is not None
     coefficients = (
@@ -205,7 +205,7 @@ def sparse_backward(job: ChunkJob, chunks: list[SparseChunk], coef: Coefficients
 _HALF_OPERANDS_ON_CPU = False
 
 
-def _dense_stored_chunks(job: ChunkJob, slices: list[slice], coef: Coefficients, grads: Grads) -> None:
+def _dense_stored_chunks(job: ChunkJob, route: Route, slices: list[slice], coef: Coefficients, grads: Grads) -> None:
     """The dense backward of stored chunks (none of whose rows has a full-softmax part, so it forms exactly their
     safe-set part), into fp32 accumulators where ``grads`` has none (the fused op hands the weight's own dtype to a
     sparse-only backward), added once at the end."""
@@ -213,7 +213,7 @@ def _dense_stored_chunks(job: ChunkJob, slices: list[slice], coef: Coefficients,
     accs = tuple(
         g if g is None or g.dtype == stat else torch.zeros(g.shape, device=g.device, dtype=stat) for g in grads
     )
-    dense_backward(job, Route.of(job.rule, job.hidden.element_size()), slices, coef, accs)
+    dense_backward(job, route, slices, coef, accs)
     for grad, acc in zip(grads, accs):
         if acc is not grad:
             grad.add_(acc)  # computed in fp32, rounded once
