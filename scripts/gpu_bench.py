@@ -686,6 +686,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--grpo-ablation must be a number of rounds >= 0, got {args.grpo_ablation}")
     if args.grpo_pairs < 1:
         parser.error(f"--grpo-pairs must be a number of pairs >= 1, got {args.grpo_pairs}")
+    if not args.budget_s >= 0:  # also NaN
+        parser.error(f"--budget_s must be a number of seconds >= 0 (0: no limit), got {args.budget_s}")
+    if args.workers < 0:
+        parser.error(f"--workers must be a number of processes >= 0 (0: none), got {args.workers}")
     chosen = [name for name in filter(None, args.sections.split(",")) if name not in set(args.skip.split(","))]
     unknown = sorted(set(chosen) - set(SECTIONS))
     if unknown:

@@ -62,6 +62,31 @@ def test_gpu_bench_refuses_negative_ablation_rounds_in_one_line():
     assert proc.stderr.strip().splitlines()[-1].endswith("--grpo-ablation must be a number of rounds >= 0, got -1")
 
 
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--budget_s", "-3"], "--budget_s must be a number of seconds >= 0 (0: no limit), got -3.0"),
+        (["--budget_s", "nan"], "--budget_s must be a number of seconds >= 0 (0: no limit), got nan"),
+        (["--workers", "-1"], "--workers must be a number of processes >= 0 (0: none), got -1"),
+    ],
+)
+def test_gpu_bench_refuses_a_bad_budget_or_worker_count_in_one_line(flags, message, monkeypatch, capsys):
+    """In this process (the script as a module, its folder on ``sys.path`` as when it runs): the refusal comes from
+    the argument checks, before anything is measured."""
+    import importlib.util
+    from pathlib import Path
+
+    scripts = Path(__file__).resolve().parents[2] / "scripts"
+    monkeypatch.syspath_prepend(str(scripts))
+    spec = importlib.util.spec_from_file_location("gpu_bench_under_test", scripts / "gpu_bench.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    with pytest.raises(SystemExit) as exit_info:
+        module.main(["--small", *flags])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1].endswith(message)
+
+
 def _grpo_pairs_module():
     import importlib.util
     from pathlib import Path
