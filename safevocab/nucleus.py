@@ -18,6 +18,12 @@ is ``{z >= t}`` with::
    down to tokens that share one and the same ``e``, keeping the exact mass above them;
 3. those few tokens, sorted by ``z``, give ``t``.
 
+Small rows (at most :data:`SORT_MAX_VOCAB` logits) are sorted instead: ``M`` at each position of the descending
+order is the float64 cumulative sum, and ``t`` is the ``z`` of the first position where it reaches ``q T``. The
+histograms' fixed cost (256 bins a level in fp32, 2048 in fp64, over several levels) exceeds a sort of so few logits.
+Both give the same ``t``; their float64 sums differ only in rounding order (~1e-16 relative, far inside the ~1e-9 to
+which ``T`` itself is known).
+
 Masses are float64 sums of the fp32 ``e``; ``T`` sums fp32 partial sums of 64 in float64 (~1e-9 relative), so
 the set is decided by the mass to ~1e-9; HF's warper (sort, fp32 softmax, cumulative sum) decides it to ~1e-7. The two can differ only when the mass at
 the boundary lies within fp32 rounding of ``q`` (one token more or less, at a boundary that exact arithmetic puts
@@ -29,7 +35,10 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["nucleus_threshold"]
+__all__ = ["SORT_MAX_VOCAB", "nucleus_threshold"]
+
+#: Rows of at most this many logits take the sort (:func:`_sorted_threshold`) instead of the radix select.
+SORT_MAX_VOCAB = 256
 
 
 def _bit_layout(dtype: torch.dtype) -> tuple[torch.dtype, int, int, list[tuple[int, int]]]:
@@ -65,6 +74,23 @@ def _crossing_bin(
     return b, suffix.gather(-1, (b + 1).unsqueeze(-1)).squeeze(-1), found
 
 
+def _sorted_threshold(
+    z: torch.Tensor, e: torch.Tensor, target: torch.Tensor
+) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    """:func:`nucleus_threshold` of small rows by a sort: ``t`` is the ``z`` of the first position (``z``
+    descending) whose float64 cumulative mass reaches ``target``; a row whose mass cannot reach it (rounding) keeps
+    every token with mass, as the radix select does. ``e`` is ``0`` for tokens an earlier rule removed, which lie below
+    the others (``e`` grows with ``z``): the tokens with mass are a prefix of the order."""
+    order = torch.sort(z, dim=-1, descending=True, stable=True).indices
+    e_sorted = e.gather(-1, order).to(torch.float64)
+    reached = e_sorted.cumsum(-1) >= target.unsqueeze(-1)
+    with_mass = (e_sorted > 0).sum(-1)
+    pick = torch.where(reached.any(-1), reached.to(torch.uint8).argmax(-1), (with_mass - 1).clamp_min(0))
+    t = z.gather(-1, order.gather(-1, pick.unsqueeze(-1)))
+    cover = (z >= t).nonzero(as_tuple=True)
+    return torch.where(with_mass.unsqueeze(-1) > 0, t, z.amax(-1, keepdim=True)), cover
+
+
 @torch.no_grad()
 def nucleus_threshold(
     z: torch.Tensor, e: torch.Tensor, q: float, kept_from: torch.Tensor | None = None
@@ -82,8 +108,10 @@ def nucleus_threshold(
     n_rows, vocab = z.shape
     if kept_from is not None:
         e = torch.where(z >= kept_from, e, 0.0)
-    int_dtype, shift, bins, levels = _bit_layout(e.dtype)
     target = q * row_sum64(e)
+    if vocab <= SORT_MAX_VOCAB:
+        return _sorted_threshold(z, e, target)
+    int_dtype, shift, bins, levels = _bit_layout(e.dtype)
     # 1. bucket masses over the exponent of e, in one index_add over the whole rows (flat bin index per entry; the
     # & drops the sign bit a NaN may carry, so every key names a bin: such a row raises later anyway)
     flat = torch.bitwise_right_shift(e.view(int_dtype), shift).bitwise_and_(bins - 1)

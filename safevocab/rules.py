@@ -324,7 +324,7 @@ class TopP(SafeVocabRule):
     below it (ascending order) is ``<= 1 - q``; ``q = 1`` keeps every token (no truncation). Tokens tied with the last kept one are all kept (the
     samplers break such ties by sort order instead; ties do not occur on continuous logits).
     The threshold is found without sorting the vocabulary (:func:`safevocab.nucleus.nucleus_threshold`, a radix select
-    on the probabilities with float64 masses); HF's fp32 sort and cumulative sum can differ from it only where the mass
+    on the probabilities with float64 masses; rows of at most 256 logits are sorted, with the same result); HF's fp32 sort and cumulative sum can differ from it only where the mass
     at the boundary is within fp32 rounding of ``q``.
     Near ``q = 1`` that is not rare: the engines' float32 cumsums (transformers, vLLM) differ from this exact set in
     ~1 % of Gaussian rows at ``q = 0.9999``, 4-5 % at 0.99999, 14-15 % at 0.999999 (docs/guide.md). There, replay the

@@ -336,14 +336,15 @@ def test_demo_imports_nothing_from_study():
 
 
 def test_the_fence_names_the_trl_range_pyproject_pins():
-    """``trl_integration/_private.py`` checks trl's version against the range the ``trl`` extra installs."""
+    """``trl_integration/trl_version.py`` (the fence's and the config's check) holds the range the ``trl`` extra
+    installs."""
     import re
 
     import tomllib
 
     extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["trl"]
     pinned = next(req for req in extras if re.match(r"trl\b", req))
-    fence = (ROOT / "trl_integration" / "_private.py").read_text()
+    fence = (ROOT / "trl_integration" / "trl_version.py").read_text()
     low = re.search(r'^TRL_MIN = "([^"]+)"', fence, re.M).group(1)
     high = re.search(r'^TRL_MAX = "([^"]+)"', fence, re.M).group(1)
     assert pinned.replace(" ", "") == f"trl>={low},<{high}", (pinned, low, high)

@@ -67,9 +67,10 @@ from contextlib import AbstractContextManager, contextmanager
 
 import torch
 import trl  # lazy: only its version is read before the range check, then the trainer stack loads (below)
-from packaging.version import Version
 
 from trl_integration.notices import quiet_trl_vllm_range_notice
+from trl_integration.trl_version import SUPPORTED_TRL, TRL_MAX, TRL_MIN, check_trl_version
+from trl_integration.trl_version import unsupported_trl as _unsupported
 
 __all__ = [
     "SUPPORTED_TRL",
@@ -96,11 +97,6 @@ __all__ = [
     "shut_down_engine",
     "engine_model_config",
 ]
-
-#: The trl releases this integration is tested against: ``TRL_MIN <= version < TRL_MAX``.
-TRL_MIN = "1.16"
-TRL_MAX = "1.17"
-SUPPORTED_TRL = f"trl>={TRL_MIN},<{TRL_MAX}"
 
 #: Parameters each overridden trl method must take, in this order, as the first ones after ``self``.
 REQUIRED_PARAMETERS: dict[str, tuple[str, ...]] = {
@@ -134,28 +130,6 @@ SCORING_KEYWORDS = (
     "mm_token_type_ids",
     "image_position_ids",
 )
-
-
-def _unsupported(version: str, detail: str) -> ImportError:
-    return ImportError(
-        f"trl {version} is not supported by safevocab's trl integration (tested: {SUPPORTED_TRL}): {detail}; "
-        f"install a supported version, e.g. pip install '{SUPPORTED_TRL}'"
-    )
-
-
-def check_trl_version(version: str) -> None:
-    """Check that ``version`` is in the tested range :data:`SUPPORTED_TRL` (run at import before trl's trainer stack
-    loads, so an unsupported trl is answered in about the time of ``import torch``, not after ~7 s of trl's imports).
-
-    Raises:
-        ImportError: one line naming the version and the supported range.
-    """
-    try:
-        parsed = Version(version)
-    except Exception:  # noqa: BLE001 - any unparsable version is unsupported
-        raise _unsupported(version, "unparsable version") from None
-    if not Version(TRL_MIN) <= Version(parsed.base_version) < Version(TRL_MAX):
-        raise _unsupported(version, "outside the tested range")
 
 
 check_trl_version(trl.__version__)

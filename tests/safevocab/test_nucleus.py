@@ -90,3 +90,84 @@ def test_large_vocabulary_rows_agree_with_the_reference():
         keep, ambiguous = reference_keep(z, q, tol=1e-8)
         assert not ambiguous.any(), q
         assert torch.equal(TopP(q).keep_mask(z), keep), q
+
+
+@st.composite
+def small_rows(draw):
+    """Rows of at most ``SORT_MAX_VOCAB`` logits, with ties, ``-inf`` and an earlier rule's threshold."""
+    from safevocab.nucleus import SORT_MAX_VOCAB
+
+    rows = draw(st.integers(1, 6))
+    vocab = draw(st.integers(1, SORT_MAX_VOCAB))
+    dtype = draw(st.sampled_from([torch.float32, torch.float64]))
+    g = torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))
+    z = torch.randn(rows, vocab, generator=g, dtype=torch.float64) * draw(st.floats(0.05, 40.0))
+    if draw(st.booleans()):  # ties: logits on a coarse grid
+        z = (z * draw(st.sampled_from([1.0, 4.0]))).round() / 4.0
+    if vocab > 2 and draw(st.booleans()):  # tokens of probability 0
+        z[:, torch.randperm(vocab, generator=g)[: vocab // 3]] = -math.inf
+        z[:, 0] = z[:, 0].clamp_min(0.0)
+    z = z.to(dtype)
+    kept_from = None
+    if draw(st.booleans()):  # an earlier rule's threshold: one of the row's own logits
+        pick = torch.randint(0, vocab, (rows, 1), generator=g)
+        kept_from = torch.minimum(z.gather(-1, pick), z.amax(-1, keepdim=True))
+    return z, kept_from
+
+
+def _both_paths(z: torch.Tensor, q: float, kept_from: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The threshold by the sort (rows this small take it) and by the radix select (forced with a limit of 0); the
+    sort's candidates must hold every kept entry."""
+    import safevocab.nucleus as nucleus
+
+    e = torch.exp(z - z.amax(-1, keepdim=True))
+    t_sort, (row, col) = nucleus.nucleus_threshold(z, e, q, kept_from)
+    covered = torch.zeros_like(z, dtype=torch.bool)
+    covered[row, col] = True
+    assert not (z >= t_sort)[~covered].any()
+    limit = nucleus.SORT_MAX_VOCAB
+    nucleus.SORT_MAX_VOCAB = 0
+    try:
+        t_radix, _ = nucleus.nucleus_threshold(z, e, q, kept_from)
+    finally:
+        nucleus.SORT_MAX_VOCAB = limit
+    return t_sort, t_radix
+
+
+@settings(max_examples=300, deadline=None)
+@given(small_rows(), st.one_of(st.floats(1e-4, 0.9999), st.sampled_from([0.25, 0.5])))
+def test_the_sort_of_small_rows_gives_the_radix_selects_threshold(rows, q):
+    """Rows of at most ``SORT_MAX_VOCAB`` logits are sorted; the radix select gives the very same threshold, with
+    ties, zero-mass tokens and an earlier rule."""
+    z, kept_from = rows
+    t_sort, t_radix = _both_paths(z, q, kept_from)
+    assert torch.equal(t_sort, t_radix), (t_sort, t_radix)
+
+
+@settings(max_examples=60, deadline=None)
+@given(small_rows())
+def test_a_row_that_cannot_reach_the_target_keeps_every_token_with_mass(rows):
+    """Where rounding leaves a row's float64 mass below ``q T`` (``T`` is summed in fp32 partial sums; here made
+    larger by 1e-4, past any fp32 rounding, to force it), both paths keep every token with mass: ``t`` is the
+    smallest such logit, never a token of probability 0 or one an earlier rule removed."""
+    import safevocab.nucleus as nucleus
+
+    z, kept_from = rows
+    exact_sum = nucleus.row_sum64
+    nucleus.row_sum64 = lambda x: exact_sum(x) * (1 + 1e-4)
+    try:
+        t_sort, t_radix = _both_paths(z, 1 - 1e-12, kept_from)
+    finally:
+        nucleus.row_sum64 = exact_sum
+    e = torch.exp(z - z.amax(-1, keepdim=True))
+    with_mass = (e > 0) if kept_from is None else (e > 0) & (z >= kept_from)
+    smallest = torch.where(with_mass, z, torch.inf).amin(-1, keepdim=True)
+    assert torch.equal(t_sort, smallest) and torch.equal(t_radix, smallest), (t_sort, t_radix, smallest)
+
+
+def test_a_boundary_mass_of_exactly_q_stops_before_the_next_tie_group():
+    """Masses 1/2, 1/4, 1/4 and ``q = 1/2``: the mass above the tied pair is exactly ``q T``, so only the top token is
+    kept (kept iff the mass above is ``< q T``), by the sort and by the radix select alike."""
+    z = torch.tensor([[0.0, math.log(0.5), math.log(0.5)]], dtype=torch.float64)
+    t_sort, t_radix = _both_paths(z, 0.5, None)
+    assert t_sort.item() == 0.0 and t_radix.item() == 0.0

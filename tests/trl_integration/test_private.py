@@ -96,15 +96,14 @@ def test_missing_method_and_helper_fail_in_one_line():
 
 
 # The config's import (slow tier, issue 53) runs the same fence as the trainer's, which the fast suite keeps.
-@pytest.mark.parametrize(
-    "module", ["trl_integration.grpo.trainer", pytest.param("trl_integration.grpo.config", marks=pytest.mark.slow)]
-)
+@pytest.mark.parametrize("module", ["trl_integration.grpo.trainer", "trl_integration.grpo.config"])
 def test_unsupported_trl_fails_at_import(module):
     """A trl outside the tested range fails when the integration is imported, with one line, not during a step; from
-    the trainer's import before trl's trainer stack (and vLLM with it) loads: in about the time of ``import torch``."""
+    the trainer's and from the config's import (``trl_integration/trl_version.py``, the same range), before trl's
+    trainer stack (and vLLM with it) loads: in about the time of ``import torch``."""
     code = (
         "import atexit, sys, trl\n"
-        "atexit.register(lambda: print('loaded:', *sorted({'trl.trainer.grpo_trainer', 'vllm'} & set(sys.modules))))\n"
+        "atexit.register(lambda: print('loaded:', *sorted({'trl.trainer.grpo_trainer', 'transformers.training_args', 'vllm'} & set(sys.modules))))\n"
         f"trl.__version__ = '1.17.0'; import {module}\n"
     )
     result = subprocess.run(
@@ -113,8 +112,7 @@ def test_unsupported_trl_fails_at_import(module):
     assert result.returncode != 0
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith("ImportError: trl 1.17.0 is not supported") and SUPPORTED_TRL in last
-    if module.endswith(".trainer"):
-        assert result.stdout.strip() == "loaded:", result.stdout
+    assert result.stdout.strip() == "loaded:", result.stdout
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -312,13 +312,6 @@ def run(argv: list[str] | None = None):
                 "dataset (pass --dataset_name <local dir, file or Hub id> to train on your data)"
             )  # a notice: stdout, so that an error stays the one line on stderr
 
-    from trl import get_peft_config, get_quantization_config
-
-    from trl_integration.commands.broken_run import RewardGuard, check_trained
-    from trl_integration.grpo.vllm_engine import shut_down_colocated_engine
-    from trl_integration.harness.console_log import show_notices
-    from trl_integration.harness.trainer import HardenedSafeVocabGRPOTrainer
-
     with usage_errors(PROG, debug):
         check_before_loading(
             script_args, training_args, model_args, builtin_datasets=(SYNTHETIC_DATASET_NAME, ARITHMETIC_DATASET_NAME)
@@ -345,6 +338,14 @@ def run(argv: list[str] | None = None):
         if status:
             raise SystemExit(status)
         return None
+    # the training stack (trl's trainer, vLLM with it: ~3 s), only in a process that trains: not in a launcher
+    from trl import get_peft_config, get_quantization_config
+
+    from trl_integration.commands.broken_run import RewardGuard, check_trained
+    from trl_integration.grpo.vllm_engine import shut_down_colocated_engine
+    from trl_integration.harness.console_log import show_notices
+    from trl_integration.harness.trainer import HardenedSafeVocabGRPOTrainer
+
     data_context = "datasets: in --config: " if mixture else f"--dataset_name {script_args.dataset_name}: "
     with usage_errors(PROG, debug, data_context), unreadable_data():
         train_dataset, eval_dataset = load_train_dataset(script_args, dataset_args)

@@ -9,9 +9,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
-from trl import GRPOConfig
+import trl
 
-import trl_integration._private  # noqa: F401  (fails at import, in one line, outside the tested trl range)
 from safevocab import SafeVocabRule, parse_rule
 from safevocab.effective_rule import sampler_rule
 from safevocab.schedulers import SurgeDetector
@@ -41,6 +40,12 @@ from trl_integration.options import (
     SCORING_MODES,
     SUPPORT_SOURCES,
 )
+from trl_integration.trl_version import check_trl_version
+
+# outside the tested trl range: one line at import, before trl's config (and transformers' Trainer stack with it) loads
+check_trl_version(trl.__version__)
+
+from trl import GRPOConfig  # noqa: E402
 
 __all__ = ["SafeVocabGRPOConfig", "OUT_OF_SET_MODES", "SCORING_MODES", "DEFAULT_RULE"]
 
