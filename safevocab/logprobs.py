@@ -326,13 +326,14 @@ def fused_safe_logprobs(
     backend: str = "auto",
     weight_gather: Callable[[], AbstractContextManager] | None = None,
     support: SafeSupport | None = None,
+    keep_logits_bytes: int = 0,
 ) -> SafeLogProbs:
     """Safe-vocabulary log-probabilities of ``targets`` under ``hidden @ weight.T (+ bias)``, fused.
 
     Same outputs as :func:`safe_log_softmax` on ``hidden @ weight.T + bias`` (within fp32 tolerance),
     without ever materialising the ``[N, V]`` logits: rows are processed in chunks whose fp32 scratch
     fits ``max_chunk_bytes``, and backward recomputes each chunk (one extra GEMM, like trl's
-    ``ChunkedLogProbFunction`` and Liger's fused losses).
+    ``ChunkedLogProbFunction`` and Liger's fused losses) unless ``keep_logits_bytes`` lets the forward keep it.
 
     Args:
         hidden: ``[N, H]`` (or ``[..., H]``) final hidden states, float32/bfloat16/float16/float64.
@@ -346,7 +347,8 @@ def fused_safe_logprobs(
         logit_scale: multiplies the logits first (> 0).
         compute_entropy: also return the entropy of ``pi_S``.
         max_chunk_bytes: memory budget for one chunk's scratch (default 64 MiB). Peak extra memory
-            is about this plus an fp32 ``[V, H]`` weight-gradient accumulator.
+            is about this plus an fp32 ``[V, H]`` weight-gradient accumulator (plus ``keep_logits_bytes`` at most,
+            held from the forward to the backward).
         backend: ``"auto"`` (Triton kernels when the tensors are on CUDA and ``triton`` imports, else
             torch), ``"torch"``, or ``"triton"`` (forces the kernels; CPU tensors only under Triton's
             interpreter, ``TRITON_INTERPRET=1``). See :mod:`safevocab.backends.registry`.
@@ -363,6 +365,15 @@ def fused_safe_logprobs(
             same memory class (the kept ids become a boolean mask one chunk at a time, never ``[N, V]``), the
             sparse backward whenever the sets are small. Runs on the torch backend (the Triton kernels take
             threshold rules only).
+        keep_logits_bytes: memory the forward may spend keeping chunks' logits for the backward, which then folds them
+            instead of recomputing them: the same outputs and gradients bit for bit, one LM-head GEMM fewer a kept
+            chunk (forward + backward of a call whose chunks are all kept: 3 GEMMs instead of 4). Default 0: recompute
+            every chunk. Chunks are kept in forward order while their buffers fit; the rest recompute. A kept chunk
+            costs ``rows x V x itemsize`` bytes from the forward to the backward: the GEMM output in the inputs' dtype
+            (2 bytes a logit for bf16/fp16: ``N = 8192``, ``V = 151936`` bf16 takes 2.49 GB for the whole call), or on
+            the Triton backend's torch-threshold route (rules without a kernel threshold, fp64 inputs) the fp32/fp64
+            transformed copy its fold reads. The buffers serve one backward: it drops them when it ends, and a second
+            one (``retain_graph=True``) recomputes. Nothing is kept when no input needs a gradient.
 
     Returns:
         :class:`SafeLogProbs` of shape ``[...]`` (the targets' shape). ``logprobs``, ``log_kept_mass``
@@ -399,6 +410,9 @@ def fused_safe_logprobs(
     temperature, softcap, logit_scale = _check_transform(temperature, softcap, logit_scale)
     compute_entropy = boolean("compute_entropy", compute_entropy)
     max_chunk_bytes = integer("max_chunk_bytes", max_chunk_bytes, lambda x: x > 0, "an integer > 0")
+    keep_logits_bytes = integer(
+        "keep_logits_bytes", keep_logits_bytes, lambda x: x >= 0, "an integer >= 0 (0: recompute)"
+    )
     # "auto" -> a backend for the tensors' device; raises on an unknown name or an unusable named backend
     backend_impl = get_backend(resolve_backend(backend, hidden.device))
     rule = _as_rule(rule)
@@ -428,6 +442,9 @@ def fused_safe_logprobs(
         weight_gather,
         None if support is None else _on_device(support, hidden.device),
         reads,
+        # autograd tells the op which inputs need a gradient, not whether a graph is recorded: no backward can follow a
+        # forward under no_grad/inference_mode, so it keeps nothing
+        keep_logits_bytes if torch.is_grad_enabled() else 0,
     )
     return SafeLogProbs(
         logprobs=logprobs.reshape(out_shape),

@@ -12,7 +12,9 @@ entries (``nonzero``, ``O(|S|)`` work, also the CSR of a sparse chunk,
 :class:`~safevocab.fused.row_stats.SparseChunk`) or, for a dense chunk, a masked sum. The entropy is
 ``H(pi_S) = log sum_S e - sum_S e (z - m) / sum_S e``.
 
-Dense backward, per chunk: recompute the logits on the forward's own row slice (bit-identical), then per row block
+Dense backward, per chunk: recompute the logits on the forward's own row slice (bit-identical; or, for a chunk the
+forward kept under ``keep_logits_bytes``, transform the GEMM output it kept: the forward's passes overwrite their
+transformed copy, so the GEMM output is what is kept, ``rows x V`` in the inputs' dtype), then per row block
 rebuild ``S = {z >= t}`` (skipped where ``t`` is at or below the block's minimum: every finite logit is kept), check it
 against the saved ``|S|`` (a row whose count moved is repaired from its ``|S|`` largest logits) and write
 ``grad_z = g_lp 1[a=y] - pi_S (c_S + g_H (log pi_S + H)) - c_F pi`` over the logits in place, with
@@ -111,12 +113,33 @@ def torch_forward(job: ChunkJob, stats: RowStats, density: float | None) -> list
         return sparse_chunks
     logits_of = ChunkLogits(job.hidden, job.weight, job.bias, job.transform, job.buffer_rows)
     blocks = row_blocks(job.buffer_rows, vocab, device=job.hidden.device)
-    scratch = _Scratch(blocks[0].stop, vocab, logits_of.buf.dtype, job.hidden.device)
+    scratch = _Scratch(blocks[0].stop, vocab, logits_of.stat, job.hidden.device)
     for rows in job.slices():
-        z = logits_of(job.hidden[rows])
+        z = _forward_logits(job, logits_of, rows)
         with single_threaded(z.device):  # the GEMM above keeps the caller's threads (safevocab.threads)
             _forward_chunk(z, rows, job.targets, job.rule, stats, scratch, job.support, density, sparse_chunks)
     return sparse_chunks
+
+
+def _forward_logits(job: ChunkJob, logits_of: ChunkLogits, rows: slice) -> torch.Tensor:
+    """The transformed logits of the forward chunk ``rows`` in the reused buffer (the forward's passes overwrite them).
+    While the job's cap has room (:meth:`~safevocab.fused.chunking.ChunkJob.keeps`), the GEMM writes into a buffer of
+    the chunk's own (``rows x V`` in the inputs' dtype, laid out as the reused one), kept for the backward, and the
+    logits are its copy, transformed."""
+    h = job.hidden[rows]
+    n, vocab = h.shape[0], job.vocab
+    if not job.keeps(rows, n * vocab * h.element_size()):
+        return logits_of(h)
+    raw = logits_of.gemm(h, out=torch.empty(n, vocab, device=h.device, dtype=h.dtype))
+    job.kept_logits.put(rows.start, raw)
+    return logits_of.transformed(raw, out=logits_of.buffer(n))
+
+
+def _backward_logits(job: ChunkJob, logits_of: ChunkLogits, rows: slice) -> torch.Tensor:
+    """The transformed logits of the chunk ``rows`` for a backward, as the forward had them: from the GEMM output the
+    forward kept (taken: transformed over itself for fp32/fp64 inputs, copied first for half ones), else recomputed."""
+    raw = job.take_kept(rows)
+    return logits_of(job.hidden[rows]) if raw is None else logits_of.transformed(raw)
 
 
 def _forward_chunk(z, rows: slice, targets, rule, stats: RowStats, scratch, support, density, sparse_chunks) -> None:
@@ -276,10 +299,10 @@ def dense_backward(
     vocab = job.vocab
     logits_of = ChunkLogits(job.hidden, job.weight, job.bias, job.transform, job.buffer_rows)
     blocks = row_blocks(job.buffer_rows, vocab, device=job.hidden.device)
-    scratch = _Scratch(blocks[0].stop, vocab, logits_of.buf.dtype, job.hidden.device)
+    scratch = _Scratch(blocks[0].stop, vocab, logits_of.stat, job.hidden.device)
     for rows in chunks:
         h = job.hidden[rows]  # the forward's operand: same slice, same layout
-        z = logits_of(h)
+        z = _backward_logits(job, logits_of, rows)  # kept by the forward, or recomputed; |S| is checked either way
         with single_threaded(z.device):  # the GEMMs keep the caller's threads (safevocab.threads)
             for block in row_blocks(rows.stop - rows.start, vocab, device=z.device):
                 at = slice(rows.start + block.start, rows.start + block.stop)
@@ -405,7 +428,7 @@ def full_softmax_backward(job: ChunkJob, idx: torch.Tensor, coef: Coefficients, 
     hidden = job.hidden
     logits_of = ChunkLogits(hidden, job.weight, job.bias, job.transform, job.buffer_rows)  # the forward's buffer
     for rows, at in job.chunks_of(idx):
-        z = logits_of(hidden[rows])
+        z = _backward_logits(job, logits_of, rows)  # kept by the forward, or recomputed
         if isinstance(at, slice):  # the whole chunk: its other rows have c_F = 0 and g_lp 1[y not in S] = 0
             h = hidden[rows]
         else:  # the forward's logits of the chosen rows

@@ -50,6 +50,13 @@ def make_parser(prog: str = "python -m safevocab.bench") -> argparse.ArgumentPar
         help="fused chunk budget in bytes (default: the library default)",
     )
     p.add_argument(
+        "--keep-logits-bytes",
+        type=int,
+        default=0,
+        help="fused: bytes of chunk logits the forward keeps for the backward instead of recomputing them "
+        "(fused_safe_logprobs' keep_logits_bytes), default 0: recompute",
+    )
+    p.add_argument(
         "--variants",
         default=None,
         help=f"comma list of {','.join(VARIANTS)}; default {','.join(DEFAULT_VARIANTS['cpu'])} "

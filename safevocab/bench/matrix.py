@@ -77,7 +77,8 @@ def format_matrix(args: argparse.Namespace, results: dict[str, dict], load: tupl
     """Per thread count: the floor's and trl's times, then per rule the fused time and its ratios."""
     lines = [
         f"safevocab.bench  N={args.n} H={args.h} V={args.v} dtype={args.dtype} device={args.device} repeats={args.repeats} "
-        f"max_chunk_bytes={args.max_chunk_bytes}; load average at start {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}; "
+        f"max_chunk_bytes={args.max_chunk_bytes} keep_logits_bytes={args.keep_logits_bytes}; "
+        f"load average at start {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}; "
         f"busy cores: {args.busy_cores} spinning process(es) ran during the measurement",
     ]
     for threads, res in results.items():

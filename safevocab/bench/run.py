@@ -113,7 +113,8 @@ def format_table(args: argparse.Namespace, results: dict[str, dict], kept_set: d
     lines = [
         f"safevocab.bench  N={args.n} H={args.h} V={args.v} dtype={args.dtype} rule={args.rule} "
         f"device={device_name(args.device)} threads={torch.get_num_threads()} repeats={args.repeats} "
-        f"backend={args.backend} max_chunk_bytes={args.max_chunk_bytes} logits={args.logits_profile}",
+        f"backend={args.backend} max_chunk_bytes={args.max_chunk_bytes} keep_logits_bytes={args.keep_logits_bytes} "
+        f"logits={args.logits_profile}",
         *([f"kept set |S|: median {kept_set['median']:.0f}, p99 {kept_set['p99']:.0f}"] if kept_set else []),
         "",
         "| variant | fwd+bwd time (s) | peak extra memory (MiB) |",

@@ -90,7 +90,14 @@ def make_step(variant: str, args: argparse.Namespace, device: torch.device) -> C
 
         def step() -> None:
             out = fused_safe_logprobs(
-                hidden, weight, targets, rule, max_chunk_bytes=args.max_chunk_bytes, support=support, backend=backend
+                hidden,
+                weight,
+                targets,
+                rule,
+                max_chunk_bytes=args.max_chunk_bytes,
+                keep_logits_bytes=args.keep_logits_bytes,
+                support=support,
+                backend=backend,
             ).logprobs
             out.backward(grad_out)
 

@@ -40,6 +40,18 @@ Backward forms ``grad_z = g_lp 1[a=y] - pi_S (c_S + g_H (log pi_S + H)) - c_F pi
   ``delta`` off becomes a factor ``exp(delta / T)`` against the forward's normaliser, unbounded at small
   ``T``. It also makes the part cancel exactly against the stored safe-set part where ``S = V``.
 
+Kept logits (``keep_logits_bytes > 0``, opt-in): the forward keeps its first chunks' logits buffers, in forward order
+until the next would pass the cap, each in a tensor of its own (:class:`~safevocab.fused.chunking.KeptLogits`, carried
+by the :class:`~safevocab.fused.chunking.ChunkJob`): the exact buffer its fold read (the GEMM output in the inputs'
+dtype, 2 bytes a logit for bf16; the torch-transformed fp32 copy on the Triton backend's torch-threshold route; the
+GEMM output, transformed again, on the torch backend, whose forward overwrites its logits). Where the backward would
+recompute a kept chunk (dense chunks, the full-softmax part, the Triton backend's dense choice for stored chunks) it
+folds that buffer instead: the same ``S`` and gradients bit for bit, one GEMM fewer a chunk (3 GEMMs instead of 4 for a
+call whose chunks are all kept). The cost is ``rows x V x itemsize`` a kept chunk, held from the forward to the
+backward (``N = 8192``, ``V = 151936``, bf16: 2.49 GB for the whole call). The backward writes the gradient over the
+buffers it reads, so they serve one backward: it drops them all when it ends, and a second one (``retain_graph=True``)
+recomputes. A forward where no input needs a gradient keeps nothing.
+
 fp16 inputs: each row's logits gradient is at most ``(|g_lp| + |c_S| + |c_F| + |g_H| (1/e + H)) s``
 (``s = logit_scale / T``; :meth:`~safevocab.fused.coefficients.Coefficients.logits_grad_bound`), which leaves fp16's
 range once ``1/T`` nears 65504 while the gradients of ``hidden`` and ``weight`` may still fit. The backends
@@ -62,7 +74,7 @@ import contextlib
 import torch
 
 from safevocab.fused.checks import non_finite_flags, raise_on_empty_support, raise_on_non_finite_rows
-from safevocab.fused.chunking import ChunkJob
+from safevocab.fused.chunking import ChunkJob, KeptLogits
 from safevocab.fused.coefficients import Coefficients, fp16_grad_shift
 from safevocab.fused.protocol import FusedBackend
 from safevocab.fused.row_stats import CallReads, RowStats
@@ -103,6 +115,7 @@ class FusedSafeLogProbs(torch.autograd.Function):
         weight_gather=None,  # sharded-weight hook: zero-arg factory of a context manager, or None
         support: SafeSupport | None = None,  # replayed kept ids per row (backends with supports_replay)
         reads: CallReads | None = None,  # the caller's checks, read with the op's (fused_safe_logprobs' input checks)
+        keep_logits_bytes: int = 0,  # cap on the chunk buffers kept for the backward (KeptLogits); 0: recompute all
     ):
         ctx.set_materialize_grads(False)
         ctx.weight_gather = weight_gather
@@ -129,7 +142,10 @@ class FusedSafeLogProbs(torch.autograd.Function):
                 lambda: (stats.safe_size == 0).any(),
                 lambda flag: raise_on_empty_support(stats.safe_size, rule, bool(flag[0])),
             )
-        job = ChunkJob(hidden, weight, bias, targets, rule, transform, chunk_rows, support)
+        # Kept logits only where a backward may run: an input needs a gradient (the caller passes 0 under no_grad, which
+        # needs_input_grad does not show)
+        kept = KeptLogits(keep_logits_bytes) if keep_logits_bytes > 0 and any(ctx.needs_input_grad[:3]) else None
+        job = ChunkJob(hidden, weight, bias, targets, rule, transform, chunk_rows, support, kept)
         sparse_chunks = backend.forward(job, stats, density)
         stats.reads.check()  # in order: the caller's input checks, non-finite input, an empty replayed row
         if support is None:
@@ -160,6 +176,7 @@ class FusedSafeLogProbs(torch.autograd.Function):
             set_max,
         )
         ctx.sparse_chunks = sparse_chunks
+        ctx.kept_logits = kept if kept is not None and len(kept) else None
         ctx.weight_shape = tuple(weight.shape)
         ctx.transform = transform
         ctx.chunk_rows = chunk_rows
@@ -169,13 +186,20 @@ class FusedSafeLogProbs(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_logprobs, grad_log_kept, grad_entropy, _grad_in_safe, _grad_safe_size):  # type: ignore[override]
-        if grad_logprobs is None and grad_log_kept is None and grad_entropy is None:
-            return (None,) * 12
-        # ---- sharded-weight hook: the backward re-reads the weight (sparse GEMMs and the dense
-        # recomputation), so a weight gathered only for the forward (DeepSpeed ZeRO-3) is gathered again here.
-        gather = contextlib.nullcontext() if ctx.weight_gather is None else ctx.weight_gather()
-        with gather:
-            return FusedSafeLogProbs._backward(ctx, grad_logprobs, grad_log_kept, grad_entropy)
+        try:
+            if grad_logprobs is None and grad_log_kept is None and grad_entropy is None:
+                return (None,) * 13
+            # ---- sharded-weight hook: the backward re-reads the weight (sparse GEMMs and the dense
+            # recomputation), so a weight gathered only for the forward (DeepSpeed ZeRO-3) is gathered again here.
+            gather = contextlib.nullcontext() if ctx.weight_gather is None else ctx.weight_gather()
+            with gather:
+                return FusedSafeLogProbs._backward(ctx, grad_logprobs, grad_log_kept, grad_entropy)
+        finally:
+            # the kept buffers serve one backward (it writes the gradient over those it reads): drop them all, so that
+            # a second one (retain_graph=True) recomputes and none outlives the backward while the graph is held
+            if ctx.kept_logits is not None:
+                ctx.kept_logits.clear()
+                ctx.kept_logits = None
 
     @staticmethod
     def _backward(ctx, grad_logprobs, grad_log_kept, grad_entropy):
@@ -201,7 +225,9 @@ class FusedSafeLogProbs(torch.autograd.Function):
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         n_rows, stat = hidden.shape[0], log_sum_safe.dtype
         # the forward's job on the saved tensors (a sharded weight is gathered again around this backward)
-        job = ChunkJob(hidden, weight, bias, targets, ctx.rule, ctx.transform, ctx.chunk_rows, ctx.support)
+        job = ChunkJob(
+            hidden, weight, bias, targets, ctx.rule, ctx.transform, ctx.chunk_rows, ctx.support, ctx.kept_logits
+        )
 
         # contiguous: autograd may hand over expanded (stride-0) gradients, and the kernels index rows directly
         zeros = torch.zeros(n_rows, device=hidden.device, dtype=stat)
@@ -271,6 +297,7 @@ class FusedSafeLogProbs(torch.autograd.Function):
             None,  # weight_gather
             None,  # support
             None,  # reads
+            None,  # keep_logits_bytes
         )
 
 

@@ -51,13 +51,15 @@ class FusedBackend(Protocol):
         """Fill ``stats`` (each ``[N]``, preallocated) for every chunk of ``job`` (:meth:`ChunkJob.slices`); return
         the chunks whose safe sets keep at most ``sparse_max_density`` of their logits, as CSR (``None``: never).
         With a ``job.support`` (only when :attr:`supports_replay`), ``S`` is its ids intersected with the rule's
-        set."""
+        set. With a ``job.kept_logits``, each chunk the cap lets through (:meth:`ChunkJob.keeps`, in forward order)
+        computes its logits into a buffer of its own, put there for the backward."""
         ...
 
     def dense_backward(self, job: ChunkJob, chunks: list[slice], coef: Coefficients, grads: Grads) -> None:
         """Add the whole gradient of the forward chunks ``chunks`` (row slices of ``job``) to ``grads``, recomputing
         their logits exactly as the forward did (same row slices, same calls), so ``S = {z >= t}`` is the forward's
-        (with a ``job.support``: its ids on that set)."""
+        (with a ``job.support``: its ids on that set); a chunk whose buffer the forward kept
+        (:meth:`ChunkJob.take_kept`) folds that buffer instead of recomputing it."""
         ...
 
     def full_softmax_backward(self, job: ChunkJob, idx: torch.Tensor, coef: Coefficients, grads: Grads) -> None:
@@ -66,5 +68,5 @@ class FusedBackend(Protocol):
         ``g_lp 1[a=y not in S] = 0``, so folding a whole chunk adds nothing for them). ``pi`` uses the forward's row
         statistics, so the logits must be the forward's bit for bit: each chunk holding such rows is recomputed whole
         as :meth:`forward` computed it (same row slice, same calls, a buffer of the same shape;
-        :meth:`ChunkJob.chunks_of`)."""
+        :meth:`ChunkJob.chunks_of`), or taken from the forward's kept buffer (:meth:`ChunkJob.take_kept`)."""
         ...

@@ -92,8 +92,8 @@ def check_rule_text(name: str, text: str, engine: str | None = None):
 def check_safe_vocab_fields(config) -> None:
     """Validate (and normalise in place) the safe-vocabulary fields of a ``SafeVocabGRPOConfig``: the rule (parsed
     into ``config._rule``; an empty one refused), the out-of-set mode, the rollout dtype, the mismatch buckets, the
-    chunk budget, the scoring and support sources, the out-of-set alert's threshold and empty-step action, and the resume
-    opt-outs."""
+    chunk budget and the kept-logits cap, the scoring and support sources, the out-of-set alert's threshold and
+    empty-step action, and the resume opt-outs."""
     check_allowed_changes(config)  # the boolean fields were parsed first (grpo/value_checks.py)
     # The rule composes in the order of the engine that samples the rollouts (vLLM's differs from generate's).
     config._rule = check_rule_text("safe_vocab_rule", config.safe_vocab_rule, engine=config.rule_engine)
@@ -111,6 +111,12 @@ def check_safe_vocab_fields(config) -> None:
     config.mismatch_buckets = edges
     config.safe_vocab_max_chunk_bytes = integer(
         "safe_vocab_max_chunk_bytes", config.safe_vocab_max_chunk_bytes, lambda n: n > 0, "an integer > 0"
+    )
+    config.safe_vocab_keep_logits_bytes = integer(
+        "safe_vocab_keep_logits_bytes",
+        config.safe_vocab_keep_logits_bytes,
+        lambda n: n >= 0,
+        "an integer >= 0 (0: recompute)",
     )
     one_of("safe_vocab_scoring", config.safe_vocab_scoring, STRING_CHOICES["safe_vocab_scoring"])
     one_of("safe_vocab_support", config.safe_vocab_support, STRING_CHOICES["safe_vocab_support"])

@@ -112,6 +112,12 @@ class SafeVocabGRPOConfig(GRPOConfig):
 
         safe_vocab_max_chunk_bytes (`int`, defaults to 64 MiB):
             Scratch memory budget of one chunk of the fused safe log-softmax.
+        safe_vocab_keep_logits_bytes (`int`, defaults to `0`):
+            Memory the loss's forward may spend keeping the LM-head logits of its first chunks for the backward, which
+            then folds them instead of recomputing them: the same gradients, one LM-head GEMM fewer per kept chunk.
+            Costs `rows x vocabulary x 2` bytes per kept chunk for bf16/fp16 heads (4 for fp32), held from the loss's
+            forward to its backward (8192 scored tokens at a 151936-token vocabulary, bf16: 2.49 GB). `0`: recompute
+            (docs/performance.md, "Kept logits").
         safe_vocab_scoring (`str`, defaults to `"auto"`):
             Where the out-of-set masks, the importance ratio and the metrics of a generation batch come from when
             trl scores no old-policy log-probabilities (on-policy: one iteration per generation, no vLLM
@@ -251,6 +257,7 @@ class SafeVocabGRPOConfig(GRPOConfig):
     mismatch_buckets: list[float] = field(default_factory=lambda: list(DEFAULT_BUCKETS))
     log_entropy_metrics: bool = field(default=False)
     safe_vocab_max_chunk_bytes: int = field(default=DEFAULT_MAX_CHUNK_BYTES)
+    safe_vocab_keep_logits_bytes: int = field(default=0)
     safe_vocab_scoring: str = field(default="auto", metadata={"choices": list(SCORING_MODES)})
     safe_vocab_support: str = field(default="rule", metadata={"choices": list(SUPPORT_SOURCES)})
     safe_vocab_out_of_set_warn_frac: float = field(default=0.2)

@@ -141,6 +141,7 @@ def add_safe_lm_head(
     cast_lm_head_to_fp32: bool = False,
     state: SafeHeadState | None = None,
     max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
+    keep_logits_bytes: int = 0,
 ) -> SafeHeadState:
     """Patch ``model`` so that ``model(..., labels=labels, fused_lm_head=True)`` returns safe log-probabilities.
 
@@ -154,6 +155,8 @@ def add_safe_lm_head(
         cast_lm_head_to_fp32: run the head projection in fp32, as trl's ``cast_lm_head_to_fp32``.
         state: shared :class:`SafeHeadState`; a new one is created when ``None``.
         max_chunk_bytes: scratch budget of one chunk in :func:`safevocab.fused_safe_logprobs`.
+        keep_logits_bytes: the scoring call's cap on the chunk logits its forward keeps for the backward
+            (:func:`safevocab.fused_safe_logprobs`; 0: recompute). The no-grad metric passes keep nothing.
 
     Returns:
         The :class:`SafeHeadState` the patched forward reads.
@@ -225,6 +228,7 @@ def add_safe_lm_head(
                 **transform,
                 compute_entropy=state.compute_entropy,
                 max_chunk_bytes=max_chunk_bytes,
+                keep_logits_bytes=keep_logits_bytes,
                 weight_gather=_backward_gather(lm_head, head_weight, head_bias),
                 support=support,
             )

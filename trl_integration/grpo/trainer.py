@@ -158,7 +158,8 @@ class SafeVocabGRPOTrainer(QueuedMetrics, GRPOTrainerBridge):
             reference = None if self.ref_model is None else self.accelerator.unwrap_model(self.ref_model)
             for target in (base,) if reference is None else (base, reference):
                 add_safe_lm_head(target, self.safe_vocab_rule, self.temperature, args.cast_lm_head_to_fp32,
-                                 self._safe_head, args.safe_vocab_max_chunk_bytes)  # fmt: skip
+                                 self._safe_head, args.safe_vocab_max_chunk_bytes,
+                                 args.safe_vocab_keep_logits_bytes)  # fmt: skip
         if self.use_vllm:
             warn_grammar_without_replay(args, replay=self._replay is not None)
             warn_tied_adapter(self.model)  # a PEFT adapter a tied engine cannot hold (modules_to_save, embedding LoRA)

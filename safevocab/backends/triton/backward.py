@@ -48,7 +48,7 @@ def dense_backward(job: ChunkJob, route: Route, chunks: list[slice], coef: Coeff
     transform = job.transform
     for rows in chunks:
         h = job.hidden[rows]
-        z, out = logits_of(h)
+        z, out = logits_of.backward(rows)  # the forward's kept buffer, or recomputed
         backward_fold(
             z,
             out,
@@ -91,7 +91,7 @@ def full_softmax_backward(job: ChunkJob, route: Route, idx: torch.Tensor, coef: 
     # of eps_bf16 * p per logit where the exact gradient is 0 (issue 57, T1).
     half = hidden.dtype in (torch.bfloat16, torch.float16)
     for rows, at in job.chunks_of(idx):
-        z, out = logits_of(hidden[rows])
+        z, out = logits_of.backward(rows)  # the forward's kept buffer, or recomputed
         if isinstance(at, slice):  # the whole chunk: its other rows have c_F = 0 and g_lp 1[y not in S] = 0
             h = hidden[rows]
         else:  # the forward's logits of the chosen rows (a row-contiguous copy)

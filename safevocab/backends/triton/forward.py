@@ -80,7 +80,8 @@ def forward_chunks(job: ChunkJob, route: Route, stats: RowStats, sparse_max_dens
     for rows in job.slices():
         n = rows.stop - rows.start
         out = stats.rows(rows)
-        z, _ = logits_of(job.hidden[rows])  # the GEMM output; on the torch route transformed, fp32 (fp64 for fp64)
+        # the GEMM output; on the torch route transformed, fp32 (fp64 for fp64); in a kept buffer while the cap allows
+        z = logits_of.forward(rows)
         # the gate: at most this many kept logits in the chunk; every row keeps at least one, so below n it never
         # passes and the fold writes no entries
         gate = math.floor(sparse_max_density * n * job.vocab) if store_sparse_ok else -1
@@ -252,7 +253,7 @@ def replay_forward(job: ChunkJob, route: Route, stats: RowStats) -> list[SparseC
     bounds = torch.cat([support.offsets[:: job.chunk_rows], support.offsets[-1:]]).tolist()
     pending = []
     for i, rows in enumerate(slices):
-        z, _ = logits_of(job.hidden[rows])
+        z = logits_of.forward(rows)  # in a kept buffer while the job's cap allows
         out = stats.rows(rows)
         # z: the GEMM output (the rule's thresholds from it, as forward_chunks computes them), or the torch copy
         route.fold(z, targets[rows], out, job.transform)

@@ -17,7 +17,9 @@ A :class:`Route` knows everything else that differs between the three: a chunk's
 (:meth:`Route.chunk_rows`), a chunk's logits buffer (:meth:`Route.chunk_logits`: the raw GEMM output the kernels
 transform, or the torch-transformed fp32 copy) and how a chunk's thresholds and row statistics are made
 (:meth:`Route.fold`). The forward, the replayed forward and every backward pass of the Triton backend take the route
-of their call from here.
+of their call from here. A chunk's logits buffer is also what the forward keeps for the backward under the caller's
+``keep_logits_bytes`` (:meth:`RouteLogits.forward`, :meth:`RouteLogits.backward`): the GEMM output on the in-kernel
+and selection routes, the fp32 transformed copy on the torch route.
 """
 
 from __future__ import annotations
@@ -110,8 +112,9 @@ class Route:
         return balanced_chunk_rows(n_rows, max_chunk_bytes // max(1, vocab * per_logit + extra_per_row))
 
     def chunk_logits(self, job: ChunkJob) -> RouteLogits:
-        """The logits of ``job``'s chunks on this route, in one reused buffer of ``job.buffer_rows`` rows: the forward,
-        the replayed forward and the backward each build one, so their chunks are bit-identical."""
+        """The logits of ``job``'s chunks on this route, in one reused buffer of ``job.buffer_rows`` rows (or a kept
+        chunk's own): the forward, the replayed forward and the backward each build one, so their chunks are
+        bit-identical."""
         return RouteLogits(job, self.transform_in_kernel)
 
     def fold(
@@ -162,14 +165,19 @@ def _kernel_transform(transform: Transform) -> dict[str, float | None]:
 
 
 class ChunkGemm:
-    """GEMM of a chunk of rows into one reused buffer in the inputs' dtype (raw, untransformed logits)."""
+    """GEMM of a chunk of rows into one reused buffer in the inputs' dtype (raw, untransformed logits), allocated on
+    first use (a call whose chunks are all kept needs none), or into a kept chunk's own buffer."""
 
     def __init__(self, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows: int):
         self.weight_t, self.bias = weight.t(), bias
-        self.buf = torch.empty(rows, weight.shape[0], device=hidden.device, dtype=hidden.dtype)
+        self.shape, self.dtype, self.device = (rows, weight.shape[0]), hidden.dtype, hidden.device
+        self.buf: torch.Tensor | None = None
 
-    def __call__(self, h: torch.Tensor) -> torch.Tensor:
-        out = self.buf[: h.shape[0]]
+    def __call__(self, h: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        if out is None:
+            if self.buf is None:
+                self.buf = torch.empty(self.shape, device=self.device, dtype=self.dtype)
+            out = self.buf[: h.shape[0]]
         if self.bias is None:
             torch.mm(h, self.weight_t, out=out)
         else:
@@ -183,11 +191,17 @@ class RouteLogits:
 
     Called on a chunk's rows ``h`` (``[n, H]``, a row slice of ``job.hidden``), it returns ``(z, out)``: what the
     kernels read, and the inputs'-dtype buffer the backward kernel writes the logits gradient into (``z`` itself
-    on the raw routes).
+    on the raw routes). :meth:`forward` and :meth:`backward` do the same for a forward or backward chunk, through the
+    job's kept buffers (:class:`~safevocab.fused.chunking.KeptLogits`): a forward chunk the cap lets through gets a
+    buffer of its own, kept, and its backward folds that buffer instead of recomputing it.
+
+    What is kept is ``z``, the buffer the folds read: the GEMM output (inputs' dtype: 2 bytes a logit for bf16) on the
+    raw routes, the torch-transformed copy (fp32, fp64 for fp64 inputs: 4 or 8 bytes a logit) on the torch route,
+    whose half-precision GEMM output is then a reused buffer in forward and backward alike.
     """
 
     def __init__(self, job: ChunkJob, transform_in_kernel: bool):
-        self.in_kernel = transform_in_kernel
+        self.job, self.in_kernel = job, transform_in_kernel
         rows = job.buffer_rows
         self.gemm = ChunkGemm(job.hidden, job.weight, job.bias, rows) if self.in_kernel else None
         self.logits = None if self.in_kernel else ChunkLogits(job.hidden, job.weight, job.bias, job.transform, rows)
@@ -197,4 +211,43 @@ class RouteLogits:
             out = self.gemm(h)
             return out, out
         z = self.logits(h)
-        return z, (self.logits.raw[: h.shape[0]] if self.logits.raw is not None else z)
+        return z, self._destination(z)
+
+    def kept_dtype(self) -> torch.dtype:
+        """The dtype of a kept chunk's buffer: the inputs' on the raw routes, the statistics' on the torch route."""
+        return self.job.hidden.dtype if self.in_kernel else self.logits.stat
+
+    def forward(self, rows: slice) -> torch.Tensor:
+        """The logits the forward folds for the chunk ``rows`` (``z`` of :meth:`__call__`): in a buffer of their own,
+        kept for the backward, while the job's cap has room for its ``rows x V x itemsize`` bytes; else in the reused
+        buffer. The same GEMM and transform on the same operands either way, into a buffer of the same layout."""
+        h = self.job.hidden[rows]
+        dtype = self.kept_dtype()
+        n, vocab = h.shape[0], self.job.vocab
+        if not self.job.keeps(rows, n * vocab * dtype.itemsize):
+            return self(h)[0]
+        z = torch.empty(n, vocab, device=h.device, dtype=dtype)
+        if self.in_kernel:
+            self.gemm(h, out=z)
+        elif self.logits.in_dtype == z.dtype:  # fp32/fp64 inputs: the GEMM writes the logits in place
+            self.logits.transformed(self.logits.gemm(h, out=z))
+        else:  # half inputs: the GEMM output in the reused buffer, its transformed copy in the kept one
+            self.logits.transformed(self.logits.gemm(h), out=z)
+        self.job.kept_logits.put(rows.start, z)
+        return z
+
+    def backward(self, rows: slice) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(z, out)`` of the chunk ``rows`` for a backward: the buffer its forward kept, taken (the backward writes
+        the gradient over it: a second backward recomputes), with ``out`` the inputs'-dtype destination; else
+        recomputed (:meth:`__call__`)."""
+        z = self.job.take_kept(rows)
+        if z is None:
+            return self(self.job.hidden[rows])
+        return z, self._destination(z)
+
+    def _destination(self, z: torch.Tensor) -> torch.Tensor:
+        """Where the backward kernel writes the logits gradient of ``z``: ``z`` itself where it is in the inputs'
+        dtype, else (half inputs on the torch route) the reused GEMM buffer."""
+        if self.in_kernel or self.logits.in_dtype == z.dtype:
+            return z
+        return self.logits.raw_buffer(z.shape[0])

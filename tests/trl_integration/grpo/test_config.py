@@ -189,6 +189,8 @@ def test_incoherent_combinations_raise(tmp_path, kwargs, match):
     [
         (dict(safe_vocab_max_chunk_bytes=0), ValueError, "safe_vocab_max_chunk_bytes=0 is out of range: accepted an integer > 0"),
         (dict(safe_vocab_max_chunk_bytes=1.5), TypeError, "safe_vocab_max_chunk_bytes must be an integer, got float: 1.5"),
+        (dict(safe_vocab_keep_logits_bytes=-1), ValueError, "safe_vocab_keep_logits_bytes=-1 is out of range: accepted an integer >= 0 (0: recompute)"),
+        (dict(safe_vocab_keep_logits_bytes=2.0), TypeError, "safe_vocab_keep_logits_bytes must be an integer, got float: 2.0"),
         (dict(rollout_logit_noise=-0.1), ValueError, "rollout_logit_noise=-0.1 is out of range: accepted a finite float >= 0"),
         (dict(rollout_logit_noise=True), TypeError, "rollout_logit_noise must be a real number, got bool: True"),
         (dict(rollout_noise_seed="7"), TypeError, "rollout_noise_seed must be an integer, got str: '7'"),
@@ -207,9 +209,11 @@ def test_numeric_fields_are_stored_as_python_numbers(tmp_path):
     import numpy as np
 
     cfg = make(
-        tmp_path, safe_vocab_max_chunk_bytes=np.int64(4096), rollout_logit_noise=np.float32(0.5), zero_mismatch=False
-    )
+        tmp_path, safe_vocab_max_chunk_bytes=np.int64(4096), rollout_logit_noise=np.float32(0.5), zero_mismatch=False,
+        safe_vocab_keep_logits_bytes=np.int64(2**20),
+    )  # fmt: skip
     assert type(cfg.safe_vocab_max_chunk_bytes) is int and type(cfg.rollout_logit_noise) is float
+    assert type(cfg.safe_vocab_keep_logits_bytes) is int and cfg.safe_vocab_keep_logits_bytes == 2**20
     assert cfg.rollout_logit_noise == 0.5
 
 

@@ -103,3 +103,33 @@ def test_generation_forward_is_unchanged(tiny_model_dir, tmp_path):
         torch.testing.assert_close(
             trainer.model(input_ids=ids, attention_mask=mask).logits, plain(input_ids=ids, attention_mask=mask).logits
         )
+
+
+def test_keep_logits_bytes_reaches_the_scoring_call_and_changes_no_gradient(tiny_model_dir, tmp_path, monkeypatch):
+    """``safe_vocab_keep_logits_bytes`` is the scoring call's ``keep_logits_bytes`` (the no-grad metric passes keep
+    nothing): the same gradients bit for bit as recomputing (tests/safevocab/test_keep_logits.py)."""
+    import trl_integration.grpo.head as head
+    from safevocab.fused.chunking import KeptLogits
+
+    caps = []
+    fused = head.fused_safe_logprobs
+
+    def recording(*args, **kwargs):
+        caps.append(kwargs.get("keep_logits_bytes", 0))
+        return fused(*args, **kwargs)
+
+    monkeypatch.setattr(head, "fused_safe_logprobs", recording)
+    kept = []
+    put = KeptLogits.put
+    monkeypatch.setattr(KeptLogits, "put", lambda self, start, buffer: (kept.append(start), put(self, start, buffer)))
+    grads = []
+    for cap in (0, 2**30):
+        trainer = make_trainer(tiny_model_dir, tmp_path, safe_vocab_rule="top_k=10", safe_vocab_keep_logits_bytes=cap)
+        assert trainer.args.safe_vocab_keep_logits_bytes == cap
+        ids, mask, keep = batch(trainer.model.config.vocab_size, seed=2)
+        logps, _, _ = trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, keep)
+        (logps * mask[:, -keep:]).sum().backward()
+        grads.append({n: p.grad for n, p in trainer.model.named_parameters() if p.grad is not None})
+    assert caps == [0, 2**30] and kept  # the second call kept its chunks
+    assert grads[0].keys() == grads[1].keys() and "lm_head.weight" in grads[0]
+    assert all(torch.equal(grads[0][n], grads[1][n]) for n in grads[0])
