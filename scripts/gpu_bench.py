@@ -81,6 +81,7 @@ KERNEL_TEST_FILES = tuple(
         "tests/safevocab/test_threshold_select_kernel.py",
         "tests/safevocab/test_kept_entries_kernel.py",
         "tests/safevocab/test_union_backward_kernel.py",
+        "tests/safevocab/test_radix_select_kernel.py",
     )
     if (ROOT / path).exists()
 )

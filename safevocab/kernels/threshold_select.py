@@ -51,15 +51,19 @@ costs time, not exactness.
 (GPU_DESIGN.md §3.2, :data:`REFINE_PASSES` passes over the row, 4 pivots each): a pivot that one of the floor's parts
 certifies (``top_k``: at least ``k`` logits at or above it; ``top_p``: their mass reaches ``q T (1 + 1e-4)``;
 ``min_p``/``min_prob``: not above their threshold) is still at most ``t``, by the same arguments as the floors, and
-becomes the new floor; the candidates are then compacted again. The last resort, exact by definition: rows that still
-overflow (ties wider than ``KCAP``, e.g. a flat row), whose floor did not certify (``top_p`` never reached within the
-candidates where it decides ``t``), a non-finite ``m`` or ``T``, or where the float64 masses could not reach
-``q T_prev`` by rounding, are transformed in the kernel into fp32 (only those rows, in batches) and given to the
-rule's own torch code.
+becomes the new floor; the candidates are then compacted again. Rows the candidates still leave undecided (an
+overflow: ties wider than ``KCAP``, or a flat row whose kept set itself is wider, as ``top_p=0.9`` over a flat
+``V = 151936``; a floor that did not certify) are decided on their whole row, in the kernel, by the exact radix select
+of :mod:`safevocab.kernels.radix_select` (the stages in the engine's order; ``32 / DIGIT_BITS`` passes a
+``top_k``/``top_p`` stage). The last resort, exact by definition: rows whose ``top_p`` or ``min_prob`` decision lies
+within ``MASS_MARGIN`` of a boundary there too, or where ``(q + MASS_MARGIN) T_prev`` is out of reach by rounding,
+and rows of a non-finite ``m`` or ``T``, are transformed in the kernel into fp32 (only those rows, in batches) and
+given to the rule's own torch code.
 
 **Host reads.** One per chunk: the fallback's rows (they run the rule's torch code before the fold reads the
-thresholds). The refinement runs on the rows flagged on the device (one program a row, the others exit at once) and
-the candidate phase works on the buffer's whole width (``KCAP`` columns), so neither reads the device.
+thresholds). The refinement and the radix select run on the rows flagged on the device (one program a row, the
+others exit at once) and the candidate phase works on the buffer's whole width (``KCAP`` columns), so none of them
+reads the device.
 
 The masses follow ``safevocab.nucleus``: ``T`` in fp32 partials added in fp64. The kernel's and the rule's ``T`` are
 two roundings of one sum (~1e-8 relative apart): a row whose ``top_p`` or ``min_prob`` decision lies within
@@ -78,6 +82,7 @@ import triton.language as tl
 from safevocab.kernels import interpreter_on
 from safevocab.kernels.candidate_thresholds import SelectionPlan, decide_thresholds, selection_plan
 from safevocab.kernels.common import transform
+from safevocab.kernels.radix_select import radix_thresholds
 from safevocab.rules import finite_floor
 
 __all__ = [
@@ -94,7 +99,7 @@ __all__ = [
 INTERPRETED = interpreter_on()
 #: Candidates kept per row (more: the row takes the fallback).
 KCAP = 4096
-#: Pivot-refinement passes (4 pivots each) for a row whose candidates overflow ``KCAP``, before the torch fallback.
+#: Pivot-refinement passes (4 pivots each) for a row whose candidates overflow ``KCAP``, before the radix select.
 REFINE_PASSES = 6
 #: Slots of the max sketch (= the column block; tests lower it to exercise ``k > slots`` and the column loop).
 SKETCH_SLOTS = 2048
@@ -382,6 +387,7 @@ def select_thresholds(
     temperature: float = 1.0,
     kcap: int | None = None,
     refine_passes: int | None = None,
+    radix: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Write ``plan.rule``'s per-row ``threshold`` and ``row_max`` (``[n]`` fp32) for the raw chunk ``z`` ``[n, V]``
     (bf16/fp16/fp32, row-contiguous; transformed in the kernel). Returns ``(fallback, candidates)``: the indices of
@@ -391,7 +397,10 @@ def select_thresholds(
     Args:
         kcap: candidates per row (default :data:`KCAP`, at most ``V``).
         refine_passes: pivot-refinement passes for the rows whose candidates overflow ``kcap`` (default
-            :data:`REFINE_PASSES`; ``0``: straight to the torch fallback).
+            :data:`REFINE_PASSES`; ``0``: none).
+        radix: the rows the candidates leave undecided (overflow, a floor that did not certify) take the exact radix
+            select of :mod:`safevocab.kernels.radix_select` before the torch fallback (``False``: straight to the
+            fallback; tests and measurements).
     """
     n, vocab = z.shape
     if n == 0:
@@ -442,6 +451,13 @@ def select_thresholds(
         _select_kernel[(n,)](**common, **select, **off, GIVEN_C=True, active_ptr=overflow)
     t, bad = decide_thresholds(stages, cand, count, floor, row_max, total, kcap)
     threshold.copy_(t)
+    if radix:
+        # FALLBACK, second step: the undecided rows with a finite maximum and T, on their whole row (flagged on the
+        # device: no read); only a mass decision within MASS_MARGIN of a boundary still goes to the rule's code
+        undecided = (bad & torch.isfinite(row_max) & torch.isfinite(total)).to(torch.int8)
+        flag = bad.to(torch.int8)
+        radix_thresholds(z, stages, undecided, row_max, threshold, flag, scale, softcap, temperature)
+        bad = flag != 0
     # host sync: the chunk's one read, its fallback rows (the rule's torch code runs on those rows only, and they must
     # be known before the fold reads the thresholds; the chunk's logits are gone after it)
     bad = bad.nonzero().squeeze(-1)

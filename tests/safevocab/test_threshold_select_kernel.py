@@ -3,8 +3,9 @@ the raw GEMM output equal the rules' own torch code on the same (kernel-transfor
 
 Under Triton's interpreter on CPU (as tests/safevocab/test_kernels.py sets it up: ``TRITON_INTERPRET=1`` before the first
 ``import triton`` of the process), compiled on CUDA. Rows: random, ties at the k-th value, ``-inf`` entries, flat rows
-(the fallback), peaked rows, ``k`` above the sketch's slots, ``q`` near 0 and 1, every engine order, the transforms,
-bf16 and fp32 inputs; then ``fused_safe_logprobs(backend="triton")`` forward and backward against the torch backend.
+(the radix select, or without it the fallback; the radix select itself: test_radix_select_kernel.py), peaked rows,
+``k`` above the sketch's slots, ``q`` near 0 and 1, every engine order, the transforms, bf16 and fp32 inputs; then
+``fused_safe_logprobs(backend="triton")`` forward and backward against the torch backend.
 """
 
 import pytest
@@ -74,19 +75,19 @@ def reference(raw, rule, transform):
     return z, t.squeeze(-1), m.squeeze(-1)
 
 
-def select(raw, rule, transform, kcap=None, refine_passes=None):
+def select(raw, rule, transform, kcap=None, refine_passes=None, radix=True):
     n = raw.shape[0]
     threshold = torch.empty(n, device=raw.device)
     row_max = torch.empty(n, device=raw.device)
     plan = ts.selection_plan(rule)
-    kw = dict(kcap=kcap, refine_passes=refine_passes, **transform)
+    kw = dict(kcap=kcap, refine_passes=refine_passes, radix=radix, **transform)
     fallback, count = ts.select_thresholds(raw, plan, threshold, row_max, **kw)
     return threshold, row_max, fallback, count
 
 
-def assert_same_thresholds(raw, rule, transform, kcap=None, exact=True, refine_passes=None):
+def assert_same_thresholds(raw, rule, transform, kcap=None, exact=True, refine_passes=None, radix=True):
     z, t_ref, m_ref = reference(raw, rule, transform)
-    t, m, fallback, count = select(raw, rule, transform, kcap, refine_passes)
+    t, m, fallback, count = select(raw, rule, transform, kcap, refine_passes, radix)
     assert torch.equal(m, m_ref)
     # the sets, and (without min_prob, whose threshold sums the kept mass in another order) the thresholds
     assert torch.equal(z >= t.unsqueeze(-1), z >= t_ref.unsqueeze(-1)), f"{rule}: sets differ"
@@ -138,7 +139,8 @@ def test_compositions_in_every_engine_order(engine, dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_adversarial_rows(dtype):
-    """Ties at the k-th value are kept, ``-inf`` never is; flat rows overflow a small KCAP and take the fallback."""
+    """Ties at the k-th value are kept, ``-inf`` never is; flat rows overflow a small KCAP: the radix select decides
+    them (without it, the torch fallback)."""
     raw = adversarial_rows(dtype=dtype)
     specs = ["top_k=1", "top_k=5", "top_k=40", "top_p=1e-6", "top_p=0.5", "top_p=0.9999", "top_p=1.0"]
     specs += ["top_k=699", "top_k=700", "top_k=5000"] + COMPOSITIONS[:1]
@@ -146,6 +148,8 @@ def test_adversarial_rows(dtype):
     for spec in specs:
         fallback, _ = assert_same_thresholds(raw, parse_rule(spec), {}, kcap=128)
         if spec in ("top_p=0.5", "top_k=40"):
+            assert not flat_rows & set(fallback.tolist()), f"{spec}: flat rows decided in the kernel"
+            fallback, _ = assert_same_thresholds(raw, parse_rule(spec), {}, kcap=128, radix=False)
             assert flat_rows <= set(fallback.tolist()), f"{spec}: flat rows overflow KCAP=128"
     ties = ts.transformed_rows(raw[:1], torch.tensor([0]))
     t, *_ = select(raw[:1], parse_rule("top_k=30"), {})
@@ -155,11 +159,15 @@ def test_adversarial_rows(dtype):
 @pytest.mark.parametrize("transform", [TRANSFORMS[0], TRANSFORMS[2]])
 def test_k_above_the_sketch_and_several_column_blocks(transform, monkeypatch):
     """64 slots for 600 columns: the column loop, ``k > slots`` (floor -inf: all finite logits are candidates,
-    which overflow KCAP=256: the pivot refinement, or without it the fallback), ``k`` within the slots."""
+    which overflow KCAP=256: the pivot refinement, or without it the radix select, or without both the fallback),
+    ``k`` within the slots."""
     monkeypatch.setattr(ts, "SKETCH_SLOTS", 64)
     raw = random_rows(n=4, v=600, seed=2, dtype=torch.bfloat16)
-    fallback, count = assert_same_thresholds(raw, parse_rule("top_k=100"), transform, kcap=256, refine_passes=0)
+    spec = parse_rule("top_k=100")
+    fallback, count = assert_same_thresholds(raw, spec, transform, kcap=256, refine_passes=0, radix=False)
     assert fallback.numel() == 4 and bool((count == 600).all())
+    fallback, count = assert_same_thresholds(raw, spec, transform, kcap=256, refine_passes=0)
+    assert fallback.numel() == 0 and bool((count == 600).all())
     # the pivot refinement raises the floor until the candidates fit
     fallback, count = assert_same_thresholds(raw, parse_rule("top_k=100"), transform, kcap=256)
     assert fallback.numel() == 0 and bool((count <= 256).all())
@@ -175,13 +183,13 @@ def test_k_above_the_sketch_and_several_column_blocks(transform, monkeypatch):
 def test_pivot_refinement_of_flat_rows(spec, monkeypatch):
     """Flattish rows, 64 sketch slots for 900 columns: the sketch's bound lies far below the threshold and overflows
     KCAP=200; a few pivot passes raise it until the candidates fit, and the set is still exact. Rows whose kept set
-    itself is wider than KCAP go to the rule's code."""
+    itself is wider than KCAP go to the radix select, here off: to the rule's code."""
     monkeypatch.setattr(ts, "SKETCH_SLOTS", 64)
     raw = random_rows(n=4, v=900, seed=3, sd=1.0, dtype=torch.bfloat16)
     *_, count0 = select(raw, parse_rule(spec), {}, kcap=200, refine_passes=0)
     assert bool((count0 > 200).any()), f"the sketch's bound alone overflows: {count0}"
-    assert_same_thresholds(raw, parse_rule(spec, engine="vllm"), {}, kcap=200)
-    fallback, count = assert_same_thresholds(raw, parse_rule(spec), {}, kcap=200)
+    assert_same_thresholds(raw, parse_rule(spec, engine="vllm"), {}, kcap=200, radix=False)
+    fallback, count = assert_same_thresholds(raw, parse_rule(spec), {}, kcap=200, radix=False)
     z = ts.transformed_rows(raw, torch.arange(4))
     kept = (z >= parse_rule(spec).threshold(z)).sum(-1)
     wide = set((kept > 200).nonzero().squeeze(-1).tolist())  # rows whose kept set itself exceeds KCAP
@@ -191,13 +199,13 @@ def test_pivot_refinement_of_flat_rows(spec, monkeypatch):
     assert bool((count >= kept).all()), (count, kept)
 
 
-def test_flat_rows_top_p_take_the_fallback_or_the_flat_floor():
-    """All-equal rows: the nucleus is every tied token. With V > KCAP the row overflows and the rule's code
-    decides it; with room, the candidates do."""
+def test_flat_rows_top_p_take_the_radix_select_or_the_flat_floor():
+    """All-equal rows: the nucleus is every tied token. With V > KCAP the row overflows and the radix select decides
+    it (without it, the rule's code); with room, the candidates do."""
     raw = torch.zeros(3, 900, device=DEVICE)
     raw[1] = torch.linspace(0, 1e-3, 900)
-    for kcap, expect_fallback in ((64, True), (900, False)):
-        fallback, _ = assert_same_thresholds(raw, parse_rule("top_p=0.9"), {}, kcap=kcap)
+    for kcap, radix, expect_fallback in ((64, False, True), (64, True, False), (900, False, False)):
+        fallback, _ = assert_same_thresholds(raw, parse_rule("top_p=0.9"), {}, kcap=kcap, radix=radix)
         assert (fallback.numel() > 0) == expect_fallback
 
 
