@@ -86,7 +86,11 @@ def check(raw, spec, engine="hf", transform=None, kcap=512, exact=True, **kw):
     return set(fallback.tolist()), got.sum(-1)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+HALF_FP32 = (torch.float16, torch.float32)
+
+
+# fp16/fp32 in the slow tier: the bf16 case and test_fused_op_on_flat_rows_matches_the_torch_backend guard the same path
+@pytest.mark.parametrize("dtype", [torch.bfloat16, *(pytest.param(d, marks=pytest.mark.slow) for d in HALF_FP32)])
 def test_flat_top_p_rows_are_decided_in_the_kernel(dtype):
     """``top_p=0.9`` over 8192 flat logits keeps ~6900 tokens, far past the buffer: every row took the torch
     fallback; the radix select decides them all, exactly."""
@@ -116,7 +120,11 @@ COMPOSITIONS = [
 ]
 
 
-@pytest.mark.parametrize("engine", ["hf", "vllm", "sglang"])
+# hf and sglang in the slow tier: the vllm case, test_the_engine_order_changes_the_flat_rows_set and
+# test_threshold_select_kernel.py's compositions in every engine order guard the same stages
+@pytest.mark.parametrize(
+    "engine", [pytest.param("hf", marks=pytest.mark.slow), "vllm", pytest.param("sglang", marks=pytest.mark.slow)]
+)
 def test_compositions_in_every_engine_order(engine):
     """Overflowing stages anywhere in the order: ``top_k`` by count, ``top_p`` on the mass kept by the stages before
     it (vLLM's ``min_p`` first, HF's after), SGLang's joint stage, ``min_prob`` last."""
