@@ -415,9 +415,11 @@ def log_normalised_(z: torch.Tensor, row_max: torch.Tensor, log_sum: torch.Tenso
     return z.sub_(row_max).sub_(log_sum)
 
 
-def full_softmax_backward(job: ChunkJob, idx: torch.Tensor, coef: Coefficients, grads: Grads) -> None:
+def full_softmax_backward(
+    job: ChunkJob, idx: torch.Tensor, coef: Coefficients, grads: Grads, counts: list[int] | None = None
+) -> None:
     """Add ``-c_F pi + g_lp 1[a=y not in S]`` for the rows ``idx`` (``[k]`` int64, ascending) to ``grads`` (their
-    safe-set part comes from the sparse path).
+    safe-set part comes from the sparse path; ``counts``: how many of them each forward chunk holds, when read).
 
     ``pi = exp((z - m) - log sum_V exp(z - m))`` uses the forward's ``m`` and ``log sum_V``, so ``z`` must be the
     forward's logits bit for bit: each chunk holding such rows is recomputed whole, on the forward's own row slice
@@ -427,7 +429,7 @@ def full_softmax_backward(job: ChunkJob, idx: torch.Tensor, coef: Coefficients, 
     GEMMs."""
     hidden = job.hidden
     logits_of = ChunkLogits(hidden, job.weight, job.bias, job.transform, job.buffer_rows)  # the forward's buffer
-    for rows, at in job.chunks_of(idx):
+    for rows, at in job.chunks_of(idx, counts):
         z = _backward_logits(job, logits_of, rows)  # kept by the forward, or recomputed
         if isinstance(at, slice):  # the whole chunk: its other rows have c_F = 0 and g_lp 1[y not in S] = 0
             h = hidden[rows]
@@ -460,5 +462,7 @@ class TorchBackend:
     def dense_backward(self, job: ChunkJob, chunks: list[slice], coef: Coefficients, grads: Grads) -> None:
         dense_backward(job, chunks, coef, grads)
 
-    def full_softmax_backward(self, job: ChunkJob, idx: torch.Tensor, coef: Coefficients, grads: Grads) -> None:
-        full_softmax_backward(job, idx, coef, grads)
+    def full_softmax_backward(
+        self, job: ChunkJob, idx: torch.Tensor, coef: Coefficients, grads: Grads, counts: list[int] | None = None
+    ) -> None:
+        full_softmax_backward(job, idx, coef, grads, counts)

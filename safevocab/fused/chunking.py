@@ -36,6 +36,7 @@ __all__ = [
     "balanced_chunk_rows",
     "chunk_slices",
     "forward_chunks_of",
+    "leaving_rows",
 ]
 
 
@@ -91,10 +92,12 @@ class ChunkJob:
         """The row slices of the chunks (:func:`chunk_slices`), identical in forward and backward."""
         return chunk_slices(self.n_rows, self.chunk_rows)
 
-    def chunks_of(self, idx: torch.Tensor) -> list[tuple[slice, slice | torch.Tensor]]:
+    def chunks_of(
+        self, idx: torch.Tensor, counts: list[int] | None = None
+    ) -> list[tuple[slice, slice | torch.Tensor]]:
         """The forward chunks holding the rows ``idx`` (ascending), each with the rows to fold
-        (:func:`forward_chunks_of`)."""
-        return forward_chunks_of(idx, self.n_rows, self.chunk_rows)
+        (:func:`forward_chunks_of`; ``counts``: how many of ``idx`` each forward chunk holds, when known)."""
+        return forward_chunks_of(idx, self.n_rows, self.chunk_rows, counts)
 
     def keeps(self, rows: slice, nbytes: int) -> bool:
         """Whether the forward keeps the chunk ``rows`` in a buffer of its own (``nbytes`` bytes) for the backward
@@ -191,21 +194,45 @@ def chunk_slices(n_rows: int, chunk_rows: int) -> list[slice]:
     return [slice(start, min(start + chunk_rows, n_rows)) for start in range(0, n_rows, chunk_rows)]
 
 
-def forward_chunks_of(idx: torch.Tensor, n_rows: int, chunk_rows: int) -> list[tuple[slice, slice | torch.Tensor]]:
+def forward_chunks_of(
+    idx: torch.Tensor, n_rows: int, chunk_rows: int, counts: list[int] | None = None
+) -> list[tuple[slice, slice | torch.Tensor]]:
     """The forward chunks (:func:`chunk_slices`) holding the rows ``idx`` (ascending), each with the rows to fold:
     ``[(rows, at)]``, ``at`` the slice ``rows`` itself (the whole chunk, no gather) when ``idx`` holds at least half
     of its rows, else that chunk's part of ``idx``. The whole chunk is for callers to whose other rows the
-    computation adds nothing (the full-softmax part: zero coefficients there)."""
-    if idx.numel() == 0:
-        return []
-    chunk_of = torch.div(idx, chunk_rows, rounding_mode="floor")
-    chunks, counts = torch.unique_consecutive(chunk_of, return_counts=True)
+    computation adds nothing (the full-softmax part: zero coefficients there).
+
+    ``counts`` (one per forward chunk: how many rows of ``idx`` it holds), when the caller has read them already,
+    spares the two reads of the device that finding them takes (:func:`leaving_rows`)."""
+    if counts is not None:
+        held = [(chunk, count) for chunk, count in enumerate(counts) if count]
+        chunks = [chunk for chunk, _ in held]
+        parts = idx.split([count for _, count in held]) if held else []
+    else:
+        if idx.numel() == 0:
+            return []
+        chunk_of = torch.div(idx, chunk_rows, rounding_mode="floor")
+        found, found_counts = torch.unique_consecutive(chunk_of, return_counts=True)
+        chunks, parts = found.tolist(), idx.split(found_counts.tolist())
     out: list[tuple[slice, slice | torch.Tensor]] = []
-    for chunk, part in zip(chunks.tolist(), idx.split(counts.tolist())):
+    for chunk, part in zip(chunks, parts):
         rows = slice(chunk * chunk_rows, min((chunk + 1) * chunk_rows, n_rows))
         out.append((rows, rows if 2 * part.numel() >= rows.stop - rows.start else part))
     return out
 
+
+
+def leaving_rows(rows: torch.Tensor, chunk_rows: int) -> tuple[torch.Tensor, list[int]]:
+    """The indices of the ``True`` rows of ``rows`` (``[N]`` bool; ascending) and how many each forward chunk of
+    ``chunk_rows`` rows holds, in one read of the device (the counts: the indices' size then comes from them,
+    ``torch.nonzero_static``, with no second read). For :func:`forward_chunks_of`."""
+    n_rows = rows.shape[0]
+    n_chunks = -(-n_rows // chunk_rows)
+    padded = torch.zeros(n_chunks * chunk_rows, dtype=torch.int32, device=rows.device)
+    padded[:n_rows] = rows
+    counts = padded.view(n_chunks, chunk_rows).sum(-1).tolist()  # host sync: the backward's read of these rows
+    idx = torch.nonzero_static(rows, size=sum(counts)).squeeze(-1)
+    return idx, counts
 
 class ChunkLogits:
     """Computes transformed logits of a chunk of rows into one reused buffer (no page faults per chunk).

@@ -74,7 +74,7 @@ import contextlib
 import torch
 
 from safevocab.fused.checks import non_finite_flags, raise_on_empty_support, raise_on_non_finite_rows
-from safevocab.fused.chunking import ChunkJob, KeptLogits
+from safevocab.fused.chunking import ChunkJob, KeptLogits, leaving_rows
 from safevocab.fused.coefficients import Coefficients, fp16_grad_shift
 from safevocab.fused.protocol import FusedBackend
 from safevocab.fused.row_stats import CallReads, RowStats
@@ -260,13 +260,16 @@ class FusedSafeLogProbs(torch.autograd.Function):
         dense_chunks = [rows for rows in job.slices() if rows.start not in sparse_starts]
         # Full-softmax part of sparse-chunk rows whose gradient leaves S (the dense chunks include it).
         leaves = in_sparse & ((coef.c_full != 0) | (coef.g_target_out != 0))
-        full_idx = leaves.nonzero().squeeze(-1)
+        if ctx.sparse_chunks:  # one read: those rows per forward chunk
+            full_idx, full_counts = leaving_rows(leaves, ctx.chunk_rows)
+        else:  # no stored chunk, no such row: the dense chunks include that part (no read)
+            full_idx, full_counts = leaves.new_empty(0, dtype=torch.long), []
         backend_sparse = getattr(ctx.backend, "sparse_backward", None)  # the backend's own sparse backward, if any
 
         # fp32 for half inputs: every chunk's dX product is accumulated in fp32 and rounded once, on return
         grad_hidden = torch.zeros(hidden.shape, device=hidden.device, dtype=stat) if need_h else None
         # fp32 accumulators, except where only the backend's sparse backward writes (each row once, no GEMM sums)
-        sparse_only = backend_sparse is not None and not dense_chunks and not full_idx.numel()
+        sparse_only = backend_sparse is not None and not dense_chunks and not sum(full_counts)
         w_acc = weight.dtype if sparse_only else stat
         grad_weight = torch.zeros(weight.shape, device=weight.device, dtype=w_acc) if need_w else None
         b_acc = bias.dtype if sparse_only and need_b else stat
@@ -281,8 +284,8 @@ class FusedSafeLogProbs(torch.autograd.Function):
                 sparse_backward(job, chunk, coef, grads)
         if dense_chunks:
             ctx.backend.dense_backward(job, dense_chunks, coef, grads)
-        if full_idx.numel():
-            ctx.backend.full_softmax_backward(job, full_idx, coef, grads)
+        if sum(full_counts):
+            ctx.backend.full_softmax_backward(job, full_idx, coef, grads, full_counts)
 
         return (
             grad_hidden.to(hidden.dtype) if need_h else None,

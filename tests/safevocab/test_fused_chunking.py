@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from safevocab import parse_rule
-from safevocab.fused.chunking import ChunkJob, chunk_slices, forward_chunks_of
+from safevocab.fused.chunking import ChunkJob, chunk_slices, forward_chunks_of, leaving_rows
 from safevocab.fused.transform import Transform
 
 
@@ -28,6 +28,30 @@ def test_a_job_cuts_its_rows_as_the_chunk_functions_do(n_rows, chunk_rows):
     assert [rows for rows, _ in got] == [rows for rows, _ in want]
     for (_, at), (_, expected) in zip(got, want, strict=True):
         assert at == expected if isinstance(expected, slice) else torch.equal(at, expected)
+
+
+def _same_chunks(got, want) -> None:
+    assert [rows for rows, _ in got] == [rows for rows, _ in want]
+    for (_, at), (_, expected) in zip(got, want, strict=True):
+        assert at == expected if isinstance(at, slice) and isinstance(expected, slice) else torch.equal(at, expected)
+
+
+@pytest.mark.parametrize("n_rows, chunk_rows", [(1, 4), (10, 4), (12, 4), (3, 10), (37, 5)])
+@pytest.mark.parametrize("seed", range(4))
+def test_leaving_rows_reads_once_what_the_chunk_split_would_find(n_rows, chunk_rows, seed):
+    """The backward's one read (rows per forward chunk, then the indices by ``nonzero_static``) gives the indices
+    ``nonzero`` gives and the same chunks, each with the same rows to fold, as the split that reads twice; also for
+    no row at all and for every row."""
+    g = torch.Generator().manual_seed(seed)
+    for rows in (
+        torch.rand(n_rows, generator=g) < 0.3,
+        torch.zeros(n_rows, dtype=torch.bool),
+        torch.ones(n_rows, dtype=torch.bool),
+    ):
+        idx, counts = leaving_rows(rows, chunk_rows)
+        assert torch.equal(idx, rows.nonzero().squeeze(-1)) and len(counts) == len(chunk_slices(n_rows, chunk_rows))
+        assert counts == [int(rows[s].sum()) for s in chunk_slices(n_rows, chunk_rows)]
+        _same_chunks(forward_chunks_of(idx, n_rows, chunk_rows, counts), forward_chunks_of(idx, n_rows, chunk_rows))
 
 
 def test_a_job_is_frozen():

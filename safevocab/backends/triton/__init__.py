@@ -83,10 +83,12 @@ class TritonBackend:
         with _device_guard(job.hidden.device):
             dense_backward(job, route, chunks, coef, grads)
 
-    def full_softmax_backward(self, job: ChunkJob, idx: torch.Tensor, coef: Coefficients, grads: Grads) -> None:
+    def full_softmax_backward(
+        self, job: ChunkJob, idx: torch.Tensor, coef: Coefficients, grads: Grads, counts: list[int] | None = None
+    ) -> None:
         route = _route(job)
         with _device_guard(job.hidden.device):
-            full_softmax_backward(job, route, idx, coef, grads)
+            full_softmax_backward(job, route, idx, coef, grads, counts)
 
     def sparse_backward(self, job: ChunkJob, chunks: list[SparseChunk], coef: Coefficients, grads: Grads) -> None:
         """The safe-set part of the stored chunks' gradient in Triton (any input dtype), used by ``FusedSafeLogProbs``

@@ -73,9 +73,16 @@ def dense_backward(job: ChunkJob, route: Route, chunks: list[slice], coef: Coeff
         del z, out
 
 
-def full_softmax_backward(job: ChunkJob, route: Route, idx: torch.Tensor, coef: Coefficients, grads: Grads) -> None:
+def full_softmax_backward(
+    job: ChunkJob,
+    route: Route,
+    idx: torch.Tensor,
+    coef: Coefficients,
+    grads: Grads,
+    counts: list[int] | None = None,
+) -> None:
     """The full-softmax part ``-c_F pi + g_lp 1[a=y not in S]`` of the rows ``idx`` (``[k]`` int64, ascending rows of
-    sparse chunks), added to ``grads``.
+    sparse chunks; ``counts``: how many of them each forward chunk holds, when read already), added to ``grads``.
 
     ``pi`` is normalised with the forward's ``m`` and ``log sum_V``, so the logits must be the forward's bit for
     bit: each chunk holding such rows is recomputed whole on the forward's row slice, through the forward's logits
@@ -90,7 +97,7 @@ def full_softmax_backward(job: ChunkJob, route: Route, idx: torch.Tensor, coef: 
     # -c_F pi and c_S pi_S (which cancel where S holds nearly all the mass: a log_kept_mass gradient) left an error
     # of eps_bf16 * p per logit where the exact gradient is 0 (issue 57, T1).
     half = hidden.dtype in (torch.bfloat16, torch.float16)
-    for rows, at in job.chunks_of(idx):
+    for rows, at in job.chunks_of(idx, counts):
         z, out = logits_of.backward(rows)  # the forward's kept buffer, or recomputed
         if isinstance(at, slice):  # the whole chunk: its other rows have c_F = 0 and g_lp 1[y not in S] = 0
             h = hidden[rows]
