@@ -51,6 +51,10 @@ SWEEP_BACKWARDS = ("dense", "dense-stored", "per-id", "union")
 LM_RULES = ("min_p=0.01", "top_k=50", "top_p=0.9", "none")
 #: The LM table's replay row: the sets of this rule, replayed as an engine's kept ids.
 REPLAY_RULE = "top_k=64"
+#: The LM table's kept-logits rows (``fused_kept``: ``keep_logits_bytes`` large enough for every chunk, so that the
+#: dense backward recomputes nothing): the rules whose backward is dense there.
+KEPT_RULES = ("none",)
+KEEP_LOGITS_BYTES = 8 * 2**30
 TRACES = (("minp01_lm", "lm", "min_p=0.01"), ("none_synthetic", "synthetic", "none"))
 COMPACT_BLOCKS = (1024, 2048, 4096, 8192)
 #: What a forward that records which backward ran says when it stored no chunk.
@@ -207,14 +211,18 @@ def row(plan: Plan, section: str, profile: str, rule: str, variant: str, make: C
     return rec
 
 
-def fused_row(plan: Plan, section: str, profile: str, rule: str, backward: str, replay: bool = False) -> dict:
-    """safevocab's fused op (``fused_replay``: the sets of ``rule`` replayed, no rule) with ``backward`` forced, and the
-    kept sets' sizes."""
+def fused_row(plan: Plan, section: str, profile: str, rule: str, backward: str, replay: bool = False,
+              keep: bool = False) -> dict:  # fmt: skip
+    """safevocab's fused op (``fused_replay``: the sets of ``rule`` replayed, no rule; ``fused_kept``: every chunk's
+    logits kept for the backward, :data:`KEEP_LOGITS_BYTES`) with ``backward`` forced, and the kept sets' sizes."""
     from safevocab.bench.inputs import kept_set_sizes
     from safevocab.bench.variants import make_step, shared_inputs
 
     args = bench_args(plan, rule, profile)
-    out = row(plan, section, profile, rule, "fused_replay" if replay else "fused",
+    if keep:
+        args.keep_logits_bytes = KEEP_LOGITS_BYTES
+    variant = "fused_replay" if replay else "fused_kept" if keep else "fused"
+    out = row(plan, section, profile, rule, variant,
               lambda: make_step("fused_replay" if replay else "fused", args, plan.device), backward)  # fmt: skip
     if "ms" in out:
         hidden, weight, _, _ = shared_inputs(args, plan.device)
@@ -317,10 +325,11 @@ def topk_sweep(plan: Plan, ks: tuple[int, ...] = TOPK, backwards: tuple[str, ...
 
 
 def lm_table(plan: Plan, rules: tuple[str, ...] = LM_RULES) -> list[dict]:
-    """The LM-like profile: the references, each rule with the gate's backward, and the replay of
-    :data:`REPLAY_RULE`'s sets."""
+    """The LM-like profile: the references, each rule with the gate's backward, :data:`KEPT_RULES` with their logits
+    kept for the backward (``fused_kept``), and the replay of :data:`REPLAY_RULE`'s sets."""
     rows = reference_rows(plan, "lm_table", "lm", rules[0])
     rows += [fused_row(plan, "lm_table", "lm", rule, "gate") for rule in rules]
+    rows += [fused_row(plan, "lm_table", "lm", rule, "gate", keep=True) for rule in KEPT_RULES]
     rows.append(fused_row(plan, "lm_table", "lm", REPLAY_RULE, "gate", replay=True))
     return rows
 

@@ -87,11 +87,13 @@ def test_plan_sections_small_record_each_sections_fields_and_the_backward_that_r
     assert sweep == {(p, f"top_k={k}", b) for p in ("lm", "synthetic") for k in (4, 16) for b in plan.SWEEP_BACKWARDS}
     lm = {(r["rule"], r["variant"]) for r in results["lm_table"]}
     assert {(rule, "fused") for rule in plan.LM_RULES} | {(plan.REPLAY_RULE, "fused_replay")} <= lm
+    assert {(rule, "fused_kept") for rule in plan.KEPT_RULES} <= lm  # the kept-logits rows, timed
     assert {"floor", "trl", "liger"} <= {variant for _, variant in lm}
     _check_compact_and_trace(results, tmp_path)
     table = (tmp_path / "plan.md").read_text()
     assert "| gate | synthetic | top_k=50 | fused | union | union |" in table
     assert "| lm_table | lm | top_k=64 | fused_replay | gate |" in table
+    assert "| lm_table | lm | none | fused_kept | gate |" in table
 
 
 @pytest.mark.slow  # ~9 CPU-s; the fast guards: the section checks and the budget's skip below
