@@ -30,6 +30,7 @@ from safevocab.support import SafeSupport
 
 __all__ = [
     "CHUNK_ROW_MULTIPLE",
+    "LEAVING_ROWS",
     "ChunkJob",
     "ChunkLogits",
     "KeptLogits",
@@ -37,6 +38,7 @@ __all__ = [
     "chunk_slices",
     "forward_chunks_of",
     "leaving_rows",
+    "rows_per_chunk",
 ]
 
 
@@ -92,9 +94,7 @@ class ChunkJob:
         """The row slices of the chunks (:func:`chunk_slices`), identical in forward and backward."""
         return chunk_slices(self.n_rows, self.chunk_rows)
 
-    def chunks_of(
-        self, idx: torch.Tensor, counts: list[int] | None = None
-    ) -> list[tuple[slice, slice | torch.Tensor]]:
+    def chunks_of(self, idx: torch.Tensor, counts: list[int] | None = None) -> list[tuple[slice, slice | torch.Tensor]]:
         """The forward chunks holding the rows ``idx`` (ascending), each with the rows to fold
         (:func:`forward_chunks_of`; ``counts``: how many of ``idx`` each forward chunk holds, when known)."""
         return forward_chunks_of(idx, self.n_rows, self.chunk_rows, counts)
@@ -221,18 +221,33 @@ def forward_chunks_of(
     return out
 
 
+#: The backward's read (``Coefficients.reads``) of the stored chunks' rows whose gradient leaves ``S``, per forward
+#: chunk (:func:`rows_per_chunk`).
+LEAVING_ROWS = "rows leaving S"
 
-def leaving_rows(rows: torch.Tensor, chunk_rows: int) -> tuple[torch.Tensor, list[int]]:
-    """The indices of the ``True`` rows of ``rows`` (``[N]`` bool; ascending) and how many each forward chunk of
-    ``chunk_rows`` rows holds, in one read of the device (the counts: the indices' size then comes from them,
-    ``torch.nonzero_static``, with no second read). For :func:`forward_chunks_of`."""
+
+def rows_per_chunk(rows: torch.Tensor, chunk_rows: int) -> torch.Tensor:
+    """``[C]`` int32 on the device: how many ``True`` rows of ``rows`` (``[N]`` bool) each forward chunk of
+    ``chunk_rows`` rows holds. No read of the device (the caller reads it with its other values)."""
     n_rows = rows.shape[0]
     n_chunks = -(-n_rows // chunk_rows)
     padded = torch.zeros(n_chunks * chunk_rows, dtype=torch.int32, device=rows.device)
     padded[:n_rows] = rows
-    counts = padded.view(n_chunks, chunk_rows).sum(-1).tolist()  # host sync: the backward's read of these rows
+    return padded.view(n_chunks, chunk_rows).sum(-1)
+
+
+def leaving_rows(
+    rows: torch.Tensor, chunk_rows: int, counts: list[int] | None = None
+) -> tuple[torch.Tensor, list[int]]:
+    """The indices of the ``True`` rows of ``rows`` (``[N]`` bool; ascending) and how many each forward chunk of
+    ``chunk_rows`` rows holds (:func:`rows_per_chunk`, read here unless the caller read them as ``counts``): the
+    indices' size comes from the counts (``torch.nonzero_static``), with no further read. For
+    :func:`forward_chunks_of`."""
+    if counts is None:
+        counts = rows_per_chunk(rows, chunk_rows).tolist()  # host sync: the caller had not read them
     idx = torch.nonzero_static(rows, size=sum(counts)).squeeze(-1)
     return idx, counts
+
 
 class ChunkLogits:
     """Computes transformed logits of a chunk of rows into one reused buffer (no page faults per chunk).

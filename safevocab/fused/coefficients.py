@@ -8,9 +8,11 @@ gradients folded with ``in_safe``, and the forward statistics it needs); :func:`
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+
+from safevocab.fused.row_stats import CallReads
 
 __all__ = ["FP16_GRAD_PEAK", "Coefficients", "fp16_grad_shift"]
 
@@ -27,6 +29,10 @@ class Coefficients:
     ``grad_shift`` (a power of two, 1 unless the inputs are fp16): the backends write the logits gradient divided
     by it, so that it fits fp16 (:func:`fp16_grad_shift`), and :func:`safevocab.fused.grads.accumulate_chunk_grads`
     multiplies the products back in fp32 or exactly.
+
+    ``reads``: the backward's device values, read together once (the rows whose gradient leaves ``S``, per forward
+    chunk; a backend's own, queued by its ``queue_sparse_reads``); ``prepared``: what such a backend computed for
+    them and uses again when it runs (the Triton backend's union ranks).
     """
 
     g_lp: torch.Tensor
@@ -43,6 +49,8 @@ class Coefficients:
     safe_size: torch.Tensor
     targets: torch.Tensor
     grad_shift: float = 1.0
+    reads: CallReads = field(default_factory=CallReads)
+    prepared: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def logits_grad_bound(self) -> torch.Tensor:
         """``[N]``: a bound on ``|grad_z|`` of each row before the transform's chain rule (whose softcap factor is

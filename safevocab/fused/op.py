@@ -64,7 +64,9 @@ one-line ``ValueError`` naming the argument (:func:`safevocab.fused.checks.raise
 
 Host synchronisation: the forward reads the device once, at its end (:class:`~safevocab.fused.row_stats.CallReads`):
 the caller's input checks, the non-finite flags and, on the Triton backend, which chunks are stored, together
-(the selection route also reads each chunk's fallback rows; docs/performance.md, "Host synchronisation").
+(the selection route also reads each chunk's fallback rows; docs/performance.md, "Host synchronisation"). The
+backward reads it once when the forward stored chunks (``Coefficients.reads``: their rows whose gradient leaves
+``S``, per chunk, with the values a backend's sparse backward queued), else never.
 """
 
 from __future__ import annotations
@@ -74,7 +76,7 @@ import contextlib
 import torch
 
 from safevocab.fused.checks import non_finite_flags, raise_on_empty_support, raise_on_non_finite_rows
-from safevocab.fused.chunking import ChunkJob, KeptLogits, leaving_rows
+from safevocab.fused.chunking import LEAVING_ROWS, ChunkJob, KeptLogits, leaving_rows, rows_per_chunk
 from safevocab.fused.coefficients import Coefficients, fp16_grad_shift
 from safevocab.fused.protocol import FusedBackend
 from safevocab.fused.row_stats import CallReads, RowStats
@@ -260,11 +262,15 @@ class FusedSafeLogProbs(torch.autograd.Function):
         dense_chunks = [rows for rows in job.slices() if rows.start not in sparse_starts]
         # Full-softmax part of sparse-chunk rows whose gradient leaves S (the dense chunks include it).
         leaves = in_sparse & ((coef.c_full != 0) | (coef.g_target_out != 0))
-        if ctx.sparse_chunks:  # one read: those rows per forward chunk
-            full_idx, full_counts = leaving_rows(leaves, ctx.chunk_rows)
+        backend_sparse = getattr(ctx.backend, "sparse_backward", None)  # the backend's own sparse backward, if any
+        if ctx.sparse_chunks:  # the backward's one read: those rows per forward chunk, with the backend's values
+            coef.reads.add(LEAVING_ROWS, rows_per_chunk(leaves, ctx.chunk_rows))
+            queue = getattr(ctx.backend, "queue_sparse_reads", None)
+            if queue is not None:
+                queue(job, ctx.sparse_chunks, coef)
+            full_idx, full_counts = leaving_rows(leaves, ctx.chunk_rows, coef.reads.read()[LEAVING_ROWS])
         else:  # no stored chunk, no such row: the dense chunks include that part (no read)
             full_idx, full_counts = leaves.new_empty(0, dtype=torch.long), []
-        backend_sparse = getattr(ctx.backend, "sparse_backward", None)  # the backend's own sparse backward, if any
 
         # fp32 for half inputs: every chunk's dX product is accumulated in fp32 and rounded once, on return
         grad_hidden = torch.zeros(hidden.shape, device=hidden.device, dtype=stat) if need_h else None

@@ -18,7 +18,7 @@ __all__ = ["CallReads", "RowStats", "SparseChunk"]
 
 
 class CallReads:
-    """The device values one forward call reads on the host, read together: one synchronisation per call.
+    """The device values one forward (or backward) call reads on the host, read together: one synchronisation a call.
 
     Each entry is a name, integer or bool values on the device (or a zero-argument function giving them, called at
     the read, after the kernels that write what it reads) and an optional check. :meth:`read` forms the pending
@@ -45,6 +45,10 @@ class CallReads:
         self._pending.append((name, value))
         if check is not None:
             self._checks.append((name, check))
+
+    def __contains__(self, name: str) -> bool:
+        """Whether ``name`` is queued or read already."""
+        return name in self.values or any(queued == name for queued, _ in self._pending)
 
     def read(self) -> dict[str, list[int]]:
         """Read every pending value with one copy to the host; returns ``values``."""

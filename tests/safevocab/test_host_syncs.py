@@ -34,9 +34,10 @@ FORWARD_BUDGET = {
     "top_p=0.8": 1 + CHUNKS,
     "replay": 3,
 }
-#: Backward (stored chunks, every one sparse): the op's read of the rows whose gradient leaves ``S``, per forward chunk
-#: (``safevocab.fused.chunking.leaving_rows``), and the sparse gate's (every chunk's ``|U|``); 5 before both were one.
-BACKWARD_BUDGET = 2
+#: Backward (stored chunks, every one sparse): one read, the rows whose gradient leaves ``S`` per forward chunk
+#: (``safevocab.fused.chunking.rows_per_chunk``) with the sparse gate's values (every chunk's ``|U|``, queued by the
+#: backend's ``queue_sparse_reads``) in ``Coefficients.reads``; 5 before.
+BACKWARD_BUDGET = 1
 
 
 def _cuda_mode(budget: int) -> str | None:

@@ -33,7 +33,12 @@ import contextlib
 
 import torch
 
-from safevocab.backends.triton.backward import dense_backward, full_softmax_backward, sparse_backward
+from safevocab.backends.triton.backward import (
+    dense_backward,
+    full_softmax_backward,
+    queue_sparse_reads,
+    sparse_backward,
+)
 from safevocab.backends.triton.forward import forward_chunks, replay_forward
 from safevocab.backends.triton.route import Route
 from safevocab.fused.chunking import ChunkJob
@@ -89,6 +94,12 @@ class TritonBackend:
         route = _route(job)
         with _device_guard(job.hidden.device):
             full_softmax_backward(job, route, idx, coef, grads, counts)
+
+    def queue_sparse_reads(self, job: ChunkJob, chunks: list[SparseChunk], coef: Coefficients) -> None:
+        """Queue on ``coef.reads`` what :meth:`sparse_backward` will read, so that the fused op reads it with its own
+        values: one read of the device per backward call."""
+        with _device_guard(job.hidden.device):
+            queue_sparse_reads(job, chunks, coef)
 
     def sparse_backward(self, job: ChunkJob, chunks: list[SparseChunk], coef: Coefficients, grads: Grads) -> None:
         """The safe-set part of the stored chunks' gradient in Triton (any input dtype), used by ``FusedSafeLogProbs``

@@ -24,7 +24,7 @@ import torch
 
 from safevocab.backends.triton import sparse_gate
 from safevocab.backends.triton.route import Route
-from safevocab.fused.chunking import ChunkJob
+from safevocab.fused.chunking import LEAVING_ROWS, ChunkJob
 from safevocab.fused.coefficients import Coefficients
 from safevocab.fused.grads import Grads, accumulate_chunk_grads
 from safevocab.fused.row_stats import SparseChunk
@@ -33,7 +33,7 @@ from safevocab.kernels.sparse_backward import sparse_backward as kernel_sparse_b
 from safevocab.kernels.union_backward import UnionChunk, kept_ranks, union_ids
 from safevocab.kernels.union_backward import union_backward as kernel_union_backward
 
-__all__ = ["dense_backward", "full_softmax_backward", "sparse_backward"]
+__all__ = ["dense_backward", "full_softmax_backward", "queue_sparse_reads", "sparse_backward"]
 
 
 def dense_backward(job: ChunkJob, route: Route, chunks: list[slice], coef: Coefficients, grads: Grads) -> None:
@@ -130,6 +130,31 @@ def full_softmax_backward(
         del z, out
 
 
+#: What :func:`queue_sparse_reads` queues and keeps: every stored chunk's ``|U|`` and the call's (``G_U``'s shape and
+#: the gate); whether a stored row's gradient leaves ``S`` (only where the fused op did not queue those rows,
+#: ``LEAVING_ROWS``: the dense backward would add that part a second time, and the union GEMMs keep ``G_U`` in fp32);
+#: the union ranks (:func:`~safevocab.kernels.union_backward.kept_ranks`), in ``coef.prepared``.
+UNION_SIZES = "union sizes"
+STORED_LEAVING = "a stored row leaves S"
+UNION_RANKS = "union ranks"
+
+
+def queue_sparse_reads(job: ChunkJob, chunks: list[SparseChunk], coef: Coefficients) -> None:
+    """Queue on ``coef.reads`` the device values :func:`sparse_backward` reads, computing the chunks' union ranks
+    once (kept in ``coef.prepared``); no read of the device. The fused op calls it before its own read, so that the
+    backward reads the device once."""
+    if not chunks or UNION_RANKS in coef.prepared:
+        return
+    ranks = kept_ranks([c.cols for c in chunks], job.vocab)
+    coef.prepared[UNION_RANKS] = ranks
+    coef.reads.add(UNION_SIZES, ranks[:, -1])
+    if LEAVING_ROWS not in coef.reads:
+        slices = [slice(c.start, c.start + c.counts.numel()) for c in chunks]
+        coef.reads.add(
+            STORED_LEAVING, torch.cat([(coef.c_full[r] != 0) | (coef.g_target_out[r] != 0) for r in slices]).any()
+        )
+
+
 def sparse_backward(job: ChunkJob, route: Route, chunks: list[SparseChunk], coef: Coefficients, grads: Grads) -> None:
     """The safe-set part of the gradient of every stored chunk, added to ``grads``, by the backward
     :func:`safevocab.backends.triton.sparse_gate.choose` picks for the call: the per-id kernels
@@ -138,18 +163,17 @@ def sparse_backward(job: ChunkJob, route: Route, chunks: list[SparseChunk], coef
     (:func:`dense_backward`). Each touched row of the gradients is written once per call by the first two (no fp32
     ``[V, H]`` buffer needed); the dense one accumulates in fp32 buffers and adds them once.
 
-    One read of the device per call: every chunk's ``|U|`` (the union's shape and the gate) and whether a stored row's
-    gradient leaves ``S`` (the dense backward would add that part a second time; the union GEMMs then keep ``G_U`` in
-    fp32)."""
+    It reads what :func:`queue_sparse_reads` queued on ``coef.reads``, with whatever else the fused op queued there:
+    one read of the device per backward call (the per-id kernels then read nothing either: they get ``U``'s ids)."""
     if not chunks:
         return
     hidden, weight, transform = job.hidden, job.weight, job.transform
     slices = [slice(c.start, c.start + c.counts.numel()) for c in chunks]
-    ranks = kept_ranks([c.cols for c in chunks], job.vocab)
-    leaves = torch.cat([(coef.c_full[r] != 0) | (coef.g_target_out[r] != 0) for r in slices]).any()
-    # host sync: the call's one read (every chunk's |U| and the call's, for G_U's shape and the gate; whether a row
-    # leaves S), not one per chunk; the per-id kernels then read nothing either (they get U's ids)
-    *sizes, call_size, leaving = torch.cat([ranks[:, -1].long(), leaves.long().view(1)]).tolist()
+    queue_sparse_reads(job, chunks, coef)  # nothing new if the op had it queue them before its read
+    ranks = coef.prepared[UNION_RANKS]
+    values = coef.reads.read()  # no second read when the op read them with its own
+    *sizes, call_size = values[UNION_SIZES]
+    leaving = any(values[LEAVING_ROWS]) if LEAVING_ROWS in values else bool(values[STORED_LEAVING][0])
     backward = sparse_gate.choose(
         sum(c.cols.numel() for c in chunks),
         sum(c.counts.numel() * size for c, size in zip(chunks, sizes)),
