@@ -30,6 +30,21 @@ PRESETS = {
 }
 
 
+def _integer_at_least(low: int):
+    """An argparse type: an integer ``>= low``, else argparse's one-line error naming the flag."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"{value} is out of range: accepted an integer >= {low}")
+        return value
+
+    return parse
+
+
 def make_parser(prog: str = "python -m safevocab.bench") -> argparse.ArgumentParser:
     """The benchmark's argument parser (also ``safevocab bench``'s)."""
     p = argparse.ArgumentParser(prog=prog, description=DESCRIPTION)
@@ -45,13 +60,13 @@ def make_parser(prog: str = "python -m safevocab.bench") -> argparse.ArgumentPar
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument(
         "--max-chunk-bytes",
-        type=int,
+        type=_integer_at_least(1),
         default=DEFAULT_MAX_CHUNK_BYTES,
         help="fused chunk budget in bytes (default: the library default)",
     )
     p.add_argument(
         "--keep-logits-bytes",
-        type=int,
+        type=_integer_at_least(0),
         default=0,
         help="fused: bytes of chunk logits the forward keeps for the backward instead of recomputing them "
         "(fused_safe_logprobs' keep_logits_bytes), default 0: recompute",

@@ -23,3 +23,21 @@ def test_inputs_are_built_once_per_process_and_each_variant_gets_its_own_leaves(
     assert first[1].grad is not None and second[1].grad is None  # own gradients: peak memory still counts them
     other = shared_inputs(_bench_args(rule="top_k=3"), torch.device("cpu"))
     assert other[0].data_ptr() != first[0].data_ptr()
+
+
+def test_byte_flags_refuse_what_the_fused_op_would_refuse_in_one_line(capsys):
+    """A negative ``--keep-logits-bytes`` or a zero ``--max-chunk-bytes`` ran until the fused variant raised: a
+    42-line traceback after "measuring"; now argparse's one line, before anything runs."""
+    import pytest
+
+    for flag, value, says in (
+        ("keep-logits-bytes", "-1", "accepted an integer >= 0"),
+        ("max-chunk-bytes", "0", "accepted an integer >= 1"),
+        ("keep-logits-bytes", "1.5", "'1.5' is not an integer"),
+    ):
+        with pytest.raises(SystemExit) as exit_info:
+            _bench_args(**{flag: value})
+        assert exit_info.value.code == 2
+        err = capsys.readouterr().err.strip().splitlines()[-1]
+        assert err.startswith("python -m safevocab.bench: error: argument --" + flag) and says in err, err
+    assert _bench_args(**{"keep-logits-bytes": "0"}).keep_logits_bytes == 0
