@@ -118,7 +118,18 @@ def torch_forward(job: ChunkJob, stats: RowStats, density: float | None) -> list
         z = _forward_logits(job, logits_of, rows)
         with single_threaded(z.device):  # the GEMM above keeps the caller's threads (safevocab.threads)
             _forward_chunk(z, rows, job.targets, job.rule, stats, scratch, job.support, density, sparse_chunks)
+        if job.kept_logits is not None and sparse_chunks and sparse_chunks[-1].start == rows.start:
+            _release_if_unneeded(job, rows, stats)
     return sparse_chunks
+
+
+def _release_if_unneeded(job: ChunkJob, rows: slice, stats: RowStats) -> None:
+    """A stored chunk whose targets are all in ``S`` needs no logits in its backward (the sparse one), unless a
+    gradient reaches ``log_kept_mass``: give its kept buffer back and keep no further chunk (the call's sets are
+    small; each kept chunk would cost a fresh buffer and a copy for nothing). A later backward that does need the
+    logits recomputes them, bit for bit as before."""
+    if bool(stats.in_safe[rows].all()):  # host read: this backend reads every chunk's statistics anyway
+        job.kept_logits.release(rows.start)
 
 
 def _forward_logits(job: ChunkJob, logits_of: ChunkLogits, rows: slice) -> torch.Tensor:

@@ -153,6 +153,14 @@ class KeptLogits:
         or ``None`` when none is kept (never, refused, or taken already)."""
         return self._buffers.pop(start, None)
 
+    def release(self, start: int) -> None:
+        """Drop the buffer of the chunk starting at row ``start`` (a forward that found its backward will not need
+        it), give its bytes back, and keep no further chunk."""
+        buffer = self._buffers.pop(start, None)
+        if buffer is not None:
+            self.reserved -= buffer.numel() * buffer.element_size()
+        self._open = False
+
     def clear(self) -> None:
         """Drop every buffer still kept (the fused op, when its backward ends: those it did not read too)."""
         self._buffers.clear()
