@@ -35,9 +35,11 @@ import torch
 from safevocab.engine_order import composition_stages
 from safevocab.rules import Intersection, MinP, MinProb, SafeVocabRule, TopK, TopP, finite_floor
 
-__all__ = ["SelectionPlan", "selection_plan", "decide_thresholds"]
+__all__ = ["MASS_DEPENDENT", "SelectionPlan", "selection_plan", "decide_thresholds"]
 
-_MASS_DEPENDENT = frozenset({"top_p", "min_prob"})
+#: The parts whose threshold is a decision on a sum of masses (known to ``MASS_MARGIN``); ``top_k`` (a count) and
+#: ``min_p`` (``m + log rho``) are exact.
+MASS_DEPENDENT = frozenset({"top_p", "min_prob"})
 
 #: Relative width around a mass boundary inside which the candidate phase leaves a row to the rule's own code (module
 #: docstring). Both ``T`` sum fp32 partials of 64 terms in tree order (Triton's ``tl.sum``, torch's cascade sum:
@@ -68,7 +70,7 @@ class SelectionPlan:
         stages = self.active(vocab)
         parts: list[SafeVocabRule] = []
         for i, stage in enumerate(stages):
-            if i > 0 and any(p.key in _MASS_DEPENDENT for p in stage):
+            if i > 0 and any(p.key in MASS_DEPENDENT for p in stage):
                 break
             parts.extend(stage)
         return tuple(parts)

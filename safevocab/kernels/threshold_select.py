@@ -60,8 +60,9 @@ within ``MASS_MARGIN`` of a boundary there too, or where ``(q + MASS_MARGIN) T_p
 and rows of a non-finite ``m`` or ``T``, are transformed in the kernel into fp32 (only those rows, in batches) and
 given to the rule's own torch code.
 
-**Host reads.** One per chunk: the fallback's rows (they run the rule's torch code before the fold reads the
-thresholds). The refinement and the radix select run on the rows flagged on the device (one program a row, the
+**Host reads.** One per chunk where a stage decides on masses (``top_p``, ``min_prob``): the fallback's rows (they
+run the rule's torch code before the fold reads the thresholds). None for ``top_k``/``min_p`` compositions: the radix
+select decides every row with a finite maximum exactly, and a row without one makes the op raise at its end. The refinement and the radix select run on the rows flagged on the device (one program a row, the
 others exit at once) and the candidate phase works on the buffer's whole width (``KCAP`` columns), so none of them
 reads the device.
 
@@ -80,7 +81,7 @@ import triton
 import triton.language as tl
 
 from safevocab.kernels import interpreter_on
-from safevocab.kernels.candidate_thresholds import SelectionPlan, decide_thresholds, selection_plan
+from safevocab.kernels.candidate_thresholds import MASS_DEPENDENT, SelectionPlan, decide_thresholds, selection_plan
 from safevocab.kernels.common import transform
 from safevocab.kernels.radix_select import radix_thresholds
 from safevocab.rules import finite_floor
@@ -458,6 +459,12 @@ def select_thresholds(
         flag = bad.to(torch.int8)
         radix_thresholds(z, stages, undecided, row_max, threshold, flag, scale, softcap, temperature)
         bad = flag != 0
+        if not any(part.key in MASS_DEPENDENT for stage in stages for part in stage):
+            # count and min_p stages only (no mass decision, known to MASS_MARGIN, among the stages): the radix select
+            # decides every row with a finite maximum and T exactly
+            # (no margin), and a row without one (no finite logit, a NaN) makes the op raise at its end-of-call check
+            # (safevocab.fused.checks): nothing for the rule's code to do, so no read of the device
+            return torch.zeros(0, dtype=torch.long, device=z.device), count
     # host sync: the chunk's one read, its fallback rows (the rule's torch code runs on those rows only, and they must
     # be known before the fold reads the thresholds; the chunk's logits are gone after it)
     bad = bad.nonzero().squeeze(-1)

@@ -25,12 +25,13 @@ N, V, H = 12, 48, 8
 #: Rows per chunk 4 (``max_chunk_bytes`` over ``V`` times the route's bytes a logit): three chunks a call.
 CHUNK_BYTES = {"in-kernel": 4 * V * 5, "selection": 4 * (V * 5 + 4 * V + 32)}
 CHUNKS = 3
-#: Forward: the call's one read, plus one a chunk on the selection route, plus two for a replayed support.
+#: Forward: the call's one read, plus one a chunk on the selection route where a stage decides on masses (``top_p``,
+#: ``min_prob``: rows within ``MASS_MARGIN`` take the rule's code), plus two for a replayed support.
 FORWARD_BUDGET = {
     "none": 1,
     "min_p=0.05": 1,
     "min_prob=0.01": 1,
-    "top_k=7": 1 + CHUNKS,
+    "top_k=7": 1,
     "top_p=0.8": 1 + CHUNKS,
     "replay": 3,
 }
