@@ -73,6 +73,10 @@ def run_summary(trainer, accuracy_before: float | None = None, accuracy_after: f
         # how much each end's mean moves by chance (its standard error), and the prompts a step averages over
         "reward_standard_error": _reward_noise(history),
         "prompts_per_step": _prompts_per_step(trainer.args),
+        # the training processes (a launcher's --num_processes: each trains its own per-device batch) and the kept
+        # logits' cap, which changes no number above but the loss's memory and time (docs/performance.md)
+        "processes": trainer.args.world_size,
+        "keep_logits_bytes": getattr(trainer.args, "safe_vocab_keep_logits_bytes", 0),
         "accuracy_before": accuracy_before,
         "accuracy_after": accuracy_after,
         "metrics_last_step": {k: last.get(k) for k in SUMMARY_METRICS if k in last},
@@ -125,6 +129,16 @@ def print_run_summary(trainer, accuracy_before: float | None = None, accuracy_af
     order = "" if summary["effective_rule"] == "none" else f", composed in {_ENGINE_ORDER[engine]}"
     rows = [
         ("steps", fmt(summary["steps"])),
+        *(
+            [
+                (
+                    "processes",
+                    f"{summary['processes']} (each step: {summary['prompts_per_step']} prompts over all of them)",
+                )
+            ]
+            if summary["processes"] > 1
+            else []
+        ),
         ("train time (s)", fmt(summary["train_runtime_s"])),
         (
             "safe-vocabulary rule",

@@ -138,6 +138,9 @@ def test_two_processes_train_as_one_group(tmp_path):
     assert [(r["trainer_rank"], r["trainer_processes"]) for r in ranks] == [(0, 2), (1, 2)], ranks
     assert (tmp_path / "out" / "model.safetensors").exists()
     assert proc.stdout.count("safevocab-grpo summary") == 1  # the main process prints it
+    assert "processes" in proc.stdout and "2 (each step:" in proc.stdout  # the summary says two processes trained
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["processes"] == 2 and summary["keep_logits_bytes"] == 0
 
 
 @pytest.mark.slow
