@@ -427,10 +427,10 @@ def log_normalised_(z: torch.Tensor, row_max: torch.Tensor, log_sum: torch.Tenso
 
 
 def full_softmax_backward(
-    job: ChunkJob, idx: torch.Tensor, coef: Coefficients, grads: Grads, counts: list[int] | None = None
+    job: ChunkJob, idx: torch.Tensor, coef: Coefficients, grads: Grads, counts: list[int]
 ) -> None:
     """Add ``-c_F pi + g_lp 1[a=y not in S]`` for the rows ``idx`` (``[k]`` int64, ascending) to ``grads`` (their
-    safe-set part comes from the sparse path; ``counts``: how many of them each forward chunk holds, when read).
+    safe-set part comes from the sparse path; ``counts``: how many of them each forward chunk holds).
 
     ``pi = exp((z - m) - log sum_V exp(z - m))`` uses the forward's ``m`` and ``log sum_V``, so ``z`` must be the
     forward's logits bit for bit: each chunk holding such rows is recomputed whole, on the forward's own row slice
@@ -474,6 +474,6 @@ class TorchBackend:
         dense_backward(job, chunks, coef, grads)
 
     def full_softmax_backward(
-        self, job: ChunkJob, idx: torch.Tensor, coef: Coefficients, grads: Grads, counts: list[int] | None = None
+        self, job: ChunkJob, idx: torch.Tensor, coef: Coefficients, grads: Grads, counts: list[int]
     ) -> None:
         full_softmax_backward(job, idx, coef, grads, counts)

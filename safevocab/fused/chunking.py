@@ -37,7 +37,6 @@ __all__ = [
     "balanced_chunk_rows",
     "chunk_slices",
     "forward_chunks_of",
-    "leaving_rows",
     "rows_per_chunk",
 ]
 
@@ -94,9 +93,9 @@ class ChunkJob:
         """The row slices of the chunks (:func:`chunk_slices`), identical in forward and backward."""
         return chunk_slices(self.n_rows, self.chunk_rows)
 
-    def chunks_of(self, idx: torch.Tensor, counts: list[int] | None = None) -> list[tuple[slice, slice | torch.Tensor]]:
+    def chunks_of(self, idx: torch.Tensor, counts: list[int]) -> list[tuple[slice, slice | torch.Tensor]]:
         """The forward chunks holding the rows ``idx`` (ascending), each with the rows to fold
-        (:func:`forward_chunks_of`; ``counts``: how many of ``idx`` each forward chunk holds, when known)."""
+        (:func:`forward_chunks_of`; ``counts``: how many of ``idx`` each forward chunk holds)."""
         return forward_chunks_of(idx, self.n_rows, self.chunk_rows, counts)
 
     def keeps(self, rows: slice, nbytes: int) -> bool:
@@ -203,25 +202,18 @@ def chunk_slices(n_rows: int, chunk_rows: int) -> list[slice]:
 
 
 def forward_chunks_of(
-    idx: torch.Tensor, n_rows: int, chunk_rows: int, counts: list[int] | None = None
+    idx: torch.Tensor, n_rows: int, chunk_rows: int, counts: list[int]
 ) -> list[tuple[slice, slice | torch.Tensor]]:
     """The forward chunks (:func:`chunk_slices`) holding the rows ``idx`` (ascending), each with the rows to fold:
     ``[(rows, at)]``, ``at`` the slice ``rows`` itself (the whole chunk, no gather) when ``idx`` holds at least half
     of its rows, else that chunk's part of ``idx``. The whole chunk is for callers to whose other rows the
     computation adds nothing (the full-softmax part: zero coefficients there).
 
-    ``counts`` (one per forward chunk: how many rows of ``idx`` it holds), when the caller has read them already,
-    spares the two reads of the device that finding them takes (:func:`leaving_rows`)."""
-    if counts is not None:
-        held = [(chunk, count) for chunk, count in enumerate(counts) if count]
-        chunks = [chunk for chunk, _ in held]
-        parts = idx.split([count for _, count in held]) if held else []
-    else:
-        if idx.numel() == 0:
-            return []
-        chunk_of = torch.div(idx, chunk_rows, rounding_mode="floor")
-        found, found_counts = torch.unique_consecutive(chunk_of, return_counts=True)
-        chunks, parts = found.tolist(), idx.split(found_counts.tolist())
+    ``counts`` (one per forward chunk: how many rows of ``idx`` it holds, as the caller read them with
+    :func:`rows_per_chunk`) split ``idx`` with no read of the device."""
+    held = [(chunk, count) for chunk, count in enumerate(counts) if count]
+    chunks = [chunk for chunk, _ in held]
+    parts = idx.split([count for _, count in held]) if held else []
     out: list[tuple[slice, slice | torch.Tensor]] = []
     for chunk, part in zip(chunks, parts):
         rows = slice(chunk * chunk_rows, min((chunk + 1) * chunk_rows, n_rows))
@@ -236,25 +228,13 @@ LEAVING_ROWS = "rows leaving S"
 
 def rows_per_chunk(rows: torch.Tensor, chunk_rows: int) -> torch.Tensor:
     """``[C]`` int32 on the device: how many ``True`` rows of ``rows`` (``[N]`` bool) each forward chunk of
-    ``chunk_rows`` rows holds. No read of the device (the caller reads it with its other values)."""
+    ``chunk_rows`` rows holds. No read of the device (the caller reads it with its other values; the rows' indices
+    then come from ``torch.nonzero_static`` of that size, and :func:`forward_chunks_of` splits them)."""
     n_rows = rows.shape[0]
     n_chunks = -(-n_rows // chunk_rows)
     padded = torch.zeros(n_chunks * chunk_rows, dtype=torch.int32, device=rows.device)
     padded[:n_rows] = rows
     return padded.view(n_chunks, chunk_rows).sum(-1)
-
-
-def leaving_rows(
-    rows: torch.Tensor, chunk_rows: int, counts: list[int] | None = None
-) -> tuple[torch.Tensor, list[int]]:
-    """The indices of the ``True`` rows of ``rows`` (``[N]`` bool; ascending) and how many each forward chunk of
-    ``chunk_rows`` rows holds (:func:`rows_per_chunk`, read here unless the caller read them as ``counts``): the
-    indices' size comes from the counts (``torch.nonzero_static``), with no further read. For
-    :func:`forward_chunks_of`."""
-    if counts is None:
-        counts = rows_per_chunk(rows, chunk_rows).tolist()  # host sync: the caller had not read them
-    idx = torch.nonzero_static(rows, size=sum(counts)).squeeze(-1)
-    return idx, counts
 
 
 class ChunkLogits:

@@ -76,7 +76,7 @@ import contextlib
 import torch
 
 from safevocab.fused.checks import non_finite_flags, raise_on_empty_support, raise_on_non_finite_rows
-from safevocab.fused.chunking import LEAVING_ROWS, ChunkJob, KeptLogits, leaving_rows, rows_per_chunk
+from safevocab.fused.chunking import LEAVING_ROWS, ChunkJob, KeptLogits, rows_per_chunk
 from safevocab.fused.coefficients import Coefficients, fp16_grad_shift
 from safevocab.fused.protocol import FusedBackend
 from safevocab.fused.row_stats import CallReads, RowStats
@@ -268,7 +268,8 @@ class FusedSafeLogProbs(torch.autograd.Function):
             queue = getattr(ctx.backend, "queue_sparse_reads", None)
             if queue is not None:
                 queue(job, ctx.sparse_chunks, coef)
-            full_idx, full_counts = leaving_rows(leaves, ctx.chunk_rows, coef.reads.read()[LEAVING_ROWS])
+            full_counts = coef.reads.read()[LEAVING_ROWS]
+            full_idx = torch.nonzero_static(leaves, size=sum(full_counts)).squeeze(-1)  # sized: no second read
         else:  # no stored chunk, no such row: the dense chunks include that part (no read)
             full_idx, full_counts = leaves.new_empty(0, dtype=torch.long), []
 

@@ -63,10 +63,10 @@ class FusedBackend(Protocol):
         ...
 
     def full_softmax_backward(
-        self, job: ChunkJob, idx: torch.Tensor, coef: Coefficients, grads: Grads, counts: list[int] | None = None
+        self, job: ChunkJob, idx: torch.Tensor, coef: Coefficients, grads: Grads, counts: list[int]
     ) -> None:
         """Add ``-c_F pi + g_lp 1[a=y not in S]`` of the rows ``idx`` (``[k]`` int64) to ``grads`` (``counts``: how
-        many of them each forward chunk holds, as the op read them; ``None``: find them): ascending rows of
+        many of them each forward chunk holds, as the op read them): ascending rows of
         sparse chunks whose gradient leaves ``S`` (the other rows of their chunks have ``c_F = 0`` and
         ``g_lp 1[a=y not in S] = 0``, so folding a whole chunk adds nothing for them). ``pi`` uses the forward's row
         statistics, so the logits must be the forward's bit for bit: each chunk holding such rows is recomputed whole

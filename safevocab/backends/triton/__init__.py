@@ -89,7 +89,7 @@ class TritonBackend:
             dense_backward(job, route, chunks, coef, grads)
 
     def full_softmax_backward(
-        self, job: ChunkJob, idx: torch.Tensor, coef: Coefficients, grads: Grads, counts: list[int] | None = None
+        self, job: ChunkJob, idx: torch.Tensor, coef: Coefficients, grads: Grads, counts: list[int]
     ) -> None:
         route = _route(job)
         with _device_guard(job.hidden.device):

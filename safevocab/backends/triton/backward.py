@@ -79,10 +79,10 @@ def full_softmax_backward(
     idx: torch.Tensor,
     coef: Coefficients,
     grads: Grads,
-    counts: list[int] | None = None,
+    counts: list[int],
 ) -> None:
     """The full-softmax part ``-c_F pi + g_lp 1[a=y not in S]`` of the rows ``idx`` (``[k]`` int64, ascending rows of
-    sparse chunks; ``counts``: how many of them each forward chunk holds, when read already), added to ``grads``.
+    sparse chunks; ``counts``: how many of them each forward chunk holds), added to ``grads``.
 
     ``pi`` is normalised with the forward's ``m`` and ``log sum_V``, so the logits must be the forward's bit for
     bit: each chunk holding such rows is recomputed whole on the forward's row slice, through the forward's logits
