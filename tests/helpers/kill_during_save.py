@@ -17,9 +17,14 @@ As a script (a fresh interpreter; also under ``torchrun``, one run per process):
 
     python tests/helpers/kill_during_save.py MODEL_DIR OUTPUT_DIR STEP POINT [--stock]
     python tests/helpers/kill_during_save.py MODEL_DIR OUTPUT_DIR --resume CHECKPOINT|latest
+    python tests/helpers/kill_during_save.py MODEL_DIR --batch STEP JSON
 
 ``--stock`` trains plain ``trl.GRPOTrainer`` instead of ``HardenedSafeVocabGRPOTrainer``; ``--resume`` trains
 ``HardenedSafeVocabGRPOTrainer`` from ``CHECKPOINT`` (``latest``: ``resume_from_checkpoint=True``), killing nothing.
+``--batch`` runs several killed runs (``JSON``: a list of ``[OUTPUT_DIR, POINT, STOCK]``) from one interpreter: it
+imports the training stack once, then forks a child for each run, one at a time, and prints each child's exit
+status (``-9``: killed) as a JSON list. The fork comes before any torch op has run, with ``OMP_NUM_THREADS=1``: a
+child forked after torch's OpenMP pool ran with several threads hangs in it (why the tests never fork themselves).
 """
 
 from __future__ import annotations
@@ -100,9 +105,33 @@ def train_until_killed(model_dir: str, output_dir: str, step: int, point: str, s
     trainer.train()
 
 
+def killed_in_children(model_dir: str, step: int, runs: list[tuple[str, str, bool]]) -> list[int]:
+    """Each run of ``runs`` (``(output_dir, point, stock)``) in a forked child of this interpreter, one at a time; their
+    exit statuses (``-SIGKILL`` where the point came)."""
+    # the stack each child would import: once, here, before the forks
+    import transformers.modeling_utils  # noqa: F401
+    from trl import GRPOTrainer  # noqa: F401
+
+    from trl_integration import HardenedSafeVocabGRPOTrainer  # noqa: F401
+
+    statuses = []
+    for output_dir, point, stock in runs:
+        pid = os.fork()
+        if pid == 0:  # the child: killed at the point, or ends without any clean-up of the parent's
+            train_until_killed(model_dir, output_dir, step, point, stock=stock)
+            os._exit(0)
+        _, status = os.waitpid(pid, 0)
+        statuses.append(-os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status))
+    return statuses
+
+
 if __name__ == "__main__":
     model_dir, output_dir, *rest = sys.argv[1:]
-    if rest[0] == "--resume":
+    if output_dir == "--batch":
+        import json
+
+        print(json.dumps(killed_in_children(model_dir, int(rest[0]), json.loads(rest[1]))))
+    elif rest[0] == "--resume":
         make_trainer(model_dir, output_dir).train(resume_from_checkpoint=True if rest[1] == "latest" else rest[1])
     else:
         train_until_killed(model_dir, output_dir, int(rest[0]), rest[1], stock="--stock" in rest[2:])

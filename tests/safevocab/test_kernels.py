@@ -679,9 +679,9 @@ def test_triton_fp16_gradients_are_finite_wherever_the_true_ones_fit(temperature
 from hypothesis import HealthCheck  # noqa: E402
 from test_reference_fuzz import check_fused, fuzz_settings, head_inputs, rule_parts, transforms  # noqa: E402
 
-#: Examples of the Triton property: a hundred in the fast suite (the interpreter is ~50x slower than torch on
-#: CPU), thousands in CI's slow phase (``_ci``), 20,000 on demand (``_20k``, marker ``fuzz20k``).
-TRITON_EXAMPLES = int(os.environ.get("SAFEVOCAB_FUZZ_EXAMPLES_TRITON", "100"))
+#: Examples of the Triton property: fifty in the fast suite (the interpreter is ~50x slower than torch on CPU; 100
+#: until issue 53), thousands in CI's slow phase (``_ci``), 20,000 on demand (``_20k``, marker ``fuzz20k``).
+TRITON_EXAMPLES = int(os.environ.get("SAFEVOCAB_FUZZ_EXAMPLES_TRITON", "50"))
 TRITON_EXAMPLES_CI = int(os.environ.get("SAFEVOCAB_FUZZ_EXAMPLES_TRITON_CI", "2000"))
 
 

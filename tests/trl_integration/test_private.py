@@ -218,28 +218,6 @@ def test_helper_context_managers(tiny_model_dir, tmp_path):
         assert head.weight.numel() > 0
 
 
-def test_accelerate_keeps_the_unwrapped_forward_under_mixed_precision():
-    """accelerate's prepare_model under mixed precision keeps the forward it wrapped (rollout_precision unwraps it).
-    In a subprocess: accelerate's state is process-wide and the test session already has one."""
-    code = """
-from accelerate import Accelerator
-from transformers import LlamaConfig, LlamaForCausalLM
-from trl_integration._private import mixed_precision_forward
-config = LlamaConfig(vocab_size=16, hidden_size=8, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2,
-                     num_key_value_heads=1)
-model = LlamaForCausalLM(config)
-assert mixed_precision_forward(model) is None
-model = Accelerator(mixed_precision="bf16", cpu=True).prepare_model(model)
-original = mixed_precision_forward(model)
-assert original is not None and original is not model.forward
-print("ok")
-"""
-    result = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, cwd=PACKAGE.parent, env=user_env()
-    )
-    assert result.stdout.strip().endswith("ok"), result.stderr[-2000:]
-
-
 def test_bridge_routes_trls_private_calls_to_the_hooks(tiny_model_dir, tmp_path):
     """trl's code calls the private names; a SafeVocabGRPOTrainer receives them in its public hooks."""
     calls = []

@@ -206,7 +206,13 @@ def test_a_run_without_usable_rewards_fails_loudly(reward, tmp_path, capsys):
     assert "every reward was missing (None) or non-finite" in err.strip().splitlines()[-1]
 
 
-@pytest.mark.parametrize("argv", [["--safe_vocab_rule", "min_p=2"], ["--max_steps", "abc"]], ids=["rule", "int"])
+# [int] in the slow tier (issue 53: a fresh interpreter each); [rule] keeps the console path in the fast suite, and
+# test_bad_input_is_one_line_and_exit_2_before_the_model_loads the integer parser's message
+@pytest.mark.parametrize(
+    "argv",
+    [["--safe_vocab_rule", "min_p=2"], pytest.param(["--max_steps", "abc"], marks=pytest.mark.slow)],
+    ids=["rule", "int"],
+)
 def test_the_console_command_prints_one_line(argv, tmp_path):
     """As a user runs it (a fresh process: import-time warnings and progress bars count too)."""
     import subprocess

@@ -2,12 +2,14 @@
 checkpoints without their optimizer, scheduler, length-decay or RNG state refused by name (or accepted, named).
 
 The killed runs are new interpreters (``kill_during_save.py``; never forks of the test process, whose OpenMP pool
-would hang them) that SIGKILL themselves at a chosen point of the save of step 3; the test process then resumes with ``resume_from_checkpoint=True`` and compares the
+would hang them; the fast suite's three are forks of one new interpreter, made before any torch op runs) that SIGKILL
+themselves at a chosen point of the save of step 3; the test process then resumes with ``resume_from_checkpoint=True`` and compares the
 resumed run with an uninterrupted one: the same parameters and losses, bit for bit (one thread, CPU).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -46,6 +48,22 @@ def kill_in_fresh_interpreter(model_dir, output_dir, point, stock=False) -> int:
     result = subprocess.run(argv + (["--stock"] if stock else []), env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == -signal.SIGKILL, result.stderr[-3000:]
     return result.returncode
+
+
+@pytest.fixture(scope="module")
+def killed(tiny_model_dir, tmp_path_factory) -> dict[tuple[str, bool], Path]:
+    """The fast suite's killed runs (``(point, stock)`` -> output folder), from one fresh interpreter that imports the
+    stack once and forks a child per run (kill_during_save.py ``--batch``): ~5 CPU-seconds an interpreter saved."""
+    runs = [(point, False) for point in DEFAULT_POINTS] + [("optimizer.pt:half", True)]
+    root = tmp_path_factory.mktemp("killed")
+    outs = {run: root / f"{i}" / "run" for i, run in enumerate(runs)}
+    jobs = json.dumps([[str(outs[run]), *run] for run in runs])
+    argv = [sys.executable, str(HELPERS / "kill_during_save.py"), tiny_model_dir, "--batch", str(KILLED_STEP), jobs]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
+    result = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert json.loads(result.stdout.splitlines()[-1]) == [-signal.SIGKILL] * len(runs), result.stderr[-3000:]
+    return outs
 
 
 def parameters(trainer) -> list[torch.Tensor]:
@@ -119,21 +137,23 @@ def check_resumed(model_dir, out, expected: str, uninterrupted, skipped: str) ->
     "point", [p if p in DEFAULT_POINTS else pytest.param(p, marks=pytest.mark.slow) for p in POINTS]
 )
 def test_kill_during_a_save_resumes_from_the_newest_complete_checkpoint(tiny_model_dir, tmp_path, uninterrupted,
-                                                                        point):  # fmt: skip
-    out = tmp_path / "run"
-    kill_in_fresh_interpreter(tiny_model_dir, out, point)
+                                                                        point, request):  # fmt: skip
+    if point in DEFAULT_POINTS:
+        out = request.getfixturevalue("killed")[point, False]
+    else:
+        out = tmp_path / "run"
+        kill_in_fresh_interpreter(tiny_model_dir, out, point)
     # The earlier checkpoint survived the kill (save_total_limit=1 rotates only after a save is complete), and no
     # checkpoint-3 exists unless it is complete.
     assert (out / "checkpoint-2" / "trainer_state.json").is_file()
     check_resumed(tiny_model_dir, out, POINTS[point], uninterrupted, skipped=f"{out}/_incomplete-checkpoint-3")
 
 
-def test_half_written_checkpoint_of_plain_trl_is_skipped(tiny_model_dir, tmp_path):
+def test_half_written_checkpoint_of_plain_trl_is_skipped(tiny_model_dir, tmp_path, killed):
     """Plain trl writes checkpoint-3 in place; killed while writing optimizer.pt, it leaves a checkpoint-3 without
     trainer_state.json. Resuming skips it, with one warning naming it, and resumes from plain trl's checkpoint-2
     (a complete checkpoint of plain trl) as plain trl's uninterrupted run continues: rule "none" is stock trl."""
-    out = tmp_path / "run"
-    kill_in_fresh_interpreter(tiny_model_dir, out, "optimizer.pt:half", stock=True)
+    out = killed["optimizer.pt:half", True]
     assert (out / "checkpoint-3").is_dir() and not (out / "checkpoint-3" / "trainer_state.json").exists()
     reference = make_trainer(tiny_model_dir, tmp_path / "reference", stock=True)
     reference.train()
