@@ -141,3 +141,21 @@ def test_gpu_bench_sh_runs_the_device_measurement_small(tmp_path):
     pairs = results["pairs"]
     assert "error" not in pairs, pairs
     assert pairs["order"] == _grpo_pairs_module().turn_schedule(3) and len(pairs["ratios"]) == 3
+
+
+def test_mass_margin_rows_script_prints_its_table(capsys):
+    # scripts/mass_margin_rows.py (docs/performance.md, "Host synchronisation"), tiny and in-process: a row per
+    # profile, dtype and q; a flat fp32 row set at q=0.99 is all near its boundary at V 2000 (a share above zero)
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "scripts" / "mass_margin_rows.py"
+    spec = importlib.util.spec_from_file_location("mass_margin_rows", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.main(["--n", "16", "--h", "8", "--v", "2000"])
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ") and "%" in line]
+    assert len(rows) == 12
+    shares = {tuple(cell.strip() for cell in row.split("|")[1:4]): float(row.split("|")[4].strip(" %")) for row in rows}
+    assert all(0 <= share <= 100 for share in shares.values())
+    assert shares["synthetic", "float32", "0.99"] > 0
