@@ -39,6 +39,11 @@ STUDY3 = [
 ]
 
 
+#: Study 4 (b)'s primary estimand, DVP − TIS late on the rule's support (docs/data/study4/analysis.json, the plan's
+#: analysis): the outcome quotes it with its interval, the front pages rounded to three places.
+STUDY4 = [("results.md", 4), ("index.md", 3), ("../README.md", 3)]
+
+
 def record(name: str) -> dict:
     path = DOCS / "data" / name
     return json.loads(gzip.open(path).read() if path.suffix == ".gz" else path.read_text())
@@ -59,3 +64,12 @@ def test_study3s_quoted_gain_of_tis_is_the_analysis(page, where):
     if page == "results.md":  # the interval as well
         low, high = stats["ci95"]
         assert f"[{signed(low)}, {signed(high)}]".replace("\u2212", "-") in text.replace("\u2212", "-")
+
+
+@pytest.mark.parametrize(("page", "digits"), STUDY4)
+def test_study4s_quoted_dvp_against_tis_is_the_analysis(page, digits):
+    stats = record("study4/analysis.json")["top_p"]["rule"]["late"]["dvp_minus_tis"]
+    text = " ".join((DOCS / page).read_text().split()).replace("\u2212", "-")
+    low, high = stats["ci95"]
+    quoted = f"{signed(stats['mean'], digits)} [{signed(low, digits)}, {signed(high, digits)}]"
+    assert quoted.replace("\u2212", "-") in text, f"{page} does not say: {quoted}"
