@@ -18,7 +18,8 @@ runs is chosen in :mod:`safevocab.backends.registry`, from the probes of the Tri
 Thresholds: ``NoPruning``, ``MinP`` and ``MinProb`` are computed inside the forward kernel
 (:func:`kernel_threshold`). ``TopK``, ``TopP`` and their compositions (bf16/fp16/fp32 inputs) get theirs from
 :mod:`safevocab.kernels.threshold_select` (a slot-max sketch bounds the threshold from below, the few candidates above
-it are compacted and decided exactly, in torch, by :mod:`safevocab.kernels.candidate_thresholds`; rows whose kept set
+it are compacted and decided exactly, in one kernel, by :mod:`safevocab.kernels.candidate_decide`, whose decision
+:mod:`safevocab.kernels.candidate_thresholds` states in torch; rows whose kept set
 is wider than the candidate buffer, flat ones, by the radix select of :mod:`safevocab.kernels.radix_select` on the
 whole row; no sort of the vocabulary, no fp32 copy). Other rules (subclasses, fp64 inputs) compute their per-row
 threshold in torch with the rule's own code, on logits transformed in torch, and the kernels fold the rest (logged at
@@ -57,6 +58,7 @@ _KERNEL_MODULES = (
     "safevocab.kernels.backward_fold",
     "safevocab.kernels.threshold_select",
     "safevocab.kernels.radix_select",
+    "safevocab.kernels.candidate_decide",
     "safevocab.kernels.sparse_backward",
     "safevocab.kernels.union_backward",
     "safevocab.kernels.kept_entries",

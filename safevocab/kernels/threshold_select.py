@@ -36,7 +36,8 @@ per row, ``BLOCK`` columns at a time:
 **Pass B** compacts the candidates ``z >= c`` into a ``[rows, KCAP]`` buffer (positions by ``tl.cumsum``; the count
 goes on past ``KCAP`` to flag an overflow).
 
-**Candidate phase** (torch, on ``[rows, <= KCAP]``): the candidates are sorted and the stages applied in the engine's
+**Candidate phase** (one kernel, :mod:`safevocab.kernels.candidate_decide`, on ``[rows, <= KCAP]``; stated in torch by
+:mod:`safevocab.kernels.candidate_thresholds`): the candidates are sorted and the stages applied in the engine's
 order as the rules' torch code does: ``top_k`` keeps ties (``t_k`` = the ``k``-th largest, ``-inf`` when fewer
 are kept), ``top_p`` takes the first sorted entry whose float64 running mass of the fp32 ``e`` reaches ``q T_prev``
 (``T_prev``: ``T`` for a first stage, else the float64 sum over the kept candidates), ``min_p`` is ``m + log rho``,
@@ -81,7 +82,8 @@ import triton
 import triton.language as tl
 
 from safevocab.kernels import interpreter_on
-from safevocab.kernels.candidate_thresholds import MASS_DEPENDENT, SelectionPlan, decide_thresholds, selection_plan
+from safevocab.kernels.candidate_decide import decide_thresholds_kernel
+from safevocab.kernels.candidate_thresholds import MASS_DEPENDENT, SelectionPlan, selection_plan
 from safevocab.kernels.common import transform
 from safevocab.kernels.radix_select import radix_thresholds
 from safevocab.rules import finite_floor
@@ -450,7 +452,7 @@ def select_thresholds(
         _refine_kernel[(n,)](**common, **uses, active_ptr=overflow, max_passes=refine_passes)
         off = dict.fromkeys(uses, False)
         _select_kernel[(n,)](**common, **select, **off, GIVEN_C=True, active_ptr=overflow)
-    t, bad = decide_thresholds(stages, cand, count, floor, row_max, total, kcap)
+    t, bad = decide_thresholds_kernel(stages, cand, count, floor, row_max, total, kcap)
     threshold.copy_(t)
     if radix:
         # FALLBACK, second step: the undecided rows with a finite maximum and T, on their whole row (flagged on the
