@@ -82,6 +82,8 @@ KERNEL_TEST_FILES = tuple(
         "tests/safevocab/test_kept_entries_kernel.py",
         "tests/safevocab/test_union_backward_kernel.py",
         "tests/safevocab/test_radix_select_kernel.py",
+        "tests/safevocab/test_candidate_decide_kernel.py",
+        "tests/safevocab/test_keep_logits_triton.py",
     )
     if (ROOT / path).exists()
 )
