@@ -43,7 +43,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from safevocab.kernels import interpreter_on
-from safevocab.kernels.candidate_thresholds import MASS_MARGIN
+from safevocab.kernels.candidate_thresholds import MASS_MARGIN, sorted_candidates
 from safevocab.rules import MinP, MinProb, SafeVocabRule, TopK, TopP, finite_floor
 
 __all__ = ["decide_thresholds_kernel"]
@@ -276,17 +276,18 @@ def decide_thresholds_kernel(
             f"strides {tuple(cand.stride())}"
         )
     n = cand.shape[0]
-    for name, x, dtype in (("count", count, torch.int32), ("floor", floor, torch.float32)):
-        if x.shape != (n,) or x.dtype != dtype:
-            raise ValueError(f"{name}: expected [{n}] {dtype}, got {tuple(x.shape)} {x.dtype}")
-    for name, x, dtype in (("m", m, torch.float32), ("total", total, torch.float64)):
+    for name, x, dtype in (
+        ("count", count, torch.int32),
+        ("floor", floor, torch.float32),
+        ("m", m, torch.float32),
+        ("total", total, torch.float64),
+    ):
         if x.shape != (n,) or x.dtype != dtype:
             raise ValueError(f"{name}: expected [{n}] {dtype}, got {tuple(x.shape)} {x.dtype}")
     threshold = torch.empty(n, device=cand.device, dtype=torch.float32)
     bad = torch.empty(n, device=cand.device, dtype=torch.int8)
     if n and not sort_in_kernel:
-        valid = torch.arange(kcap, device=cand.device) < count.clamp(max=kcap).unsqueeze(-1)
-        cand = torch.where(valid, cand[:, :kcap], float("-inf")).sort(dim=-1, descending=True).values
+        cand = sorted_candidates(cand, count, kcap)[0]
     if n:
         stage_of = {kind: at[kind][0] if kind in at else -1 for kind in _KINDS}
         block = max(16, triton.next_power_of_2(kcap))

@@ -35,7 +35,7 @@ import torch
 from safevocab.engine_order import composition_stages
 from safevocab.rules import Intersection, MinP, MinProb, SafeVocabRule, TopK, TopP, finite_floor
 
-__all__ = ["MASS_DEPENDENT", "SelectionPlan", "selection_plan", "decide_thresholds"]
+__all__ = ["MASS_DEPENDENT", "SelectionPlan", "selection_plan", "decide_thresholds", "sorted_candidates"]
 
 #: The parts whose threshold is a decision on a sum of masses (known to ``MASS_MARGIN``); ``top_k`` (a count) and
 #: ``min_p`` (``m + log rho``) are exact.
@@ -116,12 +116,8 @@ def decide_thresholds(
     device = cand.device
     neg_inf = -math.inf
     bad = (count > kcap) | ~torch.isfinite(m) | ~torch.isfinite(total)
-    # the candidate buffer's whole width, not the largest count (a read of the device): the columns past a row's count
-    # are -inf, of no mass and never counted, so every decision is the same
-    width = kcap if n else 0
-    cols = torch.arange(width, device=device)
-    valid = cols < count.clamp(max=kcap).unsqueeze(-1)
-    vals = torch.where(valid, cand[:, :width], neg_inf).sort(dim=-1, descending=True).values
+    vals, valid = sorted_candidates(cand, count, kcap)
+    width = vals.shape[1]
     complete = floor <= finite_floor(torch.float32)  # every finite logit is a candidate
     valid_sorted = valid.sort(dim=-1, descending=True).values
     e = torch.where(valid_sorted, (vals - m.unsqueeze(-1)).exp(), 0.0)
@@ -193,6 +189,17 @@ def decide_thresholds(
         t = torch.full((n,), -math.inf, device=device)
     bad |= ~known
     return torch.minimum(t.clamp_min(finite_floor(torch.float32)), m), bad
+
+
+def sorted_candidates(cand: torch.Tensor, count: torch.Tensor, kcap: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(vals, valid)``: each row's candidates sorted descending over the buffer's ``kcap`` columns (``-inf`` past the
+    first ``min(count, kcap)``: below every candidate) and the unsorted mask of those columns, ``[n, kcap]`` each.
+
+    The buffer's whole width, not the largest count (a read of the device): the columns past a row's count are
+    ``-inf``, of no mass and never counted, so every decision is the same."""
+    width = kcap if cand.shape[0] else 0
+    valid = torch.arange(width, device=cand.device) < count.clamp(max=kcap).unsqueeze(-1)
+    return torch.where(valid, cand[:, :width], -math.inf).sort(dim=-1, descending=True).values, valid
 
 
 def _first_value(vals: torch.Tensor, hit: torch.Tensor) -> torch.Tensor:

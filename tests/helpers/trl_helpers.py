@@ -20,6 +20,14 @@ import torch  # noqa: E402
 SPECIALS = ["<pad>", "<eos>", "<bos>", "<unk>"]
 CHARS = list("abcdefghijklmnopqrstuvwxyz0123456789 .,!?+-=:")
 PROMPTS = ["abc", "hello", "1+1=", "count:", "xyz", "the cat", "go!", "ok?"]
+#: torch.distributed's variables, which a vLLM engine built in this process sets (RANK, MASTER_PORT, ...): a child that
+#: inherited them would join that rendezvous (accelerate's ``Accelerator()`` then waits on a port nobody serves).
+DISTRIBUTED = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}
+
+
+def user_env() -> dict[str, str]:
+    """This process's environment as a user's shell has it: without torch.distributed's variables."""
+    return {k: v for k, v in os.environ.items() if k not in DISTRIBUTED}
 
 
 def build_tokenizer():

@@ -23,21 +23,18 @@ marker line between them on stderr; each test reads its own section:
 from __future__ import annotations
 
 import json
-import os
 import pathlib
 import subprocess
 import sys
 
 import pytest
+from trl_helpers import user_env
 
 import trl_integration
 from trl_integration.experimental import SILENCE_VARIABLE
 
 ROOT = pathlib.Path(trl_integration.__file__).resolve().parents[1]
 PACKAGES = ("trl_integration.lab", "trl_integration.study")
-#: torch.distributed's variables, which a vLLM engine built in this process sets (RANK, MASTER_PORT, ...): a child that
-#: inherited them would join that rendezvous (accelerate's ``Accelerator()`` then waits on a port nobody serves).
-DISTRIBUTED = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}
 
 SETTINGS = """
 import json, logging, sys, warnings
@@ -130,7 +127,7 @@ def fresh():
     notices = pinned_vllm() is None
     script = SETTINGS + (NOTICE_FENCE if notices else "") + STABLE_FACES
     script += (NOTICE_FILTERS if notices else "") + EXPERIMENTAL + ACCELERATE
-    env = {k: v for k, v in os.environ.items() if k not in DISTRIBUTED and k != SILENCE_VARIABLE}
+    env = {k: v for k, v in user_env().items() if k != SILENCE_VARIABLE}
     done = subprocess.run(
         [sys.executable, "-c", script], capture_output=True, text=True, env=env, cwd=ROOT, timeout=300
     )

@@ -13,7 +13,7 @@ import pytest
 import torch
 import trl
 from trl import GRPOConfig, GRPOTrainer
-from trl_helpers import PROMPTS, build_tokenizer, grpo_kwargs, prompt_dataset, vowel_reward
+from trl_helpers import PROMPTS, build_tokenizer, grpo_kwargs, prompt_dataset, user_env, vowel_reward
 
 import trl_integration
 import trl_integration._private as fence
@@ -30,15 +30,6 @@ from trl_integration._private import (
 )
 
 PACKAGE = pathlib.Path(trl_integration.__file__).parent
-
-#: torch.distributed's variables, which a vLLM engine built in this process sets (RANK, MASTER_PORT, ...): a child that
-#: inherited them would join that rendezvous (accelerate's ``Accelerator()`` then waits on a port nobody serves).
-DISTRIBUTED = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}
-
-
-def user_env() -> dict[str, str]:
-    """This process's environment as a user's shell has it: without torch.distributed's variables."""
-    return {k: v for k, v in os.environ.items() if k not in DISTRIBUTED}
 
 
 def stock_trainer(model_dir, tmp_path, **config):
@@ -282,7 +273,6 @@ def test_save_checkpoint_writes_into_the_output_dir_it_reads(tiny_model_dir, tmp
     """transformers' ``_save_checkpoint`` (through trl's override) writes ``checkpoint-<global_step>`` into
     ``_get_output_dir(trial)`` and rotates old checkpoints there, nowhere else: what the staged save relies on
     (trl_integration.harness.checkpoints); and the checkpoint bridge routes the call to the ``save_checkpoint`` hook."""
-    import os
 
     from trl_integration._private import CheckpointBridge
 
