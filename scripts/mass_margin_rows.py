@@ -39,6 +39,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--h", type=int, default=64, help="hidden size of the logit factors (default 64)")
     parser.add_argument("--v", type=int, default=151936, help="vocabulary (default 151936)")
     args = parser.parse_args(argv)
+    for flag in ("n", "h", "v"):
+        if getattr(args, flag) < (2 if flag == "h" else 1):
+            parser.error(f"--{flag} {getattr(args, flag)}: accepted an integer >= {2 if flag == 'h' else 1}")
     generator = torch.Generator().manual_seed(0)
     print("| logits | dtype | top_p | rows flagged | median kept |")
     print("|---|---|---:|---:|---:|")

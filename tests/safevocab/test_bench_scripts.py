@@ -159,3 +159,6 @@ def test_mass_margin_rows_script_prints_its_table(capsys):
     shares = {tuple(cell.strip() for cell in row.split("|")[1:4]): float(row.split("|")[4].strip(" %")) for row in rows}
     assert all(0 <= share <= 100 for share in shares.values())
     assert shares["synthetic", "float32", "0.99"] > 0
+    with pytest.raises(SystemExit) as exit_info:  # a size out of range: argparse's one line, rc 2
+        module.main(["--v", "0"])
+    assert exit_info.value.code == 2 and "--v 0: accepted an integer >= 1" in capsys.readouterr().err
