@@ -42,9 +42,9 @@ Usage (the GPU machine has no trl/datasets/hypothesis/xdist: carry their wheels,
 
     bash scripts/gpu_bench.sh                      # on a CUDA machine: the issue-41 measurement, under 9 minutes
     bash scripts/gpu_bench.sh --small --out /tmp/gpu_results.json   # CPU, small shapes: tests the script
-    bash scripts/gpu_bench.sh --sections gate,topk_sweep,lm_table,compact,trace,correctness --tests kernels \
+    bash scripts/gpu_bench.sh --sections gate,topk_sweep,lm_table,compact,trace,fallback,correctness --tests kernels \
         --workers 8 --correctness-timeout 300 --budget_s 540 --out plan.json   # the device plan: one 9.5-min call
-    python scripts/gpu_bench.py --small --sections gate,topk_sweep,lm_table,compact,trace --out /tmp/plan.json
+    python scripts/gpu_bench.py --small --sections gate,topk_sweep,lm_table,compact,trace,fallback --out /tmp/plan.json
 
 This is tooling, not product code: it drives the public API and the test suite.
 """
@@ -757,6 +757,7 @@ def main(argv: list[str] | None = None) -> int:
         "lm_table": lambda: gpu_plan.lm_table(plan("lm_table"), tuple(filter(None, args.lm_table_rules.split(";")))),
         "compact": lambda: gpu_plan.compact(plan("compact")),
         "trace": lambda: gpu_plan.trace(plan("trace")),
+        "fallback": lambda: gpu_plan.fallback(plan("fallback")),
     }
     results: dict = {
         "environment": environment(),

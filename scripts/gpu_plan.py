@@ -9,8 +9,12 @@ the bench's own process, one function a section:
   safevocab beside trl's per-token kernel, Liger and the 3-GEMM floor;
 - :func:`compact`: the kept-entry micro-benchmark on one LM ``min_p=0.01`` chunk: the fold with and without its pool,
   the pool's packing, and the separate compaction (the fallback re-read) at column blocks of 1024-8192;
-- :func:`trace`: one profiled call each of ``min_p=0.01`` (LM) and ``none`` (flat): the top kernels and the GPU's idle
-  gaps between kernels inside the call (:func:`idle_gaps`; on a CPU, no kernels: the same fields, zero).
+- :func:`trace`: one profiled call each of ``min_p=0.01`` (LM), ``top_p=0.9`` (LM: a read a chunk) and ``none``
+  (flat): the top kernels and the GPU's idle gaps between kernels inside the call (:func:`idle_gaps`; on a CPU, no
+  kernels: the same fields, zero);
+- :func:`fallback`: the mass rules' one read a chunk (``top_p``'s rows left to the rule's torch code) priced against
+  the bounded batch that would replace it (docs/performance.md, "Host synchronisation"): which of the two the op
+  should take is this section's question.
 
 Every timed row says which backward ran: the calls of :data:`safevocab.backends.triton.sparse_gate.TAKEN` per step
 (``per-id``, ``union``, ``dense``: the dense backward of stored chunks), or ``dense (nothing stored)`` when the forward
@@ -41,7 +45,7 @@ from pathlib import Path
 import torch
 
 #: The plan's sections, in the order of one device call.
-PLAN_SECTIONS = ("gate", "topk_sweep", "lm_table", "compact", "trace")
+PLAN_SECTIONS = ("gate", "topk_sweep", "lm_table", "compact", "trace", "fallback")
 #: The backwards a row can force (module docstring); ``gate``: none forced, the gate decides.
 BACKWARDS = ("gate", "dense", "dense-stored", "per-id", "union")
 GATE_RULES = ("min_p=0.001", "top_p=0.9", "top_k=50")
@@ -55,7 +59,12 @@ REPLAY_RULE = "top_k=64"
 #: dense backward recomputes nothing): the rules whose backward is dense there.
 KEPT_RULES = ("none",)
 KEEP_LOGITS_BYTES = 8 * 2**30
-TRACES = (("minp01_lm", "lm", "min_p=0.01"), ("none_synthetic", "synthetic", "none"))
+TRACES = (("minp01_lm", "lm", "min_p=0.01"), ("topp09_lm", "lm", "top_p=0.9"), ("none_synthetic", "synthetic", "none"))
+#: The fallback section's rules (a mass rule reads the device once a chunk) and logits profiles.
+FALLBACK_RULES = ("top_p=0.9", "top_p=0.99")
+FALLBACK_PROFILES = ("lm", "synthetic")
+#: The bounded batch's rows a chunk: ``ceil(rows / BATCH_DIVISOR)`` (docs/performance.md, "Host synchronisation").
+BATCH_DIVISOR = 64
 COMPACT_BLOCKS = (1024, 2048, 4096, 8192)
 #: What a forward that records which backward ran says when it stored no chunk.
 NOTHING_STORED = "dense (nothing stored)"
@@ -159,6 +168,18 @@ def paths(before: dict[str, int], after: dict[str, int], calls: int) -> dict:
 def _sync(plan: Plan) -> None:
     if plan.cuda:
         torch.cuda.synchronize()
+
+
+def mean_ms(plan: Plan, fn: Callable[[], object]) -> float:
+    """Mean milliseconds of ``plan.reps`` calls of ``fn`` after one (Triton compiles in it), synchronised at both ends
+    only: the host runs ahead of the device as it does inside the op."""
+    fn()
+    _sync(plan)
+    started = time.perf_counter()
+    for _ in range(plan.reps):
+        fn()
+    _sync(plan)
+    return round((time.perf_counter() - started) / plan.reps * 1e3, 3)
 
 
 def measure(plan: Plan, step: Callable[[], None]) -> dict:
@@ -356,13 +377,7 @@ def compact(plan: Plan, blocks: tuple[int, ...] = COMPACT_BLOCKS) -> dict:
     out = RowStats.empty(rows, plan.device, torch.float32, compute_entropy=False).rows(slice(0, rows))
 
     def ms(fn: Callable[[], object]) -> float:
-        fn()  # compiles
-        _sync(plan)
-        started = time.perf_counter()
-        for _ in range(plan.reps):
-            fn()
-        _sync(plan)
-        return round((time.perf_counter() - started) / plan.reps * 1e3, 3)
+        return mean_ms(plan, fn)
 
     min_p = dict(mode=MODE_MIN_P, log_param=math.log(0.01))
     res = {"rows": rows, "v": plan.v, "chunk_bytes": z.numel() * z.element_size()}
@@ -435,6 +450,97 @@ def trace(plan: Plan, traces: tuple[tuple[str, str, str], ...] = TRACES) -> dict
     return res
 
 
+def fallback(plan: Plan, rules: tuple[str, ...] = FALLBACK_RULES,
+             profiles: tuple[str, ...] = FALLBACK_PROFILES) -> list[dict]:  # fmt: skip
+    """The mass rules' one read a chunk priced against the bounded batch that would replace it, per profile and rule:
+    one call's chunks (the op's chunk rows for the plan's budget), each its GEMM then its thresholds
+    (:func:`~safevocab.kernels.threshold_select.select_thresholds`), timed as a whole call (:func:`mean_ms`):
+
+    - ``read_ms``: as the op does today, the chunk's fallback rows read and given to the rule's torch code;
+    - ``no_read_ms``: the rows flagged, not decided (``fallback=False``): neither the read nor a batch;
+    - ``batch_ms``: ``no_read_ms`` plus, in the read's place, the batch's device work whatever the flags
+      (:func:`batch_stand_in`: ``ceil(rows / 64)`` rows a chunk, sorted, float64 cumulative masses: a price, not the
+      op's code).
+
+    The read costs ``read_ms - no_read_ms`` a call, the batch ``batch_ms - no_read_ms``; ``flagged_max`` is the most
+    rows of one chunk the rule's code decided (more than ``batch_rows``: the batch would have to redo the chunk)."""
+    rows = []
+    for profile in profiles:
+        for spec in rules:
+            rec = {"section": "fallback", "profile": profile, "rule": spec}
+            if time.time() > plan.deadline:
+                rec["skipped"] = "budget (--budget_s) spent before this row"
+            else:
+                try:
+                    rec.update(_price_fallback(plan, profile, spec))
+                except Exception as err:  # noqa: BLE001 - recorded, the other rows still run
+                    rec["error"] = f"{type(err).__name__}: {err}"[:400]
+                finally:
+                    if plan.cuda:
+                        torch.cuda.empty_cache()
+            print(json.dumps(rec), flush=True)
+            rows.append(rec)
+    return rows
+
+
+def _price_fallback(plan: Plan, profile: str, spec: str) -> dict:
+    """:func:`fallback`'s row of one profile and ``top_p`` rule (its fields but the row's names)."""
+    from safevocab.backends.triton.route import Route
+    from safevocab.bench.variants import shared_inputs
+    from safevocab.kernels.threshold_select import select_thresholds, selection_plan
+    from safevocab.rules import parse_rule
+
+    hidden, weight, _, _ = shared_inputs(bench_args(plan, spec, profile), plan.device)
+    hidden, weight, rule = hidden.detach(), weight.detach(), parse_rule(spec)
+    chunk = Route.of(rule, hidden.element_size()).chunk_rows(plan.n, plan.v, plan.chunk_bytes)
+    chunks = [slice(a, min(a + chunk, plan.n)) for a in range(0, plan.n, chunk)]
+    selection = selection_plan(rule)
+    buf = torch.empty(chunk, plan.v, device=plan.device, dtype=hidden.dtype)
+    threshold = torch.empty(plan.n, device=plan.device, dtype=torch.float32)
+    row_max = torch.empty_like(threshold)
+    batch_rows = math.ceil(chunk / BATCH_DIVISOR)
+
+    def call(mode: str, seen: list[int] | None = None) -> None:
+        for rows in chunks:
+            z = buf[: rows.stop - rows.start]
+            torch.mm(hidden[rows], weight.t(), out=z)
+            t, m = threshold[rows], row_max[rows]
+            out, _ = select_thresholds(z, selection, t, m, fallback=mode == "read")
+            if seen is not None:
+                seen.append(out.numel())
+            if mode == "batch":
+                batch_stand_in(z, out, rule.q, batch_rows, t)
+
+    res = {f"{mode}_ms": mean_ms(plan, lambda mode=mode: call(mode)) for mode in ("read", "no_read", "batch")}
+    flagged: list[int] = []  # the read's rows a chunk, from one more call, untimed
+    call("read", flagged)
+    res.update(chunks=len(chunks), chunk_rows=chunk, batch_rows=batch_rows, flagged_max=max(flagged),
+               flagged_total=sum(flagged))  # fmt: skip
+    res["read_cost_ms"] = round(res["read_ms"] - res["no_read_ms"], 3)
+    res["batch_cost_ms"] = round(res["batch_ms"] - res["no_read_ms"], 3)
+    return res
+
+
+def batch_stand_in(z: torch.Tensor, flags: torch.Tensor, q: float, rows: int, threshold: torch.Tensor) -> None:
+    """The bounded batch's device work on one chunk for a single ``top_p=q`` rule, with no read of the device: the
+    first ``rows`` flagged rows of ``z`` (``torch.nonzero_static``; padding takes a scratch row), in fp32, sorted
+    descending, their float64 cumulative masses of ``exp(z - m)`` against ``q T`` (``T`` as
+    :func:`safevocab.nucleus.row_sum64` sums it), the threshold of each written into ``threshold``. The same work
+    as the batch whatever the flags (a price: no engine order, no ties, no composition)."""
+    from safevocab.nucleus import row_sum64
+
+    n = z.shape[0]
+    idx = torch.nonzero_static(flags, size=rows, fill_value=n).squeeze(-1)
+    x = z.index_select(0, idx.clamp_max(n - 1)).float()
+    e = (x - x.amax(-1, keepdim=True)).exp()
+    target = q * row_sum64(e)
+    ordered, order = torch.sort(x, dim=-1, descending=True, stable=True)
+    reached = e.gather(-1, order).to(torch.float64).cumsum(-1) >= target.unsqueeze(-1)
+    t = ordered.gather(-1, reached.to(torch.uint8).argmax(-1, keepdim=True)).squeeze(-1)
+    scratch = torch.cat([threshold, threshold.new_zeros(1)]).index_copy_(0, idx, t)
+    threshold.copy_(scratch[:n])
+
+
 def idle_gaps(events: list[dict], min_us: float = 50.0, top: int = 12) -> dict:
     """The GPU's idle time inside one profiled call, from a chrome trace's ``events``: the span from the first
     kernel's start to the last one's end, the time some kernel (or memset) ran, their difference (``idle_us``, the
@@ -488,6 +594,12 @@ def section_problems(name: str, value) -> list[str]:
         if not any(str(key).startswith("compact_block") for key in value or {}):
             missing.append("compact_block*_ms")
         return [f"compact: missing {missing}"] if missing else []
+    if name == "fallback":
+        if not isinstance(value, list) or not value:
+            return ["fallback: no rows"]
+        needed = ("read_ms", "no_read_ms", "batch_ms", "flagged_max", "batch_rows")
+        return [f"fallback: row {i} lacks {[k for k in needed if k not in r]}: {r}" for i, r in enumerate(value)
+                if not {"error", "skipped"} & set(r) and not all(k in r for k in needed)]  # fmt: skip
     if name == "trace":
         if not isinstance(value, dict) or not value:
             return ["trace: no traces"]
@@ -528,6 +640,13 @@ def markdown(results: dict) -> list[str]:
     if isinstance(comp, dict) and "skipped" not in comp:
         lines += ["", "Compaction micro-benchmark (" + ", ".join(f"{k} {v}" for k, v in comp.items() if k != "gb_s")
                   + ")"]  # fmt: skip
+    for r in results.get("fallback") or []:
+        if isinstance(r, dict) and "read_ms" in r:
+            lines.append(
+                f"- fallback {r['profile']} {r['rule']}: read {r['read_ms']} ms, no read {r['no_read_ms']} ms, batch "
+                f"{r['batch_ms']} ms a call ({r['chunks']} chunks of {r['chunk_rows']} rows; rows left to the rule's "
+                f"code: at most {r['flagged_max']} a chunk, the batch takes {r['batch_rows']})"
+            )
     for name, res in (results.get("trace") or {}).items():
         idle = res.get("idle", {})
         lines.append(

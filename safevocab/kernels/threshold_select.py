@@ -391,6 +391,7 @@ def select_thresholds(
     kcap: int | None = None,
     refine_passes: int | None = None,
     radix: bool = True,
+    fallback: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Write ``plan.rule``'s per-row ``threshold`` and ``row_max`` (``[n]`` fp32) for the raw chunk ``z`` ``[n, V]``
     (bf16/fp16/fp32, row-contiguous; transformed in the kernel). Returns ``(fallback, candidates)``: the indices of
@@ -404,6 +405,10 @@ def select_thresholds(
         radix: the rows the candidates leave undecided (overflow, a floor that did not certify) take the exact radix
             select of :mod:`safevocab.kernels.radix_select` before the torch fallback (``False``: straight to the
             fallback; tests and measurements).
+        fallback: ``False``: the rows left to the rule's torch code are flagged, not decided (their thresholds stay
+            the kernels' estimates), and the device is not read: returns their ``[n]`` bool flags instead of their
+            indices (measurements only: ``scripts/gpu_plan.py``'s ``fallback`` section prices the chunk's one read
+            against a batch that would not need it).
     """
     n, vocab = z.shape
     if n == 0:
@@ -467,6 +472,8 @@ def select_thresholds(
             # (no margin), and a row without one (no finite logit, a NaN) makes the op raise at its end-of-call check
             # (safevocab.fused.checks): nothing for the rule's code to do, so no read of the device
             return torch.zeros(0, dtype=torch.long, device=z.device), count
+    if not fallback:
+        return bad, count
     # host sync: the chunk's one read, its fallback rows (the rule's torch code runs on those rows only, and they must
     # be known before the fold reads the thresholds; the chunk's logits are gone after it)
     bad = bad.nonzero().squeeze(-1)

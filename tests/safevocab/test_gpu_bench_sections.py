@@ -41,7 +41,7 @@ def _check_compact_and_trace(results: dict, out_dir: Path) -> None:
                 "compact_block8192_ms"):  # fmt: skip
         assert compact[key] > 0, (key, compact)
     assert compact["rows"] == 16 and compact["kept_mean"] > 0
-    assert set(results["trace"]) == {"minp01_lm", "none_synthetic"}
+    assert set(results["trace"]) == {"minp01_lm", "topp09_lm", "none_synthetic"}
     for res in results["trace"].values():
         assert "error" not in res, res
         assert set(res["idle"]) == {"kernels", "span_us", "busy_us", "idle_us", "gaps"}
@@ -53,14 +53,14 @@ def _check_compact_and_trace(results: dict, out_dir: Path) -> None:
 @pytest.mark.slow  # ~20 CPU-s: every plan section under the interpreter
 def test_plan_sections_small_record_each_sections_fields_and_the_backward_that_ran(tmp_path):
     plan = _plan_module()
-    proc, results = _bench(tmp_path, "--sections", "gate,topk_sweep,lm_table,compact,trace")
+    proc, results = _bench(tmp_path, "--sections", "gate,topk_sweep,lm_table,compact,trace,fallback")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "problems" not in results, results["problems"]
     for name in plan.PLAN_SECTIONS:
         assert plan.section_problems(name, results[name]) == [], name
     env = results["environment"]
     assert {"torch", "triton", "trl", "liger-kernel", "python"} <= set(env)
-    assert "gpu_bench.py --small --sections gate,topk_sweep,lm_table,compact,trace" in results["command"]
+    assert "gpu_bench.py --small --sections gate,topk_sweep,lm_table,compact,trace,fallback" in results["command"]
 
     def fused(section):
         return [r for r in results[section] if r["variant"] in ("fused", "fused_replay")]
@@ -90,7 +90,13 @@ def test_plan_sections_small_record_each_sections_fields_and_the_backward_that_r
     assert {(rule, "fused_kept") for rule in plan.KEPT_RULES} <= lm  # the kept-logits rows, timed
     assert {"floor", "trl", "liger"} <= {variant for _, variant in lm}
     _check_compact_and_trace(results, tmp_path)
+    assert {(r["profile"], r["rule"]) for r in results["fallback"]} == {
+        (profile, rule) for profile in plan.FALLBACK_PROFILES for rule in plan.FALLBACK_RULES
+    }
+    for r in results["fallback"]:
+        assert min(r["read_ms"], r["no_read_ms"], r["batch_ms"]) > 0 and r["batch_rows"] == 1, r
     table = (tmp_path / "plan.md").read_text()
+    assert "- fallback lm top_p=0.9: read " in table
     assert "| gate | synthetic | top_k=50 | fused | union | union |" in table
     assert "| lm_table | lm | top_k=64 | fused_replay | gate |" in table
     assert "| lm_table | lm | none | fused_kept | gate |" in table
@@ -141,7 +147,31 @@ def test_section_problems_name_a_section_that_recorded_nothing():
     assert plan.section_problems("gate", [{**timed, "skipped": "budget"}]) == []  # cut by the budget, and says so
     assert plan.section_problems("compact", {"fold_none_ms": 1.0}) != []
     assert plan.section_problems("trace", {}) == ["trace: no traces"]
+    assert plan.section_problems("fallback", []) == ["fallback: no rows"]
+    priced = {"read_ms": 2.0, "no_read_ms": 1.0, "batch_ms": 1.5, "flagged_max": 0, "batch_rows": 16}
+    assert plan.section_problems("fallback", [priced, {"error": "boom"}]) == []
+    unpriced = {k: v for k, v in priced.items() if k != "batch_ms"}
+    assert "lacks ['batch_ms']" in plan.section_problems("fallback", [unpriced])[0]
     assert plan.section_problems("trace", {"t": {"top": [1], "backward": "union", "idle": {"kernels": 0}}}) != []
+
+
+def test_batch_stand_in_writes_the_top_p_thresholds_of_the_flagged_rows_only():
+    # the fallback section's price of the bounded batch must do the batch's work: the rule's top_p thresholds of the
+    # first `rows` flagged rows, the other rows untouched (padding goes to a scratch row, not to row 0)
+    from safevocab.rules import parse_rule
+
+    plan = _plan_module()
+    torch.manual_seed(0)
+    z = torch.randn(6, 300) * 3
+    expected = parse_rule("top_p=0.9").threshold(z).squeeze(-1)
+    flags = torch.tensor([False, True, False, False, True, False])
+    threshold = torch.full((6,), 7.0)
+    plan.batch_stand_in(z, flags, 0.9, 3, threshold)  # 3 rows for 2 flagged: one padding
+    assert torch.equal(threshold[[1, 4]], expected[[1, 4]])
+    assert bool((threshold[[0, 2, 3, 5]] == 7.0).all())
+    threshold = torch.full((6,), 7.0)
+    plan.batch_stand_in(z, flags, 0.9, 1, threshold)  # a batch smaller than the flagged rows: the first only
+    assert torch.equal(threshold[1], expected[1]) and float(threshold[4]) == 7.0
 
 
 def test_paths_name_the_backward_taken_and_the_fallbacks_per_step():

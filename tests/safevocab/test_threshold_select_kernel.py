@@ -210,6 +210,25 @@ def test_flat_rows_top_p_take_the_radix_select_or_the_flat_floor():
         assert (fallback.numel() > 0) == expect_fallback
 
 
+def test_unread_fallback_flags_the_rows_the_read_gives_to_the_rule():
+    """``fallback=False`` (the GPU plan's price of the read): the rows left to the rule's code come back as ``[n]``
+    flags, with no read of the device, and the other rows' thresholds are those of the read path."""
+    from safevocab.testing.host_syncs import HostSyncs
+
+    raw = torch.zeros(3, 900, device=DEVICE)
+    raw[1] = torch.linspace(0, 1e-3, 900)
+    rule = parse_rule("top_p=0.9")
+    t_read, _, rows, _ = select(raw, rule, {}, kcap=64, radix=False)
+    assert rows.numel() > 0
+    threshold, row_max = torch.empty(3, device=DEVICE), torch.empty(3, device=DEVICE)
+    with HostSyncs() as reads:
+        flags, _ = ts.select_thresholds(raw, ts.selection_plan(rule), threshold, row_max, kcap=64, radix=False,
+                                        fallback=False)  # fmt: skip
+    assert reads.count == 0, reads.report()
+    assert flags.dtype == torch.bool and torch.equal(flags.nonzero().squeeze(-1), rows)
+    assert torch.equal(threshold[~flags], t_read[~flags])
+
+
 @settings(max_examples=12, deadline=None)
 # Found by the random profile: T's rounding in the kernel and in the rule put a top_p=0.999 crossing (2.2e-8 relative
 # below q T) one token apart, until the candidate phase certified masses with a margin (MASS_MARGIN).
