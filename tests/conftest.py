@@ -35,6 +35,9 @@ if str(HELPERS) not in sys.path:
 from trl_helpers import build_model, build_tokenizer  # noqa: E402
 from vllm_required import release_vllm_process_state  # noqa: E402
 
+#: ``--compile-for sm_90``: the interpreted Triton launches compiled for a GPU too (tests/helpers/offline_compile_plugin.py)
+pytest_plugins = ["offline_compile_plugin"]
+
 #: The folder whose tests need trl.
 TRL_TESTS = Path(__file__).resolve().parent / "trl_integration"
 
