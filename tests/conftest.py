@@ -32,7 +32,7 @@ if str(HELPERS) not in sys.path:
     sys.path.insert(0, str(HELPERS))
 
 # trl_helpers sets trl's/transformers' quiet-run variables (TRL_EXPERIMENTAL_SILENCE, ...) at import: for the session.
-from trl_helpers import build_model, build_tokenizer  # noqa: E402
+from trl_helpers import DISTRIBUTED, build_model, build_tokenizer  # noqa: E402
 from vllm_required import release_vllm_process_state  # noqa: E402
 
 #: ``--compile-for sm_90``: the interpreted Triton launches compiled for a GPU too (tests/helpers/offline_compile_plugin.py)
@@ -67,10 +67,10 @@ if not os.environ.get("OMP_NUM_THREADS"):
     torch.set_num_threads(1)
 
 
-#: torch.distributed's rendezvous variables. trl's colocated vLLM (``trl.trainer.utils.ensure_master_addr_port``) and an
-#: in-process vLLM engine set them in ``os.environ``; left behind, a later module's child process joins that rendezvous,
-#: and under pytest-xdist two workers' children took the same port (EADDRINUSE on trl's 23456).
-DISTRIBUTED_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+# torch.distributed's rendezvous variables (trl_helpers.DISTRIBUTED): trl's colocated vLLM
+# (``trl.trainer.utils.ensure_master_addr_port``) and an in-process vLLM engine set them in ``os.environ``; left behind,
+# a later module's child process joins that rendezvous, and under pytest-xdist two workers' children took the same port
+# (EADDRINUSE on trl's 23456).
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -79,7 +79,7 @@ def _module_leaves_no_rendezvous_and_no_engine_behind():
     engine or parallel state (:func:`vllm_required.release_vllm_process_state`): left behind, they broke the next
     module's engine ("Process group ... is not initialized in the world group map"), depending on which modules a
     worker happened to run before."""
-    saved = {name: os.environ.get(name) for name in DISTRIBUTED_VARIABLES}
+    saved = {name: os.environ.get(name) for name in sorted(DISTRIBUTED)}
     yield
     if "vllm" in sys.modules:
         release_vllm_process_state()

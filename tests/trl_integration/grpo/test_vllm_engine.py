@@ -510,11 +510,11 @@ def test_the_colocate_command_ends_without_a_traceback(tmp_path):
     import subprocess
     import sys
 
+    from trl_helpers import user_env
+
     # A user's shell, not this process's: the engines built in-process above set torch.distributed's variables
     # (RANK, MASTER_PORT, ...) and hold the port, and a child that inherited them would join that rendezvous.
-    distributed = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}
-    env = {k: v for k, v in os.environ.items() if k not in distributed}
-    env |= {"VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1"}
+    env = user_env() | {"VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1"}
     command = [sys.executable, "-m", "trl_integration.commands.grpo", "--use_vllm", "--vllm_mode", "colocate",
                "--max_steps", "1", "--eval_num_prompts", "0", "--output_dir", str(tmp_path / "run")]  # fmt: skip
     done = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)

@@ -246,12 +246,12 @@ def test_the_count_holds_with_a_real_colocated_engine(tmp_path):
     import subprocess
     import sys
 
+    from trl_helpers import user_env
     from vllm_required import require_vllm
 
     require_vllm()
-    unset = {"OMP_NUM_THREADS", "MKL_NUM_THREADS", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
-             "MASTER_ADDR", "MASTER_PORT"}  # fmt: skip
-    env = {k: v for k, v in os.environ.items() if k not in unset} | {"VLLM_CPU_KVCACHE_SPACE": "1"}
+    unset = {"OMP_NUM_THREADS", "MKL_NUM_THREADS"}  # torch's default thread count, as a user's shell has it
+    env = {k: v for k, v in user_env().items() if k not in unset} | {"VLLM_CPU_KVCACHE_SPACE": "1"}
     done = subprocess.run([sys.executable, "-c", _ENGINE_RUN, str(tmp_path / "run")], capture_output=True, text=True,
                           timeout=900, env=env, cwd=tmp_path)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
