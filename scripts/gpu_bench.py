@@ -116,6 +116,32 @@ def _run(
     return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
 
 
+def trl_backward_context() -> str:
+    """Make trl's ``ChunkedLogProbFunction`` run its backward where ``trl.trainer.utils`` does not import.
+
+    trl's backward imports ``maybe_gather_lm_head_ctx`` from ``trl.trainer.utils`` at call time, and that module imports
+    pandas and datasets, which the GPU machine lacks (and which are too large to carry for every CPython). Where it
+    does not import, a stand-in module gives the function's value without DeepSpeed ZeRO-3, ``nullcontext()`` (a
+    single process: trl's own code returns that), so the trl rows time trl's kernel unchanged. Returns what the
+    results record: ``"trl's"`` or the stand-in's description. Every use of trl's private module is here."""
+    import contextlib
+    import importlib
+    import importlib.util
+    import types
+
+    try:
+        importlib.import_module("trl.trainer.utils")
+        return "trl's"
+    except ModuleNotFoundError as err:
+        if importlib.util.find_spec("trl") is None:
+            return "trl absent"
+        missing = err.name
+    stand_in = types.ModuleType("trl.trainer.utils")
+    stand_in.maybe_gather_lm_head_ctx = lambda *params: contextlib.nullcontext()
+    sys.modules["trl.trainer.utils"] = stand_in
+    return f"stand-in (trl.trainer.utils needs {missing}, absent): maybe_gather_lm_head_ctx -> nullcontext(), no ZeRO-3"
+
+
 def environment() -> dict:
     import platform
     from importlib.metadata import version
@@ -133,6 +159,7 @@ def environment() -> dict:
         except Exception as err:  # absent on the machine: say so in the results
             info[name] = f"absent ({type(err).__name__})"
     info["TRITON_INTERPRET"] = os.environ.get("TRITON_INTERPRET")
+    info["trl_backward_context"] = trl_backward_context()
     return info
 
 

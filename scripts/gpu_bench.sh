@@ -20,7 +20,11 @@ PY="${PYTHON:-python3}"
 if [[ -x "${ROOT}/.venv/bin/python" && -z "${PYTHON:-}" ]]; then PY="${ROOT}/.venv/bin/python"; fi
 # (only where trl is missing: a machine that has it, e.g. a CPU checkout keeping last device run's .whl/, keeps its own)
 if compgen -G ".whl/*.whl" >/dev/null && ! "${PY}" -c "import trl" >/dev/null 2>&1; then
-    "${PY}" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+    # by project name from the folder, so that pip takes the one wheel of each that fits this Python (hypothesis ships
+    # one a CPython version: cp311, cp312, cp313)
+    mapfile -t projects < <(for wheel in .whl/*.whl; do basename "${wheel}" | cut -d- -f1; done | sort -u)
+    "${PY}" -m pip install -q --no-index --find-links .whl --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site "${projects[@]}"
     export PYTHONPATH="/tmp/site:${ROOT}${PYTHONPATH:+:${PYTHONPATH}}"
 else
     export PYTHONPATH="${ROOT}${PYTHONPATH:+:${PYTHONPATH}}"

@@ -174,6 +174,36 @@ def test_batch_stand_in_writes_the_top_p_thresholds_of_the_flagged_rows_only():
     assert torch.equal(threshold[1], expected[1]) and float(threshold[4]) == 7.0
 
 
+def _bench_module():
+    """``scripts/gpu_bench.py``, loaded once (it imports ``gpu_plan`` from its folder)."""
+    _plan_module()
+    if "gpu_bench" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("gpu_bench", SCRIPT)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["gpu_bench"] = module
+        spec.loader.exec_module(module)
+    return sys.modules["gpu_bench"]
+
+
+def test_trl_rows_run_where_trl_trainer_utils_does_not_import(monkeypatch):
+    # the GPU machine has no pandas/datasets, which trl.trainer.utils imports and trl's ChunkedLogProbFunction.backward
+    # imports at call time: the bench's stand-in lets trl's kernel run its backward there (without it, every trl row
+    # of the plan was an error in a venv of the device's packages: "No module named 'pandas'")
+    pytest.importorskip("trl")
+    bench = _bench_module()
+    monkeypatch.delitem(sys.modules, "trl.trainer.utils", raising=False)
+    monkeypatch.setitem(sys.modules, "pandas", None)  # `import pandas` fails, as on the device
+    assert bench.trl_backward_context().startswith("stand-in (trl.trainer.utils needs pandas, absent)")
+    from trl.kernels import ChunkedLogProbFunction
+
+    torch.manual_seed(0)
+    h, w = torch.randn(6, 8, requires_grad=True), torch.randn(20, 8, requires_grad=True)
+    y = torch.randint(0, 20, (6,))
+    ChunkedLogProbFunction.apply(h, w, None, y, 1.0, 4, None, 1.0, ())[0].sum().backward()  # the bench's call
+    expected = torch.func.grad(lambda w_: (h.detach() @ w_.t()).log_softmax(-1).gather(1, y[:, None]).sum())(w.detach())
+    torch.testing.assert_close(w.grad, expected, rtol=1e-4, atol=1e-5)
+
+
 def test_paths_name_the_backward_taken_and_the_fallbacks_per_step():
     plan = _plan_module()
     before = {"taken per-id": 0, "taken union": 2, "taken dense": 0, "reread_fallback_chunks": 1,
