@@ -129,17 +129,17 @@ def trl_backward_context() -> str:
     import importlib.util
     import types
 
+    if importlib.util.find_spec("trl") is None:
+        return "trl absent"
     try:
         importlib.import_module("trl.trainer.utils")
         return "trl's"
-    except ModuleNotFoundError as err:
-        if importlib.util.find_spec("trl") is None:
-            return "trl absent"
-        missing = err.name
+    except Exception as err:  # noqa: BLE001 - whatever keeps it from importing, the bench must still run
+        why = f"needs {err.name}, absent" if isinstance(err, ModuleNotFoundError) else f"{type(err).__name__}: {err}"
     stand_in = types.ModuleType("trl.trainer.utils")
     stand_in.maybe_gather_lm_head_ctx = lambda *params: contextlib.nullcontext()
     sys.modules["trl.trainer.utils"] = stand_in
-    return f"stand-in (trl.trainer.utils needs {missing}, absent): maybe_gather_lm_head_ctx -> nullcontext(), no ZeRO-3"
+    return f"stand-in (trl.trainer.utils {why[:200]}): maybe_gather_lm_head_ctx -> nullcontext(), no ZeRO-3"
 
 
 def environment() -> dict:

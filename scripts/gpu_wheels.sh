@@ -12,6 +12,7 @@ cd "${ROOT}"
 PY="${PYTHON:-python3}"
 if [[ -x "${ROOT}/.venv/bin/python" && -z "${PYTHON:-}" ]]; then PY="${ROOT}/.venv/bin/python"; fi
 mkdir -p .whl
+rm -f .whl/*.whl  # gpu_bench.sh installs by project name: an older download's newer wheel would win over the pins
 "${PY}" -m pip download -q --no-deps --only-binary=:all: --dest .whl trl==1.16.0 sortedcontainers pytest iniconfig \
     pluggy pygments pytest-xdist execnet liger-kernel
 for version in 3.11 3.12 3.13; do

@@ -471,7 +471,10 @@ def select_thresholds(
             # decides every row with a finite maximum and T exactly
             # (no margin), and a row without one (no finite logit, a NaN) makes the op raise at its end-of-call check
             # (safevocab.fused.checks): nothing for the rule's code to do, so no read of the device
-            return torch.zeros(0, dtype=torch.long, device=z.device), count
+            none = torch.zeros(
+                n if not fallback else 0, dtype=torch.bool if not fallback else torch.long, device=z.device
+            )
+            return none, count
     if not fallback:
         return bad, count
     # host sync: the chunk's one read, its fallback rows (the rule's torch code runs on those rows only, and they must

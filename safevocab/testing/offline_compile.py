@@ -4,8 +4,10 @@ Under ``TRITON_INTERPRET=1`` (the CPU tests) Triton runs each kernel as Python, 
 rejects (a helper without ``@triton.jit``, which it runs as Python; a cast or a sort of a dtype the backend lacks...).
 While an :class:`OfflineCompile` is active, every launch the interpreter runs is first **compiled for a GPU target**
 (default ``sm_90``, Hopper: the H100/H200 of the device plan) with Triton's own compiler, down to the ``cubin``
-(``ptxas`` ships in Triton's wheel; no GPU, no CUDA driver): the same function, with the same arguments, so the same
-specialisation (dtypes, constexprs, integer and alignment specialisations) that a GPU run with those inputs compiles.
+(``ptxas`` ships in Triton's wheel; no GPU, no CUDA driver): the same function through Triton's own ``JITFunction``,
+with the same arguments, so Triton's specialisation of the launch (dtypes, constexprs, integer and pointer-alignment
+specialisations); host code that branches on the interpreter (``INTERPRETED``) launches what it launches there, and
+:attr:`OfflineCompile.overrides` puts the GPU's constexprs where they differ.
 The interpreter then runs the launch as before, so the test's values and branches are the interpreter's.
 
 Triton's interpreter leaves ``triton.language`` patched after it runs a ``@triton.jit`` helper (its
@@ -14,8 +16,8 @@ compiler cannot use the patched builtins. So the state of the language's modules
 check starts, before any kernel has run (:class:`OfflineCompile` refuses to start otherwise), put back for each
 compilation, and the interpreter's own state restored after it.
 
-Each distinct specialisation is compiled once (Triton's cache); :attr:`OfflineCompile.failures` lists the ones the
-compiler rejected (kernel, argument types, the error's last line). It checks compilation only: the compiled code's
+Each specialisation is compiled once (``JITFunction``'s cache; :attr:`OfflineCompile.compiled` lists them);
+:attr:`OfflineCompile.failures` lists the ones the compiler rejected (kernel, argument types, the error's last line). It checks compilation only: the compiled code's
 values, speed and launch limits (shared memory, registers) are for a device to test.
 
 Usage (the tests: ``pytest --compile-for sm_90 tests/safevocab/test_kernels.py ...``,
@@ -90,22 +92,37 @@ class OfflineCompile(contextlib.AbstractContextManager):
     Attributes:
         target: the GPU architecture, ``"sm_90"`` (H100/H200) by default (:func:`parse_target`).
         overrides: constexpr values a GPU launch takes where the interpreter's launch differs, applied to the
-            compiled launch only where the kernel has that argument (e.g. ``{"LIBM": True}``: the decide kernel's
-            libdevice ``expf``/``logf``, which the interpreter replaces by float64 ones).
-        compiled: the distinct ``(kernel, signature)`` compiled without error.
-        failures: the :class:`CompileFailure` of each one the compiler rejected.
+            compiled launch where it passes that argument, by keyword or position (e.g. ``{"LIBM": True}``: the decide
+            kernel's libdevice ``expf``/``logf``, which the interpreter replaces by float64 ones).
+        failures: the :class:`CompileFailure` of each specialisation the compiler rejected (one per kernel and
+            argument types: a rejected one is not compiled again).
+
+    Not thread-safe: a compilation swaps process-wide state (the language's attributes, Triton's active driver). A
+    kernel's clone is made at its first launch: a global of its module changed later is not seen by the compiler.
     """
 
     target: str = "sm_90"
     overrides: dict[str, object] = field(default_factory=dict)
-    compiled: set[tuple[str, str]] = field(default_factory=set)
     failures: list[CompileFailure] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self._backend, self._arch = parse_target(self.target)
         self._clones: dict[object, object] = {}
-        self._seen: set[tuple[str, str]] = set()
+        self._kernels: dict[str, object] = {}  # launched kernels' clones, by module and name
+        self._rejected: set[tuple[str, str]] = set()
         self._patch = None
+
+    @property
+    def compiled(self) -> list[tuple[str, str]]:
+        """The specialisations compiled without error, ``(kernel, Triton's key)``: each launch is compiled through
+        Triton's own ``JITFunction``, whose cache holds one entry per specialisation (dtypes, constexprs, the integer and
+        pointer-alignment specialisations)."""
+        return [
+            (name.rsplit(".", 1)[-1], str(key))
+            for name, jit in sorted(self._kernels.items())
+            for caches in getattr(jit, "device_caches", {}).values()
+            for key in caches[0]
+        ]
 
     def report(self) -> str:
         """One line per failure, then the count of specialisations compiled."""
@@ -141,17 +158,18 @@ class OfflineCompile(contextlib.AbstractContextManager):
         self._patch = None
 
     def _check(self, interpreted, args: tuple, kwargs: dict, grid) -> None:
-        """Compile one launch for the target (once per specialisation); a rejection is recorded, not raised."""
+        """Compile one launch for the target (Triton's cache skips a specialisation compiled before); a rejection is
+        recorded, not raised, and not tried again for the same argument types."""
         from triton.runtime import driver
 
-        name = getattr(interpreted.fn, "__qualname__", str(interpreted.fn))
+        fn = interpreted.fn
+        name = getattr(fn, "__qualname__", str(fn))
         jit = self._clone(interpreted)
-        kwargs = kwargs | {key: value for key, value in self.overrides.items() if key in kwargs}
+        self._kernels[f"{fn.__module__}.{name}"] = jit
+        args, kwargs = _overridden(jit, args, kwargs, self.overrides)
         signature = _signature(jit, args, kwargs)
-        key = (name, signature)
-        if key in self._seen:
+        if (f"{fn.__module__}.{name}", signature) in self._rejected:
             return
-        self._seen.add(key)
         previous = driver._active  # None off a GPU: reset_active() would look for a driver, and find none
         driver.set_active(_OfflineDriver(self._backend, self._arch))
         interpreted = _language_state()
@@ -160,9 +178,8 @@ class OfflineCompile(contextlib.AbstractContextManager):
             jit.warmup(*args, grid=grid, **kwargs)
         except Exception as err:  # noqa: BLE001 - the compiler's error is the finding
             last = str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__
+            self._rejected.add((f"{fn.__module__}.{name}", signature))
             self.failures.append(CompileFailure(name, signature, f"{type(err).__name__}: {last}"[:300]))
-        else:
-            self.compiled.add(key)
         finally:
             driver._active = previous
             _set_language_state(interpreted)
@@ -237,6 +254,16 @@ def _from_interpreter(value: object) -> bool:
     """Whether ``value`` is one of the interpreter's replacements (a function, or a partial of one, of its module)."""
     function = value.func if isinstance(value, functools.partial) else value
     return isinstance(function, types.FunctionType) and function.__module__ == "triton.runtime.interpreter"
+
+
+def _overridden(jit, args: tuple, kwargs: dict, overrides: dict[str, object]) -> tuple[tuple, dict]:
+    """``args`` and ``kwargs`` with the overrides of the kernel's parameters applied, given by keyword or position."""
+    names = [param.name for param in jit.params]
+    args = (
+        tuple(overrides.get(name, value) if name in overrides else value for name, value in zip(names, args))
+        + args[len(names) :]
+    )
+    return args, kwargs | {key: value for key, value in overrides.items() if key in kwargs}
 
 
 def _signature(jit, args: tuple, kwargs: dict) -> str:

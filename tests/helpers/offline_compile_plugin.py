@@ -13,8 +13,11 @@ import os
 
 import pytest
 
-#: Constexprs a GPU launch takes where the interpreter's differs (see OfflineCompile.overrides).
-GPU_CONSTEXPRS = {"LIBM": True}
+from safevocab.testing.offline_compile import CompileFailure, OfflineCompile, parse_target
+
+#: Constexprs a GPU launch takes where the interpreter's differs (see OfflineCompile.overrides): the decide kernel's
+#: libdevice exp/log (LIBM) and its in-kernel sort of the candidates (SORT; under the interpreter torch sorts them).
+GPU_CONSTEXPRS = {"LIBM": True, "SORT": True}
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -31,12 +34,13 @@ def pytest_configure(config: pytest.Config) -> None:
     target = config.getoption("--compile-for")
     if not target:
         return
-    from safevocab.testing.offline_compile import OfflineCompile, parse_target
-
     try:
         parse_target(target)
     except ValueError as err:
         raise pytest.UsageError(f"--compile-for: {err}") from None
+    if getattr(config.option, "numprocesses", None):
+        # pytest-xdist's workers would each compile, and the controller would not see their rejections
+        raise pytest.UsageError("--compile-for: accepted in one process only; drop -n/--numprocesses")
     os.environ["TRITON_INTERPRET"] = "1"  # before the kernels are defined: the launches the check sees are these
     config._offline_compile = OfflineCompile(target, overrides=GPU_CONSTEXPRS).__enter__()
 
@@ -52,5 +56,8 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     check = getattr(session.config, "_offline_compile", None)
     if check is not None:
         check.__exit__(None, None, None)
+        nothing = session.testscollected > 0 and not check.compiled and not check.failures
+        if nothing:  # the hook never fired (kernels compiled before the option took effect, a Triton that moved)
+            check.failures.append(CompileFailure("(none)", "", "no launch was compiled: the check did not run"))
         if check.failures and session.exitstatus == 0:
             session.exitstatus = 1

@@ -191,7 +191,10 @@ def test_trl_rows_run_where_trl_trainer_utils_does_not_import(monkeypatch):
     # of the plan was an error in a venv of the device's packages: "No module named 'pandas'")
     pytest.importorskip("trl")
     bench = _bench_module()
-    monkeypatch.delitem(sys.modules, "trl.trainer.utils", raising=False)
+    # whatever the stand-in leaves in sys.modules is undone after the test (setitem records the key's state, absent
+    # or trl's module), then the key is cleared so that the import is tried, and fails on pandas
+    monkeypatch.setitem(sys.modules, "trl.trainer.utils", sys.modules.get("trl.trainer.utils"))
+    del sys.modules["trl.trainer.utils"]
     monkeypatch.setitem(sys.modules, "pandas", None)  # `import pandas` fails, as on the device
     assert bench.trl_backward_context().startswith("stand-in (trl.trainer.utils needs pandas, absent)")
     from trl.kernels import ChunkedLogProbFunction
@@ -202,6 +205,8 @@ def test_trl_rows_run_where_trl_trainer_utils_does_not_import(monkeypatch):
     ChunkedLogProbFunction.apply(h, w, None, y, 1.0, 4, None, 1.0, ())[0].sum().backward()  # the bench's call
     expected = torch.func.grad(lambda w_: (h.detach() @ w_.t()).log_softmax(-1).gather(1, y[:, None]).sum())(w.detach())
     torch.testing.assert_close(w.grad, expected, rtol=1e-4, atol=1e-5)
+    monkeypatch.undo()
+    from trl.trainer.utils import selective_log_softmax  # noqa: F401 - trl's own module again, not the stand-in
 
 
 def test_paths_name_the_backward_taken_and_the_fallbacks_per_step():

@@ -51,13 +51,15 @@ def test_compiles_each_launch_for_the_gpu_and_records_what_the_compiler_rejects(
             x = torch.arange(40.0).reshape(2, 20)
             sums = [k.row_sums(x).tolist(), k.row_sums(x.double()).tolist(), k.row_sums(x.half()).tolist(),
                     k.row_sums(x).tolist()]
+            shifted = k.row_sums(torch.arange(41.0)[1:].reshape(2, 20)).tolist()  # 4 bytes off 16: not aligned
             plus_one = k.plus_one(torch.zeros(64))
         try:
             OfflineCompile("sm_90").__enter__()
             refused = ""
         except RuntimeError as err:
             refused = str(err)
-        print(json.dumps({"sums": sums, "plus_one": plus_one.sum().item(), "compiled": sorted(check.compiled),
+        print(json.dumps({"sums": sums, "shifted": shifted, "plus_one": plus_one.sum().item(),
+                          "compiled": sorted(check.compiled),
                           "failures": [[f.kernel, f.error] for f in check.failures], "report": check.report(),
                           "refused": refused}))
     """,
@@ -65,12 +67,13 @@ def test_compiles_each_launch_for_the_gpu_and_records_what_the_compiler_rejects(
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert out["sums"] == [[190.0, 590.0]] * 4 and out["plus_one"] == 64.0
-    assert [name for name, _ in out["compiled"]] == ["_row_sums_kernel"] * 3  # fp32, fp64, fp16: once each
+    assert out["sums"] == [[190.0, 590.0]] * 4 and out["shifted"] == [210.0, 610.0] and out["plus_one"] == 64.0
+    # fp32, fp64, fp16 and the unaligned fp32 pointer: Triton's own specialisations, each compiled once
+    assert [name for name, _ in out["compiled"]] == ["_row_sums_kernel"] * 4, out["compiled"]
     assert len(out["failures"]) == 1, out
     kernel, error = out["failures"][0]
     assert kernel == "_plus_one_kernel" and "_add_one" in error, error
-    assert out["report"].endswith("3 specialisation(s) compiled for sm_90")
+    assert out["report"].endswith("4 specialisation(s) compiled for sm_90")
     assert out["refused"].startswith("OfflineCompile: triton.language is patched by the interpreter already"), out
 
 
@@ -98,3 +101,8 @@ def test_pytest_option_fails_the_session_on_a_kernel_the_compiler_rejects(tmp_pa
         [*cmd[:9], "sm_9", cmd[-1]], capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path
     )
     assert bad.returncode == 4 and "--compile-for: compile target='sm_9'" in bad.stderr, bad.stderr[-2000:]
+    # a session whose tests launched no kernel compiled nothing: that fails too (the check did not run)
+    (tmp_path / "test_no_kernels.py").write_text("def test_nothing():\n    assert True\n")
+    empty = subprocess.run([*cmd[:-1], str(tmp_path / "test_no_kernels.py")], capture_output=True, text=True, env=env,
+                           timeout=300, cwd=tmp_path)  # fmt: skip
+    assert empty.returncode == 1 and "no launch was compiled" in empty.stdout, empty.stdout[-2000:]

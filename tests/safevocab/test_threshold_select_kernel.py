@@ -227,6 +227,9 @@ def test_unread_fallback_flags_the_rows_the_read_gives_to_the_rule():
     assert reads.count == 0, reads.report()
     assert flags.dtype == torch.bool and torch.equal(flags.nonzero().squeeze(-1), rows)
     assert torch.equal(threshold[~flags], t_read[~flags])
+    # a rule without a mass stage (the radix select decides every row): flags too, none set
+    flags, _ = ts.select_thresholds(raw, ts.selection_plan(parse_rule("top_k=5")), threshold, row_max, fallback=False)
+    assert flags.dtype == torch.bool and flags.shape == (3,) and not bool(flags.any())
 
 
 @settings(max_examples=12, deadline=None)
