@@ -32,6 +32,7 @@ backward that ran): the bench reports it and exits 1. This is tooling, not produ
 from __future__ import annotations
 
 import contextlib
+import functools
 import gzip
 import importlib
 import json
@@ -376,9 +377,7 @@ def compact(plan: Plan, blocks: tuple[int, ...] = COMPACT_BLOCKS) -> dict:
     y = targets[:rows].contiguous()
     out = RowStats.empty(rows, plan.device, torch.float32, compute_entropy=False).rows(slice(0, rows))
 
-    def ms(fn: Callable[[], object]) -> float:
-        return mean_ms(plan, fn)
-
+    ms = functools.partial(mean_ms, plan)
     min_p = dict(mode=MODE_MIN_P, log_param=math.log(0.01))
     res = {"rows": rows, "v": plan.v, "chunk_bytes": z.numel() * z.element_size()}
     res["fold_none_ms"] = ms(lambda: forward_fold(z, y, mode=MODE_NONE, **out))

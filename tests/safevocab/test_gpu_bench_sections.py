@@ -17,14 +17,18 @@ ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "gpu_bench.py"
 
 
-def _plan_module():
-    """``scripts/gpu_plan.py``, loaded once (registered under its name: its dataclass needs the module)."""
-    if "gpu_plan" not in sys.modules:
-        spec = importlib.util.spec_from_file_location("gpu_plan", ROOT / "scripts" / "gpu_plan.py")
+def _script_module(name: str):
+    """``scripts/<name>.py``, loaded once (registered under its name: gpu_plan's dataclass needs the module)."""
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
         module = importlib.util.module_from_spec(spec)
-        sys.modules["gpu_plan"] = module
+        sys.modules[name] = module
         spec.loader.exec_module(module)
-    return sys.modules["gpu_plan"]
+    return sys.modules[name]
+
+
+def _plan_module():
+    return _script_module("gpu_plan")
 
 
 def _bench(tmp_path, *flags: str, timeout: float = 600) -> tuple[subprocess.CompletedProcess, dict]:
@@ -175,14 +179,8 @@ def test_batch_stand_in_writes_the_top_p_thresholds_of_the_flagged_rows_only():
 
 
 def _bench_module():
-    """``scripts/gpu_bench.py``, loaded once (it imports ``gpu_plan`` from its folder)."""
-    _plan_module()
-    if "gpu_bench" not in sys.modules:
-        spec = importlib.util.spec_from_file_location("gpu_bench", SCRIPT)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["gpu_bench"] = module
-        spec.loader.exec_module(module)
-    return sys.modules["gpu_bench"]
+    _plan_module()  # gpu_bench imports gpu_plan from its folder
+    return _script_module("gpu_bench")
 
 
 def test_trl_rows_run_where_trl_trainer_utils_does_not_import(monkeypatch):
