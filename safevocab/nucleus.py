@@ -75,26 +75,27 @@ def _crossing_bin(
 
 
 def _sorted_threshold(
-    z: torch.Tensor, e: torch.Tensor, target: torch.Tensor
-) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
-    """:func:`nucleus_threshold` of small rows by a sort: ``t`` is the ``z`` of the first position (``z``
-    descending) whose float64 cumulative mass reaches ``target``; a row whose mass cannot reach it (rounding) keeps
-    every token with mass, as the radix select does. ``e`` is ``0`` for tokens an earlier rule removed, which lie below
-    the others (``e`` grows with ``z``): the tokens with mass are a prefix of the order."""
+    z: torch.Tensor, e: torch.Tensor, target: torch.Tensor, with_cover: bool = True
+) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+    """:func:`nucleus_threshold` by a sort: ``t`` is the ``z`` of the first position (``z`` descending) whose float64
+    cumulative mass reaches ``target``; a row whose mass cannot reach it (rounding) keeps every token with mass, as the
+    radix select does. ``e`` is ``0`` for tokens an earlier rule removed, which lie below the others (``e`` grows with
+    ``z``): the tokens with mass are a prefix of the order. Fixed shapes throughout: no read of the device, except the
+    candidates (``with_cover``; ``None`` without)."""
     order = torch.sort(z, dim=-1, descending=True, stable=True).indices
     e_sorted = e.gather(-1, order).to(torch.float64)
     reached = e_sorted.cumsum(-1) >= target.unsqueeze(-1)
     with_mass = (e_sorted > 0).sum(-1)
     pick = torch.where(reached.any(-1), reached.to(torch.uint8).argmax(-1), (with_mass - 1).clamp_min(0))
     t = z.gather(-1, order.gather(-1, pick.unsqueeze(-1)))
-    cover = (z >= t).nonzero(as_tuple=True)
+    cover = (z >= t).nonzero(as_tuple=True) if with_cover else None  # host sync: the candidates' count
     return torch.where(with_mass.unsqueeze(-1) > 0, t, z.amax(-1, keepdim=True)), cover
 
 
 @torch.no_grad()
 def nucleus_threshold(
-    z: torch.Tensor, e: torch.Tensor, q: float, kept_from: torch.Tensor | None = None
-) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    z: torch.Tensor, e: torch.Tensor, q: float, kept_from: torch.Tensor | None = None, sync_free: bool = False
+) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
     """The top-p threshold ``t`` ``[R, 1]`` of each row (``S = {z >= t}``, see the module docstring) and the
     candidates ``(row, col)``: every entry with ``z >= t`` is among them.
 
@@ -104,13 +105,16 @@ def nucleus_threshold(
         q: ``0 < q < 1``.
         kept_from: ``[R, 1]`` threshold of the rules applied before (the distribution is renormalised over
             ``{z >= kept_from}``), or ``None``.
+        sync_free: sort every row, whatever its size, and return no candidates (``None``): fixed shapes, so no read
+            of the device (the radix select reads it to size its candidates). The same ``t`` (the module docstring);
+            for a few rows on a GPU (the Triton path's bounded fallback batch), where a read costs more than a sort.
     """
     n_rows, vocab = z.shape
     if kept_from is not None:
         e = torch.where(z >= kept_from, e, 0.0)
     target = q * row_sum64(e)
-    if vocab <= SORT_MAX_VOCAB:
-        return _sorted_threshold(z, e, target)
+    if vocab <= SORT_MAX_VOCAB or sync_free:
+        return _sorted_threshold(z, e, target, with_cover=not sync_free)
     int_dtype, shift, bins, levels = _bit_layout(e.dtype)
     # 1. bucket masses over the exponent of e, in one index_add over the whole rows (flat bin index per entry; the
     # & drops the sign bit a NaN may carry, so every key names a bin: such a row raises later anyway)

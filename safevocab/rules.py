@@ -360,9 +360,11 @@ class TopP(SafeVocabRule):
             return torch.full_like(logits.z_max, -math.inf)
         vocab = z.shape[-1]
         flat_from = None if kept_from is None else kept_from.reshape(-1, 1)
-        t, cover = nucleus_threshold(z.reshape(-1, vocab), logits.exp.reshape(-1, vocab), self.q, flat_from)
+        flat_e = logits.exp.reshape(-1, vocab)
+        t, cover = nucleus_threshold(z.reshape(-1, vocab), flat_e, self.q, flat_from, sync_free=logits.sync_free)
         t = t.view(logits.z_max.shape)
-        logits.cover = (*cover, t.reshape(-1))
+        if cover is not None:
+            logits.cover = (*cover, t.reshape(-1))
         return t
 
 

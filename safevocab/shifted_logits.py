@@ -16,10 +16,13 @@ class ShiftedLogits:
     and ``sum_V e``: what several rules and the fused op's statistics share, computed once.
 
     ``out``: a preallocated buffer of ``z``'s shape and dtype for ``e`` (the fused op reuses one per chunk).
+    ``sync_free``: the rules must not read the device (fixed shapes only: ``top_p`` sorts its rows instead of its
+    radix select, and leaves :attr:`cover` ``None``); the same thresholds.
     """
 
-    def __init__(self, z: torch.Tensor, z_max: torch.Tensor, out: torch.Tensor | None = None):
+    def __init__(self, z: torch.Tensor, z_max: torch.Tensor, out: torch.Tensor | None = None, sync_free: bool = False):
         self.z, self.z_max = z, z_max
+        self.sync_free = sync_free
         self._out, self._exp, self._total = out, None, None
         #: ``(row, col, t)`` of ``z`` viewed as ``[rows, V]``, set by a rule that found its threshold ``t`` ``[rows]``
         #: from candidate entries: every entry with ``z >= t`` is among them (``top_p``), so any set ``{z >= t'}``

@@ -9,16 +9,16 @@ the bench's own process, one function a section:
   safevocab beside trl's per-token kernel, Liger and the 3-GEMM floor;
 - :func:`compact`: the kept-entry micro-benchmark on one LM ``min_p=0.01`` chunk: the fold with and without its pool,
   the pool's packing, and the separate compaction (the fallback re-read) at column blocks of 1024-8192;
-- :func:`trace`: one profiled call each of ``min_p=0.01`` (LM), ``top_p=0.9`` (LM: a read a chunk) and ``none``
+- :func:`trace`: one profiled call each of ``min_p=0.01`` (LM), ``top_p=0.9`` (LM: the bounded batch) and ``none``
   (flat): the top kernels and the GPU's idle gaps between kernels inside the call (:func:`idle_gaps`; on a CPU, no
   kernels: the same fields, zero);
-- :func:`fallback`: the mass rules' one read a chunk (``top_p``'s rows left to the rule's torch code) priced against
-  the bounded batch that would replace it (docs/performance.md, "Host synchronisation"): which of the two the op
-  should take is this section's question.
+- :func:`fallback`: the mass rules' bounded batch (``top_p``'s rows left to the rule's torch code, decided with no
+  read of the device: the op's default) priced against the read a chunk it replaced (docs/performance.md, "Host
+  synchronisation"): whether the default should go back to the read is this section's question.
 
 Every timed row says which backward ran: the calls of :data:`safevocab.backends.triton.sparse_gate.TAKEN` per step
 (``per-id``, ``union``, ``dense``: the dense backward of stored chunks), or ``dense (nothing stored)`` when the forward
-stored no chunk; and the chunks counted by ``REREAD_FALLBACKS`` / ``DENSE_FALLBACKS``
+stored no chunk; and the chunks counted by ``REREAD_FALLBACKS`` / ``DENSE_FALLBACKS`` / ``MASS_BATCH_REDOS``
 (:mod:`safevocab.backends.triton.forward`) per step. Forcing: ``dense`` sets the storage gate
 (``safevocab.fused.op.KERNEL_SPARSE_MAX_DENSITY``) to 0, so the forward stores nothing; ``per-id``, ``union`` and
 ``dense-stored`` set it to 1 (every chunk stored; a pool that overflows is compacted again and counted) and
@@ -61,11 +61,9 @@ REPLAY_RULE = "top_k=64"
 KEPT_RULES = ("none",)
 KEEP_LOGITS_BYTES = 8 * 2**30
 TRACES = (("minp01_lm", "lm", "min_p=0.01"), ("topp09_lm", "lm", "top_p=0.9"), ("none_synthetic", "synthetic", "none"))
-#: The fallback section's rules (a mass rule reads the device once a chunk) and logits profiles.
+#: The fallback section's rules (mass rules: their rows within the margin take the rule's code) and logits profiles.
 FALLBACK_RULES = ("top_p=0.9", "top_p=0.99")
 FALLBACK_PROFILES = ("lm", "synthetic")
-#: The bounded batch's rows a chunk: ``ceil(rows / BATCH_DIVISOR)`` (docs/performance.md, "Host synchronisation").
-BATCH_DIVISOR = 64
 COMPACT_BLOCKS = (1024, 2048, 4096, 8192)
 #: What a forward that records which backward ran says when it stored no chunk.
 NOTHING_STORED = "dense (nothing stored)"
@@ -147,6 +145,7 @@ def counters() -> dict[str, int]:
         **{f"taken {name}": count for name, count in taken.items()},
         "reread_fallback_chunks": forward.REREAD_FALLBACKS["chunks"],
         "dense_fallback_chunks": forward.DENSE_FALLBACKS["chunks"],
+        "mass_batch_redo_chunks": getattr(forward, "MASS_BATCH_REDOS", {}).get("chunks", 0),
     }
 
 
@@ -163,6 +162,7 @@ def paths(before: dict[str, int], after: dict[str, int], calls: int) -> dict:
         "backward": ran or NOTHING_STORED,
         "reread_fallback_chunks_per_step": delta["reread_fallback_chunks"] / calls,
         "dense_fallback_chunks_per_step": delta["dense_fallback_chunks"] / calls,
+        "mass_batch_redo_chunks_per_step": delta.get("mass_batch_redo_chunks", 0) / calls,
     }
 
 
@@ -227,7 +227,8 @@ def row(plan: Plan, section: str, profile: str, rule: str, variant: str, make: C
         if plan.cuda:
             torch.cuda.empty_cache()
     if backward is None:  # not a fused row: which backward the op would take is not its business
-        for key in ("backward", "reread_fallback_chunks_per_step", "dense_fallback_chunks_per_step"):
+        for key in ("backward", "reread_fallback_chunks_per_step", "dense_fallback_chunks_per_step",
+                    "mass_batch_redo_chunks_per_step"):  # fmt: skip
             rec.pop(key, None)
     print(json.dumps(rec), flush=True)
     return rec
@@ -451,18 +452,19 @@ def trace(plan: Plan, traces: tuple[tuple[str, str, str], ...] = TRACES) -> dict
 
 def fallback(plan: Plan, rules: tuple[str, ...] = FALLBACK_RULES,
              profiles: tuple[str, ...] = FALLBACK_PROFILES) -> list[dict]:  # fmt: skip
-    """The mass rules' one read a chunk priced against the bounded batch that would replace it, per profile and rule:
-    one call's chunks (the op's chunk rows for the plan's budget), each its GEMM then its thresholds
+    """The mass rules' bounded batch priced against the read a chunk it replaced, per profile and rule: one call's
+    chunks (the op's chunk rows for the plan's budget), each its GEMM then its thresholds
     (:func:`~safevocab.kernels.threshold_select.select_thresholds`), timed as a whole call (:func:`mean_ms`):
 
-    - ``read_ms``: as the op does today, the chunk's fallback rows read and given to the rule's torch code;
-    - ``no_read_ms``: the rows flagged, not decided (``fallback=False``): neither the read nor a batch;
-    - ``batch_ms``: ``no_read_ms`` plus, in the read's place, the batch's device work whatever the flags
-      (:func:`batch_stand_in`: ``ceil(rows / 64)`` rows a chunk, sorted, float64 cumulative masses: a price, not the
-      op's code).
+    - ``batch_ms``: as the op does by default, the rows left to the rule's torch code decided in one bounded batch of
+      ``batch_rows`` rows a chunk with no read of the device (``undecided=``);
+    - ``read_ms``: the chunk's rows read and given to the rule's torch code (the op before, and after a chunk that
+      overflowed the batch: ``MASS_BATCH_REDOS``);
+    - ``no_read_ms``: the rows flagged, not decided (``fallback=False``): neither the read nor a batch.
 
     The read costs ``read_ms - no_read_ms`` a call, the batch ``batch_ms - no_read_ms``; ``flagged_max`` is the most
-    rows of one chunk the rule's code decided (more than ``batch_rows``: the batch would have to redo the chunk)."""
+    rows of one chunk left to the rule's code, ``undecided_max`` the most the batch could not hold (the op folds such
+    a chunk again and reads from then on)."""
     rows = []
     for profile in profiles:
         for spec in rules:
@@ -486,7 +488,7 @@ def _price_fallback(plan: Plan, profile: str, spec: str) -> dict:
     """:func:`fallback`'s row of one profile and ``top_p`` rule (its fields but the row's names)."""
     from safevocab.backends.triton.route import Route
     from safevocab.bench.variants import shared_inputs
-    from safevocab.kernels.threshold_select import select_thresholds, selection_plan
+    from safevocab.kernels.threshold_select import BATCH_DIVISOR, select_thresholds, selection_plan
     from safevocab.rules import parse_rule
 
     hidden, weight, _, _ = shared_inputs(bench_args(plan, spec, profile), plan.device)
@@ -497,47 +499,27 @@ def _price_fallback(plan: Plan, profile: str, spec: str) -> dict:
     buf = torch.empty(chunk, plan.v, device=plan.device, dtype=hidden.dtype)
     threshold = torch.empty(plan.n, device=plan.device, dtype=torch.float32)
     row_max = torch.empty_like(threshold)
-    batch_rows = math.ceil(chunk / BATCH_DIVISOR)
+    undecided = torch.zeros(plan.n, device=plan.device, dtype=torch.bool)
 
-    def call(mode: str, seen: list[int] | None = None) -> None:
+    def call(mode: str, seen: list[tuple[int, int]] | None = None) -> None:
         for rows in chunks:
             z = buf[: rows.stop - rows.start]
             torch.mm(hidden[rows], weight.t(), out=z)
             t, m = threshold[rows], row_max[rows]
-            out, _ = select_thresholds(z, selection, t, m, fallback=mode == "read")
+            kw = {"batch": dict(undecided=undecided[rows]), "no_read": dict(fallback=False)}.get(mode, {})
+            out, _ = select_thresholds(z, selection, t, m, **kw)
             if seen is not None:
-                seen.append(out.numel())
-            if mode == "batch":
-                batch_stand_in(z, out, rule.q, batch_rows, t)
+                seen.append((int(out.sum()), int(undecided[rows].sum())))
 
     res = {f"{mode}_ms": mean_ms(plan, lambda mode=mode: call(mode)) for mode in ("read", "no_read", "batch")}
-    flagged: list[int] = []  # the read's rows a chunk, from one more call, untimed
-    call("read", flagged)
-    res.update(chunks=len(chunks), chunk_rows=chunk, batch_rows=batch_rows, flagged_max=max(flagged),
-               flagged_total=sum(flagged))  # fmt: skip
+    seen: list[tuple[int, int]] = []  # the batch's flagged and undecided rows a chunk, from one more call, untimed
+    call("batch", seen)
+    res.update(chunks=len(chunks), chunk_rows=chunk, batch_rows=math.ceil(chunk / BATCH_DIVISOR),
+               flagged_max=max(f for f, _ in seen), flagged_total=sum(f for f, _ in seen),
+               undecided_max=max(u for _, u in seen))  # fmt: skip
     res["read_cost_ms"] = round(res["read_ms"] - res["no_read_ms"], 3)
     res["batch_cost_ms"] = round(res["batch_ms"] - res["no_read_ms"], 3)
     return res
-
-
-def batch_stand_in(z: torch.Tensor, flags: torch.Tensor, q: float, rows: int, threshold: torch.Tensor) -> None:
-    """The bounded batch's device work on one chunk for a single ``top_p=q`` rule, with no read of the device: the
-    first ``rows`` flagged rows of ``z`` (``torch.nonzero_static``; padding takes a scratch row), in fp32, sorted
-    descending, their float64 cumulative masses of ``exp(z - m)`` against ``q T`` (``T`` as
-    :func:`safevocab.nucleus.row_sum64` sums it), the threshold of each written into ``threshold``. The same work
-    as the batch whatever the flags (a price: no engine order, no ties, no composition)."""
-    from safevocab.nucleus import row_sum64
-
-    n = z.shape[0]
-    idx = torch.nonzero_static(flags, size=rows, fill_value=n).squeeze(-1)
-    x = z.index_select(0, idx.clamp_max(n - 1)).float()
-    e = (x - x.amax(-1, keepdim=True)).exp()
-    target = q * row_sum64(e)
-    ordered, order = torch.sort(x, dim=-1, descending=True, stable=True)
-    reached = e.gather(-1, order).to(torch.float64).cumsum(-1) >= target.unsqueeze(-1)
-    t = ordered.gather(-1, reached.to(torch.uint8).argmax(-1, keepdim=True)).squeeze(-1)
-    scratch = torch.cat([threshold, threshold.new_zeros(1)]).index_copy_(0, idx, t)
-    threshold.copy_(scratch[:n])
 
 
 def idle_gaps(events: list[dict], min_us: float = 50.0, top: int = 12) -> dict:
@@ -596,7 +578,7 @@ def section_problems(name: str, value) -> list[str]:
     if name == "fallback":
         if not isinstance(value, list) or not value:
             return ["fallback: no rows"]
-        needed = ("read_ms", "no_read_ms", "batch_ms", "flagged_max", "batch_rows")
+        needed = ("read_ms", "no_read_ms", "batch_ms", "flagged_max", "batch_rows", "undecided_max")
         return [f"fallback: row {i} lacks {[k for k in needed if k not in r]}: {r}" for i, r in enumerate(value)
                 if not {"error", "skipped"} & set(r) and not all(k in r for k in needed)]  # fmt: skip
     if name == "trace":
@@ -644,7 +626,8 @@ def markdown(results: dict) -> list[str]:
             lines.append(
                 f"- fallback {r['profile']} {r['rule']}: read {r['read_ms']} ms, no read {r['no_read_ms']} ms, batch "
                 f"{r['batch_ms']} ms a call ({r['chunks']} chunks of {r['chunk_rows']} rows; rows left to the rule's "
-                f"code: at most {r['flagged_max']} a chunk, the batch takes {r['batch_rows']})"
+                f"code: at most {r['flagged_max']} a chunk, the batch takes {r['batch_rows']}, at most "
+                f"{r['undecided_max']} past it)"
             )
     for name, res in (results.get("trace") or {}).items():
         idle = res.get("idle", {})

@@ -103,6 +103,10 @@ class ChunkJob:
         (:meth:`KeptLogits.reserve`; ``False`` without :attr:`kept_logits`)."""
         return self.kept_logits is not None and self.kept_logits.reserve(nbytes)
 
+    def kept(self, rows: slice) -> torch.Tensor | None:
+        """The buffer the forward kept for the chunk ``rows``, left kept (``None``: none kept)."""
+        return None if self.kept_logits is None else self.kept_logits.peek(rows.start)
+
     def take_kept(self, rows: slice) -> torch.Tensor | None:
         """The buffer the forward kept for the chunk ``rows``, handed over once (:meth:`KeptLogits.take`), or
         ``None``: recompute it."""
@@ -146,6 +150,10 @@ class KeptLogits:
     def put(self, start: int, buffer: torch.Tensor) -> None:
         """Keep ``buffer`` (``[rows, V]``, reserved with :meth:`reserve`) for the chunk starting at row ``start``."""
         self._buffers[start] = buffer
+
+    def peek(self, start: int) -> torch.Tensor | None:
+        """The kept buffer of the chunk starting at row ``start``, left in the store, or ``None``."""
+        return self._buffers.get(start)
 
     def take(self, start: int) -> torch.Tensor | None:
         """The kept buffer of the chunk starting at row ``start``, removed from the store (the backward overwrites it),

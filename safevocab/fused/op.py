@@ -64,7 +64,8 @@ one-line ``ValueError`` naming the argument (:func:`safevocab.fused.checks.raise
 
 Host synchronisation: the forward reads the device once, at its end (:class:`~safevocab.fused.row_stats.CallReads`):
 the caller's input checks, the non-finite flags and, on the Triton backend, which chunks are stored, together
-(the selection route also reads each chunk's fallback rows; docs/performance.md, "Host synchronisation"). The
+(the selection route decides its mass fallback's rows in a bounded batch, and reads again only for a chunk that
+overflowed it; docs/performance.md, "Host synchronisation"). The
 backward reads it once when the forward stored chunks (``Coefficients.reads``: their rows whose gradient leaves
 ``S``, per chunk, with the values a backend's sparse backward queued), else never.
 """

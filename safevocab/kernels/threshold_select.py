@@ -61,11 +61,16 @@ within ``MASS_MARGIN`` of a boundary there too, or where ``(q + MASS_MARGIN) T_p
 and rows of a non-finite ``m`` or ``T``, are transformed in the kernel into fp32 (only those rows, in batches) and
 given to the rule's own torch code.
 
-**Host reads.** One per chunk where a stage decides on masses (``top_p``, ``min_prob``): the fallback's rows (they
-run the rule's torch code before the fold reads the thresholds). None for ``top_k``/``min_p`` compositions: the radix
-select decides every row with a finite maximum exactly, and a row without one makes the op raise at its end. The refinement and the radix select run on the rows flagged on the device (one program a row, the
-others exit at once) and the candidate phase works on the buffer's whole width (``KCAP`` columns), so none of them
-reads the device.
+**Host reads.** None with ``undecided=`` (the Triton forward's default): where a stage decides on masses (``top_p``,
+``min_prob``), the fallback's rows are decided in one **bounded batch** a chunk, always ``ceil(n / BATCH_DIVISOR)``
+rows (their indices from ``torch.nonzero_static``, padding to a scratch slot), by the rule's torch code with fixed
+shapes (``top_p`` sorts those rows instead of its radix select, which reads the device to size its candidates: the
+same thresholds); rows past the batch are flagged for the caller, which folds the chunk again with the read below.
+Without it, one read per chunk: the fallback's rows, given to the rule's torch code before the fold reads the
+thresholds. None for ``top_k``/``min_p`` compositions either way: the radix select decides every row with a finite
+maximum exactly, and a row without one makes the op raise at its end. The refinement and the radix select run on the
+rows flagged on the device (one program a row, the others exit at once) and the candidate phase works on the buffer's
+whole width (``KCAP`` columns), so none of them reads the device.
 
 The masses follow ``safevocab.nucleus``: ``T`` in fp32 partials added in fp64. The kernel's and the rule's ``T`` are
 two roundings of one sum (~1e-8 relative apart): a row whose ``top_p`` or ``min_prob`` decision lies within
@@ -87,12 +92,14 @@ from safevocab.kernels.candidate_thresholds import MASS_DEPENDENT, SelectionPlan
 from safevocab.kernels.common import transform
 from safevocab.kernels.radix_select import radix_thresholds
 from safevocab.rules import finite_floor
+from safevocab.shifted_logits import ShiftedLogits
 
 __all__ = [
     "SelectionPlan",
     "selection_plan",
     "select_thresholds",
     "transformed_rows",
+    "BATCH_DIVISOR",
     "KCAP",
     "REFINE_PASSES",
     "SKETCH_SLOTS",
@@ -110,6 +117,10 @@ SKETCH_SLOTS = 2048
 _SKETCH_MARGIN = 1e-4
 #: Factor on ``(1 - q) T / V`` for the flat-row top-p floor (strict inequality with room for rounding).
 _FLAT_FACTOR = 0.99
+#: The bounded fallback batch (``select_thresholds(..., undecided=...)``) decides ``ceil(rows / BATCH_DIVISOR)`` rows
+#: a chunk: LM-like bf16 chunks leave 0-1.2 % of their rows to the rule's code (docs/performance.md, "Host
+#: synchronisation"), a sixty-fourth covers them; flat fp32 rows near ``q = 1`` (up to all of them) overflow it.
+BATCH_DIVISOR = 64
 
 
 @triton.jit
@@ -392,6 +403,7 @@ def select_thresholds(
     refine_passes: int | None = None,
     radix: bool = True,
     fallback: bool = True,
+    undecided: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Write ``plan.rule``'s per-row ``threshold`` and ``row_max`` (``[n]`` fp32) for the raw chunk ``z`` ``[n, V]``
     (bf16/fp16/fp32, row-contiguous; transformed in the kernel). Returns ``(fallback, candidates)``: the indices of
@@ -409,10 +421,21 @@ def select_thresholds(
             the kernels' estimates), and the device is not read: returns their ``[n]`` bool flags instead of their
             indices (measurements only: ``scripts/gpu_plan.py``'s ``fallback`` section prices the chunk's one read
             against a batch that would not need it).
+        undecided: ``[n]`` bool, written: decide the rows left to the rule's code in one bounded batch, with no read
+            of the device (:func:`_decide_in_batch`: the first ``ceil(n / BATCH_DIVISOR)`` of them), flag here the
+            rows past it (left with the kernels' estimates: the caller decides them again, as the Triton forward
+            does with the chunk, :mod:`safevocab.backends.triton.forward`), and return the rows' ``[n]`` bool flags
+            instead of their indices. ``None`` (default): read the device for them (one read a chunk).
     """
     n, vocab = z.shape
+    assert fallback or undecided is None, "undecided decides the fallback's rows: it needs fallback=True"
+    flags_only = not fallback or undecided is not None  # the rows come back as [n] bool flags, not read as indices
+    if undecided is not None:
+        undecided.zero_()
     if n == 0:
-        return torch.zeros(0, dtype=torch.long, device=z.device), torch.zeros(0, dtype=torch.int32, device=z.device)
+        return torch.zeros(0, dtype=torch.bool if flags_only else torch.long, device=z.device), torch.zeros(
+            0, dtype=torch.int32, device=z.device
+        )
     assert z.stride(1) == 1, "the chunk must be row-contiguous"
     assert z.dtype != torch.float64, "fp64 inputs keep the torch threshold path"
     kcap = min(KCAP if kcap is None else kcap, vocab)
@@ -462,20 +485,22 @@ def select_thresholds(
     if radix:
         # FALLBACK, second step: the undecided rows with a finite maximum and T, on their whole row (flagged on the
         # device: no read); only a mass decision within MASS_MARGIN of a boundary still goes to the rule's code
-        undecided = (bad & torch.isfinite(row_max) & torch.isfinite(total)).to(torch.int8)
+        radix_rows = (bad & torch.isfinite(row_max) & torch.isfinite(total)).to(torch.int8)
         flag = bad.to(torch.int8)
-        radix_thresholds(z, stages, undecided, row_max, threshold, flag, scale, softcap, temperature)
+        radix_thresholds(z, stages, radix_rows, row_max, threshold, flag, scale, softcap, temperature)
         bad = flag != 0
         if not any(part.key in MASS_DEPENDENT for stage in stages for part in stage):
             # count and min_p stages only (no mass decision, known to MASS_MARGIN, among the stages): the radix select
             # decides every row with a finite maximum and T exactly
             # (no margin), and a row without one (no finite logit, a NaN) makes the op raise at its end-of-call check
             # (safevocab.fused.checks): nothing for the rule's code to do, so no read of the device
-            none = torch.zeros(
-                n if not fallback else 0, dtype=torch.bool if not fallback else torch.long, device=z.device
-            )
+            none = torch.zeros(n if flags_only else 0, dtype=torch.bool if flags_only else torch.long, device=z.device)
             return none, count
     if not fallback:
+        return bad, count
+    kw = dict(scale=scale, softcap=softcap, temperature=temperature)
+    if undecided is not None:
+        _decide_in_batch(z, plan, bad, threshold, row_max, undecided, **kw)
         return bad, count
     # host sync: the chunk's one read, its fallback rows (the rule's torch code runs on those rows only, and they must
     # be known before the fold reads the thresholds; the chunk's logits are gone after it)
@@ -489,3 +514,33 @@ def select_thresholds(
         row_max.index_copy_(0, part, m_bad.squeeze(-1))
         del exact
     return bad, count
+
+
+def _decide_in_batch(
+    z: torch.Tensor,
+    plan: SelectionPlan,
+    flags: torch.Tensor,
+    threshold: torch.Tensor,
+    row_max: torch.Tensor,
+    undecided: torch.Tensor,
+    scale: float,
+    softcap: float | None,
+    temperature: float,
+) -> None:
+    """The rule's torch code on the first ``ceil(n / BATCH_DIVISOR)`` rows ``flags`` marks, always that many (padding
+    decides a scratch row), with no read of the device: their indices from ``torch.nonzero_static``, their fp32 rows
+    transformed in the kernel (:func:`transformed_rows`), the rule's thresholds with fixed shapes
+    (:class:`~safevocab.shifted_logits.ShiftedLogits` ``sync_free``: ``top_p`` sorts the rows), written through a
+    scratch slot (row ``n``) that takes the padding. The flagged rows past the batch are set in ``undecided``.
+
+    Sized like the read's batches: ``B x V`` fp32 rows and the sort's scratch (~40 bytes a logit), about 0.6 bytes a
+    logit of the chunk, against the chunk's own 2-4."""
+    n = z.shape[0]
+    size = math.ceil(n / BATCH_DIVISOR)
+    rows = torch.nonzero_static(flags, size=size, fill_value=n).squeeze(-1)
+    undecided.copy_(flags & (flags.cumsum(0) > size))  # nonzero_static takes the first flagged rows, in order
+    exact = transformed_rows(z, rows.clamp_max(n - 1), scale, softcap, temperature)
+    z_max = exact.amax(-1, keepdim=True)
+    t = plan.rule.threshold_of(ShiftedLogits(exact, z_max, sync_free=True))
+    for out, value in ((threshold, t), (row_max, z_max)):
+        out.copy_(torch.cat([out, out.new_zeros(1)]).index_copy_(0, rows, value.squeeze(-1))[:n])

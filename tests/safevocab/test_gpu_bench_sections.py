@@ -99,6 +99,7 @@ def test_plan_sections_small_record_each_sections_fields_and_the_backward_that_r
     }
     for r in results["fallback"]:
         assert min(r["read_ms"], r["no_read_ms"], r["batch_ms"]) > 0 and r["batch_rows"] == 1, r
+        assert 0 <= r["undecided_max"] <= r["flagged_max"], r
     table = (tmp_path / "plan.md").read_text()
     assert "- fallback lm top_p=0.9: read " in table
     assert "| gate | synthetic | top_k=50 | fused | union | union |" in table
@@ -152,30 +153,18 @@ def test_section_problems_name_a_section_that_recorded_nothing():
     assert plan.section_problems("compact", {"fold_none_ms": 1.0}) != []
     assert plan.section_problems("trace", {}) == ["trace: no traces"]
     assert plan.section_problems("fallback", []) == ["fallback: no rows"]
-    priced = {"read_ms": 2.0, "no_read_ms": 1.0, "batch_ms": 1.5, "flagged_max": 0, "batch_rows": 16}
+    priced = {
+        "read_ms": 2.0,
+        "no_read_ms": 1.0,
+        "batch_ms": 1.5,
+        "flagged_max": 0,
+        "batch_rows": 16,
+        "undecided_max": 0,
+    }
     assert plan.section_problems("fallback", [priced, {"error": "boom"}]) == []
     unpriced = {k: v for k, v in priced.items() if k != "batch_ms"}
     assert "lacks ['batch_ms']" in plan.section_problems("fallback", [unpriced])[0]
     assert plan.section_problems("trace", {"t": {"top": [1], "backward": "union", "idle": {"kernels": 0}}}) != []
-
-
-def test_batch_stand_in_writes_the_top_p_thresholds_of_the_flagged_rows_only():
-    # the fallback section's price of the bounded batch must do the batch's work: the rule's top_p thresholds of the
-    # first `rows` flagged rows, the other rows untouched (padding goes to a scratch row, not to row 0)
-    from safevocab.rules import parse_rule
-
-    plan = _plan_module()
-    torch.manual_seed(0)
-    z = torch.randn(6, 300) * 3
-    expected = parse_rule("top_p=0.9").threshold(z).squeeze(-1)
-    flags = torch.tensor([False, True, False, False, True, False])
-    threshold = torch.full((6,), 7.0)
-    plan.batch_stand_in(z, flags, 0.9, 3, threshold)  # 3 rows for 2 flagged: one padding
-    assert torch.equal(threshold[[1, 4]], expected[[1, 4]])
-    assert bool((threshold[[0, 2, 3, 5]] == 7.0).all())
-    threshold = torch.full((6,), 7.0)
-    plan.batch_stand_in(z, flags, 0.9, 1, threshold)  # a batch smaller than the flagged rows: the first only
-    assert torch.equal(threshold[1], expected[1]) and float(threshold[4]) == 7.0
 
 
 def _bench_module():
@@ -210,10 +199,11 @@ def test_trl_rows_run_where_trl_trainer_utils_does_not_import(monkeypatch):
 def test_paths_name_the_backward_taken_and_the_fallbacks_per_step():
     plan = _plan_module()
     before = {"taken per-id": 0, "taken union": 2, "taken dense": 0, "reread_fallback_chunks": 1,
-              "dense_fallback_chunks": 0}  # fmt: skip
-    after = {**before, "taken union": 5, "reread_fallback_chunks": 4}
+              "dense_fallback_chunks": 0, "mass_batch_redo_chunks": 0}  # fmt: skip
+    after = {**before, "taken union": 5, "reread_fallback_chunks": 4, "mass_batch_redo_chunks": 6}
     assert plan.paths(before, after, 3) == {"backward": "union", "reread_fallback_chunks_per_step": 1.0,
-                                            "dense_fallback_chunks_per_step": 0.0}  # fmt: skip
+                                            "dense_fallback_chunks_per_step": 0.0,
+                                            "mass_batch_redo_chunks_per_step": 2.0}  # fmt: skip
     assert plan.paths(before, {**after, "taken union": 3, "taken dense": 4}, 5)["backward"] == "union 1/5, dense 4/5"
     assert plan.paths(before, before, 2)["backward"] == plan.NOTHING_STORED
     no_taken = {"reread_fallback_chunks": 0, "dense_fallback_chunks": 0}  # a gate module without its counts

@@ -144,6 +144,30 @@ def test_the_sort_of_small_rows_gives_the_radix_selects_threshold(rows, q):
     assert torch.equal(t_sort, t_radix), (t_sort, t_radix)
 
 
+@settings(max_examples=150, deadline=None)
+@given(logit_rows(), st.floats(1e-4, 0.9999), st.booleans())
+def test_the_sync_free_sort_gives_the_radix_selects_threshold_without_a_read(z, q, after_top_k):
+    """``sync_free=True`` (the Triton path's bounded fallback batch) sorts rows of any size: the same threshold as the
+    radix select, with ties, zero-mass tokens and an earlier rule, no candidates, and no read of the device."""
+    import safevocab.nucleus as nucleus
+    from safevocab.testing.host_syncs import HostSyncs
+
+    z = z.float()
+    e = torch.exp(z - z.amax(-1, keepdim=True))
+    kept_from = TopK(7).threshold(z) if after_top_k else None
+    with HostSyncs() as reads:
+        t_sorted, cover = nucleus.nucleus_threshold(z, e, q, kept_from, sync_free=True)
+    assert reads.count == 0, reads.report()
+    assert cover is None
+    limit = nucleus.SORT_MAX_VOCAB
+    nucleus.SORT_MAX_VOCAB = 0  # the radix select, whatever the size
+    try:
+        t_radix, _ = nucleus.nucleus_threshold(z, e, q, kept_from)
+    finally:
+        nucleus.SORT_MAX_VOCAB = limit
+    assert torch.equal(t_sorted, t_radix), (t_sorted, t_radix)
+
+
 @settings(max_examples=60, deadline=None)
 @given(small_rows())
 def test_a_row_that_cannot_reach_the_target_keeps_every_token_with_mass(rows):

@@ -19,7 +19,7 @@ from test_kernels import DEVICE, kernel_env, triton_package  # noqa: F401
 
 import safevocab.backends.triton.route as triton_route
 import safevocab.kernels.threshold_select as ts
-from safevocab import fused_safe_logprobs, parse_rule
+from safevocab import SafeSupport, fused_safe_logprobs, parse_rule
 from safevocab.kernels.candidate_thresholds import MASS_MARGIN
 from safevocab.rules import finite_floor
 
@@ -232,6 +232,41 @@ def test_unread_fallback_flags_the_rows_the_read_gives_to_the_rule():
     assert flags.dtype == torch.bool and flags.shape == (3,) and not bool(flags.any())
 
 
+def _flagged_rows(n_rows: int, flagged: list[int]) -> torch.Tensor:
+    """``[n_rows, 900]`` rows whose ``top_p=0.9`` candidates overflow ``kcap=64`` where ``flagged`` (near-flat rows:
+    with the radix select off they go to the rule's code), and a single dominant token elsewhere (decided)."""
+    g = torch.Generator().manual_seed(7)
+    raw = torch.zeros(n_rows, 900)
+    raw[:, 0] = 20.0
+    raw[flagged] = torch.rand(len(flagged), 900, generator=g) * 1e-2
+    return raw.to(DEVICE)
+
+
+@pytest.mark.parametrize("flagged", [[5, 70, 129], [0, 2, 64, 65, 100]])
+def test_bounded_batch_decides_the_rule_rows_without_a_read(flagged):
+    """``undecided=`` (the Triton forward's default on mass rules): the rows left to the rule's code are decided in one
+    batch of ``ceil(n / BATCH_DIVISOR)`` rows (3 of 130) with no read of the device, as the read path decides them;
+    the flagged rows past the batch are set in ``undecided``, and no other row's threshold moves (the padding goes to
+    a scratch slot)."""
+    from safevocab.testing.host_syncs import HostSyncs
+
+    raw, rule = _flagged_rows(130, flagged), parse_rule("top_p=0.9")
+    t_read, m_read, rows, _ = select(raw, rule, {}, kcap=64, radix=False)
+    assert rows.tolist() == flagged  # the read path's rows: the ones made to overflow
+    threshold = torch.full((130,), 123.0, device=DEVICE)
+    row_max, undecided = torch.empty_like(threshold), torch.ones(130, dtype=torch.bool, device=DEVICE)
+    with HostSyncs() as reads:
+        flags, _ = ts.select_thresholds(raw, ts.selection_plan(rule), threshold, row_max, kcap=64, radix=False,
+                                        undecided=undecided)  # fmt: skip
+    assert reads.count == 0, reads.report()
+    assert flags.dtype == torch.bool and flags.nonzero().squeeze(-1).tolist() == flagged
+    past = flagged[3:]  # the batch holds the first three
+    assert undecided.nonzero().squeeze(-1).tolist() == past
+    decided = ~undecided
+    assert torch.equal(threshold[decided], t_read[decided]) and torch.equal(row_max, m_read)
+    assert all(float(threshold[row]) != float(t_read[row]) for row in past)  # the kernels' estimates, not the rule's
+
+
 @settings(max_examples=12, deadline=None)
 # Found by the random profile: T's rounding in the kernel and in the rule put a top_p=0.999 crossing (2.2e-8 relative
 # below q T) one token apart, until the candidate phase certified masses with a margin (MASS_MARGIN).
@@ -291,6 +326,58 @@ def test_fused_forward_backward_match_the_torch_backend(spec, dtype, monkeypatch
         torch.testing.assert_close(getattr(tri, field), getattr(ref, field), **tol)
     for a, b in zip(*grads):
         torch.testing.assert_close(a.float(), b.float(), atol=2e-5 if dtype == torch.float32 else 3e-2, rtol=1e-3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_forward_folds_again_the_chunks_whose_rule_rows_overflow_the_batch(dtype, monkeypatch):
+    """With the mass margin widened to a quarter of the mass, every ``top_p`` row is left to the rule's code: the
+    bounded batch (one row of a chunk) overflows, each chunk is folded again with those rows read (counted in
+    ``MASS_BATCH_REDOS``), and values and gradients are the torch backend's, for the rule's sets and a replayed
+    support alike. The next call of the same rule reads from
+    the start (no chunk folded again); with a batch as large as the chunk, nothing is folded again either."""
+    from safevocab.backends.triton import forward as triton_forward
+    from safevocab.kernels import candidate_decide, radix_select
+
+    for module in (candidate_decide, radix_select):
+        monkeypatch.setattr(module, "MASS_MARGIN", 0.25)
+    redos = {"chunks": 0, "read_from_now_on": set()}
+    monkeypatch.setattr(triton_forward, "MASS_BATCH_REDOS", redos)
+    hidden, weight, targets = make_inputs(dtype=dtype)
+    weights = torch.linspace(-1, 1, len(targets), dtype=torch.float64)
+
+    top = (hidden.detach().double() @ weight.detach().double().t()).argmax(-1).tolist()  # kept by every rule
+    lists = [sorted(set(range(i % 5, 400, 3)) | {top[i]}) for i in range(len(targets))]
+    support = SafeSupport.from_lists(lists, device=DEVICE)
+
+    def run(backend, replay=False):
+        out = fused_safe_logprobs(hidden, weight, targets, "top_p=0.8", backend=backend, compute_entropy=True,
+                                  max_chunk_bytes=8192, support=support if replay else None)  # fmt: skip
+        loss = (out.logprobs.double() * weights).sum() + out.entropy.double().sum()
+        return out, torch.autograd.grad(loss, (hidden, weight))
+
+    ref, ref_grads = run("torch")
+    replay_ref = run("torch", replay=True)
+    tol = dict(atol=2e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+
+    def assert_matches(out, grads, expected=(ref, ref_grads)):
+        assert torch.equal(out.in_safe, expected[0].in_safe) and torch.equal(out.safe_size, expected[0].safe_size)
+        for field in ("logprobs", "entropy"):
+            torch.testing.assert_close(getattr(out, field), getattr(expected[0], field), **tol)
+        for a, b in zip(grads, expected[1]):
+            torch.testing.assert_close(a.float(), b.float(), atol=2e-5 if dtype == torch.float32 else 3e-2, rtol=1e-3)
+
+    assert_matches(*run("triton"))
+    folded_again = redos["chunks"]
+    assert folded_again >= 2 and len(redos["read_from_now_on"]) == 1  # every chunk (24 rows, several chunks)
+    assert_matches(*run("triton"))
+    assert redos["chunks"] == folded_again  # read from the start
+    redos["read_from_now_on"].clear()
+    assert_matches(*run("triton", replay=True), expected=replay_ref)  # a replayed support: the same chunks again
+    assert redos["chunks"] == 2 * folded_again
+    redos["read_from_now_on"].clear()
+    monkeypatch.setattr(ts, "BATCH_DIVISOR", 1)  # the batch holds every row of a chunk
+    assert_matches(*run("triton"))
+    assert redos["chunks"] == 2 * folded_again
 
 
 def test_chunk_rows_count_two_bytes_a_logit_for_selection_rules(monkeypatch):

@@ -14,10 +14,18 @@ than its gate (the gate raised above ``kept_entries.POOL_MAX_DENSITY``) is the c
 overflowed, compacted again from its logits (:func:`~safevocab.kernels.kept_entries.compact_kept`), counted in
 :data:`REREAD_FALLBACKS` and logged.
 
+Where the rule decides on masses (``top_p``, ``min_prob``, on the selection route), the rows whose thresholds take the
+rule's torch code are decided in a bounded batch a chunk, with no read
+(:func:`~safevocab.kernels.threshold_select.select_thresholds`' ``undecided``); whether a chunk left rows past its
+batch comes back with the call's one read, and such a chunk is folded again with those rows read (its logits from its
+kept buffer, else its GEMM again), counted in :data:`MASS_BATCH_REDOS` and logged; the later calls of that rule,
+vocabulary and dtype read from the start (flat fp32 rows near ``q = 1`` leave most rows to the rule's code).
+
 :func:`replay_forward` is the forward of a replayed ``support``: the rule's fold on the same logits path, then ``S``'s
 own statistics from the given ids' logits, gathered and transformed as the kernel transforms them
 (:func:`~safevocab.kernels.kept_entries.gather_logits`); every chunk is stored, so the backward is the sparse one. It
-reads the device twice a call (where each chunk's entries start; each chunk's kept count, with the op's checks).
+reads the device twice a call (where each chunk's entries start; each chunk's kept count, with the op's checks), and
+once more for each chunk folded again after its bounded batch overflowed.
 
 Both run inside :class:`~safevocab.backends.triton.TritonBackend`'s device guard (Triton launches on the current CUDA
 device).
@@ -30,15 +38,16 @@ import math
 
 import torch
 
-from safevocab.backends.triton.route import TORCH, Route
+from safevocab.backends.triton.route import SELECTION, TORCH, Route
 from safevocab.fused.chunking import ChunkJob
 from safevocab.fused.row_stats import RowStats, SparseChunk
 from safevocab.fused.transform import Transform
 from safevocab.kernels import kept_entries
+from safevocab.kernels.candidate_thresholds import MASS_DEPENDENT
 from safevocab.kernels.kept_entries import KeptPool, compact_kept, gather_logits, pack_kept
 from safevocab.rules import SafeVocabRule
 
-__all__ = ["DENSE_FALLBACKS", "REREAD_FALLBACKS", "forward_chunks", "replay_forward"]
+__all__ = ["DENSE_FALLBACKS", "MASS_BATCH", "MASS_BATCH_REDOS", "REREAD_FALLBACKS", "forward_chunks", "replay_forward"]
 
 logger = logging.getLogger("safevocab")
 
@@ -54,6 +63,14 @@ DENSE_FALLBACKS = {"chunks": 0}
 REREAD_FALLBACKS = {"chunks": 0}
 #: Entries a row of a kept-entry pool may take at least (``_pool_limit``: small vocabularies).
 POOL_ROW_ENTRIES = 1024
+#: Whether the selection route decides the rows its mass stages (``top_p``, ``min_prob``) leave to the rule's torch code
+#: in a bounded batch, with no read of the device a chunk (``select_thresholds``' ``undecided``); ``False``: one read a
+#: chunk, as before (A/B measurements, tests).
+MASS_BATCH = True
+#: Chunks (in this process) that a bounded batch could not decide (more rows left to the rule's code than it holds:
+#: flat fp32 rows near ``q = 1``), folded again with those rows read; and the (rule, engine, vocabulary, dtype) of
+#: their calls, which read from the start from then on. Logged as :data:`DENSE_FALLBACKS` is.
+MASS_BATCH_REDOS: dict = {"chunks": 0, "read_from_now_on": set()}
 
 
 def forward_chunks(job: ChunkJob, route: Route, stats: RowStats, sparse_max_density: float | None) -> list[SparseChunk]:
@@ -76,7 +93,10 @@ def forward_chunks(job: ChunkJob, route: Route, stats: RowStats, sparse_max_dens
     logits_of = route.chunk_logits(job)
     transform = job.transform
     store_sparse_ok = sparse_max_density is not None and sparse_max_density > 0
+    batch = _mass_batch(route, job)
+    undecided = torch.zeros(job.n_rows, dtype=torch.bool, device=job.hidden.device) if batch else None
     pending: list[tuple[slice, KeptPool, int]] = []  # chunks whose pool holds whatever the gate lets through
+    again: list[tuple[slice, int | None, int]] = []  # chunks the bounded batch may leave undecided
     for rows in job.slices():
         n = rows.stop - rows.start
         out = stats.rows(rows)
@@ -86,36 +106,95 @@ def forward_chunks(job: ChunkJob, route: Route, stats: RowStats, sparse_max_dens
         # passes and the fold writes no entries
         gate = math.floor(sparse_max_density * n * job.vocab) if store_sparse_ok else -1
         capacity = min(gate, _pool_limit(n, job.vocab)) if gate >= n else None
-        pool = route.fold(z, targets[rows], out, transform, kept_capacity=capacity)
-        if pool is not None and pool.capacity < gate:
-            # the pool may overflow below the gate: decide now, while the chunk's logits are at hand for the fallback
-            # (z: the GEMM output where the kernels transform it; the fallback's compaction transforms it again)
+        # the pool may overflow below the gate: decided now, while the chunk's logits are at hand for the fallback,
+        # with a read of the device (so its thresholds read it too, rather than leave rows undecided)
+        at_once = capacity is not None and capacity < gate
+        rows_undecided = undecided[rows] if undecided is not None and not at_once else None
+        pool = route.fold(z, targets[rows], out, transform, kept_capacity=capacity, undecided=rows_undecided)
+        if rows_undecided is not None:
+            stats.reads.add(_undecided_key(rows), rows_undecided.any())
+            again.append((rows, capacity, gate))
+        if at_once:
+            # z: the GEMM output where the kernels transform it; the fallback's compaction transforms it again
             chunk = _stored_chunk(z, rows, out, pool, gate, transform, raw=route.transform_in_kernel)
             if chunk is not None:
                 sparse_chunks.append(chunk)
         elif pool is not None:
             pending.append((rows, pool, gate))
+            _queue_pending(rows, pool, stats)
         del z
-    sparse_chunks += _store_pending(pending, stats)
+    values = stats.reads.read() if pending or again else {}  # the call's one read, the fused op's checks with it
+    for rows, capacity, gate in again:
+        if values[_undecided_key(rows)][0]:
+            pending = [chunk for chunk in pending if chunk[0] != rows]  # its pool holds the undecided rows' sets
+            sparse_chunks += _fold_again(job, route, logits_of, rows, stats, capacity, gate)
+    sparse_chunks += _store_pending(pending, stats, values)
     return sorted(sparse_chunks, key=lambda chunk: chunk.start)  # the chunks' order: the sparse backward's sums
 
 
-def _store_pending(pending: list[tuple[slice, KeptPool, int]], stats: RowStats) -> list[SparseChunk]:
+def _mass_batch(route: Route, job: ChunkJob) -> bool:
+    """Whether ``job``'s chunks decide their mass fallback's rows in a bounded batch (no read a chunk): on the
+    selection route where a stage decides on masses, unless :data:`MASS_BATCH` is off or a call of the same rule,
+    vocabulary and dtype had to fold a chunk again (:data:`MASS_BATCH_REDOS`: its rows overflow the batch, so read)."""
+    if not MASS_BATCH or route.kind != SELECTION:
+        return False
+    if not any(part.key in MASS_DEPENDENT for stage in route.plan.stages for part in stage):
+        return False
+    return _batch_key(job) not in MASS_BATCH_REDOS["read_from_now_on"]
+
+
+def _batch_key(job: ChunkJob) -> tuple[str, str, int, torch.dtype]:
+    return str(job.rule), job.rule.engine, job.vocab, job.hidden.dtype
+
+
+def _fold_again(
+    job: ChunkJob, route: Route, logits_of, rows: slice, stats: RowStats, capacity: int | None, gate: int
+) -> list[SparseChunk]:
+    """Fold the chunk ``rows`` again, its fallback's rows read (more than the bounded batch held), and decide its
+    stored set at once (:func:`_stored_chunk`, a read): the logits from its kept buffer or a GEMM again. Counted in
+    :data:`MASS_BATCH_REDOS` and logged; later calls of the same rule, vocabulary and dtype read from the start."""
+    _count_mass_redo(job, rows)
+    z = logits_of.again(rows)
+    out = stats.rows(rows)
+    pool = route.fold(z, job.targets[rows].contiguous(), out, job.transform, kept_capacity=capacity)
+    if pool is None:
+        return []
+    chunk = _stored_chunk(z, rows, out, pool, gate, job.transform, raw=route.transform_in_kernel)
+    return [] if chunk is None else [chunk]
+
+
+def _count_mass_redo(job: ChunkJob, rows: slice) -> None:
+    """Count and log a chunk folded again (:data:`MASS_BATCH_REDOS`); later calls of its rule, vocabulary and dtype
+    read their fallback's rows from the start."""
+    _count_fallback(
+        MASS_BATCH_REDOS,
+        "MASS_BATCH_REDOS",
+        rows,
+        "leave more rows to the rule's torch code than the bounded batch holds, so the chunk is folded again with "
+        "those rows read (its GEMM again unless kept; same values); later calls of this rule, vocabulary and dtype "
+        "read them from the start",
+    )
+    MASS_BATCH_REDOS["read_from_now_on"].add(_batch_key(job))
+
+
+def _queue_pending(rows: slice, pool: KeptPool, stats: RowStats) -> None:
+    """Queue the checks that decide whether the pending chunk ``rows`` is stored, for the call's one read."""
+    safe_size, finite = stats.safe_size[rows], torch.isfinite(stats.row_max[rows])
+    disagree = ((pool.row_counts() != safe_size) & finite).sum() + (pool.counter[0] != safe_size.sum())
+    stats.reads.add(_chunk_key(rows), torch.stack([safe_size.sum(), (~finite).sum(), disagree]))
+
+
+def _store_pending(
+    pending: list[tuple[slice, KeptPool, int]], stats: RowStats, values: dict[str, list[int]]
+) -> list[SparseChunk]:
     """The chunks of ``pending`` (``(rows, pool, gate)``, pools as large as their gate) that keep at most ``gate``
-    logits, packed from their pools, decided with one read of the device for the whole call.
+    logits, packed from their pools, decided by ``values``: the call's one read of the device (:func:`_queue_pending`).
 
     Such a pool cannot overflow below the gate, and its row counts are sums of the same comparisons as ``|S|``: the
-    checks read here (kept logits, non-finite row maxima, the pool's count against ``|S|``'s) can only send a chunk to
+    checks read (kept logits, non-finite row maxima, the pool's count against ``|S|``'s) can only send a chunk to
     the dense backward for being too dense, or because the fused op will raise on a non-finite row; a disagreement
     (never seen: it would take a kernel that counts one comparison two ways) also goes dense, counted and logged (the
     chunk's logits are gone, so it cannot be compacted again)."""
-    if not pending:
-        return []
-    for rows, pool, _ in pending:
-        safe_size, finite = stats.safe_size[rows], torch.isfinite(stats.row_max[rows])
-        disagree = ((pool.row_counts() != safe_size) & finite).sum() + (pool.counter[0] != safe_size.sum())
-        stats.reads.add(_chunk_key(rows), torch.stack([safe_size.sum(), (~finite).sum(), disagree]))
-    values = stats.reads.read()  # the call's one read, the fused op's checks with it
     stored = []
     for rows, pool, gate in pending:
         kept, n_non_finite, n_disagree = values[_chunk_key(rows)]
@@ -131,6 +210,11 @@ def _store_pending(pending: list[tuple[slice, KeptPool, int]], stats: RowStats) 
 def _chunk_key(rows: slice) -> str:
     """A chunk's name among the call's reads (:class:`~safevocab.fused.row_stats.CallReads`)."""
     return f"triton chunk {rows.start}"
+
+
+def _undecided_key(rows: slice) -> str:
+    """The name of a chunk's undecided rows among the call's reads."""
+    return f"triton chunk {rows.start} undecided"
 
 
 def _pool_limit(n: int, vocab: int) -> int:
@@ -251,25 +335,38 @@ def replay_forward(job: ChunkJob, route: Route, stats: RowStats) -> list[SparseC
     support, slices = job.support, job.slices()
     # host sync: where each chunk's entries start in the support (their count sizes the chunk's gather), one read
     bounds = torch.cat([support.offsets[:: job.chunk_rows], support.offsets[-1:]]).tolist()
-    pending = []
-    for i, rows in enumerate(slices):
-        z = logits_of.forward(rows)  # in a kept buffer while the job's cap allows
+    undecided = torch.zeros(job.n_rows, dtype=torch.bool, device=job.hidden.device) if _mass_batch(route, job) else None
+
+    def chunk(z: torch.Tensor, i: int, rows: slice, rows_undecided: torch.Tensor | None = None) -> tuple:
         out = stats.rows(rows)
         # z: the GEMM output (the rule's thresholds from it, as forward_chunks computes them), or the torch copy
-        route.fold(z, targets[rows], out, job.transform)
+        route.fold(z, targets[rows], out, job.transform, undecided=rows_undecided)
         raw = route.transform_in_kernel  # z is the GEMM output, which the gather transforms
         lo, hi = bounds[i], bounds[i + 1]
         sizes = support.offsets[rows.start : rows.stop + 1].diff()
         local = torch.arange(rows.stop - rows.start, device=z.device)
         local_row = torch.repeat_interleave(local, sizes, output_size=hi - lo)
-        counts, keep, ids, shifted = _replayed_rows(
-            z, rows, local_row, support.token_ids[lo:hi], targets, stats, job.transform, raw
-        )
+        return _replayed_rows(z, rows, local_row, support.token_ids[lo:hi], targets, stats, job.transform, raw)
+
+    pending = []
+    for i, rows in enumerate(slices):
+        z = logits_of.forward(rows)  # in a kept buffer while the job's cap allows
+        rows_undecided = None if undecided is None else undecided[rows]
+        counts, keep, ids, shifted = chunk(z, i, rows, rows_undecided)
         stats.reads.add(_chunk_key(rows), counts.sum())
+        if rows_undecided is not None:
+            stats.reads.add(_undecided_key(rows), rows_undecided.any())
         pending.append((rows.start, counts, keep, ids, shifted))
         del z
     values = stats.reads.read()  # the call's one read: each chunk's kept count, the fused op's checks with it
-    return [_compacted(*chunk, values[_chunk_key(rows)][0]) for rows, chunk in zip(slices, pending)]
+    kept = [values[_chunk_key(rows)][0] for rows in slices]
+    for i, rows in enumerate(slices):
+        if undecided is not None and values[_undecided_key(rows)][0]:  # more rows for the rule's code than the batch
+            _count_mass_redo(job, rows)
+            counts, keep, ids, shifted = chunk(logits_of.again(rows), i, rows)
+            pending[i] = (rows.start, counts, keep, ids, shifted)
+            kept[i] = int(counts.sum())  # host sync: a chunk folded again, its kept count
+    return [_compacted(*chunk, n_kept) for chunk, n_kept in zip(pending, kept)]
 
 
 def _replayed_rows(

@@ -125,6 +125,7 @@ class Route:
         transform: Transform,
         store_z: bool = False,
         kept_capacity: int | None = None,
+        undecided: torch.Tensor | None = None,
     ) -> KeptPool | None:
         """One chunk's thresholds on this route, then the forward kernel's fold of its row statistics; with
         ``kept_capacity``, the fold's last pass also writes ``S``'s entries, returned in a
@@ -141,13 +142,18 @@ class Route:
                 routes, for a sparse chunk's entries); default ``False``. The torch route's ``z`` is transformed
                 already.
             kept_capacity: the pool's size in entries (``None``: no pool; default).
+            undecided: ``[n]`` bool, written on the selection route: decide the rows whose thresholds take the rule's
+                torch code in a bounded batch, with no read of the device, and flag the rows past it, whose
+                thresholds and statistics are then wrong until the chunk is folded again without it
+                (:func:`~safevocab.kernels.threshold_select.select_thresholds`' ``undecided``). ``None`` (default):
+                read the device for those rows. Untouched on the other routes, which leave no row undecided.
         """
         keep = dict(store_z=store_z, kept_capacity=kept_capacity)
         if self.kind == SELECTION:
             # thresholds from the raw chunk (threshold_select: no sort of V, no fp32 copy), then the fold
             # with the same in-kernel transform
             kw = _kernel_transform(transform)
-            select_thresholds(z, self.plan, out["threshold"], out["row_max"], **kw)
+            select_thresholds(z, self.plan, out["threshold"], out["row_max"], undecided=undecided, **kw)
             return forward_fold(z, targets, mode=MODE_GIVEN, **keep, **kw, **out)
         if self.kind == TORCH:  # z: the torch-transformed copy; the rule's own threshold
             t, z_max = self.rule.threshold_and_max(z)
@@ -235,6 +241,12 @@ class RouteLogits:
             self.logits.transformed(self.logits.gemm(h), out=z)
         self.job.kept_logits.put(rows.start, z)
         return z
+
+    def again(self, rows: slice) -> torch.Tensor:
+        """The logits of the forward chunk ``rows`` once more, for a forward that folds it again: the buffer its
+        forward kept (left kept for the backward), else recomputed into the reused buffer (:meth:`__call__`)."""
+        z = self.job.kept(rows)
+        return z if z is not None else self(self.job.hidden[rows])[0]
 
     def backward(self, rows: slice) -> tuple[torch.Tensor, torch.Tensor]:
         """``(z, out)`` of the chunk ``rows`` for a backward: the buffer its forward kept, taken (the backward writes
