@@ -75,27 +75,49 @@ def _crossing_bin(
 
 
 def _sorted_threshold(
-    z: torch.Tensor, e: torch.Tensor, target: torch.Tensor, with_cover: bool = True
-) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+    z: torch.Tensor, e: torch.Tensor, target: torch.Tensor, sync_free: bool = False
+) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | torch.Tensor]:
     """:func:`nucleus_threshold` by a sort: ``t`` is the ``z`` of the first position (``z`` descending) whose float64
     cumulative mass reaches ``target``; a row whose mass cannot reach it (rounding) keeps every token with mass, as the
     radix select does. ``e`` is ``0`` for tokens an earlier rule removed, which lie below the others (``e`` grows with
-    ``z``): the tokens with mass are a prefix of the order. Fixed shapes throughout: no read of the device, except the
-    candidates (``with_cover``; ``None`` without)."""
+    ``z``): the tokens with mass are a prefix of the order. Returns the candidates, or (``sync_free``: fixed shapes, no
+    read of the device) the rows :func:`_near_target` marks."""
     order = torch.sort(z, dim=-1, descending=True, stable=True).indices
     e_sorted = e.gather(-1, order).to(torch.float64)
-    reached = e_sorted.cumsum(-1) >= target.unsqueeze(-1)
+    cumulative = e_sorted.cumsum(-1)
+    reached = cumulative >= target.unsqueeze(-1)
     with_mass = (e_sorted > 0).sum(-1)
-    pick = torch.where(reached.any(-1), reached.to(torch.uint8).argmax(-1), (with_mass - 1).clamp_min(0))
+    found = reached.any(-1)
+    pick = torch.where(found, reached.to(torch.uint8).argmax(-1), (with_mass - 1).clamp_min(0))
     t = z.gather(-1, order.gather(-1, pick.unsqueeze(-1)))
-    cover = (z >= t).nonzero(as_tuple=True) if with_cover else None  # host sync: the candidates' count
-    return torch.where(with_mass.unsqueeze(-1) > 0, t, z.amax(-1, keepdim=True)), cover
+    t = torch.where(with_mass.unsqueeze(-1) > 0, t, z.amax(-1, keepdim=True))
+    if sync_free:
+        return t, _near_target(cumulative, pick, found, target) & (with_mass > 0)
+    return t, (z >= t).nonzero(as_tuple=True)  # host sync: the candidates' count
+
+
+def _near_target(
+    cumulative: torch.Tensor, pick: torch.Tensor, found: torch.Tensor, target: torch.Tensor
+) -> torch.Tensor:
+    """``[R]`` bool: rows whose decision another order of the same float64 sums could change. A sum of ``V``
+    non-negative terms is off its exact value by at most ``V 2^-53`` of it in any order, so two orders differ by less
+    than ``V 2^-52 T``; a row is marked where the mass just before its crossing (``0`` at the first position), the mass
+    at it, or the whole mass of a row that does not reach ``target``, lies within ``V 2^-51 T`` of ``target`` (twice
+    that bound). The radix select sums the same terms in another order: those rows are the only ones where the sort
+    and it may disagree (about 3e-11 of the mass for ``V = 151936``)."""
+    vocab = cumulative.shape[-1]
+    slack = vocab * 2.0**-51 * cumulative[:, -1]
+    at = cumulative.gather(-1, pick.unsqueeze(-1)).squeeze(-1)
+    before = torch.where(pick > 0, cumulative.gather(-1, (pick - 1).clamp_min(0).unsqueeze(-1)).squeeze(-1), 0.0)
+    crossing_near = ((at - target).abs() <= slack) | ((target - before).abs() <= slack)
+    short_near = (target - cumulative[:, -1]).abs() <= slack
+    return torch.where(found, crossing_near, short_near)
 
 
 @torch.no_grad()
 def nucleus_threshold(
     z: torch.Tensor, e: torch.Tensor, q: float, kept_from: torch.Tensor | None = None, sync_free: bool = False
-) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | torch.Tensor]:
     """The top-p threshold ``t`` ``[R, 1]`` of each row (``S = {z >= t}``, see the module docstring) and the
     candidates ``(row, col)``: every entry with ``z >= t`` is among them.
 
@@ -105,16 +127,18 @@ def nucleus_threshold(
         q: ``0 < q < 1``.
         kept_from: ``[R, 1]`` threshold of the rules applied before (the distribution is renormalised over
             ``{z >= kept_from}``), or ``None``.
-        sync_free: sort every row, whatever its size, and return no candidates (``None``): fixed shapes, so no read
-            of the device (the radix select reads it to size its candidates). The same ``t`` (the module docstring);
-            for a few rows on a GPU (the Triton path's bounded fallback batch), where a read costs more than a sort.
+        sync_free: sort every row, whatever its size: fixed shapes, so no read of the device (the radix select reads
+            it to size its candidates); for the few rows of the Triton path's bounded fallback batch
+            (:mod:`safevocab.kernels.rule_rows`). Returns, instead of the candidates, ``[R]`` bool flags of the rows
+            whose crossing lies within float64 summation-order rounding of ``q T`` (:func:`_near_target`): the radix
+            select gives the same ``t`` on every other row.
     """
     n_rows, vocab = z.shape
     if kept_from is not None:
         e = torch.where(z >= kept_from, e, 0.0)
     target = q * row_sum64(e)
     if vocab <= SORT_MAX_VOCAB or sync_free:
-        return _sorted_threshold(z, e, target, with_cover=not sync_free)
+        return _sorted_threshold(z, e, target, sync_free)
     int_dtype, shift, bins, levels = _bit_layout(e.dtype)
     # 1. bucket masses over the exponent of e, in one index_add over the whole rows (flat bin index per entry; the
     # & drops the sign bit a NaN may carry, so every key names a bin: such a row raises later anyway)

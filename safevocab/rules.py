@@ -363,7 +363,9 @@ class TopP(SafeVocabRule):
         flat_e = logits.exp.reshape(-1, vocab)
         t, cover = nucleus_threshold(z.reshape(-1, vocab), flat_e, self.q, flat_from, sync_free=logits.sync_free)
         t = t.view(logits.z_max.shape)
-        if cover is not None:
+        if logits.sync_free:  # no candidates: the rows near a mass boundary instead
+            logits.near = cover if logits.near is None else logits.near | cover
+        else:
             logits.cover = (*cover, t.reshape(-1))
         return t
 

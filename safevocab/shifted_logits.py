@@ -17,7 +17,8 @@ class ShiftedLogits:
 
     ``out``: a preallocated buffer of ``z``'s shape and dtype for ``e`` (the fused op reuses one per chunk).
     ``sync_free``: the rules must not read the device (fixed shapes only: ``top_p`` sorts its rows instead of its
-    radix select, and leaves :attr:`cover` ``None``); the same thresholds.
+    radix select, leaves :attr:`cover` ``None`` and sets :attr:`near`); the same thresholds, except maybe on the rows
+    :attr:`near` marks.
     """
 
     def __init__(self, z: torch.Tensor, z_max: torch.Tensor, out: torch.Tensor | None = None, sync_free: bool = False):
@@ -28,6 +29,9 @@ class ShiftedLogits:
         #: from candidate entries: every entry with ``z >= t`` is among them (``top_p``), so any set ``{z >= t'}``
         #: with ``t' >= t`` can be read off them.
         self.cover: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        #: ``[rows]`` bool (``sync_free`` only), set by ``top_p``: rows whose sorted crossing lies within float64
+        #: summation-order rounding of ``q T``, where the radix select's order of the same sums may decide otherwise.
+        self.near: torch.Tensor | None = None
 
     @property
     def exp(self) -> torch.Tensor:

@@ -488,7 +488,8 @@ def _price_fallback(plan: Plan, profile: str, spec: str) -> dict:
     """:func:`fallback`'s row of one profile and ``top_p`` rule (its fields but the row's names)."""
     from safevocab.backends.triton.route import Route
     from safevocab.bench.variants import shared_inputs
-    from safevocab.kernels.threshold_select import BATCH_DIVISOR, select_thresholds, selection_plan
+    from safevocab.kernels.rule_rows import BATCH_DIVISOR
+    from safevocab.kernels.threshold_select import select_thresholds, selection_plan
     from safevocab.rules import parse_rule
 
     hidden, weight, _, _ = shared_inputs(bench_args(plan, spec, profile), plan.device)

@@ -16,7 +16,11 @@ from safevocab.fused.row_stats import RowStats
 from safevocab.fused.transform import Transform
 from safevocab.rules import SafeVocabRule
 
-__all__ = ["non_finite_flags", "raise_on_empty_support", "raise_on_non_finite_rows"]
+__all__ = ["EMPTY_SUPPORT", "non_finite_flags", "raise_on_empty_support", "raise_on_non_finite_rows"]
+
+#: The name of the fused op's check of a replayed row that keeps nothing among the call's reads
+#: (:class:`~safevocab.fused.row_stats.CallReads`; a backend that folds a chunk again forms it again).
+EMPTY_SUPPORT = "empty support"
 
 
 def raise_on_empty_support(safe_size: torch.Tensor, rule: SafeVocabRule, any_empty: bool | None = None) -> None:

@@ -76,7 +76,7 @@ import contextlib
 
 import torch
 
-from safevocab.fused.checks import non_finite_flags, raise_on_empty_support, raise_on_non_finite_rows
+from safevocab.fused.checks import EMPTY_SUPPORT, non_finite_flags, raise_on_empty_support, raise_on_non_finite_rows
 from safevocab.fused.chunking import LEAVING_ROWS, ChunkJob, KeptLogits, rows_per_chunk
 from safevocab.fused.coefficients import Coefficients, fp16_grad_shift
 from safevocab.fused.protocol import FusedBackend
@@ -141,7 +141,7 @@ class FusedSafeLogProbs(torch.autograd.Function):
         )
         if support is not None:
             stats.reads.add(
-                "empty support",
+                EMPTY_SUPPORT,
                 lambda: (stats.safe_size == 0).any(),
                 lambda flag: raise_on_empty_support(stats.safe_size, rule, bool(flag[0])),
             )

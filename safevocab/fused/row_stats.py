@@ -32,6 +32,7 @@ class CallReads:
     def __init__(self) -> None:
         self._pending: list[tuple[str, torch.Tensor | Callable[[], torch.Tensor]]] = []
         self._checks: list[tuple[str, Callable[[list[int]], None]]] = []
+        self._formed_by: dict[str, Callable[[], torch.Tensor]] = {}  # the entries given as functions, by name
         self.values: dict[str, list[int]] = {}
 
     def add(
@@ -43,8 +44,16 @@ class CallReads:
         """Queue ``value`` (integers or bools, any shape; or a function giving them at the read) under ``name``, with
         ``check`` to run on its values (:meth:`check`)."""
         self._pending.append((name, value))
+        if callable(value):
+            self._formed_by[name] = value
         if check is not None:
             self._checks.append((name, check))
+
+    def again(self, *names: str) -> None:
+        """Queue the entries ``names`` given as functions once more (the others are ignored): formed and read again at
+        the next :meth:`read`, their checks then run on the new values. For a backend that changed what they read after
+        the call's read (a chunk folded again)."""
+        self._pending += [(name, self._formed_by[name]) for name in names if name in self._formed_by]
 
     def __contains__(self, name: str) -> bool:
         """Whether ``name`` is queued or read already."""

@@ -91,8 +91,8 @@ from safevocab.kernels.candidate_decide import decide_thresholds_kernel
 from safevocab.kernels.candidate_thresholds import MASS_DEPENDENT, SelectionPlan, selection_plan
 from safevocab.kernels.common import transform
 from safevocab.kernels.radix_select import radix_thresholds
+from safevocab.kernels.rule_rows import BATCH_DIVISOR, decide_in_batch, decide_read, transform_flags, transformed_rows
 from safevocab.rules import finite_floor
-from safevocab.shifted_logits import ShiftedLogits
 
 __all__ = [
     "SelectionPlan",
@@ -117,10 +117,6 @@ SKETCH_SLOTS = 2048
 _SKETCH_MARGIN = 1e-4
 #: Factor on ``(1 - q) T / V`` for the flat-row top-p floor (strict inequality with room for rounding).
 _FLAT_FACTOR = 0.99
-#: The bounded fallback batch (``select_thresholds(..., undecided=...)``) decides ``ceil(rows / BATCH_DIVISOR)`` rows
-#: a chunk: LM-like bf16 chunks leave 0-1.2 % of their rows to the rule's code (docs/performance.md, "Host
-#: synchronisation"), a sixty-fourth covers them; flat fp32 rows near ``q = 1`` (up to all of them) overflow it.
-BATCH_DIVISOR = 64
 
 
 @triton.jit
@@ -338,59 +334,6 @@ def _refine_kernel(
     tl.store(count_ptr + row, count, mask=live)
 
 
-@triton.jit
-def _transform_rows_kernel(
-    z_ptr,
-    z_stride,
-    rows_ptr,
-    out_ptr,
-    n_cols,
-    scale,
-    softcap,
-    temperature,
-    HAS_SCALE: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr,
-    HAS_TEMPERATURE: tl.constexpr,
-    BLOCK: tl.constexpr,
-):
-    i = tl.program_id(0).to(tl.int64)
-    src = z_ptr + tl.load(rows_ptr + i).to(tl.int64) * z_stride
-    dst = out_ptr + i * n_cols
-    for start in range(0, n_cols, BLOCK):
-        offs = start + tl.arange(0, BLOCK)
-        mask = offs < n_cols
-        z = tl.load(src + offs, mask=mask, other=0.0).to(tl.float32)
-        z = transform(z, scale, softcap, temperature, HAS_SCALE, HAS_SOFTCAP, HAS_TEMPERATURE)
-        tl.store(dst + offs, z, mask=mask)
-
-
-def _transform_flags(scale: float, softcap: float | None, temperature: float) -> dict:
-    return dict(HAS_SCALE=scale != 1.0, HAS_SOFTCAP=softcap is not None, HAS_TEMPERATURE=temperature != 1.0)
-
-
-def transformed_rows(
-    z: torch.Tensor, rows: torch.Tensor, scale: float = 1.0, softcap: float | None = None, temperature: float = 1.0
-) -> torch.Tensor:
-    """The rows ``rows`` of the raw chunk ``z`` ``[n, V]`` transformed in fp32 by the fold kernels' own transform:
-    ``[len(rows), V]`` (the fallback's input, and the tests' reference logits)."""
-    n_rows, n_cols = rows.numel(), z.shape[1]
-    out = torch.empty(n_rows, n_cols, device=z.device, dtype=torch.float32)
-    if n_rows:
-        _transform_rows_kernel[(n_rows,)](
-            z,
-            z.stride(0),
-            rows.to(torch.int64).contiguous(),
-            out,
-            n_cols,
-            float(scale),
-            float(softcap) if softcap is not None else 1.0,
-            float(temperature),
-            **_transform_flags(scale, softcap, temperature),
-            BLOCK=min(triton.next_power_of_2(n_cols), SKETCH_SLOTS),
-        )
-    return out
-
-
 def select_thresholds(
     z: torch.Tensor,
     plan: SelectionPlan,
@@ -422,7 +365,7 @@ def select_thresholds(
             indices (measurements only: ``scripts/gpu_plan.py``'s ``fallback`` section prices the chunk's one read
             against a batch that would not need it).
         undecided: ``[n]`` bool, written: decide the rows left to the rule's code in one bounded batch, with no read
-            of the device (:func:`_decide_in_batch`: the first ``ceil(n / BATCH_DIVISOR)`` of them), flag here the
+            of the device (:func:`~safevocab.kernels.rule_rows.decide_in_batch`: the first ``ceil(n / BATCH_DIVISOR)`` of them), flag here the
             rows past it (left with the kernels' estimates: the caller decides them again, as the Triton forward
             does with the chunk, :mod:`safevocab.backends.triton.forward`), and return the rows' ``[n]`` bool flags
             instead of their indices. ``None`` (default): read the device for them (one read a chunk).
@@ -464,7 +407,7 @@ def select_thresholds(
         floor_ptr=floor,
         count_ptr=count,
         kcap=kcap,
-        **_transform_flags(scale, softcap, temperature),
+        **transform_flags(scale, softcap, temperature),
         BLOCK=block,
         MARGIN=_SKETCH_MARGIN,
         num_warps=8 if block >= 2048 else 4,
@@ -500,47 +443,6 @@ def select_thresholds(
         return bad, count
     kw = dict(scale=scale, softcap=softcap, temperature=temperature)
     if undecided is not None:
-        _decide_in_batch(z, plan, bad, threshold, row_max, undecided, **kw)
+        decide_in_batch(z, plan.rule, bad, threshold, row_max, undecided, **kw)
         return bad, count
-    # host sync: the chunk's one read, its fallback rows (the rule's torch code runs on those rows only, and they must
-    # be known before the fold reads the thresholds; the chunk's logits are gone after it)
-    bad = bad.nonzero().squeeze(-1)
-    # fallback rows in batches whose fp32 copy and the rule's scratch (~16 B a logit) stay near the raw chunk's size,
-    # which is all the chunk sizing (triton_chunk_rows) budgets for
-    for part in bad.split(max(1, n * z.element_size() // 16)) if bad.numel() else ():
-        exact = transformed_rows(z, part, scale, softcap, temperature)
-        t_bad, m_bad = plan.rule.threshold_and_max(exact)
-        threshold.index_copy_(0, part, t_bad.squeeze(-1))
-        row_max.index_copy_(0, part, m_bad.squeeze(-1))
-        del exact
-    return bad, count
-
-
-def _decide_in_batch(
-    z: torch.Tensor,
-    plan: SelectionPlan,
-    flags: torch.Tensor,
-    threshold: torch.Tensor,
-    row_max: torch.Tensor,
-    undecided: torch.Tensor,
-    scale: float,
-    softcap: float | None,
-    temperature: float,
-) -> None:
-    """The rule's torch code on the first ``ceil(n / BATCH_DIVISOR)`` rows ``flags`` marks, always that many (padding
-    decides a scratch row), with no read of the device: their indices from ``torch.nonzero_static``, their fp32 rows
-    transformed in the kernel (:func:`transformed_rows`), the rule's thresholds with fixed shapes
-    (:class:`~safevocab.shifted_logits.ShiftedLogits` ``sync_free``: ``top_p`` sorts the rows), written through a
-    scratch slot (row ``n``) that takes the padding. The flagged rows past the batch are set in ``undecided``.
-
-    Sized like the read's batches: ``B x V`` fp32 rows and the sort's scratch (~40 bytes a logit), about 0.6 bytes a
-    logit of the chunk, against the chunk's own 2-4."""
-    n = z.shape[0]
-    size = math.ceil(n / BATCH_DIVISOR)
-    rows = torch.nonzero_static(flags, size=size, fill_value=n).squeeze(-1)
-    undecided.copy_(flags & (flags.cumsum(0) > size))  # nonzero_static takes the first flagged rows, in order
-    exact = transformed_rows(z, rows.clamp_max(n - 1), scale, softcap, temperature)
-    z_max = exact.amax(-1, keepdim=True)
-    t = plan.rule.threshold_of(ShiftedLogits(exact, z_max, sync_free=True))
-    for out, value in ((threshold, t), (row_max, z_max)):
-        out.copy_(torch.cat([out, out.new_zeros(1)]).index_copy_(0, rows, value.squeeze(-1))[:n])
+    return decide_read(z, plan.rule, bad, threshold, row_max, **kw), count

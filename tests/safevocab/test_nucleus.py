@@ -147,8 +147,9 @@ def test_the_sort_of_small_rows_gives_the_radix_selects_threshold(rows, q):
 @settings(max_examples=150, deadline=None)
 @given(logit_rows(), st.floats(1e-4, 0.9999), st.booleans())
 def test_the_sync_free_sort_gives_the_radix_selects_threshold_without_a_read(z, q, after_top_k):
-    """``sync_free=True`` (the Triton path's bounded fallback batch) sorts rows of any size: the same threshold as the
-    radix select, with ties, zero-mass tokens and an earlier rule, no candidates, and no read of the device."""
+    """``sync_free=True`` (the Triton path's bounded fallback batch) sorts rows of any size: no read of the device, and
+    the radix select's threshold, with ties, zero-mass tokens and an earlier rule, on every row it does not mark as
+    near its target (random rows: none)."""
     import safevocab.nucleus as nucleus
     from safevocab.testing.host_syncs import HostSyncs
 
@@ -156,9 +157,9 @@ def test_the_sync_free_sort_gives_the_radix_selects_threshold_without_a_read(z, 
     e = torch.exp(z - z.amax(-1, keepdim=True))
     kept_from = TopK(7).threshold(z) if after_top_k else None
     with HostSyncs() as reads:
-        t_sorted, cover = nucleus.nucleus_threshold(z, e, q, kept_from, sync_free=True)
+        t_sorted, near = nucleus.nucleus_threshold(z, e, q, kept_from, sync_free=True)
     assert reads.count == 0, reads.report()
-    assert cover is None
+    assert near.dtype == torch.bool and near.shape == (z.shape[0],) and not bool(near.any())
     limit = nucleus.SORT_MAX_VOCAB
     nucleus.SORT_MAX_VOCAB = 0  # the radix select, whatever the size
     try:
@@ -166,6 +167,26 @@ def test_the_sync_free_sort_gives_the_radix_selects_threshold_without_a_read(z, 
     finally:
         nucleus.SORT_MAX_VOCAB = limit
     assert torch.equal(t_sorted, t_radix), (t_sorted, t_radix)
+
+
+def tiny_tail_row() -> torch.Tensor:
+    """One logit at 0 and 2 x 2^14 at -37 and -37.5 (each ``e ~ 8.5e-17``, below half an ulp of 1): sums of the tail
+    in another order land on either side of ``q T`` for ``q = 0.9999999999985`` (found by an outside review)."""
+    n = 2**14
+    return torch.cat([torch.zeros(1), torch.full((n,), -37.0), torch.full((n,), -37.5)]).unsqueeze(0)
+
+
+def test_the_sync_free_sort_marks_a_row_where_the_summation_order_decides():
+    """On a row where the sort's and the radix select's float64 sums fall on either side of the target, the two give
+    different thresholds, and the sort marks the row (the bounded batch then leaves it to the read path)."""
+    import safevocab.nucleus as nucleus
+
+    z, q = tiny_tail_row(), 0.9999999999985
+    e = torch.exp(z - z.amax(-1, keepdim=True))
+    t_sorted, near = nucleus.nucleus_threshold(z, e, q, sync_free=True)
+    t_radix, _ = nucleus.nucleus_threshold(z, e, q)
+    assert float(t_sorted) != float(t_radix)  # the case the mark is for
+    assert near.tolist() == [True]
 
 
 @settings(max_examples=60, deadline=None)

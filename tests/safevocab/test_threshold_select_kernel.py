@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 # test_kernels imports Triton under its interpreter on CPU (or skips the module when it cannot) and brings every
 # kernel module in through the Triton backend: the same set-up, and its fixture (autouse), for these tests
 from test_kernels import DEVICE, kernel_env, triton_package  # noqa: F401
+from test_nucleus import tiny_tail_row
 
 import safevocab.backends.triton.route as triton_route
 import safevocab.kernels.threshold_select as ts
@@ -267,6 +268,19 @@ def test_bounded_batch_decides_the_rule_rows_without_a_read(flagged):
     assert all(float(threshold[row]) != float(t_read[row]) for row in past)  # the kernels' estimates, not the rule's
 
 
+def test_bounded_batch_leaves_a_row_decided_by_the_summation_order_to_the_read():
+    """A row where the batch's sort and the read path's radix select sum the same masses in orders that put ``q T`` on
+    different sides: the batch marks it ``undecided`` (the forward folds its chunk again with the read), so the set
+    taken is the read path's (the rule's own ``threshold``)."""
+    raw, rule = tiny_tail_row().to(DEVICE), parse_rule("top_p=0.9999999999985")
+    t_read, _, rows, _ = select(raw, rule, {})
+    assert rows.tolist() == [0] and torch.equal(t_read, rule.threshold(raw).squeeze(-1))
+    threshold, row_max = torch.empty(1, device=DEVICE), torch.empty(1, device=DEVICE)
+    undecided = torch.zeros(1, dtype=torch.bool, device=DEVICE)
+    ts.select_thresholds(raw, ts.selection_plan(rule), threshold, row_max, undecided=undecided)
+    assert undecided.tolist() == [True] and not torch.equal(threshold, t_read)  # the sort's, not taken
+
+
 @settings(max_examples=12, deadline=None)
 # Found by the random profile: T's rounding in the kernel and in the rule put a top_p=0.999 crossing (2.2e-8 relative
 # below q T) one token apart, until the candidate phase certified masses with a margin (MASS_MARGIN).
@@ -328,15 +342,22 @@ def test_fused_forward_backward_match_the_torch_backend(spec, dtype, monkeypatch
         torch.testing.assert_close(a.float(), b.float(), atol=2e-5 if dtype == torch.float32 else 3e-2, rtol=1e-3)
 
 
+@pytest.mark.parametrize("stored", [False, True], ids=["dense", "stored"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_forward_folds_again_the_chunks_whose_rule_rows_overflow_the_batch(dtype, monkeypatch):
+def test_forward_folds_again_the_chunks_whose_rule_rows_overflow_the_batch(dtype, stored, monkeypatch):
     """With the mass margin widened to a quarter of the mass, every ``top_p`` row is left to the rule's code: the
     bounded batch (one row of a chunk) overflows, each chunk is folded again with those rows read (counted in
     ``MASS_BATCH_REDOS``), and values and gradients are the torch backend's, for the rule's sets and a replayed
     support alike. The next call of the same rule reads from
-    the start (no chunk folded again); with a batch as large as the chunk, nothing is folded again either."""
+    the start (no chunk folded again); with a batch as large as the chunk, nothing is folded again either. ``stored``:
+    every chunk's set is stored for the sparse backward (a folded chunk's first pool must give way to its second)."""
+    from backward_path import set_sparse_max_density
+
     from safevocab.backends.triton import forward as triton_forward
-    from safevocab.kernels import candidate_decide, radix_select
+    from safevocab.kernels import candidate_decide, radix_select, rule_rows
+
+    if stored:
+        set_sparse_max_density(monkeypatch, 1.0)
 
     for module in (candidate_decide, radix_select):
         monkeypatch.setattr(module, "MASS_MARGIN", 0.25)
@@ -375,9 +396,32 @@ def test_forward_folds_again_the_chunks_whose_rule_rows_overflow_the_batch(dtype
     assert_matches(*run("triton", replay=True), expected=replay_ref)  # a replayed support: the same chunks again
     assert redos["chunks"] == 2 * folded_again
     redos["read_from_now_on"].clear()
-    monkeypatch.setattr(ts, "BATCH_DIVISOR", 1)  # the batch holds every row of a chunk
+    monkeypatch.setattr(rule_rows, "BATCH_DIVISOR", 1)  # the batch holds every row of a chunk
     assert_matches(*run("triton"))
     assert redos["chunks"] == 2 * folded_again
+
+
+def test_a_replayed_row_that_keeps_nothing_is_refused_after_its_chunk_is_folded_again(monkeypatch):
+    """Row 1's replayed support holds one token outside the rule's set; with every ``top_p`` row left to the rule's
+    code, row 1 lies past its chunk's batch, whose estimate keeps every token: the op's check of an empty row must see
+    the chunk folded again (found by an outside review: it returned ``safe_size[1] = 0`` instead of raising)."""
+    from safevocab.backends.triton import forward as triton_forward
+    from safevocab.kernels import candidate_decide, radix_select
+
+    for module in (candidate_decide, radix_select):
+        monkeypatch.setattr(module, "MASS_MARGIN", 0.25)
+    monkeypatch.setattr(triton_forward, "MASS_BATCH_REDOS", {"chunks": 0, "read_from_now_on": set()})
+    hidden, weight, targets = make_inputs()
+    z = (hidden.detach() @ weight.detach().t()).double()
+    top, t = z.argmax(-1).tolist(), parse_rule("top_p=0.8").threshold(z)
+    lists = [sorted(set(range(i % 5, 400, 3)) | {top[i]}) for i in range(len(targets))]
+    lists[1] = [int((z[1] < t[1]).nonzero()[0])]
+    support = SafeSupport.from_lists(lists, device=DEVICE)
+    for backend in ("torch", "triton"):
+        with pytest.raises(ValueError, match="support row 1 keeps no token"):
+            fused_safe_logprobs(hidden, weight, targets, "top_p=0.8", backend=backend, max_chunk_bytes=8192,
+                                support=support)  # fmt: skip
+    assert triton_forward.MASS_BATCH_REDOS["chunks"] > 0
 
 
 def test_chunk_rows_count_two_bytes_a_logit_for_selection_rules(monkeypatch):

@@ -24,8 +24,9 @@ vocabulary and dtype read from the start (flat fp32 rows near ``q = 1`` leave mo
 :func:`replay_forward` is the forward of a replayed ``support``: the rule's fold on the same logits path, then ``S``'s
 own statistics from the given ids' logits, gathered and transformed as the kernel transforms them
 (:func:`~safevocab.kernels.kept_entries.gather_logits`); every chunk is stored, so the backward is the sparse one. It
-reads the device twice a call (where each chunk's entries start; each chunk's kept count, with the op's checks), and
-once more for each chunk folded again after its bounded batch overflowed.
+reads the device twice a call (where each chunk's entries start; each chunk's kept count, with the op's checks); a
+call with chunks folded again after their bounded batch overflowed reads their fallback rows (one read each) and,
+once more, their kept counts with the op's check of a row that keeps nothing.
 
 Both run inside :class:`~safevocab.backends.triton.TritonBackend`'s device guard (Triton launches on the current CUDA
 device).
@@ -39,6 +40,7 @@ import math
 import torch
 
 from safevocab.backends.triton.route import SELECTION, TORCH, Route
+from safevocab.fused.checks import EMPTY_SUPPORT
 from safevocab.fused.chunking import ChunkJob
 from safevocab.fused.row_stats import RowStats, SparseChunk
 from safevocab.fused.transform import Transform
@@ -359,14 +361,18 @@ def replay_forward(job: ChunkJob, route: Route, stats: RowStats) -> list[SparseC
         pending.append((rows.start, counts, keep, ids, shifted))
         del z
     values = stats.reads.read()  # the call's one read: each chunk's kept count, the fused op's checks with it
-    kept = [values[_chunk_key(rows)][0] for rows in slices]
-    for i, rows in enumerate(slices):
-        if undecided is not None and values[_undecided_key(rows)][0]:  # more rows for the rule's code than the batch
-            _count_mass_redo(job, rows)
-            counts, keep, ids, shifted = chunk(logits_of.again(rows), i, rows)
-            pending[i] = (rows.start, counts, keep, ids, shifted)
-            kept[i] = int(counts.sum())  # host sync: a chunk folded again, its kept count
-    return [_compacted(*chunk, n_kept) for chunk, n_kept in zip(pending, kept)]
+    redone = [i for i, rows in enumerate(slices) if undecided is not None and values[_undecided_key(rows)][0]]
+    for i in redone:  # more rows for the rule's code than the bounded batch held: folded again, those rows read
+        rows = slices[i]
+        _count_mass_redo(job, rows)
+        counts, keep, ids, shifted = chunk(logits_of.again(rows), i, rows)
+        pending[i] = (rows.start, counts, keep, ids, shifted)
+        stats.reads.add(_chunk_key(rows), counts.sum())
+    if redone:
+        # the op's checks that read |S| (a replayed row that keeps nothing) saw the batch's estimates: formed again
+        stats.reads.again(EMPTY_SUPPORT)
+        values = stats.reads.read()  # host sync: the redone chunks' kept counts, with those checks
+    return [_compacted(*chunk, values[_chunk_key(rows)][0]) for rows, chunk in zip(slices, pending)]
 
 
 def _replayed_rows(
