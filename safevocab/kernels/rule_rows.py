@@ -3,13 +3,13 @@
 :func:`~safevocab.kernels.threshold_select.select_thresholds` decides most rows' thresholds in its kernels; a row
 whose ``top_p`` or ``min_prob`` decision lies within ``MASS_MARGIN`` of a boundary (or whose maximum or total is not
 finite) is flagged on the device and decided here, by ``rule.threshold_of`` on the row's logits transformed in fp32 by
-the fold kernels' own transform (:func:`transformed_rows`), so the set is the rule's, bit for bit:
+the fold kernels' own transform (:func:`transformed_rows`), so the set is the rule's:
 
 - :func:`decide_read`: the flagged rows read from the device (one read), decided in batches near the chunk's size;
 - :func:`decide_in_batch`: no read. Always ``B = ceil(n / BATCH_DIVISOR)`` rows: the first ``B`` flagged ones, their
   indices from ``torch.nonzero_static`` (padding decides a scratch row, written to a scratch slot ``n``), decided with
   fixed shapes (:class:`~safevocab.shifted_logits.ShiftedLogits` ``sync_free``: ``top_p`` sorts those rows instead of
-  its radix select, the same threshold). The flagged rows past ``B`` are set in ``undecided`` for the caller to
+  its radix select). The flagged rows past ``B`` are set in ``undecided`` for the caller to
   decide again (the Triton forward folds the chunk again with :func:`decide_read`), and so are the batch's rows whose
   sorted ``top_p`` crossing lies within float64 summation-order rounding of its target (``ShiftedLogits.near``: the
   read path's radix select sums in another order).
@@ -134,10 +134,10 @@ def decide_in_batch(
     (:class:`~safevocab.shifted_logits.ShiftedLogits` ``sync_free``: ``top_p`` sorts the rows), written through a
     scratch slot (row ``n``) that takes the padding. The flagged rows past the batch are set in ``undecided``, and the
     batch's rows the sort decides within rounding of a boundary (``ShiftedLogits.near``: their threshold stays the
-    sort's, which the read path may not give)
+    sort's, which the read path may not give).
 
-    Sized like the read's batches: ``B x V`` fp32 rows and the sort's scratch (~40 bytes a logit), about 0.6 bytes a
-    logit of the chunk, against the chunk's own 2-4."""
+    Memory, by count: ``B x V`` fp32 rows and the sort's scratch (about 40 bytes a logit of the batch), about 0.6
+    bytes a logit of the chunk, within what the read's batches (up to the chunk's own size) were allowed."""
     n = z.shape[0]
     size = math.ceil(n / BATCH_DIVISOR)
     rows = torch.nonzero_static(flags, size=size, fill_value=n).squeeze(-1)

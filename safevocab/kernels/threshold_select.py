@@ -64,8 +64,9 @@ given to the rule's own torch code.
 **Host reads.** None with ``undecided=`` (the Triton forward's default): where a stage decides on masses (``top_p``,
 ``min_prob``), the fallback's rows are decided in one **bounded batch** a chunk, always ``ceil(n / BATCH_DIVISOR)``
 rows (their indices from ``torch.nonzero_static``, padding to a scratch slot), by the rule's torch code with fixed
-shapes (``top_p`` sorts those rows instead of its radix select, which reads the device to size its candidates: the
-same thresholds); rows past the batch are flagged for the caller, which folds the chunk again with the read below.
+shapes (``top_p`` sorts those rows instead of its radix select, which reads the device to size its candidates);
+rows past the batch, and rows whose sorted crossing lies within float64 summation-order rounding of its target, are
+flagged for the caller, which folds the chunk again with the read below (:mod:`safevocab.kernels.rule_rows`).
 Without it, one read per chunk: the fallback's rows, given to the rule's torch code before the fold reads the
 thresholds. None for ``top_k``/``min_p`` compositions either way: the radix select decides every row with a finite
 maximum exactly, and a row without one makes the op raise at its end. The refinement and the radix select run on the

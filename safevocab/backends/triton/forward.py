@@ -339,7 +339,7 @@ def replay_forward(job: ChunkJob, route: Route, stats: RowStats) -> list[SparseC
     bounds = torch.cat([support.offsets[:: job.chunk_rows], support.offsets[-1:]]).tolist()
     undecided = torch.zeros(job.n_rows, dtype=torch.bool, device=job.hidden.device) if _mass_batch(route, job) else None
 
-    def chunk(z: torch.Tensor, i: int, rows: slice, rows_undecided: torch.Tensor | None = None) -> tuple:
+    def replayed_chunk(z: torch.Tensor, i: int, rows: slice, rows_undecided: torch.Tensor | None = None) -> tuple:
         out = stats.rows(rows)
         # z: the GEMM output (the rule's thresholds from it, as forward_chunks computes them), or the torch copy
         route.fold(z, targets[rows], out, job.transform, undecided=rows_undecided)
@@ -354,7 +354,7 @@ def replay_forward(job: ChunkJob, route: Route, stats: RowStats) -> list[SparseC
     for i, rows in enumerate(slices):
         z = logits_of.forward(rows)  # in a kept buffer while the job's cap allows
         rows_undecided = None if undecided is None else undecided[rows]
-        counts, keep, ids, shifted = chunk(z, i, rows, rows_undecided)
+        counts, keep, ids, shifted = replayed_chunk(z, i, rows, rows_undecided)
         stats.reads.add(_chunk_key(rows), counts.sum())
         if rows_undecided is not None:
             stats.reads.add(_undecided_key(rows), rows_undecided.any())
@@ -365,7 +365,7 @@ def replay_forward(job: ChunkJob, route: Route, stats: RowStats) -> list[SparseC
     for i in redone:  # more rows for the rule's code than the bounded batch held: folded again, those rows read
         rows = slices[i]
         _count_mass_redo(job, rows)
-        counts, keep, ids, shifted = chunk(logits_of.again(rows), i, rows)
+        counts, keep, ids, shifted = replayed_chunk(logits_of.again(rows), i, rows)
         pending[i] = (rows.start, counts, keep, ids, shifted)
         stats.reads.add(_chunk_key(rows), counts.sum())
     if redone:
