@@ -145,7 +145,7 @@ def counters() -> dict[str, int]:
         **{f"taken {name}": count for name, count in taken.items()},
         "reread_fallback_chunks": forward.REREAD_FALLBACKS["chunks"],
         "dense_fallback_chunks": forward.DENSE_FALLBACKS["chunks"],
-        "mass_batch_redo_chunks": getattr(forward, "MASS_BATCH_REDOS", {}).get("chunks", 0),
+        "mass_batch_redo_chunks": forward.MASS_BATCH_REDOS["chunks"],
     }
 
 
@@ -162,7 +162,7 @@ def paths(before: dict[str, int], after: dict[str, int], calls: int) -> dict:
         "backward": ran or NOTHING_STORED,
         "reread_fallback_chunks_per_step": delta["reread_fallback_chunks"] / calls,
         "dense_fallback_chunks_per_step": delta["dense_fallback_chunks"] / calls,
-        "mass_batch_redo_chunks_per_step": delta.get("mass_batch_redo_chunks", 0) / calls,
+        "mass_batch_redo_chunks_per_step": delta["mass_batch_redo_chunks"] / calls,
     }
 
 

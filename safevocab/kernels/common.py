@@ -58,3 +58,8 @@ def transform(
     if HAS_TEMPERATURE:
         z = z / tl.cast(temperature, z.dtype)
     return z
+
+
+def transform_flags(scale: float, softcap: float | None, temperature: float) -> dict[str, bool]:
+    """:func:`transform`'s constexpr switches for a launch: which of its steps are not the identity."""
+    return dict(HAS_SCALE=scale != 1.0, HAS_SOFTCAP=softcap is not None, HAS_TEMPERATURE=temperature != 1.0)

@@ -36,7 +36,7 @@ import triton
 import triton.language as tl
 
 from safevocab.kernels import MODE_GIVEN, MODE_MIN_P, MODE_MIN_PROB, MODE_NONE, interpreter_on
-from safevocab.kernels.common import transform
+from safevocab.kernels.common import transform, transform_flags
 from safevocab.kernels.kept_entries import KeptPool, append_kept
 from safevocab.rules import finite_floor
 
@@ -275,9 +275,7 @@ def forward_fold(
         float(softcap) if softcap is not None else 1.0,
         float(temperature),
         MODE=mode,
-        HAS_SCALE=scale != 1.0,
-        HAS_SOFTCAP=softcap is not None,
-        HAS_TEMPERATURE=temperature != 1.0,
+        **transform_flags(scale, softcap, temperature),
         HAS_ENTROPY=entropy is not None,
         STORE_Z=store_z,
         KEEP=pool is not None,

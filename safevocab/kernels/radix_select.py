@@ -54,7 +54,7 @@ import triton.language as tl
 
 from safevocab.kernels import interpreter_on
 from safevocab.kernels.candidate_thresholds import MASS_MARGIN
-from safevocab.kernels.common import transform
+from safevocab.kernels.common import transform, transform_flags
 from safevocab.rules import MinP, MinProb, SafeVocabRule, TopK, TopP, finite_floor
 
 __all__ = ["radix_thresholds", "DIGIT_BITS", "RADIX_BLOCK"]
@@ -318,9 +318,7 @@ def radix_thresholds(
         MIN_P_STAGE=stage_of[MinP],
         MIN_PROB_STAGE=stage_of[MinProb],
         N_STAGES=len(stages),
-        HAS_SCALE=scale != 1.0,
-        HAS_SOFTCAP=softcap is not None,
-        HAS_TEMPERATURE=temperature != 1.0,
+        **transform_flags(scale, softcap, temperature),
         FLOOR=finite_floor(torch.float32),
         BLOCK=max(16, min(triton.next_power_of_2(vocab), RADIX_BLOCK)),
         DIGIT=DIGIT_BITS,

@@ -23,11 +23,11 @@ import torch
 import triton
 import triton.language as tl
 
-from safevocab.kernels.common import transform
+from safevocab.kernels.common import transform, transform_flags
 from safevocab.rules import SafeVocabRule
 from safevocab.shifted_logits import ShiftedLogits
 
-__all__ = ["BATCH_DIVISOR", "decide_in_batch", "decide_read", "transform_flags", "transformed_rows"]
+__all__ = ["BATCH_DIVISOR", "decide_in_batch", "decide_read", "transformed_rows"]
 
 #: The bounded batch (:func:`decide_in_batch`) decides ``ceil(rows / BATCH_DIVISOR)`` rows a chunk: LM-like bf16
 #: chunks leave 0-1.2 % of their rows to the rule's code (docs/performance.md, "Host synchronisation"), a sixty-fourth
@@ -61,10 +61,6 @@ def _transform_rows_kernel(
         z = tl.load(src + offs, mask=mask, other=0.0).to(tl.float32)
         z = transform(z, scale, softcap, temperature, HAS_SCALE, HAS_SOFTCAP, HAS_TEMPERATURE)
         tl.store(dst + offs, z, mask=mask)
-
-
-def transform_flags(scale: float, softcap: float | None, temperature: float) -> dict:
-    return dict(HAS_SCALE=scale != 1.0, HAS_SOFTCAP=softcap is not None, HAS_TEMPERATURE=temperature != 1.0)
 
 
 def transformed_rows(

@@ -90,9 +90,9 @@ import triton.language as tl
 from safevocab.kernels import interpreter_on
 from safevocab.kernels.candidate_decide import decide_thresholds_kernel
 from safevocab.kernels.candidate_thresholds import MASS_DEPENDENT, SelectionPlan, selection_plan
-from safevocab.kernels.common import transform
+from safevocab.kernels.common import transform, transform_flags
 from safevocab.kernels.radix_select import radix_thresholds
-from safevocab.kernels.rule_rows import BATCH_DIVISOR, decide_in_batch, decide_read, transform_flags, transformed_rows
+from safevocab.kernels.rule_rows import decide_in_batch, decide_read, transformed_rows
 from safevocab.rules import finite_floor
 
 __all__ = [
@@ -100,7 +100,6 @@ __all__ = [
     "selection_plan",
     "select_thresholds",
     "transformed_rows",
-    "BATCH_DIVISOR",
     "KCAP",
     "REFINE_PASSES",
     "SKETCH_SLOTS",
@@ -366,10 +365,11 @@ def select_thresholds(
             indices (measurements only: ``scripts/gpu_plan.py``'s ``fallback`` section prices the chunk's one read
             against a batch that would not need it).
         undecided: ``[n]`` bool, written: decide the rows left to the rule's code in one bounded batch, with no read
-            of the device (:func:`~safevocab.kernels.rule_rows.decide_in_batch`: the first ``ceil(n / BATCH_DIVISOR)`` of them), flag here the
-            rows past it (left with the kernels' estimates: the caller decides them again, as the Triton forward
-            does with the chunk, :mod:`safevocab.backends.triton.forward`), and return the rows' ``[n]`` bool flags
-            instead of their indices. ``None`` (default): read the device for them (one read a chunk).
+            of the device (:func:`~safevocab.kernels.rule_rows.decide_in_batch`: the first
+            ``ceil(n / BATCH_DIVISOR)`` of them), flag here the rows past it (left with the kernels' estimates: the
+            caller decides them again, as the Triton forward does with the chunk,
+            :mod:`safevocab.backends.triton.forward`), and return the rows' ``[n]`` bool flags instead of their
+            indices. ``None`` (default): read the device for them (one read a chunk).
     """
     n, vocab = z.shape
     assert fallback or undecided is None, "undecided decides the fallback's rows: it needs fallback=True"

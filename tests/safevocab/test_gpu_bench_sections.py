@@ -206,7 +206,8 @@ def test_paths_name_the_backward_taken_and_the_fallbacks_per_step():
                                             "mass_batch_redo_chunks_per_step": 2.0}  # fmt: skip
     assert plan.paths(before, {**after, "taken union": 3, "taken dense": 4}, 5)["backward"] == "union 1/5, dense 4/5"
     assert plan.paths(before, before, 2)["backward"] == plan.NOTHING_STORED
-    no_taken = {"reread_fallback_chunks": 0, "dense_fallback_chunks": 0}  # a gate module without its counts
+    # a gate module without its counts
+    no_taken = {"reread_fallback_chunks": 0, "dense_fallback_chunks": 0, "mass_batch_redo_chunks": 0}
     assert plan.paths(no_taken, no_taken, 2)["backward"].startswith("unknown")
 
 

@@ -342,33 +342,44 @@ def test_fused_forward_backward_match_the_torch_backend(spec, dtype, monkeypatch
         torch.testing.assert_close(a.float(), b.float(), atol=2e-5 if dtype == torch.float32 else 3e-2, rtol=1e-3)
 
 
+def _every_top_p_row_to_the_rule(monkeypatch) -> dict:
+    """Widen the mass margin to a quarter of the mass (every ``top_p`` row is then left to the rule's code, so the
+    bounded batch overflows) and give the test its own ``MASS_BATCH_REDOS``, returned."""
+    from safevocab.backends.triton import forward as triton_forward
+    from safevocab.kernels import candidate_decide, radix_select
+
+    for module in (candidate_decide, radix_select):
+        monkeypatch.setattr(module, "MASS_MARGIN", 0.25)
+    redos = {"chunks": 0, "read_from_now_on": set()}
+    monkeypatch.setattr(triton_forward, "MASS_BATCH_REDOS", redos)
+    return redos
+
+
+def _support_lists(hidden, weight) -> list[list[int]]:
+    """Every third id from a row-dependent start, and each row's argmax (kept by every rule)."""
+    top = (hidden.detach().double() @ weight.detach().double().t()).argmax(-1).tolist()
+    return [sorted(set(range(i % 5, weight.shape[0], 3)) | {top[i]}) for i in range(hidden.shape[0])]
+
+
 @pytest.mark.parametrize("stored", [False, True], ids=["dense", "stored"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_forward_folds_again_the_chunks_whose_rule_rows_overflow_the_batch(dtype, stored, monkeypatch):
     """With the mass margin widened to a quarter of the mass, every ``top_p`` row is left to the rule's code: the
     bounded batch (one row of a chunk) overflows, each chunk is folded again with those rows read (counted in
     ``MASS_BATCH_REDOS``), and values and gradients are the torch backend's, for the rule's sets and a replayed
-    support alike. The next call of the same rule reads from
-    the start (no chunk folded again); with a batch as large as the chunk, nothing is folded again either. ``stored``:
-    every chunk's set is stored for the sparse backward (a folded chunk's first pool must give way to its second)."""
+    support alike. The next call of the same rule reads from the start (no chunk folded again); with a batch as large
+    as the chunk, nothing is folded again either. ``stored``: every chunk's set is stored for the sparse backward (a
+    folded chunk's first pool must give way to its second)."""
     from backward_path import set_sparse_max_density
 
-    from safevocab.backends.triton import forward as triton_forward
-    from safevocab.kernels import candidate_decide, radix_select, rule_rows
+    from safevocab.kernels import rule_rows
 
     if stored:
         set_sparse_max_density(monkeypatch, 1.0)
-
-    for module in (candidate_decide, radix_select):
-        monkeypatch.setattr(module, "MASS_MARGIN", 0.25)
-    redos = {"chunks": 0, "read_from_now_on": set()}
-    monkeypatch.setattr(triton_forward, "MASS_BATCH_REDOS", redos)
+    redos = _every_top_p_row_to_the_rule(monkeypatch)
     hidden, weight, targets = make_inputs(dtype=dtype)
     weights = torch.linspace(-1, 1, len(targets), dtype=torch.float64)
-
-    top = (hidden.detach().double() @ weight.detach().double().t()).argmax(-1).tolist()  # kept by every rule
-    lists = [sorted(set(range(i % 5, 400, 3)) | {top[i]}) for i in range(len(targets))]
-    support = SafeSupport.from_lists(lists, device=DEVICE)
+    support = SafeSupport.from_lists(_support_lists(hidden, weight), device=DEVICE)
 
     def run(backend, replay=False):
         out = fused_safe_logprobs(hidden, weight, targets, "top_p=0.8", backend=backend, compute_entropy=True,
@@ -405,23 +416,17 @@ def test_a_replayed_row_that_keeps_nothing_is_refused_after_its_chunk_is_folded_
     """Row 1's replayed support holds one token outside the rule's set; with every ``top_p`` row left to the rule's
     code, row 1 lies past its chunk's batch, whose estimate keeps every token: the op's check of an empty row must see
     the chunk folded again (found by an outside review: it returned ``safe_size[1] = 0`` instead of raising)."""
-    from safevocab.backends.triton import forward as triton_forward
-    from safevocab.kernels import candidate_decide, radix_select
-
-    for module in (candidate_decide, radix_select):
-        monkeypatch.setattr(module, "MASS_MARGIN", 0.25)
-    monkeypatch.setattr(triton_forward, "MASS_BATCH_REDOS", {"chunks": 0, "read_from_now_on": set()})
+    redos = _every_top_p_row_to_the_rule(monkeypatch)
     hidden, weight, targets = make_inputs()
     z = (hidden.detach() @ weight.detach().t()).double()
-    top, t = z.argmax(-1).tolist(), parse_rule("top_p=0.8").threshold(z)
-    lists = [sorted(set(range(i % 5, 400, 3)) | {top[i]}) for i in range(len(targets))]
-    lists[1] = [int((z[1] < t[1]).nonzero()[0])]
+    lists = _support_lists(hidden, weight)
+    lists[1] = [int((z[1] < parse_rule("top_p=0.8").threshold(z[1:2])).nonzero()[0, 1])]
     support = SafeSupport.from_lists(lists, device=DEVICE)
     for backend in ("torch", "triton"):
         with pytest.raises(ValueError, match="support row 1 keeps no token"):
             fused_safe_logprobs(hidden, weight, targets, "top_p=0.8", backend=backend, max_chunk_bytes=8192,
                                 support=support)  # fmt: skip
-    assert triton_forward.MASS_BATCH_REDOS["chunks"] > 0
+    assert redos["chunks"] > 0
 
 
 def test_chunk_rows_count_two_bytes_a_logit_for_selection_rules(monkeypatch):
