@@ -3,7 +3,7 @@
 # halves, `confirm-a` (seeds 22-25) and `confirm-b` (seeds 26-29), each one `safevocab study ... --resume` process,
 # niced, from a clean checkout of the registration commit. Outside CI; for the development machine.
 #
-#   bash scripts/study4_resume.sh [--dry-run]
+#   bash scripts/study4_resume.sh [--dry-run]      # anything else: a one-line error, exit 2
 #
 # What it does, each step only where needed, so that it works on a machine that lost everything but this repository:
 #   1. a clean worktree of the registration commit at $STUDY4_DIR (default /work/study4; `git worktree add --detach`);
@@ -22,7 +22,11 @@ REGISTRATION=0911bb2e267cd680d71ad2391175576831948d91
 DIR="${STUDY4_DIR:-/work/study4}"
 LOGS="$(dirname "${DIR}")/study4_logs"
 DRY=0
-[[ "${1:-}" == "--dry-run" ]] && DRY=1
+case "${1:-}" in
+    "") ;;
+    --dry-run) DRY=1 ;;
+    *) printf '[study4] unknown argument %q: accepted --dry-run or nothing\n' "$1" >&2; exit 2 ;;
+esac
 
 say() { printf '[study4] %s\n' "$*" >&2; }
 run() { if ((DRY)); then say "would run: $*"; else "$@"; fi; }
