@@ -15,7 +15,7 @@ Storage is CSR: ``token_ids`` (flat, int64) and ``offsets`` (``[N + 1]``): row `
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -39,6 +39,10 @@ class SafeSupport:
 
     token_ids: torch.Tensor
     offsets: torch.Tensor
+    # What replaying the support needs on the host, read once when it is built (building validates it, so it reads the
+    # device anyway): the fused op then finds where a chunk's entries start and checks the ids against V with no read
+    _host_offsets: tuple[int, ...] = field(init=False, repr=False, compare=False)  # offsets, as Python ints
+    _max_id: int = field(init=False, repr=False, compare=False)  # the largest id; -1 without entries
 
     def __post_init__(self) -> None:
         for name in ("token_ids", "offsets"):
@@ -52,12 +56,14 @@ class SafeSupport:
                     f"{value.dtype} and shape {tuple(value.shape)}"
                 )
             not_meta(f"SafeSupport.{name}", value)
-        if self.offsets.numel() < 1 or int(self.offsets[0]) != 0 or int(self.offsets[-1]) != self.token_ids.numel():
+        host_offsets = self.offsets.to("cpu", torch.long, copy=True)  # host sync (a device support): its one copy
+        nnz = self.token_ids.numel()
+        if host_offsets.numel() < 1 or int(host_offsets[0]) != 0 or int(host_offsets[-1]) != nnz:
             raise ValueError(
-                f"SafeSupport.offsets must start at 0 and end at len(token_ids)={self.token_ids.numel()}, "
-                f"got {self.offsets.tolist()[:3]}...{self.offsets.tolist()[-1:]}"
+                f"SafeSupport.offsets must start at 0 and end at len(token_ids)={nnz}, "
+                f"got {host_offsets.tolist()[:3]}...{host_offsets.tolist()[-1:]}"
             )
-        sizes = self.offsets.diff()
+        sizes = host_offsets.diff()
         if bool((sizes < 0).any()):
             raise ValueError(
                 f"SafeSupport.offsets must be non-decreasing: row {int((sizes < 0).nonzero()[0])} has a negative size"
@@ -67,9 +73,12 @@ class SafeSupport:
             raise ValueError(
                 f"SafeSupport row {int(empty.nonzero()[0])} is empty: accepted at least one kept token id per row"
             )
-        if bool((self.token_ids < 0).any()):
+        object.__setattr__(self, "_host_offsets", tuple(host_offsets.tolist()))
+        min_id, max_id = torch.stack(torch.aminmax(self.token_ids)).tolist() if nnz else (0, -1)  # host sync
+        if min_id < 0:
             row = int(self.row_of_entries()[(self.token_ids < 0).nonzero()[0]])
             raise ValueError(f"SafeSupport row {row} has a negative token id: accepted 0 <= id < vocab_size")
+        object.__setattr__(self, "_max_id", max_id)
         object.__setattr__(self, "token_ids", self.token_ids.long())
         object.__setattr__(self, "offsets", self.offsets.long())
         self._check_duplicates()
@@ -138,9 +147,14 @@ class SafeSupport:
         mask[self.row_of_entries(), self.token_ids] = True
         return mask
 
+    def entry_starts(self, rows: Sequence[int]) -> list[int]:
+        """``offsets[r]`` for each row index ``r`` in ``rows`` (``0..N``): where the entries of those rows start, from
+        the host copy made when the support was built (no device read)."""
+        return [self._host_offsets[r] for r in rows]
+
     def rows(self, rows: slice) -> tuple[torch.Tensor, torch.Tensor]:
         """``(row index within the slice, token id)`` of the entries of the rows ``rows`` (a slice of ``0..N``)."""
-        lo, hi = int(self.offsets[rows.start]), int(self.offsets[rows.stop])
+        lo, hi = self.entry_starts((rows.start, rows.stop))
         local = self.offsets[rows.start : rows.stop + 1] - lo
         row = torch.repeat_interleave(torch.arange(rows.stop - rows.start, device=self.offsets.device), local.diff())
         return row, self.token_ids[lo:hi]
@@ -161,8 +175,8 @@ class SafeSupport:
             raise ValueError(
                 f"support has {self.num_rows} rows but the targets have {n_rows} positions: accepted one row per target"
             )
-        too_big = self.token_ids >= vocab_size
-        if bool(too_big.any()):
+        if self._max_id >= vocab_size:  # the largest id, read when the support was built: no device read here
+            too_big = self.token_ids >= vocab_size
             entry = int(too_big.nonzero()[0])
             row = int(self.row_of_entries()[entry])
             raise ValueError(

@@ -254,13 +254,15 @@ def fused_row(plan: Plan, section: str, profile: str, rule: str, backward: str, 
 
 
 def reference_rows(plan: Plan, section: str, profile: str, rule: str) -> list[dict]:
-    """The floor (3 bare GEMMs), trl's per-token ``ChunkedLogProbFunction`` and Liger (:func:`liger_step`) on the
-    inputs of ``rule`` (their targets; none of them prunes)."""
+    """The floor (3 bare GEMMs), the recompute floor (4: the limit of a head that keeps no logits), trl's per-token
+    ``ChunkedLogProbFunction`` and Liger (:func:`liger_step`) on the inputs of ``rule`` (their targets; none of them
+    prunes)."""
     from safevocab.bench.variants import make_step, shared_inputs, trl_available
 
     args = bench_args(plan, rule, profile)
     return [
         row(plan, section, profile, rule, "floor", lambda: make_step("floor", args, plan.device)),
+        row(plan, section, profile, rule, "recompute_floor", lambda: make_step("recompute_floor", args, plan.device)),
         row(plan, section, profile, rule, "trl",
             lambda: make_step("trl", args, plan.device) if trl_available() else "trl not installed"),
         row(plan, section, profile, rule, "liger", lambda: liger_step(*shared_inputs(args, plan.device))),

@@ -4,6 +4,10 @@ Run ``python -m safevocab.bench`` (``--help`` for sizes). Every variant runs for
 same seeded inputs, in one fresh subprocess:
 
 - ``floor``: the three bare LM-head GEMMs (``h W^T`` forward, ``G W`` and ``G^T h`` backward);
+- ``recompute_floor``: the four bare GEMMs of a per-token head that recomputes its logits in the backward (``h W^T``
+  twice, then ``G W`` and ``G^T h``): the limit of trl's ``ChunkedLogProbFunction``, of Liger's per-token kernel and
+  of ``fused``'s dense backward without ``--keep-logits-bytes`` (the rule ``none``), as ``floor`` is of a head that
+  keeps its logits;
 - ``fused``: :func:`safevocab.fused_safe_logprobs` with the chosen rule;
 - ``naive``: materialised ``h W^T`` followed by :func:`safevocab.safe_log_softmax` under autograd;
 - ``trl``: trl's unmasked ``ChunkedLogProbFunction`` (only when trl is installed; on CUDA it runs trl's

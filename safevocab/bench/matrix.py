@@ -1,7 +1,8 @@
 """The benchmark over several rules and thread counts: ``python -m safevocab.bench --rules ... --threads ...``.
 
 For each thread count one fresh worker process (``OMP_NUM_THREADS`` and ``torch.set_num_threads`` set to it) times
-the matmul floor, trl's unmasked kernel (when installed) and ``fused_safe_logprobs`` under every rule (plus support
+the matmul floor (and the recompute floor, when ``--variants`` names ``recompute_floor``), trl's unmasked kernel (when
+installed) and ``fused_safe_logprobs`` under every rule (plus support
 replay of the first sparse rule's sets with ``--replay``), round-robin, on the same hidden states and weight (targets
 sampled per rule, as :mod:`safevocab.bench.variants` does). Every ratio of a row is measured in the same process under
 the same conditions: ``fused / floor`` and ``fused / trl`` per rule.
@@ -41,6 +42,8 @@ def measure_matrix(args: argparse.Namespace) -> dict[str, dict]:
     (:func:`safevocab.bench.worker.measure_steps`)."""
     device = torch.device(args.device)
     factories: dict[str, Callable[[], Callable[[], None]]] = {"floor": lambda: make_step("floor", args, device)}
+    if "recompute_floor" in args.variants.split(","):
+        factories["recompute_floor"] = lambda: make_step("recompute_floor", args, device)
     if "trl" in args.variants.split(",") and trl_available():
         factories["trl"] = lambda: make_step("trl", args, device)
     for rule in split_rules(args.rules):
@@ -82,26 +85,30 @@ def format_matrix(args: argparse.Namespace, results: dict[str, dict], load: tupl
         f"busy cores: {args.busy_cores} spinning process(es) ran during the measurement",
     ]
     for threads, res in results.items():
-        floor, trl = res["floor"], res.get("trl")
+        floor, trl, recompute = res["floor"], res.get("trl"), res.get("recompute_floor")
         lines += [
             "",
             f"threads={threads}: floor {floor['seconds']:.3f} s"
+            + (f", recompute floor {recompute['seconds']:.3f} s" if recompute else "")
             + (f", trl {trl['seconds']:.3f} s" if trl and "error" not in trl else ", trl not measured"),
             "",
-            "| rule | fused fwd+bwd (s) | fused / floor | fused / trl | peak extra memory (MiB) |",
-            "|---|---:|---:|---:|---:|",
+            "| rule | fused fwd+bwd (s) | fused / floor |"
+            + (" fused / recompute floor |" if recompute else "")
+            + " fused / trl | peak extra memory (MiB) |",
+            "|---|---:|---:|" + ("---:|" if recompute else "") + "---:|---:|",
         ]
         for name, r in res.items():
             if not name.startswith("fused"):
                 continue
             if "error" in r:
-                lines.append(f"| {name} | failed: {r['error']} | | | |")
+                lines.append(f"| {name} | failed: {r['error']} | |" + (" |" if recompute else "") + " | |")
                 continue
             vs_trl = f"{r['seconds'] / trl['seconds']:.2f}" if trl and "error" not in trl else "n/a"
+            vs_recompute = f" {r['seconds'] / recompute['seconds']:.2f} |" if recompute else ""
             variant, _, rule = name[:-1].partition("[")  # fused[RULE] or fused_replay[RULE]
             label = rule if variant == "fused" else f"replay of {rule}"
             lines.append(
-                f"| `{label}` | {r['seconds']:.3f} | {r['seconds'] / floor['seconds']:.2f} | {vs_trl} | "
+                f"| `{label}` | {r['seconds']:.3f} | {r['seconds'] / floor['seconds']:.2f} |{vs_recompute} {vs_trl} | "
                 f"{r['peak_bytes'] / 2**20:.0f} |"
             )
     return "\n".join(lines)

@@ -131,7 +131,7 @@ def format_table(args: argparse.Namespace, results: dict[str, dict], kept_set: d
     fused = results.get("fused")
     if fused and "error" in fused:
         fused = None
-    for other in ("floor", "fused_torch", "naive", "trl", "liger"):
+    for other in ("floor", "recompute_floor", "fused_torch", "naive", "trl", "liger"):
         if fused and other in results and "error" not in results[other]:
             r = results[other]
             mem = fused["peak_bytes"] / r["peak_bytes"] if r["peak_bytes"] > 0 else float("nan")

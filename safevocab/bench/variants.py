@@ -27,7 +27,7 @@ __all__ = [
     "trl_available",
 ]
 
-VARIANTS = ("floor", "fused", "fused_torch", "fused_replay", "naive", "trl", "liger")
+VARIANTS = ("floor", "recompute_floor", "fused", "fused_torch", "fused_replay", "naive", "trl", "liger")
 #: Variants run when ``--variants`` is not given, per device type.
 DEFAULT_VARIANTS = {
     "cpu": ("floor", "fused", "naive", "trl"),
@@ -71,12 +71,15 @@ def make_step(variant: str, args: argparse.Namespace, device: torch.device) -> C
     from safevocab.logprobs import fused_safe_logprobs, safe_log_softmax
 
     hidden, weight, targets, grad_out = shared_inputs(args, device)
-    if variant == "floor":
+    if variant in ("floor", "recompute_floor"):
         grad_logits = torch.randn(args.n, args.v, device=device).to(hidden.dtype)
         h, w = hidden.detach(), weight.detach()
+        # recompute_floor: the logits again in the backward, as a head that keeps none recomputes them
+        forward_gemms = 2 if variant == "recompute_floor" else 1
 
         def step() -> None:
-            h @ w.t()
+            for _ in range(forward_gemms):
+                h @ w.t()
             grad_logits @ w
             grad_logits.t() @ h
 

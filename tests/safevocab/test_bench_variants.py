@@ -41,3 +41,38 @@ def test_byte_flags_refuse_what_the_fused_op_would_refuse_in_one_line(capsys):
         err = capsys.readouterr().err.strip().splitlines()[-1]
         assert err.startswith("python -m safevocab.bench: error: argument --" + flag) and says in err, err
     assert _bench_args(**{"keep-logits-bytes": "0"}).keep_logits_bytes == 0
+
+
+def test_the_recompute_floor_runs_one_forward_gemm_more_than_the_floor():
+    """``recompute_floor`` is the limit of a head that recomputes its logits (four GEMMs); ``floor`` that of one
+    that keeps them (three). Counted in FLOPs, not timed: ``2 N H V`` per GEMM."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from safevocab.bench.variants import make_step
+
+    args = _bench_args()
+    gemm = 2 * args.n * args.h * args.v
+    for variant, gemms in (("floor", 3), ("recompute_floor", 4)):
+        step = make_step(variant, args, torch.device("cpu"))
+        with FlopCounterMode(display=False) as counter:
+            step()
+        assert counter.get_total_flops() == gemms * gemm, variant
+
+
+def test_the_matrix_shows_the_recompute_floor_column_only_when_measured():
+    from safevocab.bench.matrix import format_matrix
+
+    args = _bench_args(rules="none;top_k=5", threads="1")
+    row = {"seconds": 2.0, "peak_bytes": 2**20}
+    res = {"floor": {"seconds": 1.0, "peak_bytes": 0}, "fused[none]": row, "fused[top_k=5]": {**row, "seconds": 0.5}}
+    plain = format_matrix(args, {"1": res}, (0.0, 0.0, 0.0))
+    assert "recompute floor" not in plain and "| `none` | 2.000 | 2.00 | n/a | 1 |" in plain
+    res["recompute_floor"] = {"seconds": 1.25, "peak_bytes": 0}
+    table = format_matrix(args, {"1": res}, (0.0, 0.0, 0.0))
+    assert "floor 1.000 s, recompute floor 1.250 s" in table
+    assert "| rule | fused fwd+bwd (s) | fused / floor | fused / recompute floor | fused / trl |" in table
+    assert (
+        "| `none` | 2.000 | 2.00 | 1.60 | n/a | 1 |" in table
+        and "| `top_k=5` | 0.500 | 0.50 | 0.40 | n/a | 1 |" in table
+    )
+    assert all(line.count("|") == 7 for line in table.splitlines() if line.startswith("|"))

@@ -84,7 +84,7 @@ def test_plan_sections_small_record_each_sections_fields_and_the_backward_that_r
         (rule, backward) for rule in plan.GATE_RULES for backward in plan.GATE_BACKWARDS
     }
     refs = {r["variant"]: r for r in gate if "forced" not in r}
-    assert refs["floor"]["ms"] > 0 and refs["trl"]["ms"] > 0
+    assert refs["floor"]["ms"] > 0 and refs["trl"]["ms"] > 0 and refs["recompute_floor"]["ms"] > 0
     liger = refs["liger"]
     assert liger.get("skipped", "").startswith("liger_kernel not installed") or liger["implementation"]
     sweep = {(r["profile"], r["rule"], r["forced"]) for r in fused("topk_sweep")}
@@ -92,7 +92,7 @@ def test_plan_sections_small_record_each_sections_fields_and_the_backward_that_r
     lm = {(r["rule"], r["variant"]) for r in results["lm_table"]}
     assert {(rule, "fused") for rule in plan.LM_RULES} | {(plan.REPLAY_RULE, "fused_replay")} <= lm
     assert {(rule, "fused_kept") for rule in plan.KEPT_RULES} <= lm  # the kept-logits rows, timed
-    assert {"floor", "trl", "liger"} <= {variant for _, variant in lm}
+    assert {"floor", "recompute_floor", "trl", "liger"} <= {variant for _, variant in lm}
     _check_compact_and_trace(results, tmp_path)
     assert {(r["profile"], r["rule"]) for r in results["fallback"]} == {
         (profile, rule) for profile in plan.FALLBACK_PROFILES for rule in plan.FALLBACK_RULES

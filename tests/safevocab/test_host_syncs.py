@@ -3,7 +3,8 @@
 
 The forward reads the device once per call (:class:`safevocab.fused.row_stats.CallReads`: the input checks, the
 non-finite flags and which chunks are stored; the selection route's mass fallback rows in a bounded batch, with no read
-of their own), a replayed support twice more (its ids checked; where each chunk's entries start). Each budget below is
+of their own; a replayed support's ids checked and its chunks' entries found from what it read when it was built). Each
+budget below is
 today's figure: a new synchronisation in the forward fails its test. The backward's count is asserted apart (the sparse
 backward is being rewritten). Under Triton's interpreter on CPU (as tests/safevocab/test_kernels.py sets it up); on
 CUDA the same tests also run under ``torch.cuda.set_sync_debug_mode`` (``"error"`` where the budget is 0, else
@@ -25,16 +26,17 @@ N, V, H = 12, 48, 8
 #: Rows per chunk 4 (``max_chunk_bytes`` over ``V`` times the route's bytes a logit): three chunks a call.
 CHUNK_BYTES = {"in-kernel": 4 * V * 5, "selection": 4 * (V * 5 + 4 * V + 32)}
 CHUNKS = 3
-#: Forward: the call's one read, plus two for a replayed support. The selection route's rows within ``MASS_MARGIN`` of a
-#: mass boundary (``top_p``, ``min_prob``) are decided in a bounded batch with no read (one read a chunk before).
+#: Forward: the call's one read. The selection route's rows within ``MASS_MARGIN`` of a mass boundary (``top_p``,
+#: ``min_prob``) are decided in a bounded batch with no read (one read a chunk before); a replayed support checks its
+#: ids against ``V`` and finds where each chunk's entries start from its host copies (two reads more before).
 FORWARD_BUDGET = {
     "none": 1,
     "min_p=0.05": 1,
     "min_prob=0.01": 1,
     "top_k=7": 1,
     "top_p=0.8": 1,
-    "replay": 3,
-    "replay,top_p=0.8": 3,
+    "replay": 1,
+    "replay,top_p=0.8": 1,
 }
 #: Backward (stored chunks, every one sparse): one read, the rows whose gradient leaves ``S`` per forward chunk
 #: (``safevocab.fused.chunking.rows_per_chunk``) with the sparse gate's values (every chunk's ``|U|``, queued by the

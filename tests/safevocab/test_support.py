@@ -30,10 +30,28 @@ def test_from_lists_is_csr_and_to_dense_marks_the_ids():
     ]
 
 
+def test_what_replay_reads_on_the_host_is_the_supports_own():
+    """The op replays a support with no device read of its own: where a chunk's entries start (``entry_starts``) and
+    the largest id (checked against ``V``) were read when it was built; they must be the tensors' values."""
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(20):
+        rows = [torch.randperm(50, generator=gen)[: int(torch.randint(1, 6, (1,), generator=gen))].tolist()
+                for _ in range(int(torch.randint(1, 9, (1,), generator=gen)))]  # fmt: skip
+        support = SafeSupport.from_lists(rows)
+        n = support.num_rows
+        assert support.entry_starts(range(n + 1)) == support.offsets.tolist()
+        assert support.entry_starts([n, 0]) == [support.token_ids.numel(), 0]
+        largest = max(max(r) for r in rows)
+        support.check(largest + 1)  # every id below V: no error
+        with pytest.raises(ValueError, match=f"has token id {largest}: accepted 0 <= id < vocab_size={largest}$"):
+            support.check(largest)
+
+
 @pytest.mark.parametrize(
     "rows, vocab, fragment",
     [
         ([[0, 7]], 6, "SafeSupport row 0 has token id 7: accepted 0 <= id < vocab_size=6"),
+        ([[0], [2, 6]], 6, "SafeSupport row 1 has token id 6: accepted 0 <= id < vocab_size=6"),  # id == V
         ([[1], [-2]], 6, "SafeSupport row 1 has a negative token id"),
         ([[1], [2, 3, 2]], 6, "SafeSupport row 1 lists token id 2 twice"),
         ([[1], []], 6, "SafeSupport row 1 is empty"),

@@ -335,8 +335,8 @@ def replay_forward(job: ChunkJob, route: Route, stats: RowStats) -> list[SparseC
     targets = job.targets.contiguous()
     logits_of = route.chunk_logits(job)
     support, slices = job.support, job.slices()
-    # host sync: where each chunk's entries start in the support (their count sizes the chunk's gather), one read
-    bounds = torch.cat([support.offsets[:: job.chunk_rows], support.offsets[-1:]]).tolist()
+    # where each chunk's entries start in the support (their count sizes the chunk's gather): from its host copy
+    bounds = support.entry_starts([*range(0, job.n_rows, job.chunk_rows), job.n_rows])
     undecided = torch.zeros(job.n_rows, dtype=torch.bool, device=job.hidden.device) if _mass_batch(route, job) else None
 
     def replayed_chunk(z: torch.Tensor, i: int, rows: slice, rows_undecided: torch.Tensor | None = None) -> tuple:
