@@ -32,6 +32,9 @@ def _fits_int64(x: int) -> bool:
 class SafeSupport:
     """Kept token ids per position, as CSR.
 
+    Building one validates it and keeps int64 copies of the two tensors (a later in-place write to the caller's
+    tensors cannot reach the validated support), with what replaying it needs on the host.
+
     Attributes:
         token_ids: ``[nnz]`` int64 ids, the rows one after another.
         offsets: ``[N + 1]`` int64, non-decreasing, ``offsets[0] == 0``, ``offsets[-1] == nnz``.
@@ -56,6 +59,8 @@ class SafeSupport:
                     f"{value.dtype} and shape {tuple(value.shape)}"
                 )
             not_meta(f"SafeSupport.{name}", value)
+            # its own copy: the host facts below describe these values, which the caller's tensors could leave
+            object.__setattr__(self, name, value.to(torch.long, copy=True))
         host_offsets = self.offsets.to("cpu", torch.long, copy=True)  # host sync (a device support): its one copy
         nnz = self.token_ids.numel()
         if host_offsets.numel() < 1 or int(host_offsets[0]) != 0 or int(host_offsets[-1]) != nnz:
@@ -79,9 +84,13 @@ class SafeSupport:
             row = int(self.row_of_entries()[(self.token_ids < 0).nonzero()[0]])
             raise ValueError(f"SafeSupport row {row} has a negative token id: accepted 0 <= id < vocab_size")
         object.__setattr__(self, "_max_id", max_id)
-        object.__setattr__(self, "token_ids", self.token_ids.long())
-        object.__setattr__(self, "offsets", self.offsets.long())
         self._check_duplicates()
+
+    def __setstate__(self, state: dict) -> None:
+        """Unpickling: a support pickled before it kept its host facts (2026-11-29) is validated and given them."""
+        self.__dict__.update(state)
+        if "_host_offsets" not in state or "_max_id" not in state:
+            self.__post_init__()
 
     # ------------------------------------------------------------------------------------------ construction
 
@@ -135,7 +144,9 @@ class SafeSupport:
 
     def row_of_entries(self) -> torch.Tensor:
         """``[nnz]`` the row of each entry of ``token_ids``."""
-        return torch.repeat_interleave(torch.arange(self.num_rows, device=self.offsets.device), self.offsets.diff())
+        rows = torch.arange(self.num_rows, device=self.offsets.device)
+        # output_size: the entries' count is the ids' length, so the device is not read for it
+        return torch.repeat_interleave(rows, self.offsets.diff(), output_size=self.token_ids.numel())
 
     def to(self, device: torch.device | str) -> SafeSupport:
         return SafeSupport(self.token_ids.to(device), self.offsets.to(device))

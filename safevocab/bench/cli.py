@@ -75,7 +75,8 @@ def make_parser(prog: str = "python -m safevocab.bench") -> argparse.ArgumentPar
         "--variants",
         default=None,
         help=f"comma list of {','.join(VARIANTS)}; default {','.join(DEFAULT_VARIANTS['cpu'])} "
-        f"on CPU, {','.join(DEFAULT_VARIANTS['cuda'])} on CUDA",
+        f"on CPU, {','.join(DEFAULT_VARIANTS['cuda'])} on CUDA. With --rules/--threads the floor and fused always "
+        "run, and of the others only trl and recompute_floor are read",
     )
     p.add_argument(
         "--backend",
@@ -101,7 +102,8 @@ def make_parser(prog: str = "python -m safevocab.bench") -> argparse.ArgumentPar
         "--rules",
         default=None,
         help="several rules in one run, separated by ';' (a rule's parts by ','), e.g. "
-        '"none;min_p=0.001;top_k=50,min_p=0.01": the floor, trl and fused under each rule, per thread count',
+        '"none;min_p=0.001;top_k=50,min_p=0.01": the floor, trl and fused under each rule, per thread count (and '
+        "the recompute floor when --variants names recompute_floor)",
     )
     p.add_argument(
         "--threads",
@@ -133,7 +135,7 @@ def make_parser(prog: str = "python -m safevocab.bench") -> argparse.ArgumentPar
 
 def parse_args(argv: list[str], prog: str) -> argparse.Namespace:
     """``argv`` parsed: a ``--preset``'s values under the explicit flags, and ``--variants`` defaulted to the
-    device's :data:`~safevocab.bench.variants.DEFAULT_VARIANTS`."""
+    device's :data:`~safevocab.bench.variants.DEFAULT_VARIANTS` (spaces around its names dropped)."""
     parser = make_parser(prog)
     preset = parser.parse_args(argv).preset
     if preset is not None:
@@ -141,4 +143,5 @@ def parse_args(argv: list[str], prog: str) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.variants is None:
         args.variants = ",".join(DEFAULT_VARIANTS["cuda" if args.device.startswith("cuda") else "cpu"])
+    args.variants = ",".join(v.strip() for v in args.variants.split(",") if v.strip())  # "floor, trl" too
     return args

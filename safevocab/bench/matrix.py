@@ -89,11 +89,11 @@ def format_matrix(args: argparse.Namespace, results: dict[str, dict], load: tupl
         lines += [
             "",
             f"threads={threads}: floor {floor['seconds']:.3f} s"
-            + (f", recompute floor {recompute['seconds']:.3f} s" if recompute else "")
+            + (f", recompute_floor {recompute['seconds']:.3f} s" if recompute else "")
             + (f", trl {trl['seconds']:.3f} s" if trl and "error" not in trl else ", trl not measured"),
             "",
             "| rule | fused fwd+bwd (s) | fused / floor |"
-            + (" fused / recompute floor |" if recompute else "")
+            + (" fused / recompute_floor |" if recompute else "")
             + " fused / trl | peak extra memory (MiB) |",
             "|---|---:|---:|" + ("---:|" if recompute else "") + "---:|---:|",
         ]

@@ -68,12 +68,12 @@ def run(argv: list[str] | None = None, prog: str = "python -m safevocab.bench") 
         hidden, weight, _, _ = shared_inputs(args, torch.device(args.device))
         results["_kept_set"] = kept_set_sizes(hidden.detach(), weight.detach(), args.rule)  # |S| of the timed rows
         return json.dumps(results)
+    variants = args.variants.split(",")
+    unknown = sorted(set(variants) - set(VARIANTS))
+    if unknown:  # both modes: the matrix would drop a misspelt name without a word
+        raise SystemExit(f"--variants: unknown {unknown}; accepted {','.join(VARIANTS)}")
     if args.rules is not None or args.threads is not None or args.busy_cores:
         return _run_matrix(args, argv)
-    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
-    unknown = sorted(set(variants) - set(VARIANTS))
-    if unknown:
-        raise SystemExit(f"--variants: unknown {unknown}; accepted {','.join(VARIANTS)}")
     for name, available in (("trl", trl_available), ("liger", liger_available)):
         if name in variants and not available():
             variants.remove(name)

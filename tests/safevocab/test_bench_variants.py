@@ -66,13 +66,29 @@ def test_the_matrix_shows_the_recompute_floor_column_only_when_measured():
     row = {"seconds": 2.0, "peak_bytes": 2**20}
     res = {"floor": {"seconds": 1.0, "peak_bytes": 0}, "fused[none]": row, "fused[top_k=5]": {**row, "seconds": 0.5}}
     plain = format_matrix(args, {"1": res}, (0.0, 0.0, 0.0))
-    assert "recompute floor" not in plain and "| `none` | 2.000 | 2.00 | n/a | 1 |" in plain
+    assert "recompute_floor" not in plain and "| `none` | 2.000 | 2.00 | n/a | 1 |" in plain
     res["recompute_floor"] = {"seconds": 1.25, "peak_bytes": 0}
     table = format_matrix(args, {"1": res}, (0.0, 0.0, 0.0))
-    assert "floor 1.000 s, recompute floor 1.250 s" in table
-    assert "| rule | fused fwd+bwd (s) | fused / floor | fused / recompute floor | fused / trl |" in table
+    assert "floor 1.000 s, recompute_floor 1.250 s" in table
+    assert "| rule | fused fwd+bwd (s) | fused / floor | fused / recompute_floor | fused / trl |" in table
     assert (
         "| `none` | 2.000 | 2.00 | 1.60 | n/a | 1 |" in table
         and "| `top_k=5` | 0.500 | 0.50 | 0.40 | n/a | 1 |" in table
     )
     assert all(line.count("|") == 7 for line in table.splitlines() if line.startswith("|"))
+
+
+def test_a_misspelt_variant_is_refused_in_the_matrix_too():
+    """The rules matrix reads ``--variants`` for ``trl`` and ``recompute_floor``: a misspelt name (or one with a space
+    after its comma) was dropped there without a word, leaving the column out."""
+    import pytest
+
+    from safevocab.bench.cli import parse_args
+    from safevocab.bench.run import run
+
+    for mode in ([], ["--rules", "none", "--threads", "1"]):
+        with pytest.raises(SystemExit, match=r"^--variants: unknown \['recompute-floor'\]; accepted floor,"):
+            run(["--device", "cpu", *mode, "--variants", "floor,recompute-floor,fused"])
+    assert (
+        parse_args(["--variants", "floor, recompute_floor ,fused"], "bench").variants == "floor,recompute_floor,fused"
+    )

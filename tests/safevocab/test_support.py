@@ -47,6 +47,31 @@ def test_what_replay_reads_on_the_host_is_the_supports_own():
             support.check(largest)
 
 
+def test_a_support_is_its_own_copy_and_old_pickles_load():
+    """What the op reads on the host was read when the support was built, so the support keeps its own tensors: an
+    in-place write to the caller's ids once slipped an id past ``check`` (an ``IndexError`` in the op, out of bounds on
+    a device), and one to its offsets changed the sets silently. A support pickled before it kept those facts loads."""
+    import pickle
+
+    ids, offsets = torch.tensor([0, 3, 5]), torch.tensor([0, 2, 3])
+    support = SafeSupport(ids, offsets)
+    ids[1], offsets[1] = 99, 1  # the caller's tensors change; the support does not
+    assert support.token_ids.tolist() == [0, 3, 5] and support.offsets.tolist() == [0, 2, 3]
+    support.check(6)
+    hidden, weight, targets = torch.randn(2, 4), torch.randn(6, 4), torch.tensor([3, 5])
+    got = fused_safe_logprobs(hidden, weight, targets, None, support=support, max_chunk_bytes=24)
+    want = safe_log_softmax(hidden @ weight.T, targets, None, support=SafeSupport.from_lists([[0, 3], [5]]))
+    torch.testing.assert_close(got.logprobs, want.logprobs)
+    assert got.safe_size.tolist() == [2, 1]
+
+    old = SafeSupport.from_lists([[0, 3], [5]])
+    del old.__dict__["_host_offsets"], old.__dict__["_max_id"]  # as pickled before 2026-11-29
+    loaded = pickle.loads(pickle.dumps(old))
+    assert loaded.entry_starts([0, 1, 2]) == [0, 2, 3]
+    with pytest.raises(ValueError, match="SafeSupport row 0 has token id 3: accepted 0 <= id < vocab_size=3"):
+        loaded.check(3)
+
+
 @pytest.mark.parametrize(
     "rows, vocab, fragment",
     [
