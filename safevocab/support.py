@@ -167,7 +167,9 @@ class SafeSupport:
         """``(row index within the slice, token id)`` of the entries of the rows ``rows`` (a slice of ``0..N``)."""
         lo, hi = self.entry_starts((rows.start, rows.stop))
         local = self.offsets[rows.start : rows.stop + 1] - lo
-        row = torch.repeat_interleave(torch.arange(rows.stop - rows.start, device=self.offsets.device), local.diff())
+        row = torch.repeat_interleave(
+            torch.arange(rows.stop - rows.start, device=self.offsets.device), local.diff(), output_size=hi - lo
+        )
         return row, self.token_ids[lo:hi]
 
     def dropped_mask_(self, rows: slice, out: torch.Tensor) -> torch.Tensor:
