@@ -86,6 +86,21 @@ class SafeSupport:
         object.__setattr__(self, "_max_id", max_id)
         self._check_duplicates()
 
+    def __eq__(self, other: object) -> bool:
+        """The same rows of the same ids in the same order, on the same device (the dataclass's own comparison asked
+        a tensor of several values for its truth and raised)."""
+        if not isinstance(other, SafeSupport):
+            return NotImplemented
+        return (
+            self._host_offsets == other._host_offsets
+            and self.token_ids.device == other.token_ids.device
+            and torch.equal(self.token_ids, other.token_ids)
+        )
+
+    def __hash__(self) -> int:
+        # from the host facts: equal supports hash alike, and hashing reads no device
+        return hash((self._host_offsets, self._max_id))
+
     def __setstate__(self, state: dict) -> None:
         """Unpickling: a support pickled before it kept its host facts (2026-11-29) is validated and given them."""
         self.__dict__.update(state)

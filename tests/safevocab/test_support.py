@@ -261,3 +261,13 @@ def test_ids_past_int64_bool_ids_and_meta_tensors_raise_one_line(call, error, me
     with pytest.raises(error) as err:
         call()
     assert str(err.value).startswith(message) and "\n" not in str(err.value), str(err.value)[:300]
+
+
+def test_supports_compare_by_their_sets():
+    """``==`` compared the fields as tensors and asked a multi-element tensor for its truth (a RuntimeError); now the
+    same rows of the same ids in the same order are equal, and equal supports hash alike (a set keeps one)."""
+    a, b = SafeSupport.from_lists([[1, 2], [3]]), SafeSupport.from_lists([[1, 2], [3]])
+    assert a == b and hash(a) == hash(b) and len({a, b}) == 1
+    assert a != SafeSupport.from_lists([[2, 1], [3]])  # the order of a row's ids is part of the support
+    assert a != SafeSupport.from_lists([[1], [2, 3]])  # the same ids cut into other rows
+    assert a != SafeSupport.from_lists([[1, 2], [4]]) and a != "support"
