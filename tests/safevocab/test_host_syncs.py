@@ -3,12 +3,11 @@
 
 The forward reads the device once per call (:class:`safevocab.fused.row_stats.CallReads`: the input checks, the
 non-finite flags and which chunks are stored; the selection route's mass fallback rows in a bounded batch, with no read
-of their own; a replayed support's ids checked and its chunks' entries found from what it read when it was built). Each
-budget below is
-today's figure: a new synchronisation in the forward fails its test. The backward's count is asserted apart (the sparse
-backward is being rewritten). Under Triton's interpreter on CPU (as tests/safevocab/test_kernels.py sets it up); on
-CUDA the same tests also run under ``torch.cuda.set_sync_debug_mode`` (``"error"`` where the budget is 0, else
-``"warn"``, whose reports must stay within the budget).
+of their own; a replayed support's ids checked and its chunks' entries found from what it read when it was built).
+Each budget below is today's figure: a new synchronisation in the forward fails its test. The backward's count is
+asserted apart (the sparse backward is being rewritten). Under Triton's interpreter on CPU (as
+tests/safevocab/test_kernels.py sets it up); on CUDA the same tests also run under ``torch.cuda.set_sync_debug_mode``
+(``"error"`` where the budget is 0, else ``"warn"``, whose reports must stay within the budget).
 """
 
 import pytest
