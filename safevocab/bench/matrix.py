@@ -37,14 +37,15 @@ def _rule_args(args: argparse.Namespace, rule: str) -> argparse.Namespace:
 
 
 def measure_matrix(args: argparse.Namespace) -> dict[str, dict]:
-    """Runs in the worker (:func:`safevocab.bench.run.run` calls this): floor, trl (when ``--variants`` holds it and
-    it imports here) and one ``fused`` per rule (``fused[RULE]``), memory then timed round-robin
-    (:func:`safevocab.bench.worker.measure_steps`)."""
+    """Runs in the worker (:func:`safevocab.bench.run.run` calls this): floor, recompute_floor (when ``--variants``
+    holds it), trl (when ``--variants`` holds it and it imports here) and one ``fused`` per rule (``fused[RULE]``),
+    memory then timed round-robin (:func:`safevocab.bench.worker.measure_steps`)."""
     device = torch.device(args.device)
+    named = args.variants.split(",")
     factories: dict[str, Callable[[], Callable[[], None]]] = {"floor": lambda: make_step("floor", args, device)}
-    if "recompute_floor" in args.variants.split(","):
+    if "recompute_floor" in named:
         factories["recompute_floor"] = lambda: make_step("recompute_floor", args, device)
-    if "trl" in args.variants.split(",") and trl_available():
+    if "trl" in named and trl_available():
         factories["trl"] = lambda: make_step("trl", args, device)
     for rule in split_rules(args.rules):
         factories[f"fused[{rule}]"] = lambda rule=rule: make_step("fused", _rule_args(args, rule), device)
